@@ -1,0 +1,1 @@
+"""Samples, groups and the data buffer between rollout and training."""

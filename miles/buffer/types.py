@@ -1,0 +1,54 @@
+"""The data contract between rollout and training.
+
+A Sample is one trajectory: prompt token ids, response token ids and what the trainer needs about
+each response token. A Group is the n samples of one prompt; advantages are computed within it.
+Token ids are kept end to end (TITO): nothing here is ever re-tokenized.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SampleStatus(str, enum.Enum):
+    COMPLETED = "completed"  # the model stopped by itself (EOS or a stop condition)
+    TRUNCATED = "truncated"  # hit max_new_tokens or the context length
+    ABORTED = "aborted"      # generation gave up (abort, timeout, engine failure)
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]       # one per response token, from the engine
+    loss_mask: list[int]                # one per response token; 0 = not trained on (e.g. tool output)
+    reward: float = 0.0
+    status: SampleStatus = SampleStatus.COMPLETED
+    weight_versions: list[int] = field(default_factory=list)  # one per generated segment/turn
+    response_text: str = ""
+    label: str | None = None            # the reference answer, for verifiable rewards
+    prompt_index: int = -1              # position of the prompt in the data source
+
+    def __post_init__(self):
+        n = len(self.response_ids)
+        if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(f"sample has {n} response tokens but {len(self.rollout_logprobs)} logprobs "
+                             f"and {len(self.loss_mask)} loss-mask entries; they must match")
+
+    @property
+    def oldest_weight_version(self) -> int:
+        return min(self.weight_versions) if self.weight_versions else 0
+
+
+@dataclass
+class Group:
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def oldest_weight_version(self) -> int:
+        return min(s.oldest_weight_version for s in self.samples)

@@ -1,0 +1,86 @@
+"""`miles` command line. Heavy imports happen inside each command, so `--help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _load(path: str | None, extra: list[str]):
+    from miles.config import ConfigError, load_config, parse_overrides
+    from miles.config.run import RunConfig
+
+    try:
+        return load_config(RunConfig, path, parse_overrides(extra))
+    except ConfigError as e:
+        sys.exit(f"miles: config error: {e}")
+
+
+def cmd_init_model(args, extra) -> int:
+    from miles.models.presets import PRESETS, build_tiny_model
+
+    if extra:
+        sys.exit(f"miles init-model: unexpected arguments {' '.join(extra)}")
+    if args.preset not in PRESETS:
+        sys.exit(f"miles init-model: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+    out = build_tiny_model(args.preset, args.out, seed=args.seed)
+    print(f"wrote {args.preset} to {out}")
+    return 0
+
+
+def cmd_train(args, extra) -> int:
+    from miles.orchestration.driver import run_train
+
+    summary = run_train(_load(args.config, extra))
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_sft(args, extra) -> int:
+    from miles.orchestration.driver import run_sft
+
+    summary = run_sft(_load(args.config, extra))
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_serve(args, extra) -> int:
+    from miles.rollout.engine.server import main as serve_main
+
+    return serve_main(extra) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles", description="RL post-training for language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("init-model", help="build a tiny HF model + locally trained tokenizer")
+    s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3)")
+    s.add_argument("--out", required=True, help="output checkpoint directory")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_init_model)
+
+    for name, fn, text in (("train", cmd_train, "run RL training from a TOML config"),
+                           ("sft", cmd_sft, "supervised warm start from a TOML config")):
+        s = sub.add_parser(name, help=text, description=f"{text}. Any setting can be overridden with "
+                           "dotted keys, e.g. --rollout.n_samples_per_prompt 8 --loop.num_steps 10.")
+        s.add_argument("config", nargs="?", help="TOML config file")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("serve", help="serve one built-in engine over the engine HTTP API",
+                       add_help=False, description="Options: --model DIR --port P [--host H] [--dtype D] "
+                       "[--admin-token T] [--max-batch-size N]")
+    s.set_defaults(fn=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    return args.fn(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

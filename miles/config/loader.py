@@ -1,0 +1,197 @@
+"""Turn TOML tables and `--section.key value` overrides into typed, nested dataclasses.
+
+Every leaf is checked against its field's annotation; an unknown key or a value of the wrong type
+fails at load time with the dotted key and what to write instead. Non-goal: schema inheritance or
+includes; a run is one TOML file plus overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _unwrap_optional(tp) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp, key: str, from_cli: bool = False) -> Any:
+    """Check (and for CLI strings, parse) one value against a field annotation."""
+    inner, optional = _unwrap_optional(tp)
+    if value is None or (from_cli and optional and value in ("none", "None", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{key}: may not be empty; give a {_type_name(inner)}")
+    tp = inner
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of settings, got {value!r}")
+        return build(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if from_cli and isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        items = [coerce(v, item_tp, f"{key}[{i}]", from_cli) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict or tp is Any:
+        return value
+    if tp is bool:
+        if from_cli and isinstance(value, str):
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if from_cli and isinstance(value, str):
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if from_cli and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported setting type {tp!r}")
+
+
+def build(cls, data: dict[str, Any], prefix: str = "") -> Any:
+    fields = _field_types(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"[{prefix}]" if prefix else "the top level"
+        raise ConfigError(f"unknown key {_join(prefix, unknown[0])!r} in {where}; "
+                          f"valid keys there: {', '.join(sorted(fields))}")
+    kwargs = {name: coerce(value, fields[name], _join(prefix, name)) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def validate_tree(obj) -> None:
+    """Run every section's `validate()` (defaults included), innermost first."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            validate_tree(value)
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check()
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """`--a.b 3 --c=x` → {"a.b": "3", "c": "x"}; values stay strings until typed against the schema."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--") or tok == "--":
+            raise ConfigError(f"unexpected argument {tok!r}: overrides look like --section.key value")
+        key = tok[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"override --{key} has no value: write --{key} VALUE")
+            i += 1
+            value = argv[i]
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def _apply_override(cls, data: dict[str, Any], dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node, node_cls = data, cls
+    for depth, part in enumerate(parts):
+        fields = _field_types(node_cls)
+        path = ".".join(parts[: depth + 1])
+        if part not in fields:
+            raise ConfigError(f"unknown key {path!r}; valid keys there: {', '.join(sorted(fields))}")
+        tp, _ = _unwrap_optional(fields[part])
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(f"{path!r} is a section; override one of its keys, e.g. --{path}.KEY VALUE")
+            node[part] = coerce(raw, fields[part], path, from_cli=True)
+            return
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"{'.'.join(parts[:depth + 1])!r} is not a section")
+        node = node.setdefault(part, {})
+        node_cls = tp
+
+
+def load_config(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None):
+    """Load TOML (optional), apply dotted overrides, build and validate `cls`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    for key, raw in (overrides or {}).items():
+        _apply_override(cls, data, key, raw)
+    cfg = build(cls, data)
+    validate_tree(cfg)
+    return cfg
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")

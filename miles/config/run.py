@@ -1,0 +1,66 @@
+"""The root run config: it only composes the components' own configs and checks combinations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles.orchestration.loop import LoopConfig
+from miles.orchestration.placement import PlacementConfig
+from miles.orchestration.ray_cluster import RayConfig
+from miles.rollout.manager import EvalConfig, RolloutConfig
+from miles.sync.prepare import SyncConfig
+from miles.trainer.backends.fsdp import TrainerConfig
+from miles.trainer.sft import SFTConfig
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    """Run name; the run directory is output_dir/name (a suffix is added if it exists)."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    seed: int = 0
+    """Seed for prompt order, sampling and initialisation."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face checkpoint directory (or hub id) of the policy to train."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if not self.path:
+            raise ConfigError("model.path is required: set it in the TOML [model] table or pass --model.path DIR")
+        from miles.models.loading import check_model_path
+
+        try:
+            check_model_path(self.path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.path: {e}") from None
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    """Naming, output location and seed."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy checkpoint."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray cluster to use."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Where engines and trainer run."""
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    """Schedule and step counts."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Engines, sampling, prompts and rewards."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer backend, optimizer and algorithm."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight sync from trainer to engines."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised warm start (used by `miles sft`)."""
+

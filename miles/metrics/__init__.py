@@ -1,0 +1,1 @@
+"""Metrics: step records with namespaced keys, sinks, and progress lines."""

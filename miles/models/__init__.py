@@ -1,0 +1,1 @@
+"""Loading Hugging Face models and tokenizers, and building tiny ones locally."""

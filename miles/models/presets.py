@@ -1,0 +1,97 @@
+"""Tiny real models built locally: an HF Qwen3 config with small dimensions and a byte-level BPE
+tokenizer trained with the `tokenizers` library, saved as an ordinary checkpoint directory.
+
+They stand in for large checkpoints in demos and tests and travel the same loading code.
+Non-goal: quality. A preset is the smallest architecture that still exercises every code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# A little general text so the tokenizer covers ordinary words, not only arithmetic.
+_GENERAL_TEXT = [
+    "The trainer computes a policy update and the engines generate under the new weights.",
+    "Run the command, read the output, and answer with the result.",
+    "user assistant system tool observation reward answer question",
+    "ls cat echo grep python file directory error exit status",
+]
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 512
+    vocab_size: int = 320
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-qwen3": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+
+
+def _corpus(seed: int) -> list[str]:
+    from miles.rollout.tasks.arithmetic import ArithmeticTask, demonstration
+
+    task = ArithmeticTask(digits=3, split="train", seed=seed)
+    return [demonstration(p) for p in task.take(2000)] + _GENERAL_TEXT * 20
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """Byte-level BPE with single-digit pre-tokenization (as Qwen does), trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   model_max_length=512)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(preset: str, out: str | Path, seed: int = 0, moe: bool = False) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(p.vocab_size, seed=seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
+        max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

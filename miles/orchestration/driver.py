@@ -1,0 +1,191 @@
+"""The driver behind `miles train` and `miles sft`: builds the run, starts Ray, wires components,
+runs the loop, writes the run directory.
+
+Run directory: config.json (resolved), metrics.jsonl, checkpoints/, summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def make_run_dir(output_dir: str, name: str) -> Path:
+    base = Path(output_dir) / name
+    path = base
+    if path.exists() and any(path.iterdir()):
+        # Never write over an earlier run's results.
+        path = base.with_name(f"{base.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        i = 1
+        while path.exists():
+            path = base.with_name(f"{base.name}-{time.strftime('%Y%m%d-%H%M%S')}-{i}")
+            i += 1
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class TrainContext:
+    cfg: object
+    run_dir: Path
+    rollout: object
+    trainer: object
+    sink: object
+    progress: object
+    policy_version: int = 0
+    history: list = field(default_factory=list)
+
+    def call(self, method, *args):
+        import ray
+
+        return ray.get(method.remote(*args))
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return step == self.cfg.loop.num_steps or (every > 0 and step % every == 0)
+
+    def save(self, step: int) -> str:
+        return self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
+
+    def record(self, step: int, metrics: dict) -> None:
+        self.history.append((step, metrics))
+
+
+def _start_engines(cfg, cores, admin_token: str):
+    import ray
+
+    from miles.orchestration.actors import EngineShell, remote
+    from miles.rollout.engine.config import EngineConfig
+
+    r = cfg.rollout
+    cls = remote(EngineShell)
+    actors = []
+    for i in range(r.num_engines):
+        ecfg = EngineConfig(model_path=cfg.model.path, dtype=r.engine_dtype, max_batch_size=r.engine_max_batch_size,
+                            num_threads=r.engine_num_threads, seed=cfg.run.seed + i, admin_token=admin_token)
+        actors.append(cls.remote(ecfg, cores))
+    urls = ray.get([a.url.remote() for a in actors])
+    return actors, urls
+
+
+def run_train(cfg) -> dict:
+    import ray
+
+    from miles.config.loader import save_config
+    from miles.metrics.progress import Progress
+    from miles.metrics.sink import JsonlSink
+    from miles.orchestration.placement import core_pools
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.orchestration.sync_loop import run_sync_loop
+    from miles.orchestration.trainer_group import TrainerGroup
+    from miles.rollout.manager import RolloutManager
+
+    run_dir = make_run_dir(cfg.run.output_dir, cfg.run.name)
+    save_config(cfg, run_dir / "config.json")
+    log(f"run directory: {run_dir}")
+    started_ray = not ray.is_initialized()
+    ensure_ray(cfg.ray)
+    pools = core_pools(cfg.placement)
+    admin_token = secrets.token_hex(16)
+    engines, trainer = [], None
+    t_start = time.perf_counter()
+    try:
+        engines, urls = _start_engines(cfg, pools.engine if pools else None, admin_token)
+        log(f"engines ready: {', '.join(urls)}")
+        trainer = TrainerGroup(cfg.trainer, cfg.sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
+                               pools.trainer if pools else None, admin_token)
+        trainer.connect_engines(urls)
+        from miles.orchestration.actors import remote
+
+        rollout = remote(RolloutManager).remote(cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed)
+        sink = JsonlSink(run_dir / "metrics.jsonl")
+        ctx = TrainContext(cfg, run_dir, rollout, trainer, sink, Progress("train", cfg.loop.num_steps))
+        before = ctx.call(rollout.evaluate)
+        sink.write(0, before)
+        log(f"eval accuracy before RL: {before['eval/accuracy']:.3f}")
+        run_sync_loop(ctx)
+        after = ctx.history[-1][1] if ctx.history else before
+        final_ckpt = ctx.save(cfg.loop.num_steps)
+        sink.close()
+        summary = {
+            "run_dir": str(run_dir), "steps": cfg.loop.num_steps,
+            "eval_accuracy_before": before["eval/accuracy"],
+            "eval_accuracy_after": after.get("eval/accuracy", before["eval/accuracy"]),
+            "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log(f"done in {summary['wall_time_s']:.0f}s: eval accuracy {summary['eval_accuracy_before']:.3f} before RL "
+            f"→ {summary['eval_accuracy_after']:.3f} after RL; checkpoint {final_ckpt}")
+        return summary
+    finally:
+        if trainer is not None:
+            trainer.close()
+        for a in engines:
+            ray.kill(a)
+        if started_ray:
+            ray.shutdown()
+
+
+def run_sft(cfg) -> dict:
+    """Supervised warm start on the task's demonstrations; writes an HF checkpoint to cfg.sft.out."""
+    import dataclasses
+    import random
+
+    import ray
+
+    from miles.metrics.progress import Progress
+    from miles.models.loading import load_tokenizer
+    from miles.orchestration.placement import core_pools
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.orchestration.trainer_group import TrainerGroup
+    from miles.rollout.data_source import PromptSource
+    from miles.trainer.sft import demonstration_sequences
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(cfg.model.path)
+    prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(cfg.sft.num_examples)
+    if cfg.rollout.task.apply_chat_template:
+        def encode(text):
+            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True))
+    else:
+        def encode(text):
+            return tok(text, add_special_tokens=False).input_ids
+    data = demonstration_sequences(prompts, tok, encode)
+    rng = random.Random(cfg.run.seed)
+    started_ray = not ray.is_initialized()
+    ensure_ray(cfg.ray)
+    pools = core_pools(cfg.placement)
+    tcfg = dataclasses.replace(cfg.trainer, lr=cfg.sft.lr)
+    trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None)
+    progress = Progress("sft", cfg.sft.steps)
+    order: list[int] = []
+    try:
+        m = {}
+        for step in range(1, cfg.sft.steps + 1):
+            batch = []
+            while len(batch) < cfg.sft.batch_size:
+                if not order:
+                    order = list(range(len(data)))
+                    rng.shuffle(order)
+                batch.append(data[order.pop()])
+            m = trainer.train_step(batch, kind="sft")
+            if step % max(1, cfg.sft.steps // 20) == 0 or step == cfg.sft.steps:
+                progress.update(step, nll=m["sft/nll"])
+        out = trainer.save_hf(cfg.sft.out)
+        summary = {"out": out, "steps": cfg.sft.steps, "final_nll": m.get("sft/nll"),
+                   "wall_time_s": time.perf_counter() - t0}
+        log(f"SFT done in {summary['wall_time_s']:.0f}s; warm-started model written to {out}")
+        return summary
+    finally:
+        trainer.close()
+        if started_ray:
+            ray.shutdown()
+
+
+def log(msg: str) -> None:
+    print(f"[miles] {msg}", file=sys.stderr, flush=True)

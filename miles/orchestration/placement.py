@@ -1,0 +1,50 @@
+"""Where each component runs, decided in one place.
+
+disaggregated (default): engines and trainer get disjoint device pools and can run concurrently.
+On CPU a pool is a set of cores; each process pins its threads to its pool's cores.
+Non-goal (for now): colocated turn-taking; it is refused until engines can release memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class PlacementConfig:
+    mode: Literal["disaggregated"] = "disaggregated"
+    """disaggregated: engines and trainer on separate device pools."""
+    pin_cpus: bool = True
+    """On CPU, pin engine and trainer processes to disjoint cores."""
+    engine_cpu_fraction: float = 0.5
+    """Share of the cores given to the engine pool (the trainer gets the rest)."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if not 0 < self.engine_cpu_fraction < 1:
+            raise ConfigError("placement.engine_cpu_fraction must be between 0 and 1")
+
+
+@dataclass(frozen=True)
+class CorePools:
+    engine: tuple[int, ...]
+    trainer: tuple[int, ...]
+
+
+def core_pools(cfg: PlacementConfig) -> CorePools | None:
+    """Split this machine's usable cores into an engine pool and a trainer pool (None = no pinning)."""
+    if not cfg.pin_cpus or not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    k = min(max(1, round(len(cores) * cfg.engine_cpu_fraction)), len(cores) - 1)
+    return CorePools(engine=tuple(cores[:k]), trainer=tuple(cores[k:]))
+
+
+def pin_current_process(cores: tuple[int, ...] | None) -> None:
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)

@@ -1,0 +1,1 @@
+"""The rollout side: engines, generate functions, rewards, and the manager that drives them."""

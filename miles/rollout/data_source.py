@@ -1,0 +1,66 @@
+"""Prompt sources: a named, seeded task that yields prompts with reference labels.
+
+The source remembers its position, so every prompt drawn has an index that the buffer ledger and
+checkpoints can refer to. Non-goal: streaming large datasets from disk (a later source type).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """Prompt source by name: arithmetic."""
+    digits: int = 2
+    """arithmetic: operand digits."""
+    ops: str = "+-"
+    """arithmetic: operators to draw from ('+', '-', or both)."""
+    eval_fraction: float = 0.1
+    """arithmetic: share of all problems reserved for eval (disjoint from train)."""
+    apply_chat_template: bool = False
+    """Wrap each prompt as a user message with the tokenizer's chat template."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if self.name not in TASKS:
+            raise ConfigError(f"rollout.task.name {self.name!r} is unknown: choose one of {sorted(TASKS)}")
+        if not 1 <= self.digits <= 9:
+            raise ConfigError("rollout.task.digits must be in 1..9")
+        if not self.ops or set(self.ops) - {"+", "-"}:
+            raise ConfigError("rollout.task.ops must use only '+' and '-', e.g. \"+-\"")
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError("rollout.task.eval_fraction must be between 0 and 1")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    text: str
+    label: str
+
+
+def _arithmetic(cfg: TaskConfig, split: str, seed: int):
+    from miles.rollout.tasks.arithmetic import ArithmeticTask
+
+    return ArithmeticTask(digits=cfg.digits, ops=cfg.ops, split=split, seed=seed, eval_fraction=cfg.eval_fraction)
+
+
+TASKS = {"arithmetic": _arithmetic}
+
+
+class PromptSource:
+    """Draws prompts of one split in a fixed order determined by the seed."""
+
+    def __init__(self, cfg: TaskConfig, split: str, seed: int):
+        self.task = TASKS[cfg.name](cfg, split, seed)
+        self.position = 0
+
+    def take(self, n: int) -> list[Prompt]:
+        out = []
+        for p in self.task.take(n):
+            out.append(Prompt(index=self.position, text=p.prompt, label=p.answer))
+            self.position += 1
+        return out

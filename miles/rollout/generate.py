@@ -1,0 +1,56 @@
+"""Single-turn generation: prompt token ids in, a Sample with response ids and logprobs out.
+
+Talks to any server speaking the engine HTTP API (the built-in engine, SGLang, or a router in front
+of them). Token ids are sent and received as ids (TITO); the text is only used for the reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles.buffer.types import Sample, SampleStatus
+
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    seed: int | None = None
+
+    def to_json(self) -> dict:
+        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+               "max_new_tokens": self.max_new_tokens}
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
+
+
+class GenerationError(RuntimeError):
+    """The engine refused or failed a request; the message carries its reason."""
+
+
+async def generate(client, url: str, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                   label: str | None = None, prompt_index: int = -1) -> Sample:
+    """POST /generate once and turn the reply into a Sample (reward filled in later)."""
+    body = {"input_ids": prompt_ids, "sampling_params": params.to_json(), "return_logprob": True}
+    if rid is not None:
+        body["rid"] = rid
+    resp = await client.post(f"{url}/generate", json=body)
+    if resp.status_code != 200:
+        raise GenerationError(f"{url}/generate answered {resp.status_code}: {resp.text[:300]}")
+    out = resp.json()
+    meta = out["meta_info"]
+    ids = list(out["output_ids"])
+    logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
+    if len(logprobs) != len(ids):
+        raise GenerationError(f"{url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
+    return Sample(
+        prompt_ids=list(prompt_ids), response_ids=ids, rollout_logprobs=logprobs, loss_mask=[1] * len(ids),
+        status=_STATUS.get(meta["finish_reason"]["type"], SampleStatus.ABORTED),
+        weight_versions=[int(meta.get("weight_version", 0))], response_text=out.get("text", ""),
+        label=label, prompt_index=prompt_index,
+    )

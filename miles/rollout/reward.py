@@ -1,0 +1,42 @@
+"""Reward functions and their registry.
+
+A reward function takes the response text and the prompt's reference label and returns a float.
+User functions can be given as `module:function` and are checked when the run is configured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable, Protocol
+
+
+class RewardFn(Protocol):
+    def __call__(self, response: str, label: str | None) -> float: ...
+
+
+def exact_match(response: str, label: str | None) -> float:
+    """1.0 when the stripped response equals the label exactly, else 0.0."""
+    return float(label is not None and response.strip() == label.strip())
+
+
+REWARDS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_match}
+
+
+def get_reward_fn(name: str) -> Callable[[str, str | None], float]:
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown reward {name!r}: choose one of {sorted(REWARDS)} or give module:function")
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {name!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} is not callable")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) != 2:
+        raise ValueError(f"reward {name!r} must take (response, label); it takes {len(params)} required arguments")
+    return fn

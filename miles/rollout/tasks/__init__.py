@@ -1,0 +1,1 @@
+"""Built-in prompt sources: seeded task generators with verifiable answers."""

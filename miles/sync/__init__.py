@@ -1,0 +1,1 @@
+"""Weight sync: prepare full engine-named tensors, bucket them, hand buckets to a transport."""

@@ -1,0 +1,1 @@
+"""The trainer: policy losses, the FSDP2 backend, logprob forwards."""

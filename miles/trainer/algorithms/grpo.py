@@ -1,0 +1,25 @@
+"""GRPO: advantages are rewards normalised within the group; the clipped surrogate per token."""
+
+from __future__ import annotations
+
+import statistics
+
+from miles.trainer.algorithms.base import AlgorithmConfig, clipped_surrogate
+
+
+class GRPO:
+    def __init__(self, cfg: AlgorithmConfig):
+        self.cfg = cfg
+
+    def advantages(self, rewards: list[float]) -> list[float]:
+        mean = statistics.fmean(rewards)
+        centred = [r - mean for r in rewards]
+        if not self.cfg.std_normalize or len(rewards) < 2:
+            return centred
+        std = statistics.pstdev(rewards)
+        return [c / (std + 1e-6) for c in centred]
+
+    def token_loss(self, logprobs, old_logprobs, advantages):
+        loss, clipped = clipped_surrogate(logprobs, old_logprobs, advantages,
+                                          self.cfg.clip_eps_low, self.cfg.clip_eps_high)
+        return loss, {"clipfrac": clipped}

@@ -1,0 +1,31 @@
+"""Teacher-forced logprobs of given tokens under a causal LM.
+
+The convention matches the built-in engine: log_softmax(logits / T) in float32 for T > 0 and plain
+log_softmax(logits) for greedy (T == 0), before any top-p/top-k truncation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest sequence. Returns input_ids and attention_mask, both (B, T)."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Logprob of each next token: out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1]). (B, T-1)"""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
+    logits = logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,38 @@
+"""Supervised warm start: demonstrations → token sequences with the loss on the answer only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 200
+    """Optimizer steps of supervised training."""
+    batch_size: int = 64
+    """Demonstrations per step."""
+    lr: float = 1e-3
+    """Learning rate for SFT (overrides trainer.lr)."""
+    num_examples: int = 4096
+    """Distinct demonstrations drawn from the task's train split (cycled through)."""
+    out: str = "runs/sft-model"
+    """Where the warm-started Hugging Face checkpoint is written."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if self.steps < 0 or self.batch_size < 1 or self.num_examples < 1 or self.lr <= 0:
+            raise ConfigError("sft.steps >= 0, sft.batch_size >= 1, sft.num_examples >= 1 and sft.lr > 0 are required")
+
+
+def demonstration_sequences(prompts, tokenizer, encode):
+    """One TrainSequence per prompt: prompt ids + answer ids + EOS, loss on answer and EOS."""
+    from miles.trainer.types import TrainSequence
+
+    seqs = []
+    for p in prompts:
+        prompt_ids = encode(p.text)
+        answer_ids = tokenizer(p.label, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        seqs.append(TrainSequence(tokens=prompt_ids + answer_ids, prompt_len=len(prompt_ids),
+                                  loss_mask=[1] * len(answer_ids), old_logprobs=[]))
+    return seqs
