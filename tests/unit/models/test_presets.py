@@ -1,0 +1,40 @@
+"""The tiny preset is an ordinary HF checkpoint: transformers' Auto classes load it unchanged."""
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def test_tiny_qwen3_round_trips_through_transformers(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = Path(tiny_model_dir)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (d / f).is_file(), f
+    assert json.loads((d / "config.json").read_text())["model_type"] == "qwen3"
+
+    model = AutoModelForCausalLM.from_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    ids = tok("47+38=85", add_special_tokens=False).input_ids
+    assert tok.convert_ids_to_tokens(ids) == list("47+38=85")  # digits one per token
+    assert tok.decode(tok("tool output: ls -la").input_ids) == "tool output: ls -la"
+
+    model.save_pretrained(tmp_path / "copy")
+    tok.save_pretrained(tmp_path / "copy")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, again(x).logits)
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_loader_names_the_fix_for_a_missing_directory(tmp_path):
+    import pytest
+
+    from miles.models.loading import load_model
+
+    with pytest.raises(FileNotFoundError, match="miles init-model"):
+        load_model(str(tmp_path / "nowhere"))
