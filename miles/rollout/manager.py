@@ -83,6 +83,15 @@ class EvalConfig:
             raise ConfigError("eval.every_steps must be >= 0 and eval.num_prompts >= 1")
 
 
+async def _run_all(jobs, timeout_s: float):
+    # Kept outside the class: an `async def` method would make Ray run the actor as an async actor.
+    import httpx
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        return await asyncio.gather(*(job(client) for job in jobs))
+
+
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
                  seed: int = 0):
@@ -105,13 +114,6 @@ class RolloutManager:
                                                            add_generation_prompt=True, tokenize=True))
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    async def _run(self, jobs):
-        import httpx
-
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=self.cfg.request_timeout_s, limits=limits) as client:
-            return await asyncio.gather(*(job(client) for job in jobs))
-
     def generate_groups(self):
         """One step's worth of groups: prompts_per_step prompts × n_samples_per_prompt samples."""
         from miles.buffer.types import Group
@@ -131,7 +133,7 @@ class RolloutManager:
                                         seed=hash((self.seed, p.index, k)) & 0x7FFFFFFF)
                 jobs.append(lambda c, url=url, ids=ids, p=p, params=params, k=k: generate(
                     c, url, ids, params, rid=f"s{self._step}-p{p.index}-{k}", label=p.label, prompt_index=p.index))
-        samples = asyncio.run(self._run(jobs))
+        samples = asyncio.run(_run_all(jobs, self.cfg.request_timeout_s))
         elapsed = time.perf_counter() - t0
         for s in samples:
             s.reward = float(self.reward_fn(s.response_text, s.label))
@@ -163,7 +165,7 @@ class RolloutManager:
             jobs.append(lambda c, url=url, ids=ids, p=p: generate(c, url, ids, params, label=p.label,
                                                                   prompt_index=p.index))
         t0 = time.perf_counter()
-        samples = asyncio.run(self._run(jobs))
+        samples = asyncio.run(_run_all(jobs, self.cfg.request_timeout_s))
         correct = sum(self.reward_fn(s.response_text, s.label) > 0 for s in samples)
         return {"eval/accuracy": correct / len(samples), "eval/num_prompts": len(samples),
                 "eval/time_s": time.perf_counter() - t0}

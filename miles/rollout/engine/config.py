@@ -1,0 +1,41 @@
+"""Configuration of one built-in engine process.
+
+Non-goal: router, fleet or trainer settings; those live with their own components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    """Hugging Face checkpoint directory (or hub id) to serve; also the tokenizer's path."""
+    dtype: str = "float32"
+    """Parameter dtype the model is loaded in: float32, bfloat16 or float16."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds to; loopback unless the engine must be reached from other hosts."""
+    port: int = 0
+    """HTTP port; 0 picks a free one (read the chosen URL from the running server)."""
+    max_batch_size: int = 256
+    """Most requests decoded together in one forward; later ones wait for a free slot."""
+    context_length: int | None = None
+    """Longest prompt + completion in tokens; None uses the model's max_position_embeddings."""
+    admin_token: str | None = None
+    """When set, admin endpoints (weight updates, cache flush) need `Authorization: Bearer <token>`."""
+    num_threads: int = 1
+    """torch intra-op threads in the engine process; keep it to the cores this engine owns."""
+    seed: int = 0
+    """Seed of the engine-wide sampling generator used by requests without a sampling_seed."""
+    default_max_new_tokens: int = 128
+    """Completion budget of requests that do not set sampling_params.max_new_tokens."""
+    weight_update_timeout_s: float = 120.0
+    """How long joining a weight-update group or one broadcast may take before it fails."""
+
+    def public_dict(self) -> dict:
+        """The fields safe to show to any client: everything but the admin token."""
+        d = asdict(self)
+        d.pop("admin_token")
+        d["admin_token_set"] = self.admin_token is not None
+        return d

@@ -1,0 +1,280 @@
+"""SGLang-shaped JSON bodies -> checked engine requests.
+
+Every field is checked by hand so that a refusal names the field and the fix, and so that nothing a
+client sends (wrong types, NaN, unknown keys, absurd sizes) reaches the scheduler.
+Non-goal: every SGLang option. Options that would change results and are not implemented are
+refused rather than silently ignored; a few that do not change results are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from miles.rollout.engine.sampler import SamplingParams
+from miles.rollout.engine.types import InvalidRequest
+
+# Bound on any single list a client may send, far above any real request; keeps a hostile body
+# from costing more than its parse.
+MAX_ITEMS = 1 << 20
+# Below this SGLang treats the temperature as greedy; dividing by it would overflow anyway.
+GREEDY_EPS = 1e-6
+
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
+                  "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim", "n"}
+_GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
+                  "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "return_routed_experts"}
+
+
+def parse_json(raw: bytes) -> dict:
+    def no_constants(name):
+        raise InvalidRequest(f"body: {name} is not valid JSON; send finite numbers")
+
+    try:
+        body = json.loads(raw or b"null", parse_constant=no_constants)
+    except InvalidRequest:
+        raise
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body: malformed JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body: expected a JSON object")
+    return body
+
+
+@dataclass(frozen=True)
+class GenerateItem:
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    rid: str | None
+
+
+def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[list[GenerateItem], bool]:
+    """Returns the items and whether the client sent a batch (and so expects a JSON list back)."""
+    _no_unknown(body, _GENERATE_KEYS, "")
+    if body.get("stream", False) is not False:
+        raise InvalidRequest("stream: streaming is not supported by the built-in engine; send stream=false")
+    if body.get("return_routed_experts", False) is not False:
+        raise InvalidRequest("return_routed_experts: the built-in engine does not record routed experts")
+    if body.get("top_logprobs_num", 0) not in (0, None):
+        raise InvalidRequest("top_logprobs_num: top logprobs are not supported; send 0")
+    # Accepted for SGLang clients; output logprobs never include text or prompt positions here.
+    _bool(body.get("return_text_in_logprobs", False), "return_text_in_logprobs")
+    if body.get("logprob_start_len") is not None:
+        _int(body["logprob_start_len"], "logprob_start_len", lo=-1)
+    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+    if has_ids == has_text:
+        raise InvalidRequest("input_ids/text: send exactly one of input_ids or text")
+    if has_ids:
+        prompts, batched = _parse_input_ids(body["input_ids"])
+    else:
+        text = body["text"]
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        _check_len(texts, "text")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise InvalidRequest(f"text{_at(i, batched)}: expected a string, got {_kind(t)}")
+        prompts = [tokenizer.encode(t) for t in texts]
+    n = len(prompts)
+    if batched and n == 0:
+        raise InvalidRequest("input_ids/text: the batch is empty")
+    params = _per_item(body.get("sampling_params"), n, batched, "sampling_params")
+    logprob = _per_item(body.get("return_logprob"), n, batched, "return_logprob")
+    rids = _per_item(body.get("rid"), n, batched, "rid")
+    items = []
+    for i in range(n):
+        where = f"sampling_params{_at(i, batched and isinstance(body.get('sampling_params'), list))}"
+        sp = parse_sampling_params(params[i] if params[i] is not None else {}, default_max_new_tokens, where)
+        lp = logprob[i] if logprob[i] is not None else False
+        if not isinstance(lp, bool):
+            raise InvalidRequest(f"return_logprob: expected true or false, got {_kind(lp)}")
+        rid = rids[i]
+        if rid is not None and not isinstance(rid, str):
+            raise InvalidRequest(f"rid: expected a string, got {_kind(rid)}")
+        items.append(GenerateItem(list(prompts[i]), sp, lp, rid))
+    return items, batched
+
+
+def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling_params") -> SamplingParams:
+    if not isinstance(d, dict):
+        raise InvalidRequest(f"{where}: expected an object, got {_kind(d)}")
+    _no_unknown(d, _SAMPLING_KEYS, where + ".")
+    f = lambda k: f"{where}.{k}"  # noqa: E731
+    if d.get("n", 1) != 1:
+        raise InvalidRequest(f"{f('n')}: only n=1 is supported; send the prompt n times instead")
+    temperature = _float(d.get("temperature", 1.0), f("temperature"), lo=0.0)
+    top_p = _float(d.get("top_p", 1.0), f("top_p"), lo=0.0, hi=1.0)
+    if top_p == 0.0:
+        raise InvalidRequest(f"{f('top_p')}: must be in (0, 1]")
+    top_k = _int(d.get("top_k", -1), f("top_k"))
+    if top_k == 0 or top_k < -1:
+        raise InvalidRequest(f"{f('top_k')}: must be -1 (whole vocabulary) or >= 1, got {top_k}")
+    min_p = _float(d.get("min_p", 0.0), f("min_p"), lo=0.0, hi=1.0)
+    mnt = d.get("max_new_tokens")
+    max_new_tokens = default_max_new_tokens if mnt is None else _int(mnt, f("max_new_tokens"), lo=0)
+    stop = d.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest(f"{f('stop')}: expected a non-empty string or a list of them")
+    _check_len(stop, f("stop"))
+    stop_ids = d.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise InvalidRequest(f"{f('stop_token_ids')}: expected a list of token ids, got {_kind(stop_ids)}")
+    _check_len(stop_ids, f("stop_token_ids"))
+    stop_ids = [_int(t, f("stop_token_ids"), lo=0) for t in stop_ids]
+    seed = d.get("sampling_seed")
+    if seed is not None:
+        seed = _int(seed, f("sampling_seed"), lo=0, hi=2**63 - 1)
+    return SamplingParams(
+        temperature=0.0 if temperature < GREEDY_EPS else temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        max_new_tokens=max_new_tokens, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+        ignore_eos=_bool(d.get("ignore_eos", False), f("ignore_eos")), sampling_seed=seed,
+        skip_special_tokens=_bool(d.get("skip_special_tokens", True), f("skip_special_tokens")),
+        no_stop_trim=_bool(d.get("no_stop_trim", False), f("no_stop_trim")))
+
+
+@dataclass(frozen=True)
+class InitGroupRequest:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+def parse_init_group(body: dict) -> InitGroupRequest:
+    _no_unknown(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}, "")
+    for k in ("master_address", "master_port", "rank_offset", "world_size"):
+        if k not in body:
+            raise InvalidRequest(f"{k}: required")
+    return InitGroupRequest(
+        master_address=_string(body["master_address"], "master_address"),
+        master_port=_int(body["master_port"], "master_port", lo=1, hi=65535),
+        rank_offset=_int(body["rank_offset"], "rank_offset", lo=1),
+        world_size=_int(body["world_size"], "world_size", lo=2, hi=1 << 16),
+        group_name=_string(body.get("group_name", "weight_update_group"), "group_name"),
+        backend=_string(body.get("backend", "gloo"), "backend"))
+
+
+@dataclass(frozen=True)
+class UpdateWeightsRequest:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    load_format: str | None = None
+    commit: bool = True
+    weight_version: int | None = None
+    flush_cache: bool = True
+    reset_staging: bool = False
+    abort_all_requests: bool = False
+
+
+def parse_update_weights(body: dict) -> UpdateWeightsRequest:
+    _no_unknown(body, {"names", "dtypes", "shapes", "group_name", "load_format", "commit", "weight_version",
+                       "flush_cache", "reset_staging", "abort_all_requests"}, "")
+    names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
+    for k, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if not isinstance(v, list):
+            raise InvalidRequest(f"{k}: expected a list, got {_kind(v)}")
+        _check_len(v, k)
+    for n in names:
+        _string(n, "names")
+    for s in shapes:
+        if not isinstance(s, list) or not all(type(d) is int and d >= 0 for d in s):
+            raise InvalidRequest(f"shapes: {s!r} is not a list of non-negative ints")
+    version = body.get("weight_version")
+    if isinstance(version, str) and version.isdigit():  # SGLang sends versions as strings
+        version = int(version)
+    if version is not None:
+        version = _int(version, "weight_version", lo=0)
+    load_format = body.get("load_format")
+    if load_format is not None:
+        load_format = _string(load_format, "load_format")
+    return UpdateWeightsRequest(
+        names=names, dtypes=[_string(d, "dtypes") for d in dtypes], shapes=shapes,
+        group_name=_string(body.get("group_name", "weight_update_group"), "group_name"),
+        load_format=load_format, commit=_bool(body.get("commit", True), "commit"), weight_version=version,
+        flush_cache=_bool(body.get("flush_cache", True), "flush_cache"),
+        reset_staging=_bool(body.get("reset_staging", False), "reset_staging"),
+        abort_all_requests=_bool(body.get("abort_all_requests", False), "abort_all_requests"))
+
+
+def _parse_input_ids(ids) -> tuple[list[list[int]], bool]:
+    if not isinstance(ids, list):
+        raise InvalidRequest(f"input_ids: expected a list of token ids, got {_kind(ids)}")
+    _check_len(ids, "input_ids")
+    batched = bool(ids) and isinstance(ids[0], list)
+    prompts = ids if batched else [ids]
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list):
+            raise InvalidRequest(f"input_ids{_at(i, batched)}: expected a list of token ids, got {_kind(p)}")
+        _check_len(p, "input_ids")
+        for t in p:
+            if type(t) is not int:
+                raise InvalidRequest(f"input_ids{_at(i, batched)}: token ids must be integers, got {_kind(t)}")
+    return prompts, batched
+
+
+def _per_item(value, n: int, batched: bool, field: str) -> list:
+    """A batch field may be one value for every item or a list with one value per item."""
+    if batched and isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequest(f"{field}: got {len(value)} values for a batch of {n}")
+        return value
+    return [value] * n
+
+
+def _no_unknown(d: dict, known: set[str], prefix: str) -> None:
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise InvalidRequest(f"{prefix}{unknown[0]}: unknown field; supported fields are {sorted(known)}")
+
+
+def _check_len(v, field: str) -> None:
+    if len(v) > MAX_ITEMS:
+        raise InvalidRequest(f"{field}: {len(v)} items is more than the limit of {MAX_ITEMS}")
+
+
+def _int(v, field: str, lo: int | None = None, hi: int | None = None) -> int:
+    if type(v) is not int:
+        raise InvalidRequest(f"{field}: expected an integer, got {_kind(v)}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidRequest(f"{field}: {v} is outside [{lo if lo is not None else '-inf'}, "
+                             f"{hi if hi is not None else 'inf'}]")
+    return v
+
+
+def _float(v, field: str, lo: float | None = None, hi: float | None = None) -> float:
+    if type(v) not in (int, float):
+        raise InvalidRequest(f"{field}: expected a number, got {_kind(v)}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise InvalidRequest(f"{field}: must be a finite number")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise InvalidRequest(f"{field}: {v} is outside [{lo if lo is not None else '-inf'}, "
+                             f"{hi if hi is not None else 'inf'}]")
+    return v
+
+
+def _bool(v, field: str) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"{field}: expected true or false, got {_kind(v)}")
+    return v
+
+
+def _string(v, field: str) -> str:
+    if not isinstance(v, str):
+        raise InvalidRequest(f"{field}: expected a string, got {_kind(v)}")
+    return v
+
+
+def _kind(v) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _at(i: int, batched: bool) -> str:
+    return f"[{i}]" if batched else ""

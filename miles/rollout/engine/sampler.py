@@ -1,0 +1,97 @@
+"""Next-token sampling for a batch of rows, each with its own sampling parameters.
+
+Logprob convention (shared with the trainer, which recomputes it teacher-forced): the logprob of a
+sampled token is taken from log_softmax(logits / T) in float32 for temperature T > 0, and from
+log_softmax(logits) when T == 0 (greedy), always BEFORE top-k / top-p / min-p truncation. Truncation
+only changes which tokens can be drawn, never the reported logprob, so the trainer does not need to
+know the truncation settings to reproduce it.
+
+Truncation order (as in SGLang): top-k, then top-p over the top-k survivors, then min-p.
+Non-goal: penalties (frequency, presence, repetition) and logit bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        # top_k == 1 also always picks the argmax; the logprob still follows the temperature.
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def sample(
+    logits: torch.Tensor,  # (B, V), any float dtype
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns (token ids (B,), their logprobs (B,) in float32).
+
+    Rows with their own generator draw only from it, and draw exactly once per call, so a seeded
+    request produces the same tokens whatever else shares its batch.
+    """
+    logits = logits.float()
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
+    logprobs_all = torch.log_softmax(logits / temps[:, None], dim=-1)  # (B, V)
+
+    tokens = torch.empty(len(params), dtype=torch.long)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows)
+        tokens[idx] = logits[idx].argmax(dim=-1)
+    if sampled_rows:
+        idx = torch.tensor(sampled_rows)
+        probs = _truncate(logprobs_all[idx].exp(), [params[i] for i in sampled_rows])  # (S, V)
+        shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
+        if shared:
+            # One draw for all unseeded rows from the engine generator: cheap and reproducible given
+            # the same sequence of batches.
+            s = torch.tensor(shared)
+            tokens[idx[s]] = torch.multinomial(probs[s], 1, generator=default_generator).squeeze(1)
+        for j, i in enumerate(sampled_rows):
+            if generators[i] is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+    token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, token_logprobs
+
+
+def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p; multinomial renormalises the rest."""
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
+        return probs
+    vocab = probs.shape[-1]
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)  # (S, V)
+    ranks = torch.arange(vocab)[None, :]
+    k = torch.tensor([k if k > 0 else vocab for k in top_k])[:, None]
+    keep = ranks < k
+    sorted_probs = sorted_probs * keep
+    # Mass strictly before each token; the most likely token is always kept.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep &= mass_before < torch.tensor(top_p)[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+    keep &= sorted_probs >= torch.tensor(min_p)[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True
+    out = torch.zeros_like(probs)
+    out.scatter_(1, sorted_idx, sorted_probs * keep)
+    return out

@@ -1,0 +1,284 @@
+"""HTTP front of the built-in engine, speaking SGLang's API (field names and response shapes).
+
+Clients that drive SGLang servers (the router, generate functions, weight-sync transports) drive
+this one unchanged. Every request body is checked in protocol.py before it reaches the engine; a bad
+request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving.
+Admin endpoints (weight updates, cache flush) need `Authorization: Bearer <token>` when the engine
+was started with an admin token.
+Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
+
+    python -m miles.rollout.engine.server --model DIR --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from miles.rollout.engine import protocol
+from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.types import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+def build_app(engine) -> FastAPI:
+    app = FastAPI(title="miles engine")
+    receiver = engine.receiver
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_request, exc: InvalidRequest):
+        return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):
+        log.exception("request failed")
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+    def require_admin(request: Request) -> None:
+        token = engine.config.admin_token
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise _Unauthorized()
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauthorized(_request, _exc):
+        return JSONResponse({"error": "admin endpoint: send header 'Authorization: Bearer <admin token>'"},
+                            status_code=401)
+
+    async def body_of(request: Request) -> dict:
+        return protocol.parse_json(await request.body())
+
+    def model_info() -> dict:
+        return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.model_path,
+                "is_generation": True, "weight_version": engine.weight_version}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        items, batched = protocol.parse_generate(await body_of(request), engine.tokenizer,
+                                                 engine.config.default_max_new_tokens)
+        # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
+        reqs = [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid) for it in items]
+        futures = [engine.submit(r) for r in reqs]
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:
+            for r in reqs:  # the client went away: free the batch slots
+                engine.abort(r.rid)
+            raise
+        out = [r.to_sglang() for r in results]
+        return JSONResponse(out if batched else out[0])
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        from miles.rollout.engine.sampler import SamplingParams
+
+        req = engine.make_request([engine.pad_token_id], SamplingParams(temperature=0.0, max_new_tokens=1))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(engine.submit(req)), timeout=60)
+        except Exception as exc:  # noqa: BLE001
+            engine.abort(req.rid)
+            return JSONResponse({"error": f"generation failed: {exc!r}"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        running, waiting = engine.num_requests()
+        return {**engine.config.public_dict(), **model_info(), "context_length": engine.context_length,
+                "vocab_size": engine.vocab_size, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "engine_stats": dict(engine.stats)}
+
+    @app.get("/get_load")
+    async def get_load():
+        running, waiting = engine.num_requests()
+        return {"num_running_reqs": running, "num_waiting_reqs": waiting}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await body_of(request)
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not abort_all and not isinstance(rid, str):
+            raise InvalidRequest("rid: send the request id to abort, or abort_all=true")
+        engine.abort(None if abort_all else rid)
+        return {"success": True}
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        require_admin(request)
+        engine.flush_cache()
+        return {"success": True, "message": "cache flushed"}
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        require_admin(request)
+        req = protocol.parse_init_group(await body_of(request))
+        # Joining blocks until every member arrives; keep the event loop free for /generate.
+        message = await asyncio.to_thread(receiver.init_group, req.master_address, req.master_port,
+                                          req.rank_offset, req.world_size, req.group_name, req.backend)
+        return {"success": True, "message": message}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        require_admin(request)
+        body = await body_of(request)
+        receiver.destroy_group(body.get("group_name", "weight_update_group"))
+        return {"success": True, "message": "group destroyed"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        require_admin(request)
+        req = protocol.parse_update_weights(await body_of(request))
+
+        def work() -> dict:
+            if req.reset_staging:
+                receiver.reset_staging()
+            try:
+                receiver.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format)
+            except InvalidRequest:
+                if req.commit:  # this request closed its version (SGLang single-shot); it failed as a whole
+                    receiver.reset_staging()
+                raise
+            if not req.commit:
+                return {"success": True, "message": f"staged {len(req.names)} tensors"}
+            if req.abort_all_requests:
+                engine.abort()
+            version = receiver.commit(req.weight_version, flush_cache=req.flush_cache)
+            return {"success": True, "message": f"weights updated to version {version}",
+                    "weight_version": version}
+
+        return await asyncio.to_thread(work)
+
+    return app
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+@dataclass
+class RunningServer:
+    """An engine served by uvicorn on a daemon thread of this process."""
+
+    url: str
+    engine: object
+    _server: object
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self.engine.stop()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _url(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(engine, log_level: str = "warning"):
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(build_app(engine), log_level=log_level, lifespan="off",
+                                         timeout_graceful_shutdown=5))
+
+
+def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -> RunningServer:
+    """Load the engine, serve it on a daemon thread, and return once /health answers."""
+    import httpx
+
+    from miles.rollout.engine.engine import Engine
+
+    engine = Engine(config)
+    sock = _bind(config.host, config.port)
+    server = _uvicorn_server(engine)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-engine-http",
+                              daemon=True)
+    thread.start()
+    url = _url(sock, config.host)
+    deadline = time.monotonic() + startup_timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return RunningServer(url, engine, server, thread)
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            engine.stop()
+            raise RuntimeError(f"engine server at {url} did not answer /health within {startup_timeout_s}s")
+        time.sleep(0.05)
+
+
+def parse_args(argv=None) -> tuple[EngineConfig, str]:
+    p = argparse.ArgumentParser(prog="miles serve", description="Serve a model with the built-in miles engine "
+                                "(SGLang-compatible HTTP API).")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or hub id")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--admin-token", default=None, help="require this bearer token on admin endpoints")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads for this engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--default-max-new-tokens", type=int, default=128)
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    cfg = EngineConfig(model_path=a.model, host=a.host, port=a.port, dtype=a.dtype, admin_token=a.admin_token,
+                       max_batch_size=a.max_batch_size, context_length=a.context_length,
+                       num_threads=a.num_threads, seed=a.seed, default_max_new_tokens=a.default_max_new_tokens)
+    return cfg, a.log_level
+
+
+def main(argv=None) -> int:
+    """Serve in the foreground until SIGINT/SIGTERM."""
+    from miles.rollout.engine.engine import Engine
+
+    config, log_level = parse_args(argv)
+    logging.basicConfig(level=log_level.upper())
+    engine = Engine(config)
+    sock = _bind(config.host, config.port)
+    server = _uvicorn_server(engine, log_level)
+    # Parents that started us with --port 0 read the URL from this line.
+    print(f"miles engine serving {config.model_path} at {_url(sock, config.host)}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Data contracts of the built-in engine: a generation request, its finish reason and its result.
+
+The HTTP layer translates these to and from SGLang-shaped JSON; the engine never sees JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles.rollout.engine.sampler import SamplingParams
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message names the offending field (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    rid: str
+    input_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = False
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # stop: the token id or stop string that ended generation
+    length: int | None = None  # length: the number of completion tokens
+    message: str | None = None  # abort: why
+
+    def to_dict(self) -> dict:
+        d: dict = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        elif self.type == "length":
+            d["length"] = self.length
+        elif self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    rid: str
+    text: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float] | None  # one per output token, see sampler.py for the convention
+    finish_reason: FinishReason
+    weight_version: int  # the version of the weights that produced the last token
+
+    def to_sglang(self) -> dict:
+        meta = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "finish_reason": self.finish_reason.to_dict(),
+            "weight_version": self.weight_version,
+        }
+        if self.output_logprobs is not None:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -1,0 +1,224 @@
+"""Broadcast transport: one torch.distributed group of the trainer's source (rank 0) + every engine.
+
+Per bucket: the tensors are flattened into ONE uint8 buffer, the metadata (names, dtypes, shapes,
+load_format "flattened_bucket", commit=false) is POSTed to every engine's
+/update_weights_from_distributed, and a single broadcast from rank 0 carries the bytes. Engines
+reply only after their receive completes, so collecting the replies is also the barrier.
+
+Who waits on whom: connect() and send_bucket() block until every engine has replied; an engine
+blocks in its receive until the broadcast arrives. If an engine refuses before joining the collective
+(bad token, unsizeable metadata) the broadcast cannot complete: the error is raised at once and the
+transport is marked out of step, so the next call says to reconnect instead of hanging.
+
+The group is built directly on a TCPStore this process hosts (ProcessGroupGloo over a PrefixStore),
+never through init_process_group, so a trainer's default (FSDP) group is neither used nor disturbed.
+Non-goals: NCCL/CUDA IPC (a GPU variant would swap the backend), multi-source fan-out (p2p.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from miles.sync.transports.base import TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+def _spawn(fn, *args) -> cf.Future:
+    """Run fn on a daemon thread: a collective stuck on a dead peer must not block interpreter exit
+    (a ThreadPoolExecutor's workers are joined at exit)."""
+    fut: cf.Future = cf.Future()
+
+    def run():
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="miles-broadcast", daemon=True).start()
+    return fut
+
+
+# After an engine errors while our broadcast is still running, how long to let the broadcast finish
+# before concluding the engine never joined it.
+_GRACE_S = 2.0
+
+
+class BroadcastTransport:
+    name = "broadcast"
+
+    def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
+                 admin_token: str | None = None, timeout_s: float = 120.0,
+                 group_name: str = "weight_update_group"):
+        if backend != "gloo":
+            raise ValueError(f"backend {backend!r}: the broadcast transport runs on CPU tensors; use 'gloo'")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.admin_token = admin_token
+        self.timeout_s = timeout_s
+        self.group_name = group_name
+        self.engine_urls: list[str] = []
+        self._store = None
+        self._pg = None
+        self._http = None
+        self._broken: str | None = None
+        self._fresh = True  # no bucket sent since the last commit: the next request resets engine staging
+        self._version_failed = False  # a bucket of the pending version failed: commit must refuse
+
+    # ---- WeightTransport ----------------------------------------------------------------------
+
+    def connect(self, engine_urls: list[str]) -> None:
+        import httpx
+        import torch.distributed as dist
+
+        if not engine_urls:
+            raise ValueError("connect: no engine URLs given")
+        self.close()
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        world = 1 + len(self.engine_urls)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(self.timeout_s + 30, connect=10))
+        # wait_for_workers=False: engines connect only after our POSTs reach them.
+        self._store = dist.TCPStore(self.master_address, self.master_port, world, is_master=True,
+                                    wait_for_workers=False, timeout=timeout)
+        port = self._store.port
+        replies = [_spawn(self._post, url, "/init_weights_update_group", {
+            "master_address": self.master_address, "master_port": port, "rank_offset": rank,
+            "world_size": world, "group_name": self.group_name, "backend": self.backend,
+        }) for rank, url in enumerate(self.engine_urls, start=1)]
+
+        def join():
+            return dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, self._store), 0, world, timeout)
+
+        pg_future = _spawn(join)
+        try:
+            self._wait(pg_future, replies, "joining the weight-update group")
+        except TransportError:
+            self._broken = "connect failed"
+            raise
+        self._pg = pg_future.result()
+        self._broken = None
+        self._fresh, self._version_failed = True, False
+
+    def send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self._check_usable()
+        if not bucket:
+            return
+        tensors = [t.detach().to("cpu").contiguous() for _, t in bucket]
+        meta = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": self.group_name,
+            "load_format": "flattened_bucket",
+            "commit": False,
+            "reset_staging": self._fresh,
+        }
+        # (total_bytes,) uint8: each tensor's bytes in bucket order, as the engine splits them.
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        replies = [_spawn(self._post, url, "/update_weights_from_distributed", meta)
+                   for url in self.engine_urls]
+
+        def broadcast():
+            if flat.numel():
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+                self._pg.broadcast([flat], opts).wait()
+
+        self._fresh = False
+        try:
+            self._wait(_spawn(broadcast), replies, f"sending a bucket of {len(bucket)} tensors "
+                       f"({flat.numel()} bytes, first {bucket[0][0]!r})")
+        except TransportError:
+            self._version_failed = True
+            raise
+
+    def commit(self, weight_version: int) -> None:
+        self._check_usable()
+        if self._version_failed:
+            # Committing the buckets that did arrive would publish a version that never existed.
+            self._version_failed, self._fresh = False, True
+            reset = {"names": [], "group_name": self.group_name, "commit": False, "reset_staging": True}
+            for f in [_spawn(self._post, url, "/update_weights_from_distributed", reset)
+                      for url in self.engine_urls]:
+                f.exception()
+            raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed "
+                                 "to reach every engine; engines keep their previous weights")
+        body = {"names": [], "dtypes": [], "shapes": [], "group_name": self.group_name,
+                "load_format": "flattened_bucket", "commit": True, "weight_version": int(weight_version),
+                "reset_staging": self._fresh}
+        replies = [_spawn(self._post, url, "/update_weights_from_distributed", body)
+                   for url in self.engine_urls]
+        self._fresh = True
+        self._wait(None, replies, f"committing weight version {weight_version}")
+
+    def close(self) -> None:
+        if self._http is not None and self._pg is not None and self._broken is None:
+            for url in self.engine_urls:  # best effort: the engines drop their end of the group
+                try:
+                    self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+                except TransportError:
+                    pass
+        if self._http is not None:
+            self._http.close()
+        self._pg = self._store = self._http = None
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._pg is None:
+            raise TransportError("broadcast transport is not connected: call connect(engine_urls) first")
+        if self._broken is not None:
+            raise TransportError(f"broadcast transport is out of step with the engines ({self._broken}): "
+                                 "call close() and connect(engine_urls) again")
+
+    def _post(self, url: str, path: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            r = self._http.post(url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"engine {url}: {path} failed to respond ({type(exc).__name__}: {exc})") from None
+        if r.status_code != 200:
+            try:
+                reason = r.json().get("error") or r.json().get("message") or r.text
+            except ValueError:
+                reason = r.text
+            raise TransportError(f"engine {url}: {path} returned HTTP {r.status_code}: {reason}")
+        return r.json()
+
+    def _wait(self, collective: cf.Future | None, replies: list[cf.Future], what: str) -> None:
+        """Wait for the collective and every engine's reply; raise one error naming every failed engine."""
+        pending = set(replies) | ({collective} if collective is not None else set())
+        deadline = time.monotonic() + self.timeout_s + 60
+        while pending:
+            done, pending = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                    return_when=cf.FIRST_EXCEPTION)
+            if not done:
+                self._broken = f"timed out {what}"
+                raise TransportError(f"timed out after {self.timeout_s}s {what}")
+            if any(f.exception() is not None for f in done):
+                break
+        if collective is not None and not collective.done():
+            # An engine failed before the collective finished: it may have errored after its receive
+            # (still in step) or without ever joining (out of step). Give the collective a moment.
+            cf.wait([collective], timeout=_GRACE_S)
+            if not collective.done():
+                self._broken = f"an engine failed while {what}"
+        cf.wait(replies, timeout=_GRACE_S)
+        errors = [str(f.exception()) for f in replies if f.done() and f.exception() is not None]
+        if collective is not None and collective.done() and collective.exception() is not None:
+            self._broken = f"the collective failed while {what}"
+            errors.append(f"collective failed: {collective.exception()}")
+        if errors:
+            raise TransportError(f"weight sync failed while {what}: " + "; ".join(errors))

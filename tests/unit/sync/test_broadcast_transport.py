@@ -1,0 +1,190 @@
+"""BroadcastTransport pushes a trainer's weights into running engines over a stand-alone gloo group.
+
+The test process plays the trainer: it holds its own default process group (as FSDP would), perturbs
+a copy of the model, and pushes it in small buckets; afterwards the engines must generate exactly as
+the perturbed model does.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles.sync.transports import TRANSPORTS, BroadcastTransport, TransportError, get_transport
+
+PROMPTS = ["47+38=", "The trainer computes", "999+1="]
+N_NEW = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def default_group():
+    """The 'trainer' owns a default group; the transport must neither need nor disturb it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(base_model_dir):
+    from miles.models.loading import load_tokenizer
+
+    return load_tokenizer(base_model_dir)
+
+
+def _perturbed_model(model_dir: str, seed: int):
+    from miles.models.loading import load_model
+
+    model = load_model(model_dir).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        # Norm weights travel as bfloat16 below; make them exactly representable so the reference
+        # model and the upcast engine copy agree bit for bit.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def _buckets(model, max_bytes: int = 256 * 1024) -> list[list[tuple[str, torch.Tensor]]]:
+    """Small fixed-size buckets of (HF name, tensor), with norms in bf16 to mix dtypes in one buffer."""
+    buckets, cur, size = [], [], 0
+    for name, t in model.state_dict().items():
+        t = t.to(torch.bfloat16) if "norm" in name else t
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > max_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append((name, t))
+        size += nbytes
+    return buckets + [cur]
+
+
+def _generate(url: str, ids: list[int]) -> dict:
+    r = httpx.post(f"{url}/generate", timeout=60, json={
+        "input_ids": ids, "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _reference(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=N_NEW)[0, len(ids):].tolist()
+        eos = model.config.eos_token_id
+        out = out[: out.index(eos) + 1] if eos in out else out
+        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1: -1].float()
+    return out, torch.log_softmax(logits, -1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+
+
+def _version(url: str) -> int:
+    return httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+
+
+def test_registry_names_the_choices():
+    assert TRANSPORTS["broadcast"] is BroadcastTransport
+    assert isinstance(get_transport("broadcast"), BroadcastTransport)
+    with pytest.raises(ValueError, match="broadcast"):
+        get_transport("carrier-pigeon")
+
+
+def test_push_in_buckets_then_commit_switches_every_engine(default_group, engine_proc, engine_thread,
+                                                            base_model_dir, tokenizer, admin_token):
+    urls = [engine_proc.url, engine_thread.url]
+    model = _perturbed_model(base_model_dir, seed=0)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [_reference(model, ids) for ids in prompts]
+    before = [_generate(urls[0], ids)["output_ids"] for ids in prompts]
+    assert before != [out for out, _ in expected], "the perturbation must change greedy outputs"
+
+    transport = BroadcastTransport(admin_token=admin_token, timeout_s=60)
+    transport.connect(urls)
+    try:
+        buckets = _buckets(model)
+        assert len(buckets) >= 4
+        for bucket in buckets:
+            transport.send_bucket(bucket)
+        # Everything is staged, nothing applied: engines still serve the old weights.
+        assert [_generate(urls[0], ids)["output_ids"] for ids in prompts] == before
+        transport.commit(7)
+    finally:
+        transport.close()
+
+    for url in urls:
+        assert _version(url) == 7
+        for ids, (out_ids, lps) in zip(prompts, expected):
+            got = _generate(url, ids)
+            assert got["output_ids"] == out_ids
+            torch.testing.assert_close(torch.tensor([lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]),
+                                       lps, atol=1e-5, rtol=0)
+            assert got["meta_info"]["weight_version"] == 7
+    # The trainer's own default group was neither used nor disturbed.
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    assert dist.get_world_size() == 1 and x.tolist() == [1.0, 1.0]
+
+
+def test_wrong_shape_is_refused_and_old_weights_stay(default_group, engine_proc, base_model_dir, tokenizer,
+                                                     admin_token):
+    url = engine_proc.url
+    ids = tokenizer.encode(PROMPTS[0])
+    version, before = _version(url), _generate(url, ids)
+    model = _perturbed_model(base_model_dir, seed=1)
+    sd = model.state_dict()
+    transport = BroadcastTransport(admin_token=admin_token, timeout_s=60)
+    transport.connect([url])
+    try:
+        transport.send_bucket([("model.norm.weight", sd["model.norm.weight"])])  # a good bucket first
+        with pytest.raises(TransportError) as err:
+            transport.send_bucket([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 5)),
+                                   ("model.layers.0.mlp.down_proj.weight", sd["model.layers.0.mlp.down_proj.weight"])])
+        assert url in str(err.value) and "model.layers.0.mlp.up_proj.weight" in str(err.value)
+        assert "[3, 5]" in str(err.value)
+        with pytest.raises(TransportError, match="not committing"):
+            transport.commit(version + 1)
+        after = _generate(url, ids)
+        assert _version(url) == version
+        assert after["output_ids"] == before["output_ids"]
+        assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+
+        # The collective stayed in step: the next version goes through on the same connection.
+        for bucket in _buckets(model):
+            transport.send_bucket(bucket)
+        transport.commit(version + 2)
+    finally:
+        transport.close()
+    assert _version(url) == version + 2
+    out, _ = _reference(model, ids)
+    assert _generate(url, ids)["output_ids"] == out
+
+
+def test_unknown_tensor_name_is_refused(default_group, engine_proc, admin_token):
+    transport = BroadcastTransport(admin_token=admin_token, timeout_s=60)
+    transport.connect([engine_proc.url])
+    try:
+        with pytest.raises(TransportError, match="model.layers.99.mlp.up_proj.weight"):
+            transport.send_bucket([("model.layers.99.mlp.up_proj.weight", torch.zeros(4))])
+    finally:
+        transport.close()
+
+
+def test_wrong_admin_token_fails_fast_naming_the_engine(engine_proc):
+    transport = BroadcastTransport(admin_token="wrong", timeout_s=20)
+    with pytest.raises(TransportError, match="401") as err:
+        transport.connect([engine_proc.url])
+    assert engine_proc.url in str(err.value)
+    with pytest.raises(TransportError, match="connect"):
+        transport.send_bucket([("model.norm.weight", torch.ones(128))])
+    transport.close()

@@ -1,0 +1,141 @@
+"""The engine's end of update_weights_from_distributed, driven by a raw gloo group (as SGLang clients do)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class RawTrainer:
+    """Rank 0 of a fresh weight-update group, speaking the wire protocol by hand."""
+
+    def __init__(self, url: str, token: str, group_name: str):
+        self.url, self.group_name = url, group_name
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.pool = ThreadPoolExecutor(2)
+        self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        reply = self.pool.submit(self.post, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": self.store.port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name})
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, self.store), 0, 2, TIMEOUT)
+        assert reply.result().status_code == 200, reply.result().text
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers=self.headers, timeout=60)
+
+    def update(self, tensors: dict[str, torch.Tensor], wire_shapes=None, **extra) -> httpx.Response:
+        """SGLang's default wire format: one broadcast per tensor, sent after the metadata."""
+        body = {"names": list(tensors), "dtypes": [str(t.dtype) for t in tensors.values()],
+                "shapes": wire_shapes or [list(t.shape) for t in tensors.values()], "group_name": self.group_name,
+                **extra}
+        reply = self.pool.submit(self.post, "/update_weights_from_distributed", body)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for t in tensors.values():
+            self.pg.broadcast([t], opts).wait()
+        return reply.result()
+
+
+@pytest.fixture(scope="module")
+def trainer(engine_thread, admin_token):
+    return RawTrainer(engine_thread.url, admin_token, "raw_group")
+
+
+def _param(engine_thread, name: str) -> torch.Tensor:
+    return engine_thread.engine.model.state_dict()[name]
+
+
+def test_single_shot_update_applies_and_sets_version(trainer, engine_thread):
+    new = {"model.norm.weight": torch.full((128,), 0.5),
+           "model.layers.1.input_layernorm.weight": torch.full((128,), 2.0)}
+    r = trainer.update(new, weight_version="12")  # SGLang sends versions as strings
+    assert r.status_code == 200, r.text
+    assert r.json()["weight_version"] == 12
+    assert httpx.get(engine_thread.url + "/get_weight_version").json() == {"weight_version": 12}
+    for name, t in new.items():
+        assert torch.equal(_param(engine_thread, name), t)
+
+
+def test_wrong_shape_after_receive_keeps_group_in_step(trainer, engine_thread):
+    old = _param(engine_thread, "model.norm.weight").clone()
+    version = engine_thread.engine.weight_version
+    r = trainer.update({"model.norm.weight": torch.zeros(3)})
+    assert r.status_code == 400
+    assert "model.norm.weight" in r.json()["error"] and "[128]" in r.json()["error"]
+    assert torch.equal(_param(engine_thread, "model.norm.weight"), old)
+    assert engine_thread.engine.weight_version == version
+    # The refused bucket was still received, so the next broadcast lines up.
+    r = trainer.update({"model.norm.weight": torch.full((128,), 0.25)})
+    assert r.status_code == 200, r.text
+    assert torch.equal(_param(engine_thread, "model.norm.weight"), torch.full((128,), 0.25))
+    assert engine_thread.engine.weight_version == version + 1  # no version given: incremented
+
+
+def test_non_finite_weights_are_refused(trainer, engine_thread):
+    old = _param(engine_thread, "model.norm.weight").clone()
+    bad = torch.ones(128)
+    bad[3] = float("nan")
+    r = trainer.update({"model.norm.weight": bad})
+    assert r.status_code == 400 and "NaN" in r.json()["error"]
+    assert torch.equal(_param(engine_thread, "model.norm.weight"), old)
+
+
+def test_staged_buckets_wait_for_commit(trainer, engine_thread):
+    before = _param(engine_thread, "model.norm.weight").clone()
+    r = trainer.update({"model.norm.weight": torch.full((128,), 3.0)}, commit=False, reset_staging=True)
+    assert r.status_code == 200, r.text
+    assert torch.equal(_param(engine_thread, "model.norm.weight"), before)
+    r = trainer.post("/update_weights_from_distributed", {"names": [], "commit": True, "weight_version": 40})
+    assert r.status_code == 200, r.text
+    assert torch.equal(_param(engine_thread, "model.norm.weight"), torch.full((128,), 3.0))
+    assert engine_thread.engine.weight_version == 40
+
+
+def test_every_output_matches_the_version_it_reports(trainer, engine_thread):
+    """One-token requests race a commit; each logprob must come from exactly the weights its
+    weight_version names - a half-applied update would match neither."""
+    engine = engine_thread.engine
+    prompt = [5, 6, 7, 8]
+
+    def logprob_now() -> tuple[float, int]:
+        r = httpx.post(engine_thread.url + "/generate", timeout=60, json={
+            "input_ids": prompt, "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": 1}})
+        m = r.json()["meta_info"]
+        return m["output_token_logprobs"][0][0], m["weight_version"]
+
+    old_lp, old_v = logprob_now()
+    g = torch.Generator().manual_seed(0)
+    new = {n: t + 0.05 * torch.randn(t.shape, generator=g)
+           for n, t in engine.model.state_dict().items() if n != "lm_head.weight"}
+    results, stop = [], threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            results.append(logprob_now())
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    while len(results) < 6:  # the race only means something once requests are flowing
+        time.sleep(0.005)
+    r = trainer.update(new, weight_version=old_v + 1)
+    results.append(logprob_now())
+    stop.set()
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    new_lp, new_v = logprob_now()
+    assert new_v == old_v + 1 and abs(new_lp - old_lp) > 1e-3
+    for lp, v in results:
+        assert v in (old_v, new_v)
+        assert lp == pytest.approx(old_lp if v == old_v else new_lp, abs=1e-6)
+    assert {v for _, v in results} == {old_v, new_v}
