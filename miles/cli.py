@@ -51,6 +51,31 @@ def cmd_serve(args, extra) -> int:
     return serve_main(extra) or 0
 
 
+def _delegate(module: str, attr: str = "main"):
+    """A subcommand whose options are parsed by its own module (imported only when it runs)."""
+    def run(args, extra) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), attr)(extra) or 0
+    return run
+
+
+def cmd_bench(args, extra) -> int:
+    """Benchmarks live in benchmarks/<name>.py at the repository root, each with main(argv)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    names = sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_")) if root.is_dir() else []
+    path = root / f"{args.name}.py"
+    if not path.is_file():
+        sys.exit(f"miles bench: unknown benchmark {args.name!r}; available: {', '.join(names) or 'none'}")
+    spec = importlib.util.spec_from_file_location(f"miles_bench_{args.name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main(extra) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False, description="Options: --model DIR --port P [--host H] [--dtype D] "
                        "[--admin-token T] [--max-batch-size N]")
     s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("router", help="run the router in front of engines", add_help=False)
+    s.set_defaults(fn=_delegate("miles.rollout.router"))
+    s = sub.add_parser("report", help="plots and a summary of one or two run directories", add_help=False)
+    s.set_defaults(fn=_delegate("miles.metrics.report"))
+    s = sub.add_parser("bench", help="run a benchmark (miles vs its baseline, one JSON line)")
+    s.add_argument("name", help="benchmark name, e.g. rollout, sync, train, async, r3, faults")
+    s.set_defaults(fn=cmd_bench)
     return p
 
 
