@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# System packages the test suite needs beyond the Python venv: Debian's chromium, which drives the
+# live dashboard's browser test headless. Safe to re-run: it returns at once when chromium is there.
+set -euo pipefail
+
+if command -v chromium >/dev/null 2>&1; then
+  echo "chromium already installed: $(command -v chromium)"
+  exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "install-system.sh: no apt-get here; install Chromium with your package manager and put" \
+       "'chromium' on PATH (or set MILES_CHROMIUM=/path/to/chrome)" >&2
+  exit 1
+fi
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    SUDO="sudo"
+  else
+    echo "install-system.sh: needs root (or sudo) to apt-get install chromium" >&2
+    exit 1
+  fi
+fi
+export DEBIAN_FRONTEND=noninteractive
+# Refresh the package lists only when they are missing; a fresh container often has none.
+if [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e '^lock$' -e '^partial$' || true)" ]; then
+  $SUDO apt-get update -qq
+fi
+if ! $SUDO apt-get install -y -qq --no-install-recommends chromium; then
+  # Stale lists point at package versions the mirror no longer has: refresh once and retry.
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends chromium
+fi
+echo "chromium installed: $(command -v chromium)"
