@@ -41,9 +41,27 @@ class Sample:
         return min(self.weight_versions) if self.weight_versions else 0
 
 
+class Verdict(str, enum.Enum):
+    """Where a group drawn from the prompt source ends up; every drawn prompt ends in exactly one."""
+    TRAINED = "trained"
+    RETRIED = "retried"      # its prompt went back to be generated again
+    DISCARDED = "discarded"
+
+
+class Reason(str, enum.Enum):
+    """Why a group was retried or discarded (the suffix of its `buffer/...` counter)."""
+    TIMEOUT = "timeout"                    # generation ran past the collection timeout
+    ABORTED = "aborted"                    # the engine aborted a sample (pause, abort request)
+    ENGINE_FAILURE = "engine_failure"      # the engine errored or could not be reached
+    FILTERED = "filtered"                  # a group filter rejected it (default: all rewards equal)
+    STALE = "stale"                        # its oldest weights were too far behind the policy
+
+
 @dataclass
 class Group:
     samples: list[Sample]
+    prompt_index: int = -1              # the prompt's position in the data source (the ledger key)
+    failure: Reason | None = None       # set when generation gave up on the group
 
     @property
     def rewards(self) -> list[float]:
@@ -51,4 +69,4 @@ class Group:
 
     @property
     def oldest_weight_version(self) -> int:
-        return min(s.oldest_weight_version for s in self.samples)
+        return min((s.oldest_weight_version for s in self.samples), default=0)
