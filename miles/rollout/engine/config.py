@@ -32,6 +32,24 @@ class EngineConfig:
     """Completion budget of requests that do not set sampling_params.max_new_tokens."""
     weight_update_timeout_s: float = 120.0
     """How long joining a weight-update group or one broadcast may take before it fails."""
+    prefix_cache: bool = True
+    """Reuse the KV of prompt prefixes seen before (GRPO groups, multi-turn histories)."""
+    prefix_block_size: int = 8
+    """Tokens per prefix-cache block; prefixes are reused in whole blocks."""
+    prefix_cache_mb: float = 512.0
+    """Memory the prefix cache may hold; least recently used blocks are evicted beyond it."""
+    offload_dir: str | None = None
+    """Where /release_memory_occupation parks the weights; None uses the system temp directory."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if self.max_batch_size < 1:
+            raise ConfigError("engine max_batch_size must be >= 1")
+        if self.prefix_block_size < 1:
+            raise ConfigError("engine prefix_block_size must be >= 1 (8 is a good default)")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError("engine prefix_cache_mb must be >= 0; set prefix_cache = false to disable it")
 
     def public_dict(self) -> dict:
         """The fields safe to show to any client: everything but the admin token."""

@@ -1,13 +1,19 @@
-"""The built-in engine: a Hugging Face causal LM behind a continuous-batching scheduler.
+"""The built-in engine: a Hugging Face causal LM behind a continuous-batching scheduler with a prefix cache.
 
-One background thread owns the running batch and its KV cache (an HF DynamicCache, rows left-padded
-to a common length). Each iteration it
-  1. admits waiting requests (up to max_batch_size): their prompts are prefilled together, left-padded,
-     with position_ids = cumsum(mask) - 1, and their caches are merged into the running batch;
+One background thread owns the running batch and its KV cache (an HF DynamicCache whose rows are
+aligned on the right; masked columns are padding). Each iteration it
+  1. admits waiting requests (up to max_batch_size). Each prompt first takes the longest chain of
+     cached blocks it starts with from the prefix cache (prefix_cache.py), then only the rest is
+     prefilled, all admitted prompts in one forward; identical prompts (the n samples of a GRPO
+     group) are prefilled once and share that KV. The fresh KV is inserted into the prefix cache;
   2. runs one decode forward of shape (B, 1) for every running row;
-  3. evicts rows that finished (EOS, stop token, stop string, max_new_tokens, context length, abort).
-Every forward and the sampling after it run while holding `model_lock`; a weight update takes the
-same lock, so weights only ever change between two steps and no step sees a half-applied set.
+  3. evicts rows that finished (EOS, stop token, stop string, max_new_tokens, context length, abort)
+     at once, so a finished sequence frees its slot for the next step, and caches their prompt +
+     completion KV so the next turn of a multi-turn episode starts from it.
+Every forward, the sampling after it and every prefix-cache read or write run while holding
+`model_lock`; a weight update takes the same lock, so weights only ever change between two steps and
+no step sees a half-applied set. A weight update empties the prefix cache: KV computed by old weights
+is never reused by a request that starts under new ones.
 
 Logprob convention (details in sampler.py): each sampled token's logprob is taken from
 log_softmax(logits / T) in float32 for T > 0, or log_softmax(logits) for greedy (T == 0), BEFORE any
@@ -15,13 +21,21 @@ top-k / top-p / min-p truncation, which is what the trainer recomputes teacher-f
 Each output records the weight version that produced its last token (read under the lock, so it
 cannot disagree with the weights).
 Requests in flight across an update continue on the new weights with the KV cache they already have.
-Non-goals: prefix caching, paged attention, tensor parallelism, speculative decoding.
+
+Pausing (SGLang's pause modes): `abort` finishes everything in flight as aborted; `retract` puts
+running requests back in the queue (their KV goes to the prefix cache, so resuming re-prefills little)
+and they continue after /continue_generation; `in_place` stops stepping and keeps the running batch
+and its KV as they are. New requests queue while paused.
+Non-goals: paged attention, tensor parallelism, speculative decoding.
 """
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
+import os
+import tempfile
 import threading
 import uuid
 from collections import deque
@@ -32,16 +46,20 @@ import torch
 
 from miles.models.loading import load_model, load_tokenizer
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.sampler import SamplingParams, sample
 from miles.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequest
 from miles.rollout.engine.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache")
+
 
 @dataclass
 class _Row:
-    """A request while it is in the running batch."""
+    """A request from submission to result; it may leave the running batch and come back (retract)."""
 
     req: GenerateRequest
     future: Future
@@ -50,6 +68,12 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     weight_version: int | None = None  # version of the weights that produced the latest token
+    cached_tokens: int | None = None  # prompt tokens whose KV came from the cache, set at first admission
+    kv_version: int | None = None  # weight version its KV was computed under; None once mixed
+
+    def prefill_ids(self) -> tuple[int, ...]:
+        # After a retract the generated tokens are part of what must be prefilled again.
+        return self.req.input_ids + tuple(self.output_ids)
 
 
 class Engine:
@@ -69,17 +93,24 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
         _check_cache_layout(self.model.config)
+        self.prefix_cache = PrefixCache(config.prefix_block_size,
+                                        _cache_tokens(config, self.model) if config.prefix_cache else 0)
         self.weight_version = 0
         self.receiver = WeightReceiver(self, timeout_s=config.weight_update_timeout_s)
         self.model_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._waiting: deque[tuple[GenerateRequest, Future]] = deque()
+        self._waiting: deque[_Row] = deque()
         self._aborts: set[str] = set()  # rids to abort at the next step; only ever rids in flight
         self._inflight: set[str] = set()  # rids admitted to the running batch and not yet finished
         self._generator = torch.Generator().manual_seed(config.seed)
         self._stopping = False
+        self._paused = False  # set by /pause_generation, cleared by /continue_generation
+        self._released: set[str] = set()  # memory tags released; generation waits while non-empty
+        self._offload_path: str | None = None
+        self._control: list[tuple[str, threading.Event]] = []  # quiesce requests for the scheduler
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
-        self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0}
+        self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
+                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0}
         # Running batch; only the scheduler thread touches these.
         self._rows: list[_Row] = []
         self._cache = None
@@ -116,14 +147,15 @@ class Engine:
     def submit(self, req: GenerateRequest) -> Future:
         """Queue a request; the future resolves to a GenerateResult."""
         fut: Future = Future()
+        row = _Row(req, fut, _request_generator(req.params))
         if req.params.max_new_tokens == 0:
-            fut.set_result(self._result(_Row(req, fut, None), FinishReason("length", length=0)))
+            fut.set_result(self._result(row, FinishReason("length", length=0)))
             return fut
         with self._cond:
             if self._stopping:
-                fut.set_result(self._result(_Row(req, fut, None), FinishReason("abort", message="engine stopped")))
+                fut.set_result(self._result(row, FinishReason("abort", message="engine stopped")))
                 return fut
-            self._waiting.append((req, fut))
+            self._waiting.append(row)
             self._cond.notify()
         return fut
 
@@ -132,14 +164,15 @@ class Engine:
         return self.submit(self.make_request(input_ids, params, return_logprob, rid)).result(timeout)
 
     def abort(self, rid: str | None = None) -> None:
-        """Abort one request by id, or every request when rid is None; they finish with type abort."""
+        """Abort one request by id, or every request when rid is None; they finish with type abort and
+        keep whatever they generated so far."""
         with self._cond:
             keep = deque()
-            for req, fut in self._waiting:
-                if rid is None or req.rid == rid:
-                    fut.set_result(self._result(_Row(req, fut, None), FinishReason("abort", message="aborted")))
+            for row in self._waiting:
+                if rid is None or row.req.rid == rid:
+                    row.future.set_result(self._result(row, FinishReason("abort", message="aborted")))
                 else:
-                    keep.append((req, fut))
+                    keep.append(row)
             self._waiting = keep
             # Only rids in flight now: a stale entry would abort a later request that reuses the id.
             self._aborts |= set(self._inflight) if rid is None else {rid} & self._inflight
@@ -150,16 +183,86 @@ class Engine:
         with self._cond:
             return len(self._rows), len(self._waiting)
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def released(self) -> tuple[str, ...]:
+        return tuple(sorted(self._released))
+
+    def pause(self, mode: str = "abort", timeout: float = 120.0) -> None:
+        """Stop generating; returns once no forward is running and `mode` has been carried out."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode: {mode!r} is not a pause mode; use one of {list(PAUSE_MODES)}")
+        with self._cond:
+            self._paused = True
+            if mode == "abort":
+                self.abort(None)
+        self._quiesce(mode, timeout)
+
+    def continue_generation(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS, timeout: float = 120.0) -> None:
+        """Free the weights and/or the KV (running batch and prefix cache) until resume_memory.
+
+        Running requests are retracted and resume afterwards; new requests queue. Weights go to a
+        file (config.offload_dir) because a CPU engine has no other memory to park them in.
+        """
+        tags = _check_tags(tags)
+        with self._cond:
+            self._released.update(tags)
+        self._quiesce("retract", timeout)
+        with self.model_lock:
+            if "kv_cache" in tags:
+                self.prefix_cache.clear()
+            if "weights" in tags and self._offload_path is None:
+                from safetensors.torch import save_file
+
+                fd, path = tempfile.mkstemp(prefix="miles-engine-weights-", suffix=".safetensors",
+                                            dir=self.config.offload_dir)
+                os.close(fd)
+                params = dict(self.model.named_parameters())  # tied weights appear once
+                save_file({n: p.data.contiguous() for n, p in params.items()}, path)
+                for p in params.values():
+                    p.data = torch.empty(0, dtype=p.dtype)
+                self._offload_path = path
+        _return_freed_memory()
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        tags = _check_tags(tags)
+        with self.model_lock:
+            if "weights" in tags and self._offload_path is not None:
+                from safetensors.torch import load_file
+
+                loaded = load_file(self._offload_path)
+                for n, p in self.model.named_parameters():
+                    p.data = loaded[n]
+                os.unlink(self._offload_path)
+                self._offload_path = None
+        with self._cond:
+            self._released.difference_update(tags)
+            self._cond.notify()
+
     def flush_cache(self) -> None:
-        """There is no cross-request (prefix) cache yet, so there is nothing to drop."""
+        """Drop every cached prefix; running requests keep their own KV."""
+        with self.model_lock:
+            self.prefix_cache.clear()
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], weight_version: int | None) -> int:
         """Copy `tensors` into the model between two decode steps; returns the new weight version."""
         with self.model_lock, torch.no_grad():
+            if self._offload_path is not None:
+                raise InvalidRequest("the engine's weights are released; call /resume_memory_occupation "
+                                     "before updating them")
             state = self.model.state_dict()  # shares storage with the parameters; tied weights share too
             for name, t in tensors.items():
                 state[name].copy_(t)
             self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
+            self.prefix_cache.clear()
             return self.weight_version
 
     def stop(self) -> None:
@@ -167,40 +270,63 @@ class Engine:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        if self._offload_path is not None:
+            os.unlink(self._offload_path)
+            self._offload_path = None
 
     # ---- scheduler --------------------------------------------------------------------------
+
+    def _quiesce(self, mode: str, timeout: float) -> None:
+        done = threading.Event()
+        with self._cond:
+            self._control.append((mode, done))
+            self._cond.notify()
+        if not done.wait(timeout):
+            raise RuntimeError(f"the scheduler did not pause within {timeout}s")
+
+    def _held(self) -> bool:
+        return self._paused or bool(self._released)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._rows:
+                while not (self._stopping or self._control or self._aborts
+                           or (not self._held() and (self._waiting or self._rows))):
                     self._cond.wait()
                 if self._stopping:
                     break
-                room = self.config.max_batch_size - len(self._rows)
-                admit = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                self._inflight.update(req.rid for req, _ in admit)
+                control, self._control = self._control, []
                 aborts, self._aborts = self._aborts, set()
+                admit = []
+                if not self._held() and not control:
+                    room = self.config.max_batch_size - len(self._rows)
+                    admit = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    self._inflight.update(row.req.rid for row in admit)
             try:
                 if admit:
                     self._prefill(admit)
                     self._evict_finished()
                 # After admission, so an abort that raced with it still finds its row.
                 self._apply_aborts(aborts)
-                if self._rows:
+                if control:
+                    if any(mode == "retract" for mode, _ in control):
+                        self._retract_all()
+                    for _, done in control:
+                        done.set()
+                    continue
+                if self._rows and not self._held():
                     self._decode_step()
                     self._evict_finished()
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
                 log.exception("engine step failed; failing the running batch")
-                for row in self._rows:
+                for row in self._rows + admit:
                     if not row.future.done():
                         row.future.set_exception(exc)
-                for _, fut in admit:
-                    if not fut.done():
-                        fut.set_exception(exc)
                 self._reset_batch()
                 with self._cond:
                     self._inflight.clear()
+                for _, done in control:
+                    done.set()
         self._shutdown()
 
     def _apply_aborts(self, aborts: set[str]) -> None:
@@ -217,27 +343,76 @@ class Engine:
                          logits_to_keep=logits_to_keep, **kwargs)
         return out.logits[:, -1, :]  # (B, V)
 
-    def _prefill(self, admit: list[tuple[GenerateRequest, Future]]) -> None:
+    def _prefill(self, rows: list[_Row]) -> None:
         from transformers import DynamicCache
 
-        rows = [_Row(req, fut, _request_generator(req.params)) for req, fut in admit]
-        lens = [len(r.req.input_ids) for r in rows]
-        P = max(lens)
-        ids = torch.full((len(rows), P), self.pad_token_id, dtype=torch.long)  # (n, P), left-padded
-        mask = torch.zeros((len(rows), P), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, P - lens[i]:] = torch.tensor(r.req.input_ids)
-            mask[i, P - lens[i]:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        # Identical prompts are prefilled once; `lead[i]` is the unique prompt row i copies.
+        uniq: list[tuple[int, ...]] = []
+        where: dict[tuple[int, ...], int] = {}
+        lead = []
+        for r in rows:
+            ids = r.prefill_ids()
+            if ids not in where:
+                where[ids] = len(uniq)
+                uniq.append(ids)
+            lead.append(where[ids])
         with self.model_lock, torch.inference_mode():
             version = self.weight_version
-            logits = self._forward(ids, mask, pos, cache, logits_to_keep=1)
+            # At least one token is always computed: its logits choose the first output token.
+            hits = [self.prefix_cache.match(ids, limit=len(ids) - 1) for ids in uniq]
+            cached = [len(h) * self.prefix_cache.block_size for h in hits]
+            suffix = [len(ids) - c for ids, c in zip(uniq, cached)]
+            R, M, S = len(uniq), max(cached), max(suffix)
+            ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded
+            pos = torch.zeros((R, S), dtype=torch.long)
+            mask = torch.zeros((R, M + S), dtype=torch.long)  # [pad | cached prefix | pad | suffix]
+            for i, ids in enumerate(uniq):
+                c, s = cached[i], suffix[i]
+                ids_t[i, S - s:] = torch.tensor(ids[c:])
+                pos[i, S - s:] = torch.arange(c, len(ids))
+                mask[i, M - c:M] = 1
+                mask[i, M + S - s:] = 1
+            cache = DynamicCache(config=self.model.config)
+            if M:
+                self._load_prefixes(cache, hits, cached, M)
+            logits = self._forward(ids_t, mask, pos, cache, logits_to_keep=1)
+            for i, ids in enumerate(uniq):
+                self.prefix_cache.insert(ids, lambda a, b, i=i: _row_kv(cache, mask, i, a, b))
+            if R < len(rows):
+                idx = torch.tensor(lead)
+                logits, mask = logits[idx], mask[idx]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[idx], layer.values[idx]
             tokens, logprobs = self._sample(logits, rows)
-        self._merge(rows, cache, mask, torch.tensor(lens), tokens)
+        first_of = {}
+        for r, j in zip(rows, lead):
+            if r.cached_tokens is None:
+                # A copy of another row's prompt computed none of its own KV.
+                r.cached_tokens = cached[j] if j not in first_of else len(r.req.input_ids)
+                self.stats["prompt_tokens"] += len(r.req.input_ids)
+                self.stats["cached_tokens"] += r.cached_tokens
+            first_of.setdefault(j, r)
+            r.kv_version = version
+        lens = torch.tensor([len(uniq[j]) for j in lead])
+        self._merge(rows, cache, mask, lens, tokens)
         self._record(rows, tokens, logprobs, version)
         self.stats["prefill_forwards"] += 1
         self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], len(self._rows))
+
+    def _load_prefixes(self, cache, hits, cached: list[int], M: int) -> None:
+        """Fill `cache` with each row's cached prefix, right-aligned at column M."""
+        K = V = None
+        for i, (h, c) in enumerate(zip(hits, cached)):
+            if not c:
+                continue
+            k, v = PrefixCache.gather(h)  # (layers, H, c, D)
+            if K is None:
+                shape = (k.shape[0], len(hits), k.shape[1], M, k.shape[3])
+                K, V = k.new_zeros(shape), v.new_zeros(shape)  # (layers, R, H, M, D)
+            K[:, i, :, M - c:] = k
+            V[:, i, :, M - c:] = v
+        for layer_idx in range(K.shape[0]):
+            cache.update(K[layer_idx], V[layer_idx], layer_idx)
 
     def _decode_step(self) -> None:
         mask = torch.cat([self._mask, torch.ones((len(self._rows), 1), dtype=torch.long)], dim=1)  # (B, L+1)
@@ -246,6 +421,9 @@ class Engine:
             logits = self._forward(self._last_tokens[:, None], mask, self._next_pos[:, None], self._cache,
                                    logits_to_keep=1)
             tokens, logprobs = self._sample(logits, self._rows)
+        for row in self._rows:
+            if row.kv_version != version:
+                row.kv_version = None  # its KV now spans two weight versions: never cache it
         self._mask = mask
         self._next_pos = self._next_pos + 1
         self._last_tokens = tokens
@@ -301,10 +479,36 @@ class Engine:
         self._last_tokens = torch.cat([self._last_tokens, tokens])
         self._rows = self._rows + rows
 
+    def _cache_rows(self, indices: list[int]) -> None:
+        """Offer the prompt + completion KV of running rows to the prefix cache."""
+        if self.prefix_cache.max_tokens == 0:
+            return
+        with self.model_lock, torch.inference_mode():
+            for i in indices:
+                row = self._rows[i]
+                if row.kv_version != self.weight_version:
+                    continue
+                # The last sampled token was never fed to the model, so it has no KV yet.
+                ids = row.prefill_ids()[:-1]
+                self.prefix_cache.insert(ids, lambda a, b, i=i: _row_kv(self._cache, self._mask, i, a, b))
+
+    def _retract_all(self) -> None:
+        """Move every running row back to the head of the queue; its KV survives in the prefix cache."""
+        if not self._rows:
+            return
+        self._cache_rows(list(range(len(self._rows))))
+        rows = self._rows
+        self._reset_batch()
+        self.stats["retracted_reqs"] += len(rows)
+        with self._cond:
+            self._inflight.difference_update(r.req.rid for r in rows)
+            self._waiting.extendleft(reversed(rows))
+
     def _evict_finished(self) -> None:
         done = [i for i, r in enumerate(self._rows) if r.finish is not None]
         if not done:
             return
+        self._cache_rows([i for i in done if self._rows[i].output_ids])
         with self._cond:
             self._inflight.difference_update(self._rows[i].req.rid for i in done)
         for i in done:
@@ -339,7 +543,8 @@ class Engine:
         return GenerateResult(
             rid=row.req.rid, text=text, prompt_tokens=len(row.req.input_ids), output_ids=list(row.output_ids),
             output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
-            weight_version=row.weight_version if row.weight_version is not None else self.weight_version)
+            weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
+            cached_tokens=row.cached_tokens or 0)
 
     def _shutdown(self) -> None:
         with self._cond:
@@ -348,8 +553,8 @@ class Engine:
         for row in self._rows:
             if not row.future.done():
                 row.future.set_result(self._result(row, FinishReason("abort", message="engine stopped")))
-        for req, fut in pending:
-            fut.set_result(self._result(_Row(req, fut, None), FinishReason("abort", message="engine stopped")))
+        for row in pending:
+            row.future.set_result(self._result(row, FinishReason("abort", message="engine stopped")))
         self._reset_batch()
 
 
@@ -357,6 +562,13 @@ def _request_generator(params: SamplingParams) -> torch.Generator | None:
     if params.sampling_seed is None:
         return None
     return torch.Generator().manual_seed(params.sampling_seed)
+
+
+def _row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of batch row i's real tokens [a, b), each (layers, H, b - a, D)."""
+    cols = mask[i].nonzero().squeeze(1)[a:b]
+    return (torch.stack([layer.keys[i][:, cols] for layer in cache.layers]),
+            torch.stack([layer.values[i][:, cols] for layer in cache.layers]))
 
 
 def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -379,6 +591,35 @@ def _check_cache_layout(model_config) -> None:
             raise NotImplementedError(
                 f"the built-in engine batches with plain full-attention KV caches, but this model uses "
                 f"{type(layer).__name__} (sliding-window or linear attention); serve it with SGLang instead")
+
+
+def _cache_tokens(config: EngineConfig, model) -> int:
+    """How many tokens of KV fit in config.prefix_cache_mb."""
+    c = model.config
+    c = getattr(c, "get_text_config", lambda: c)()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize
+    return int(config.prefix_cache_mb * 2**20) // per_token
+
+
+def _check_tags(tags) -> tuple[str, ...]:
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad or not tags:
+        raise InvalidRequest(f"tags: {bad or tags!r} - send a non-empty subset of {list(MEMORY_TAGS)}")
+    return tuple(tags)
+
+
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS so the RSS really drops (glibc keeps them otherwise)."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -49,13 +49,14 @@ class GenerateResult:
     output_logprobs: list[float] | None  # one per output token, see sampler.py for the convention
     finish_reason: FinishReason
     weight_version: int  # the version of the weights that produced the last token
+    cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
 
     def to_sglang(self) -> dict:
         meta = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason.to_dict(),
             "weight_version": self.weight_version,
         }
