@@ -14,6 +14,13 @@ Wire contract (SGLang's `update_weights_from_distributed`, plus miles' staging):
     abandoned earlier version left staged or poisoned, so one failed push does not block the next.
 Two wire formats: load_format "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes
 in order (sum of numel * itemsize); load_format None = one broadcast per tensor in its own dtype.
+
+The other transports stage through the same staging and commit:
+  * `receive_shm` copies a bucket out of a shared-memory buffer on this host (p2p writes into a
+    buffer this engine owns, from `open_p2p_buffer`; colocated hands over a buffer the trainer owns).
+  * `stage_delta` patches this engine's local copy of the run's base checkpoint with one disk delta,
+    verifies every tensor's checksum, and stages the result; the local copy advances only at commit.
+  * the weights checker fills the model with noise and compares it with the trainer's checksums.
 Non-goals: NCCL/CUDA (the built-in engine is CPU-only), tensor-parallel resharding on receive.
 """
 
@@ -51,6 +58,10 @@ class WeightReceiver:
         self._staging: dict[str, torch.Tensor] = {}
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._lock = threading.Lock()  # one update at a time: collectives must not interleave
+        self._p2p_buffers: dict[str, torch.Tensor] = {}  # path -> mapping of buffers this engine owns
+        self._delta = None  # DeltaCopy: the local copy of the base checkpoint, at its current version
+        self._delta_pending = None  # (version, tensors) staged from a delta; becomes the local copy at commit
+        self._snapshot: dict[str, torch.Tensor] | None = None
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str = "weight_update_group", backend: str = "gloo") -> str:
@@ -79,6 +90,7 @@ class WeightReceiver:
         with self._lock:
             self._staging.clear()
             self._poisoned = None
+            self._delta_pending = None
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 group_name: str = "weight_update_group", load_format: str | None = None) -> None:
@@ -95,14 +107,7 @@ class WeightReceiver:
             if not len(names) == len(dtypes) == len(shapes):
                 raise self._fail(f"names, dtypes and shapes must have equal lengths, got "
                                  f"{len(names)}, {len(dtypes)}, {len(shapes)}")
-            specs = []
-            for name, dt, shape in zip(names, dtypes, shapes):
-                dtype = _parse_dtype(dt)
-                if dtype is None:
-                    raise self._fail(f"dtypes: {dt!r} (tensor {name!r}) is not a torch dtype")
-                if any(not isinstance(d, int) or d < 0 for d in shape):
-                    raise self._fail(f"shapes: {shape!r} (tensor {name!r}) is not a list of non-negative ints")
-                specs.append((name, dtype, tuple(shape)))
+            specs = self._specs(names, dtypes, shapes)
 
             try:
                 received = self._broadcast(group, specs, load_format)
@@ -126,9 +131,164 @@ class WeightReceiver:
                                         "the old weights stay in force, resend the whole version")
             staged, self._staging = self._staging, {}
             version = self.engine.apply_weights(staged, weight_version)
+            if self._delta_pending is not None:
+                self._delta.advance(*self._delta_pending)
+                self._delta_pending = None
             if flush_cache:
                 self.engine.flush_cache()
             return version
+
+    # ---- shared memory (p2p on one host, colocated) --------------------------------------------
+
+    def open_p2p_buffer(self, nbytes: int) -> str:
+        """Create a receive buffer this engine owns; a p2p sender writes buckets straight into it."""
+        from miles.sync import shm
+
+        path, buf = shm.create(nbytes, tag="p2p")
+        with self._lock:
+            self._p2p_buffers[path] = buf
+        return path
+
+    def close_p2p_buffer(self, path: str) -> None:
+        from miles.sync import shm
+
+        with self._lock:
+            if self._p2p_buffers.pop(path, None) is not None:
+                shm.unlink(path)
+
+    def close(self) -> None:
+        for path in list(self._p2p_buffers):
+            self.close_p2p_buffer(path)
+
+    def receive_shm(self, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    offsets: list[int]) -> None:
+        """Copy one bucket out of a shared-memory buffer into staging (the buffer is reused next bucket)."""
+        from miles.sync import shm
+
+        if not names:
+            return
+        with self._lock:
+            if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+                raise self._fail(f"names, dtypes, shapes and offsets must have equal lengths, got {len(names)}, "
+                                 f"{len(dtypes)}, {len(shapes)}, {len(offsets)}")
+            specs = self._specs(names, dtypes, shapes)
+            if any(type(o) is not int or o < 0 for o in offsets):
+                raise self._fail("offsets: expected non-negative integers")
+            ends = [off + _numel(s) * torch.empty((), dtype=dt).element_size()
+                    for off, (_, dt, s) in zip(offsets, specs)]
+            buf = self._p2p_buffers.get(path)
+            try:
+                if buf is None:
+                    buf = shm.attach(path, max(ends))
+                elif buf.numel() < max(ends):
+                    raise ValueError(f"the bucket needs {max(ends)} bytes but buffer {path} holds {buf.numel()}")
+            except ValueError as exc:
+                raise self._fail(f"shm_path: {exc}") from None
+            received = {}
+            for (name, dtype, shape), off, end in zip(specs, offsets, ends):
+                # clone(): the sender overwrites this buffer with its next bucket.
+                received[name] = buf[off:end].clone().view(dtype).reshape(shape)
+            del buf
+            err = self._validate(received)
+            if err is not None:
+                raise self._fail(err)
+            self._staging.update(received)
+
+    # ---- disk delta --------------------------------------------------------------------------
+
+    def init_delta_base(self, base_path: str, local_dir: str, base_version: int = 0) -> str:
+        """Copy the run's base checkpoint into this host's local dir (once) and load it as the local copy."""
+        from miles.sync.transports.disk_delta import DeltaCopy
+
+        copy = DeltaCopy.from_base(base_path, local_dir, base_version)
+        with self._lock:
+            self._delta, self._delta_pending = copy, None
+        return f"local copy of {base_path} at version {base_version} in {local_dir}"
+
+    def stage_delta(self, version_dir: str) -> int:
+        """Patch the local copy with one delta, verify every tensor, stage it; returns the delta's version."""
+        from miles.sync.transports.disk_delta import DeltaError
+
+        with self._lock:
+            if self._delta is None:
+                raise self._fail("no local base copy: call /init_delta_base before sending disk deltas")
+            try:
+                version, tensors = self._delta.patch(version_dir)
+            except DeltaError as exc:
+                raise self._fail(str(exc)) from None
+            err = self._validate(tensors)
+            if err is not None:
+                raise self._fail(err)
+            self._staging.update(tensors)
+            self._delta_pending = (version, tensors)
+            return version
+
+    @property
+    def delta_version(self) -> int | None:
+        return None if self._delta is None else self._delta.version
+
+    def stage_checkpoint(self, model_path: str) -> int:
+        """Stage every tensor of a Hugging Face safetensors checkpoint directory (SGLang's full reload)."""
+        import glob
+        import os
+
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise WeightUpdateError(f"model_path: no *.safetensors files in {model_path!r}")
+        with self._lock:
+            tensors = {}
+            for f in files:
+                tensors.update(load_file(f))
+            err = self._validate(tensors)
+            if err is not None:
+                raise self._fail(err)
+            self._staging.update(tensors)
+            return len(tensors)
+
+    # ---- weights checker -----------------------------------------------------------------------
+
+    def check(self, action: str, body: dict) -> dict:
+        """/weights_checker: snapshot | reset_tensors | compare | checksum (see miles/sync/verify.py)."""
+        from miles.sync import verify
+
+        model = self.engine.model
+        with self.engine.model_lock, torch.no_grad():
+            if action == "snapshot":
+                self._snapshot = {n: t.clone() for n, t in verify.unique_tensors(model).items()}
+                return {"success": True, "tensors": len(self._snapshot)}
+            if action == "reset_tensors":
+                seed = body.get("seed", 0)
+                if type(seed) is not int:
+                    raise WeightUpdateError("seed: expected an integer")
+                return {"success": True, "tensors": verify.noise_fill_(model, seed)}
+            if action == "compare":
+                expected = body.get("expected")
+                if expected is None:  # SGLang's form: compare against the last snapshot
+                    if self._snapshot is None:
+                        raise WeightUpdateError("compare: no snapshot taken; send action 'snapshot' first or "
+                                                "pass 'expected': {name: [dtype, xxh3_128]}")
+                    now = verify.unique_tensors(model)
+                    diff = [n for n, t in self._snapshot.items() if not torch.equal(t, now[n])]
+                    return {"success": not diff, "mismatched": diff, "missing": [], "unexpected": [],
+                            "checked": len(now)}
+                if not isinstance(expected, dict) or not all(
+                        isinstance(v, list) and len(v) == 2 and _parse_dtype(v[0]) is not None
+                        for v in expected.values()):
+                    raise WeightUpdateError("expected: send {name: [dtype, xxh3_128 hex digest]}")
+                r = verify.engine_checksums(model, expected)
+                return {"success": not (r["mismatched"] or r["missing"] or r["unexpected"]), **r}
+            if action == "checksum":
+                buckets = body.get("buckets")
+                meta = self.engine.param_meta
+                if not isinstance(buckets, list) or not all(
+                        isinstance(b, list) and all(isinstance(e, list) and len(e) == 2 and e[0] in meta
+                                                    and _parse_dtype(e[1]) is not None for e in b)
+                        for b in buckets):
+                    raise WeightUpdateError("buckets: send [[[name, dtype], ...], ...] with names of this model")
+                return {"success": True, "checksums": verify.engine_bucket_checksums(model, buckets)}
+        raise WeightUpdateError(f"action: {action!r} is unknown; use snapshot, reset_tensors, compare or checksum")
 
     @property
     def staged_names(self) -> list[str]:
@@ -148,9 +308,13 @@ class WeightReceiver:
                 group.pg.broadcast([flat], opts).wait()
             offset = 0
             for (name, dtype, shape), n in zip(specs, nbytes):
-                # clone() re-bases each chunk at offset 0: viewing bytes at an odd offset as a wider
-                # dtype is not allowed, and staging must not pin the whole bucket anyway.
-                out[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
+                chunk = flat[offset:offset + n]
+                # The bucket buffer is fresh and held only by staging, so aligned chunks are staged as
+                # views (no copy); viewing bytes at a misaligned offset as a wider dtype is not allowed,
+                # so those few are re-based by a copy.
+                if offset % torch.empty((), dtype=dtype).element_size():
+                    chunk = chunk.clone()
+                out[name] = chunk.view(dtype).reshape(shape)
                 offset += n
         elif load_format is None:
             for name, dtype, shape in specs:
@@ -160,6 +324,17 @@ class WeightReceiver:
         else:
             raise self._fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket' or null")
         return out
+
+    def _specs(self, names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        specs = []
+        for name, dt, shape in zip(names, dtypes, shapes):
+            dtype = _parse_dtype(dt)
+            if dtype is None:
+                raise self._fail(f"dtypes: {dt!r} (tensor {name!r}) is not a torch dtype")
+            if not isinstance(shape, list) or any(not isinstance(d, int) or d < 0 for d in shape):
+                raise self._fail(f"shapes: {shape!r} (tensor {name!r}) is not a list of non-negative ints")
+            specs.append((name, dtype, tuple(shape)))
+        return specs
 
     def _validate(self, received: dict[str, torch.Tensor]) -> str | None:
         meta = self.engine.param_meta
@@ -175,6 +350,7 @@ class WeightReceiver:
 
     def _fail(self, reason: str) -> WeightUpdateError:
         self._staging.clear()
+        self._delta_pending = None
         self._poisoned = reason
         return WeightUpdateError(reason + "; staged weights were discarded")
 

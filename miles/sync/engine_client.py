@@ -1,0 +1,60 @@
+"""The trainer's HTTP client for engines' admin endpoints: one call per engine, in parallel.
+
+Every failure becomes a TransportError that names the engine, the endpoint and the engine's own
+reason, and a call to several engines waits for all of them before raising one error naming every
+engine that failed (so no engine is left mid-request when the caller reacts).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Callable
+
+from miles.sync.transports.base import TransportError
+
+
+class EngineClient:
+    def __init__(self, admin_token: str | None = None, timeout_s: float = 120.0):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10))
+        self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="miles-sync-http")
+
+    def post(self, url: str, path: str, body: dict) -> dict:
+        import httpx
+
+        try:
+            r = self._http.post(url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"engine {url}: {path} failed to respond ({type(exc).__name__}: {exc})") from None
+        if r.status_code != 200:
+            try:
+                reason = r.json().get("error") or r.json().get("message") or r.text
+            except ValueError:
+                reason = r.text
+            raise TransportError(f"engine {url}: {path} returned HTTP {r.status_code}: {reason}")
+        return r.json()
+
+    def post_all(self, urls: list[str], path: str, body: dict | Callable[[int, str], dict]) -> list[dict]:
+        """POST to every engine at once (body may depend on (index, url)); raise naming every failure."""
+        futures = [self._pool.submit(self.post, url, path, body(i, url) if callable(body) else body)
+                   for i, url in enumerate(urls)]
+        cf.wait(futures)
+        errors = [str(f.exception()) for f in futures if f.exception() is not None]
+        if errors:
+            raise TransportError("; ".join(errors))
+        return [f.result() for f in futures]
+
+    def run_all(self, fns: list[Callable[[], object]]) -> list:
+        """Run callables concurrently on the client's threads; raise the first error after all finish."""
+        futures = [self._pool.submit(fn) for fn in fns]
+        cf.wait(futures)
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._http.close()
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,362 @@
+"""Disk-delta transport: ship only the bytes that changed, through a directory every host can read.
+
+Layout of one version (written by the trainer, read by every engine host):
+
+    <delta_dir>/v00000007/shard-00000.zst ...   one file per bucket; each tensor is its own zstd frame
+    <delta_dir>/v00000007/index.json            written last; a version without it does not exist
+    index = {format, version, base_version, encoding: "xor-zstd",
+             tensors: {name: {shard, offset, length, nbytes, dtype, shape, xxh3_128}}}
+
+Encoding: per tensor, XOR of its bytes (in the engine's wire dtype) against the previous version's
+bytes, zstd-compressed. Bytes that did not change XOR to zero and compress to almost nothing, so the
+wire size follows the fraction of changed bytes. `xxh3_128` is the checksum of the RESULTING tensor,
+so a host proves it rebuilt exactly the trainer's tensor, whatever went wrong on the way.
+Every file is written atomically (temp file, fsync, rename; then the directory is fsynced).
+
+The base (version `base_version`, default 0) is the run's starting checkpoint: each engine copies it
+once into its host's local dir and keeps a local copy that every delta patches in turn. Applying is
+two-phase across the fleet: every engine first patches and verifies into staging; only when every
+engine has succeeded does any engine commit (reload). A missing or truncated shard, a corrupt frame,
+a checksum mismatch or a delta built on another base version refuses the update on that engine, the
+transport then discards staging everywhere, and every engine keeps serving the previous version.
+The trainer's reference copy (and each engine's local copy) advance only after a successful commit.
+
+Memory: the trainer keeps one copy of the engine weights (the previous version) plus the pending
+version until commit. Refused with colocation, LoRA and prefill/decode disaggregation (config).
+Non-goals: restarting an engine mid-run from base + a chain of deltas; cross-host shard transfer
+(the delta dir is a shared or replicated filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from miles.sync.engine_client import EngineClient
+from miles.sync.transports.base import TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+FORMAT = "miles-delta/1"
+ENCODING = "xor-zstd"
+INDEX = "index.json"
+
+
+class DeltaError(RuntimeError):
+    """A delta that cannot be applied; the message names the tensor (or file) and the cause."""
+
+
+def version_dir(delta_dir: str, version: int) -> str:
+    return os.path.join(delta_dir, f"v{version:08d}")
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+
+
+def _xor(a, b):
+    """XOR two equal-length uint8 numpy arrays, 8 bytes at a time where the length allows."""
+    import numpy as np
+
+    if a.size % 8 == 0:
+        return np.bitwise_xor(a.view(np.uint64), b.view(np.uint64)).view(np.uint8)
+    return np.bitwise_xor(a, b)
+
+
+def _write_atomic(path: str, data: bytes | list) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        for chunk in (data if isinstance(data, list) else [data]):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_base(base_path: str) -> dict[str, "torch.Tensor"]:
+    """All tensors of a safetensors checkpoint directory (or single file), by name."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    files = [base_path] if os.path.isfile(base_path) else sorted(glob.glob(os.path.join(base_path, "*.safetensors")))
+    if not files:
+        raise DeltaError(f"base checkpoint {base_path!r} has no *.safetensors files")
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+# ---- engine side: the local copy --------------------------------------------------------------
+
+
+@dataclass
+class DeltaCopy:
+    """One host's local copy of the weights: the base checkpoint patched up to `version`."""
+
+    version: int
+    tensors: dict  # name -> tensor in the wire dtype (base tensors are cast on first use)
+
+    @classmethod
+    def from_base(cls, base_path: str, local_dir: str, base_version: int = 0) -> "DeltaCopy":
+        os.makedirs(local_dir, exist_ok=True)
+        src = [base_path] if os.path.isfile(base_path) else [
+            os.path.join(base_path, f) for f in sorted(os.listdir(base_path)) if f.endswith(".safetensors")]
+        if not src:
+            raise DeltaError(f"base checkpoint {base_path!r} has no *.safetensors files")
+        for f in src:  # copied once per host: engines sharing a local dir find it already there
+            dst = os.path.join(local_dir, os.path.basename(f))
+            if not (os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(f)):
+                tmp = f"{dst}.tmp-{os.getpid()}"
+                shutil.copyfile(f, tmp)
+                os.replace(tmp, dst)
+        return cls(base_version, load_base(local_dir))
+
+    def patch(self, vdir: str) -> tuple[int, dict]:
+        """Decode and verify every tensor of the delta in `vdir`; returns (version, new tensors).
+        Leaves this copy unchanged (advance() applies the result after the fleet commits)."""
+        import numpy as np
+        import torch
+        import xxhash
+        import zstandard
+
+        index = self._read_index(vdir)
+        version, base_version = index["version"], index["base_version"]
+        if base_version != self.version:
+            raise DeltaError(f"delta {vdir} is built on version {base_version} but this host's local copy is at "
+                             f"version {self.version}: refusing to apply it (the trainer must send a delta "
+                             f"against version {self.version})")
+        out = {}
+        shards: dict[str, bytes] = {}
+        dctx = zstandard.ZstdDecompressor()
+        for name, e in index["tensors"].items():
+            where = f"tensor {name!r} (shard {e['shard']} of {vdir})"
+            prev = self.tensors.get(name)
+            dtype = getattr(torch, e["dtype"], None)
+            if prev is None:
+                raise DeltaError(f"{where}: the local copy has no tensor of that name")
+            if not isinstance(dtype, torch.dtype):
+                raise DeltaError(f"{where}: unknown dtype {e['dtype']!r}")
+            prev = prev.to(dtype)
+            if list(prev.shape) != e["shape"]:
+                raise DeltaError(f"{where}: shape {e['shape']} does not match the local copy's {list(prev.shape)}")
+            if e["shard"] not in shards:
+                path = os.path.join(vdir, e["shard"])
+                try:
+                    with open(path, "rb") as f:
+                        shards[e["shard"]] = f.read()
+                except FileNotFoundError:
+                    raise DeltaError(f"{where}: the shard file is missing") from None
+            data = shards[e["shard"]]
+            end = e["offset"] + e["length"]
+            if len(data) < end:
+                raise DeltaError(f"{where}: the shard file is truncated ({len(data)} bytes, the tensor's frame "
+                                 f"ends at byte {end})")
+            try:
+                raw = dctx.decompress(data[e["offset"]:end], max_output_size=e["nbytes"])
+            except zstandard.ZstdError as exc:
+                raise DeltaError(f"{where}: the compressed frame is corrupt ({exc})") from None
+            if len(raw) != e["nbytes"]:
+                raise DeltaError(f"{where}: decoded {len(raw)} bytes, expected {e['nbytes']}")
+            new = _xor(np.frombuffer(raw, dtype=np.uint8), prev.reshape(-1).view(torch.uint8).numpy())
+            if xxhash.xxh3_128_hexdigest(new) != e["xxh3_128"]:
+                raise DeltaError(f"{where}: checksum mismatch after applying the delta (xxh3-128 "
+                                 f"{xxhash.xxh3_128_hexdigest(new)} != {e['xxh3_128']})")
+            out[name] = torch.from_numpy(new).view(dtype).reshape(e["shape"])
+        return version, out
+
+    def advance(self, version: int, tensors: dict) -> None:
+        self.tensors.update(tensors)
+        self.version = version
+
+    @staticmethod
+    def _read_index(vdir: str) -> dict:
+        path = os.path.join(vdir, INDEX)
+        try:
+            with open(path) as f:
+                index = json.load(f)
+        except FileNotFoundError:
+            raise DeltaError(f"delta index {path} is missing (the version was never completely written)") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DeltaError(f"delta index {path} is unreadable ({exc})") from None
+        if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("encoding") != ENCODING:
+            raise DeltaError(f"delta index {path} is not a {FORMAT} / {ENCODING} index")
+        return index
+
+
+# ---- trainer side: the transport --------------------------------------------------------------
+
+
+class DiskDeltaTransport:
+    name = "disk_delta"
+
+    def __init__(self, delta_dir: str = "", base_path: str = "", local_dir: str = "", base_version: int = 0,
+                 admin_token: str | None = None, timeout_s: float = 300.0, zstd_level: int = 3,
+                 keep_versions: int = 2):
+        if not delta_dir or not base_path:
+            raise ValueError("disk_delta needs delta_dir (where versions are written) and base_path (the run's "
+                             "starting checkpoint): set sync.delta_dir and model.path")
+        self.delta_dir, self.base_path = delta_dir, base_path
+        self.local_dir = local_dir or os.path.join(delta_dir, "local")
+        self.base_version = base_version
+        self.admin_token, self.timeout_s = admin_token, timeout_s
+        self.zstd_level, self.keep_versions = zstd_level, keep_versions
+        self.engine_urls: list[str] = []
+        self._client: EngineClient | None = None
+        self._prev: dict | None = None  # name -> tensor at self._version (what every engine holds)
+        self._version = base_version
+        self._pending: dict = {}  # this version's tensors, and their index entries
+        self._entries: dict = {}
+        self._shards = 0
+        self._failed: str | None = None
+        self.last_stats: dict[str, float] = {}
+
+    def connect(self, engine_urls: list[str]) -> None:
+        if not engine_urls:
+            raise ValueError("connect: no engine URLs given")
+        self.close()
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._client = EngineClient(self.admin_token, self.timeout_s)
+        if self._prev is None:
+            self._prev = load_base(self.base_path)
+        os.makedirs(self.delta_dir, exist_ok=True)
+        # Engines joining mid-run would need the chain of deltas since the base; refuse that plainly.
+        if self._version != self.base_version:
+            raise TransportError(f"disk_delta: engines can only join at the base version {self.base_version}; "
+                                 f"the trainer is at version {self._version}")
+        self._client.post_all(self.engine_urls, "/init_delta_base", {
+            "base_path": self.base_path, "local_dir": self.local_dir, "base_version": self.base_version})
+        self._begin()
+
+    def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
+        import torch
+        import xxhash
+        import zstandard
+
+        self._check()
+        if not bucket:
+            return
+        os.makedirs(self._vdir_tmp(), exist_ok=True)
+        shard = f"shard-{self._shards:05d}.zst"
+        self._shards += 1
+        cctx = zstandard.ZstdCompressor(level=self.zstd_level, write_checksum=True)
+        frames, offset = [], 0
+        try:
+            for name, t in bucket:
+                prev = self._prev.get(name)
+                if prev is None:
+                    raise TransportError(f"disk_delta: tensor {name!r} is not in the base checkpoint {self.base_path}")
+                t = t.detach().to("cpu").contiguous()
+                prev = prev.to(t.dtype)
+                if prev.shape != t.shape:
+                    raise TransportError(f"disk_delta: tensor {name!r} has shape {list(t.shape)} but the base "
+                                         f"checkpoint has {list(prev.shape)}")
+                new = t.reshape(-1).view(torch.uint8).numpy()
+                x = _xor(new, prev.reshape(-1).view(torch.uint8).numpy())
+                frame = cctx.compress(x.data)
+                frames.append(frame)
+                self._stats["delta/changed_bytes"] += int(x.size - (x == 0).sum())
+                self._stats["delta/full_bytes"] += x.size
+                self._entries[name] = {"shard": shard, "offset": offset, "length": len(frame), "nbytes": int(x.size),
+                                       "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                       "xxh3_128": xxhash.xxh3_128_hexdigest(new)}
+                self._pending[name] = t.clone()
+                offset += len(frame)
+            _write_atomic(os.path.join(self._vdir_tmp(), shard), frames)
+            self._stats["delta/wire_bytes"] += offset
+        except OSError as exc:
+            self._failed = f"writing {shard} (tensors {bucket[0][0]!r}...) failed: {exc}"
+            raise TransportError(f"disk_delta: {self._failed}") from None
+        except TransportError as exc:
+            self._failed = str(exc)
+            raise
+
+    def commit(self, weight_version: int) -> None:
+        self.write(weight_version)
+        self.apply(weight_version)
+
+    def write(self, weight_version: int) -> str:
+        """Finish writing this version (its index, atomically); returns the version's directory."""
+        self._check()
+        if self._failed is not None:
+            why = self._failed
+            self._begin()
+            raise TransportError(f"not committing weight version {weight_version}: {why}; no engine reloaded")
+        version = int(weight_version)
+        if version == self._version:
+            raise TransportError(f"disk_delta: version {version} is the version engines already hold; "
+                                 "each update needs a new version number")
+        index = {"format": FORMAT, "version": version, "base_version": self._version, "encoding": ENCODING,
+                 "tensors": self._entries}
+        vdir = version_dir(self.delta_dir, version)
+        try:
+            tmp = self._vdir_tmp()
+            os.makedirs(tmp, exist_ok=True)
+            _write_atomic(os.path.join(tmp, INDEX), json.dumps(index).encode())
+            _fsync_dir(tmp)
+            if os.path.exists(vdir):
+                shutil.rmtree(vdir)
+            os.replace(tmp, vdir)
+            _fsync_dir(self.delta_dir)
+        except OSError as exc:
+            self._begin()
+            raise TransportError(f"not committing weight version {version}: writing its index failed ({exc}); "
+                                 "no engine reloaded") from None
+        self.last_stats = dict(self._stats)
+        return vdir
+
+    def apply(self, version: int) -> None:
+        """Two-phase apply of an already-written version: every engine stages and verifies, then all commit."""
+        vdir = version_dir(self.delta_dir, version)
+        try:
+            self._client.post_all(self.engine_urls, "/update_weights_from_disk",
+                                  {"load_format": "miles_delta", "model_path": vdir, "commit": False})
+        except TransportError as exc:
+            self._client.post_all(self.engine_urls, "/update_weights_from_disk", {"reset_staging": True})
+            self._begin()
+            raise TransportError(f"weight version {version} refused, no engine reloaded, every engine keeps "
+                                 f"version {self._version}: {exc}") from None
+        self._client.post_all(self.engine_urls, "/update_weights_from_disk",
+                              {"load_format": "miles_delta", "commit": True, "weight_version": version})
+        self._prev.update(self._pending)
+        self._version = version
+        self._begin()
+        self._prune()
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        tmp = self._vdir_tmp()
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        self._pending, self._entries, self._shards, self._failed = {}, {}, 0, None
+        self._stats = {"delta/changed_bytes": 0, "delta/full_bytes": 0, "delta/wire_bytes": 0}
+
+    def _vdir_tmp(self) -> str:
+        return os.path.join(self.delta_dir, ".incoming")
+
+    def _prune(self) -> None:
+        versions = sorted(d for d in os.listdir(self.delta_dir) if d.startswith("v") and d[1:].isdigit())
+        for d in versions[:-self.keep_versions] if self.keep_versions > 0 else []:
+            shutil.rmtree(os.path.join(self.delta_dir, d), ignore_errors=True)
+
+    def _check(self) -> None:
+        if self._client is None:
+            raise TransportError("disk_delta transport is not connected: call connect(engine_urls) first")

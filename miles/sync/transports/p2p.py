@@ -1,0 +1,142 @@
+"""Point-to-point transport: the trainer's source writes each bucket into each engine's own memory.
+
+Broadcast fans every bucket out through one collective; p2p instead gives every engine its own
+channel, so one engine's transfer never waits on another's and nothing is relayed:
+  * an engine on this host (loopback or this machine's name) lends a receive buffer in shared memory
+    (`/p2p_open_buffer`); the trainer copies each tensor's bytes straight into it, then POSTs the
+    layout, and the engine copies them into its staging. Engines are written concurrently.
+  * an engine on another host gets a private two-rank gloo group and point-to-point sends over it
+    (one BroadcastTransport of world size 2 per engine, all running at once).
+Engines apply the version at commit, all of it at once, as with every transport (base.py).
+Non-goals: RDMA (a GPU build would register the receive buffers with the NIC instead).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING
+
+from miles.sync import shm
+from miles.sync.engine_client import EngineClient
+from miles.sync.transports.base import TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def is_local(url: str) -> bool:
+    """Whether an engine URL points at this machine (so shared memory reaches it)."""
+    from urllib.parse import urlparse
+
+    host = (urlparse(url).hostname or "").lower()
+    if host in {"localhost", "127.0.0.1", "::1"} or host.startswith("127."):
+        return True
+    try:
+        mine = {socket.gethostname().lower(), socket.getfqdn().lower()}
+        mine |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return host in mine
+
+
+class P2PTransport:
+    name = "p2p"
+
+    def __init__(self, mode: str = "auto", admin_token: str | None = None, timeout_s: float = 120.0,
+                 buffer_bytes: int = 64 << 20, master_address: str = "127.0.0.1"):
+        if mode not in ("auto", "shm", "tcp"):
+            raise ValueError(f"p2p mode {mode!r}: use 'auto' (shared memory on this host, sends across hosts), "
+                             "'shm' or 'tcp'")
+        self.mode, self.admin_token, self.timeout_s = mode, admin_token, timeout_s
+        self.buffer_bytes, self.master_address = buffer_bytes, master_address
+        self.engine_urls: list[str] = []
+        self._client: EngineClient | None = None
+        self._shm: dict[str, tuple[str, "torch.Tensor"]] = {}  # url -> (path, mapping) of the engine's buffer
+        self._tcp: dict[str, object] = {}  # url -> BroadcastTransport over a 2-rank group
+        self._fresh = True
+        self._failed: str | None = None
+
+    def connect(self, engine_urls: list[str]) -> None:
+        from miles.sync.transports.broadcast import BroadcastTransport
+
+        if not engine_urls:
+            raise ValueError("connect: no engine URLs given")
+        self.close()
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._client = EngineClient(self.admin_token, self.timeout_s)
+        local = [u for u in self.engine_urls if self.mode == "shm" or (self.mode == "auto" and is_local(u))]
+        remote = [u for u in self.engine_urls if u not in local]
+        for url, r in zip(local, self._client.post_all(local, "/p2p_open_buffer", {"nbytes": self.buffer_bytes})):
+            self._shm[url] = (r["shm_path"], shm.attach(r["shm_path"], self.buffer_bytes))
+        for i, url in enumerate(remote):
+            self._tcp[url] = BroadcastTransport(master_address=self.master_address, admin_token=self.admin_token,
+                                                timeout_s=self.timeout_s, group_name=f"miles_p2p_{i}")
+        self._client.run_all([lambda t=t, u=u: t.connect([u]) for u, t in self._tcp.items()])
+        self._fresh, self._failed = True, None
+
+    def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
+        self._check()
+        if not bucket:
+            return
+        bucket = [(n, t.detach().to("cpu").contiguous()) for n, t in bucket]
+        offsets, nbytes = shm.layout(bucket)
+        meta = {**shm.bucket_meta(bucket, offsets), "load_format": "shm", "commit": False,
+                "reset_staging": self._fresh}
+        self._fresh = False
+
+        def to_shm(url: str) -> None:
+            path, buf = self._shm[url]
+            if buf.numel() < nbytes:  # a bucket larger than the buffer: the engine lends a bigger one
+                self._client.post(url, "/p2p_close_buffer", {"shm_path": path})
+                path = self._client.post(url, "/p2p_open_buffer", {"nbytes": nbytes})["shm_path"]
+                buf = shm.attach(path, nbytes)
+                self._shm[url] = (path, buf)
+            shm.write_bucket(buf, bucket, offsets)
+            self._client.post(url, "/update_weights_from_tensor", {**meta, "shm_path": path})
+
+        jobs = [lambda u=u: to_shm(u) for u in self._shm] + [lambda t=t: t.send_bucket(bucket)
+                                                               for t in self._tcp.values()]
+        try:
+            self._client.run_all(jobs)
+        except TransportError as exc:
+            self._failed = str(exc)
+            raise TransportError(f"p2p: sending a bucket of {len(bucket)} tensors (first {bucket[0][0]!r}) "
+                                 f"failed: {exc}") from None
+
+    def commit(self, weight_version: int) -> None:
+        self._check()
+        shm_urls = list(self._shm)
+        self._fresh = True
+        if self._failed is not None:
+            why, self._failed = self._failed, None
+            reset = {"names": [], "reset_staging": True, "commit": False, "load_format": "shm"}
+            for fn in [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor", reset)] + [
+                    lambda t=t: t.commit(weight_version) for t in self._tcp.values()]:
+                try:
+                    fn()
+                except TransportError:
+                    pass  # tcp engines refuse their own commit: that is the point
+            raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed ({why}); "
+                                 "engines keep their previous weights")
+        body = {"names": [], "load_format": "shm", "commit": True, "weight_version": int(weight_version)}
+        self._client.run_all(
+            [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor", body)]
+            + [lambda t=t: t.commit(weight_version) for t in self._tcp.values()])
+
+    def close(self) -> None:
+        for url, (path, _) in list(self._shm.items()):
+            try:
+                self._client.post(url, "/p2p_close_buffer", {"shm_path": path})
+            except TransportError:
+                pass  # the engine is gone; its buffer went with it or is reclaimed at its exit
+        self._shm.clear()
+        for t in self._tcp.values():
+            t.close()
+        self._tcp.clear()
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+
+    def _check(self) -> None:
+        if self._client is None:
+            raise TransportError("p2p transport is not connected: call connect(engine_urls) first")

@@ -1,0 +1,77 @@
+"""WeightUpdater: the trainer's side of weight sync, start to finish, for one set of engines.
+
+    connect(urls) once -> push(named_tensors, version) per update -> close()
+
+push = [noise-fill the engines, first update only] → prepare + bucket + transport + commit →
+verify (every tensor at the first update; one checksum per bucket afterwards). A verification
+failure raises VerificationError naming the engines and tensors; it never passes silently.
+Non-goals: gathering shards (the trainer backend yields full tensors), cadence (the loop decides).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
+
+
+class WeightUpdater:
+    def __init__(self, cfg: SyncConfig, admin_token: str | None = None, base_path: str = "",
+                 noise_seed: int = 0):
+        from miles.sync.convert import get_converter
+        from miles.sync.transports import get_transport
+
+        self.cfg, self.admin_token, self.noise_seed = cfg, admin_token, noise_seed
+        self.transport = get_transport(cfg.transport, **cfg.transport_kwargs(admin_token, base_path))
+        self.converter = get_converter(cfg.converter, _model_type(base_path))
+        self.engine_urls: list[str] = []
+        self._client = None
+        self._updates = 0
+
+    def connect(self, engine_urls: list[str]) -> None:
+        from miles.sync.engine_client import EngineClient
+
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self.transport.connect(self.engine_urls)
+        self._client = EngineClient(self.admin_token, self.cfg.timeout_s)
+
+    def push(self, named, version: int) -> dict[str, float]:
+        from miles.sync import verify
+
+        if self._client is None:
+            raise RuntimeError("push before connect: the trainer has no route to the engines")
+        full_check = self._updates == 0 and self.cfg.verify_first_update
+        if full_check:
+            # A tensor the transport never writes keeps this noise, so it cannot pass the comparison.
+            verify.noise_fill(self._client, self.engine_urls, self.noise_seed)
+        record = Record(per_tensor=full_check) if full_check or self.cfg.verify_checksums else None
+        metrics = push_weights(named, self.transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
+                               converter=self.converter, record=record)
+        self._updates += 1
+        t0 = time.perf_counter()
+        if full_check:
+            verify.compare_full(self._client, self.engine_urls, record.tensors)
+            metrics["sync/verified_tensors"] = len(record.tensors)
+        elif record is not None:
+            verify.compare_buckets(self._client, self.engine_urls, record.buckets, record.digests)
+            metrics["sync/verified_buckets"] = len(record.buckets)
+        metrics["sync/verify_s"] = time.perf_counter() - t0
+        for k, v in getattr(self.transport, "last_stats", {}).items():
+            metrics[f"sync/{k}"] = v
+        return metrics
+
+    def close(self) -> None:
+        self.transport.close()
+        if self._client is not None:
+            self._client.close()
+        self._client = None
+
+
+def _model_type(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None

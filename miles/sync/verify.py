@@ -1,0 +1,147 @@
+"""Verification that engines hold exactly the trainer's weights.
+
+Two checks, both answering "did the transport write every tensor, bit for bit?":
+  * noise fill (first update): before the first update every engine tensor is overwritten with
+    random values; after it, every engine tensor is compared with the trainer's converted tensor by
+    xxh3-128 checksum. A tensor the transport skipped still holds noise and fails, by name.
+  * per-bucket checksums (later updates): one xxh3-128 digest per bucket, compared after commit.
+    Cheap (one hash pass over the bytes already in memory) and catches drift or a dropped tensor.
+Checksums are taken over the bytes in the trainer's wire dtype; the engine casts its copy to that
+dtype first (an upcast on receive and a downcast here is exact), so an fp32 engine fed bf16 passes.
+Tied weights (one storage, two names) count once, under the first name, on both sides.
+Non-goals: tolerance-based comparisons; a mismatch is a bug, never noise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from miles.sync.transports.base import TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class VerificationError(TransportError):
+    """An engine's weights differ from the trainer's; the message names the engine and tensors."""
+
+
+def tensor_bytes(t: "torch.Tensor"):
+    """A zero-copy numpy view of the tensor's bytes (works for bf16, which numpy lacks)."""
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_checksum(t: "torch.Tensor") -> str:
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
+
+
+def bucket_checksum(tensors: Iterable["torch.Tensor"]) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for t in tensors:
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def dtype_name(t: "torch.Tensor") -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+# ---- engine side ------------------------------------------------------------------------------
+
+
+def unique_tensors(model) -> dict[str, "torch.Tensor"]:
+    """The model's tensors by HF name, tied aliases dropped (first name wins, as on the trainer)."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def noise_fill_(model, seed: int = 0) -> int:
+    """Overwrite every tensor with random values (floats ~ N(0,1), ints random bits); returns the count."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = unique_tensors(model)
+    with torch.no_grad():
+        for t in tensors.values():
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32))
+            else:
+                t.copy_(torch.randint(0, 2**7, t.shape, generator=g).to(t.dtype))
+    return len(tensors)
+
+
+def engine_checksums(model, expected: dict[str, list]) -> dict:
+    """Compare the engine with {name: [dtype, checksum]}: mismatched, missing and unexpected names."""
+    import torch
+
+    mine = unique_tensors(model)
+    mismatched = []
+    for name, (dtype, digest) in expected.items():
+        t = mine.get(name)
+        if t is not None and tensor_checksum(t.to(getattr(torch, dtype))) != digest:
+            mismatched.append(name)
+    return {"mismatched": mismatched, "missing": sorted(set(expected) - set(mine)),
+            "unexpected": sorted(set(mine) - set(expected)), "checked": len(expected)}
+
+
+def engine_bucket_checksums(model, buckets: list[list[list[str]]]) -> list[str]:
+    """One digest per bucket of [[name, dtype], ...], over the engine's copies cast to those dtypes."""
+    import torch
+
+    mine = model.state_dict()
+    return [bucket_checksum(mine[n].to(getattr(torch, dt)) for n, dt in b) for b in buckets]
+
+
+# ---- trainer side -----------------------------------------------------------------------------
+
+
+def noise_fill(client, urls: list[str], seed: int = 0) -> None:
+    client.post_all(urls, "/weights_checker", {"action": "reset_tensors", "seed": seed})
+
+
+def compare_full(client, urls: list[str], expected: dict[str, list]) -> None:
+    """Every engine tensor must equal the trainer's; raise VerificationError naming what differs."""
+    problems = []
+    for url, r in zip(urls, client.post_all(urls, "/weights_checker", {"action": "compare",
+                                                                        "expected": expected})):
+        parts = []
+        if r["mismatched"]:
+            parts.append(f"{len(r['mismatched'])} tensor(s) differ from the trainer's (never written by the "
+                         f"update, so still holding the noise fill, or corrupted): {_names(r['mismatched'])}")
+        if r["unexpected"]:
+            parts.append(f"{len(r['unexpected'])} engine tensor(s) the trainer never prepared (check the "
+                         f"converter): {_names(r['unexpected'])}")
+        if r["missing"]:
+            parts.append(f"the trainer sent tensor(s) the engine does not have: {_names(r['missing'])}")
+        if parts:
+            problems.append(f"engine {url}: " + "; ".join(parts))
+    if problems:
+        raise VerificationError("weight verification failed: " + " | ".join(problems))
+
+
+def compare_buckets(client, urls: list[str], buckets: list[list[list[str]]], digests: list[str]) -> None:
+    problems = []
+    for url, r in zip(urls, client.post_all(urls, "/weights_checker", {"action": "checksum", "buckets": buckets})):
+        bad = [i for i, (a, b) in enumerate(zip(r["checksums"], digests)) if a != b]
+        if bad:
+            problems.append(f"engine {url}: bucket(s) {bad} differ from the trainer (first tensors: "
+                            f"{_names([buckets[i][0][0] for i in bad])})")
+    if problems:
+        raise VerificationError("per-bucket checksum mismatch after commit: " + " | ".join(problems))
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
