@@ -1,0 +1,256 @@
+"""Multi-turn agent rollouts with token-in/token-out (TITO) bookkeeping, and the generate-function
+registry that lets a run choose how one prompt becomes one scored Sample.
+
+One episode is one token sequence. The prompt is the chat template applied once to the first
+observation; after that the sequence only ever grows by
+  - the ids the engine returned for a model turn (loss mask 1, the engine's logprob per token), and
+  - the ids of the environment's reply, tokenized on its own as a chat-template suffix (loss mask 0,
+    logprob 0.0 as a placeholder the trainer never reads).
+The history is never decoded and re-tokenized, so the trainer sees exactly the tokens the engine
+sampled even where decode→encode would merge or split them differently. Each model turn records the
+weight version it ran under; a per-episode timeout aborts the engine request and marks the sample
+ABORTED so the buffer can retry or drop its group.
+
+Non-goals: parallel tool calls within a turn, streaming, environment-side tokenization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from miles.buffer.types import Sample, SampleStatus
+
+_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+@dataclass
+class AgentConfig:
+    environment: str = "tool_calc"
+    """Environment by name (tool_calc, terminal) or module:function returning an Environment."""
+    max_turns: int = 4
+    """Most model turns per episode; an episode still running after them is truncated."""
+    max_response_tokens: int = 256
+    """Budget for the whole trajectory after the prompt: model and environment tokens together."""
+    episode_timeout_s: float = 120.0
+    """Give up on an episode after this many seconds; it is marked aborted (buffer retries or drops it)."""
+    turn_end_token: str = "<|im_end|>"
+    """Token that ends a model turn in the chat template; generation of a turn stops at it."""
+    observation_role: str = "tool"
+    """Chat role of the environment's replies."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if self.max_turns < 1 or self.max_response_tokens < 1:
+            raise ConfigError("rollout.agent.max_turns and rollout.agent.max_response_tokens must be >= 1")
+        if self.episode_timeout_s <= 0:
+            raise ConfigError("rollout.agent.episode_timeout_s must be > 0")
+        from miles.rollout.environments.base import check_environment
+
+        try:
+            check_environment(self.environment)
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent.environment: {e}") from None
+
+
+@dataclass
+class GenerateContext:
+    """What a generate function may use; built by the rollout manager for each request."""
+
+    client: object                     # httpx.AsyncClient
+    url: str                           # engine or router base URL
+    tokenizer: object
+    encode: Callable[[str], list[int]]  # prompt text → prompt ids (chat template or plain)
+    reward_fn: Callable[[str, str | None], float]
+    agent: AgentConfig
+
+
+class GenerateFn(Protocol):
+    async def __call__(self, ctx: GenerateContext, prompt, params, rid: str) -> Sample:
+        """Turn one data-source Prompt into one Sample with its reward filled in."""
+
+
+async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
+    """One /generate call on the encoded prompt; scored by the run's reward function."""
+    from miles.rollout.generate import generate
+
+    s = await generate(ctx.client, ctx.url, ctx.encode(prompt.text), params, rid=rid, label=prompt.label,
+                       prompt_index=prompt.index)
+    s.reward = float(ctx.reward_fn(s.response_text, s.label))
+    return s
+
+
+async def multi_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
+    """An episode against a fresh environment; the reward is the environment's."""
+    from miles.rollout.environments.base import get_environment
+
+    env = get_environment(ctx.agent.environment)()
+    return await run_episode(ctx.client, ctx.url, ctx.tokenizer, env, prompt, params, ctx.agent, rid)
+
+
+GENERATE_FNS: dict[str, Callable] = {"single_turn": single_turn, "agent": multi_turn}
+
+
+def get_generate_fn(name: str) -> Callable:
+    """The generate function for `name`, checked against GenerateFn; ValueError names the fix."""
+    if name in GENERATE_FNS:
+        return GENERATE_FNS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown generate function {name!r}: choose one of {sorted(GENERATE_FNS)} or give "
+                         "module:function")
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"generate function {name!r} cannot be loaded: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"generate function {name!r} must be an `async def` taking (ctx, prompt, params, rid) "
+                         "and returning a Sample")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) != 4:
+        raise ValueError(f"generate function {name!r} must take (ctx, prompt, params, rid); it takes "
+                         f"{len(params)} required arguments")
+    return fn
+
+
+class ChatFormat:
+    """Token ids of chat-template pieces, computed from the tokenizer's own template.
+
+    `observation_ids(text)` is the suffix appended after a model turn: whatever the template puts
+    after the turn-end token, the environment's message, and the header of the next model turn.
+    """
+
+    def __init__(self, tokenizer, turn_end_token: str = "<|im_end|>", observation_role: str = "tool"):
+        self.tokenizer = tokenizer
+        self.role = observation_role
+        self.end_id = tokenizer.convert_tokens_to_ids(turn_end_token)
+        if self.end_id is None or self.end_id == tokenizer.unk_token_id or \
+                tokenizer.convert_ids_to_tokens(self.end_id) != turn_end_token:
+            raise ValueError(f"turn_end_token {turn_end_token!r} is not a single token of this tokenizer: set "
+                             "rollout.agent.turn_end_token to the token that closes a turn in its chat template")
+        probe = "\x00probe\x00"
+        rendered = tokenizer.apply_chat_template([{"role": "assistant", "content": probe}], tokenize=False)
+        after = rendered.split(probe, 1)[1]
+        if not after.startswith(turn_end_token):
+            raise ValueError(f"the chat template does not close an assistant turn with {turn_end_token!r}: set "
+                             "rollout.agent.turn_end_token to the token it uses")
+        self.closer = after[len(turn_end_token):]  # e.g. "\n" after <|im_end|>
+
+    def prompt_ids(self, text: str) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False).input_ids
+
+    def observation_ids(self, text: str, closed: bool) -> list[int]:
+        turn = self.tokenizer.apply_chat_template([{"role": self.role, "content": text}],
+                                                  add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(self.closer + turn, add_special_tokens=False).input_ids
+        # A turn cut off by its token budget has no end token yet; the environment closes it.
+        return ids if closed else [self.end_id] + ids
+
+    def action_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def run_episode(client, url: str, tokenizer, env, prompt, params, cfg: AgentConfig, rid: str,
+                      fmt: ChatFormat | None = None) -> Sample:
+    """Play one episode of `env` on `prompt` against the engine at `url`; always closes `env`."""
+    fmt = fmt or ChatFormat(tokenizer, cfg.turn_end_token, cfg.observation_role)
+    traj = _Trajectory()
+    try:
+        first = await asyncio.to_thread(env.reset, prompt)
+        traj.prompt_ids = fmt.prompt_ids(first)
+        try:
+            await asyncio.wait_for(_play(client, url, env, params, cfg, rid, fmt, traj), cfg.episode_timeout_s)
+        except asyncio.TimeoutError:
+            traj.status = SampleStatus.ABORTED
+            traj.note = f"episode timed out after {cfg.episode_timeout_s:g}s"
+            await _abort(client, url, traj.current_rid)
+    finally:
+        await asyncio.to_thread(env.close)
+    return Sample(prompt_ids=traj.prompt_ids, response_ids=traj.ids, rollout_logprobs=traj.logprobs,
+                  loss_mask=traj.mask, reward=traj.reward, status=traj.status, weight_versions=traj.versions,
+                  response_text=traj.last_action, label=prompt.label, prompt_index=prompt.index)
+
+
+@dataclass
+class _Trajectory:
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)           # everything after the prompt, model and environment
+    logprobs: list[float] = field(default_factory=list)    # one per id; 0.0 on environment tokens
+    mask: list[int] = field(default_factory=list)          # 1 on model tokens, 0 on environment tokens
+    versions: list[int] = field(default_factory=list)      # weight version of each model turn
+    reward: float = 0.0
+    status: SampleStatus = SampleStatus.COMPLETED
+    last_action: str = ""
+    current_rid: str | None = None
+    note: str = ""
+
+    def append(self, ids: list[int], logprobs: list[float] | None, trained: bool) -> None:
+        self.ids += ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.mask += [int(trained)] * len(ids)
+
+
+async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatFormat, traj: _Trajectory) -> None:
+    for turn in range(cfg.max_turns):
+        budget = cfg.max_response_tokens - len(traj.ids)
+        if budget <= 0:
+            traj.status = SampleStatus.TRUNCATED
+            return
+        traj.current_rid = f"{rid}-t{turn}"
+        out = await _generate_turn(client, url, traj.prompt_ids + traj.ids, params, min(params.max_new_tokens, budget),
+                                   fmt.end_id, traj.current_rid, turn)
+        meta = out["meta_info"]
+        ids = list(out["output_ids"])
+        logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"{url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
+        traj.append(ids, logprobs, trained=True)
+        traj.versions.append(int(meta.get("weight_version", 0)))
+        finish = meta["finish_reason"]["type"]
+        if finish == "abort":
+            traj.status = SampleStatus.ABORTED
+            return
+        closed = bool(ids) and ids[-1] == fmt.end_id
+        action = fmt.action_text(ids[:-1] if closed else ids)
+        traj.last_action = action
+        step = await asyncio.to_thread(env.step, action)
+        traj.reward += float(step.reward)
+        if step.done:
+            return
+        obs = fmt.observation_ids(step.observation, closed)
+        if len(traj.ids) + len(obs) >= cfg.max_response_tokens:
+            traj.status = SampleStatus.TRUNCATED  # no room left for another model turn
+            return
+        traj.append(obs, None, trained=False)
+    traj.status = SampleStatus.TRUNCATED
+
+
+async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id, rid, turn) -> dict:
+    from miles.rollout.generate import GenerationError
+
+    sp = params.to_json()
+    sp["max_new_tokens"] = max_new_tokens
+    sp["stop_token_ids"] = [end_id]
+    if params.seed is not None:
+        sp["sampling_seed"] = (params.seed + 7919 * turn) & 0x7FFFFFFF
+    resp = await client.post(f"{url}/generate", json={"input_ids": input_ids, "sampling_params": sp,
+                                                      "return_logprob": True, "rid": rid})
+    if resp.status_code != 200:
+        raise GenerationError(f"{url}/generate answered {resp.status_code}: {resp.text[:300]}")
+    return resp.json()
+
+
+async def _abort(client, url, rid) -> None:
+    if rid is None:
+        return
+    try:
+        await client.post(f"{url}/abort_request", json={"rid": rid}, timeout=5)
+    except Exception:  # noqa: BLE001 - the episode is already given up; a dead engine is reported elsewhere
+        pass

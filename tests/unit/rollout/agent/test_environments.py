@@ -1,0 +1,120 @@
+"""Environments and generate functions: the registries, their load-time checks, and the built-ins."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import ConfigError
+from miles.rollout.agent import AgentConfig, get_generate_fn, multi_turn, single_turn
+from miles.rollout.data_source import Prompt
+from miles.rollout.environments.base import check_environment, get_environment
+from miles.rollout.environments.tool_calc import CalculatorEnv, demonstration, evaluate
+from miles.rollout.sandbox import SandboxUnavailable, check_available
+
+
+def not_an_env():
+    return object()
+
+
+def needs_args(x):
+    return x
+
+
+def sync_generate(ctx, prompt, params, rid):
+    return None
+
+
+async def three_args(ctx, prompt, params):
+    return None
+
+
+async def custom_generate(ctx, prompt, params, rid):
+    return None
+
+
+def test_generate_functions_by_name_or_path_are_checked_against_the_protocol():
+    assert get_generate_fn("single_turn") is single_turn and get_generate_fn("agent") is multi_turn
+    assert get_generate_fn(f"{__name__}:custom_generate") is custom_generate
+    with pytest.raises(ValueError, match="choose one of .*agent.*single_turn"):
+        get_generate_fn("multi")
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        get_generate_fn("no.such.module:fn")
+    with pytest.raises(ValueError, match="must be an `async def`"):
+        get_generate_fn(f"{__name__}:sync_generate")
+    with pytest.raises(ValueError, match=r"must take \(ctx, prompt, params, rid\); it takes 3"):
+        get_generate_fn(f"{__name__}:three_args")
+
+
+def test_environments_by_name_or_path_are_checked_against_the_protocol():
+    check_environment("tool_calc")
+    check_environment("tests.unit.rollout.agent.test_tito:scripted_env")
+    with pytest.raises(ValueError, match="choose one of .*terminal.*tool_calc"):
+        get_environment("calculator")
+    with pytest.raises(ValueError, match=r"lacks \['reset', 'step', 'close'\]"):
+        check_environment(f"{__name__}:not_an_env")
+    with pytest.raises(ValueError, match="no arguments"):
+        check_environment(f"{__name__}:needs_args")
+    with pytest.raises(ConfigError, match="rollout.agent.environment: unknown environment 'nope'"):
+        AgentConfig(environment="nope").validate()
+
+
+def test_calculator_evaluates_arithmetic_only():
+    assert evaluate("12*(3+4)") == "84" and evaluate("7-10") == "-3" and evaluate("17 // 5") == "3"
+    assert evaluate("__import__('os').system('id')").startswith("error")
+    assert evaluate("2**100000").startswith("error") and evaluate("1//0").startswith("error")
+    assert evaluate("9" * 70) == "error: expression too long"
+
+
+def test_calculator_episode_tool_call_then_answer():
+    env = CalculatorEnv(max_tool_calls=1)
+    task = Prompt(index=0, text="123+456=", label="579")
+    assert env.reset(task) == "123+456="
+    first = env.step("calc 123+456")
+    assert first.observation == "579" and not first.done
+    final = env.step(" 579 ")
+    assert final.done and final.reward == 1.0
+    env.reset(task)
+    env.step("calc 1+1")
+    # Past the tool budget a call counts as the final answer, and a wrong one.
+    assert env.step("calc 123+456").reward == 0.0
+    assert [r for r, _ in demonstration(task, use_tool=True)] == ["assistant", "tool", "assistant"]
+
+
+def test_terminal_tasks_are_solved_by_their_reference_and_failed_otherwise():
+    try:
+        check_available()
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox here: {e}")
+    from miles.rollout.environments.terminal import TASKS, TerminalEnv, TerminalTaskSource
+
+    env = TerminalEnv(max_commands=3)
+    for t in TASKS:
+        env.reset(Prompt(index=0, text=t.instruction, label=t.name))
+        step = env.step(t.solution)
+        assert not step.done and "[exit status" not in step.observation
+        done = env.step("done")
+        assert done.done and done.reward == 1.0, t.name
+        env.reset(Prompt(index=0, text=t.instruction, label=t.name))
+        assert env.step("done").reward == 0.0, f"{t.name}: the verifier passes without any work"
+    env.close()
+    names = {p.answer for p in TerminalTaskSource("train", 0).take(len(TASKS))}
+    assert names == {t.name for t in TASKS}
+    with pytest.raises(ValueError, match="terminal task 'nope' is unknown"):
+        env.reset(Prompt(index=0, text="", label="nope"))
+
+
+def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
+    try:
+        check_available()
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox here: {e}")
+    from miles.rollout.environments.terminal import TerminalEnv
+
+    env = TerminalEnv(max_commands=2)
+    env.reset(Prompt(index=0, text="", label="hello_file"))
+    assert not env.step("ls").done
+    last = env.step("echo hello > hello.txt")
+    assert last.done and last.reward == 1.0
+    workdir = env.sandbox.workdir
+    env.close()
+    assert not workdir.exists()
