@@ -48,13 +48,11 @@ from miles.models.loading import load_model, load_tokenizer
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.sampler import SamplingParams, sample
-from miles.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult, InvalidRequest
+from miles.rollout.engine.types import (MEMORY_TAGS, PAUSE_MODES, FinishReason, GenerateRequest, GenerateResult,
+                                        InvalidRequest)
 from miles.rollout.engine.weight_receiver import WeightReceiver
 
 log = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-MEMORY_TAGS = ("weights", "kv_cache")
 
 
 @dataclass

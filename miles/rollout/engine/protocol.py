@@ -27,6 +27,15 @@ _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid
                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "return_routed_experts"}
 
 
+# SGLang request fields that clients (sglang-router among them) send with their defaults. They are
+# accepted at exactly those defaults; any other value would change the result and is refused.
+_INERT_AT_DEFAULT = {"model": None, "return_hidden_states": False, "background": False, "return_bytes": False,
+                     "return_entropy": False, "lora_path": None, "image_data": None, "audio_data": None,
+                     "video_data": None, "custom_logit_processor": None, "data_parallel_rank": None}
+# Logging switches with no effect on the output.
+_BOOKKEEPING = {"log_metrics", "no_logs"}
+
+
 def parse_json(raw: bytes) -> dict:
     def no_constants(name):
         raise InvalidRequest(f"body: {name} is not valid JSON; send finite numbers")
@@ -52,7 +61,13 @@ class GenerateItem:
 
 def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the client sent a batch (and so expects a JSON list back)."""
-    _no_unknown(body, _GENERATE_KEYS, "")
+    _no_unknown(body, _GENERATE_KEYS | set(_INERT_AT_DEFAULT) | _BOOKKEEPING, "")
+    for k, default in _INERT_AT_DEFAULT.items():
+        if k in body and body[k] != default:
+            raise InvalidRequest(f"{k}: the built-in engine does not support {k}; send {json.dumps(default)} "
+                                 "or leave it out")
+    for k in _BOOKKEEPING & set(body):
+        _bool(body[k], k)
     if body.get("stream", False) is not False:
         raise InvalidRequest("stream: streaming is not supported by the built-in engine; send stream=false")
     if body.get("return_routed_experts", False) is not False:
@@ -226,6 +241,24 @@ def _per_item(value, n: int, batched: bool, field: str) -> list:
             raise InvalidRequest(f"{field}: got {len(value)} values for a batch of {n}")
         return value
     return [value] * n
+
+
+def parse_memory_tags(body: dict, known: tuple[str, ...]) -> tuple[str, ...]:
+    """SGLang's optional `tags` list; absent or null means every kind of memory."""
+    _no_unknown(body, {"tags"}, "")
+    tags = body.get("tags")
+    if tags is None:
+        return known
+    if not isinstance(tags, list) or not tags or not all(isinstance(t, str) for t in tags):
+        raise InvalidRequest(f"tags: expected a non-empty list drawn from {list(known)}")
+    bad = [t for t in tags if t not in known]
+    if bad:
+        raise InvalidRequest(f"tags: {bad[0]!r} is not a memory kind; use any of {list(known)}")
+    return tuple(dict.fromkeys(tags))
+
+
+def no_unknown(d: dict, known: set[str]) -> None:
+    _no_unknown(d, known, "")
 
 
 def _no_unknown(d: dict, known: set[str], prefix: str) -> None:

@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.types import InvalidRequest
+from miles.rollout.engine.types import MEMORY_TAGS, PAUSE_MODES, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,9 @@ def build_app(engine) -> FastAPI:
     async def health_generate():
         from miles.rollout.engine.sampler import SamplingParams
 
+        if engine.paused or engine.released:
+            return JSONResponse({"error": "generation is paused or memory is released; call "
+                                 "/continue_generation or /resume_memory_occupation"}, status_code=503)
         req = engine.make_request([engine.pad_token_id], SamplingParams(temperature=0.0, max_new_tokens=1))
         try:
             await asyncio.wait_for(asyncio.wrap_future(engine.submit(req)), timeout=60)
@@ -111,7 +114,8 @@ def build_app(engine) -> FastAPI:
     @app.get("/get_load")
     async def get_load():
         running, waiting = engine.num_requests()
-        return {"num_running_reqs": running, "num_waiting_reqs": waiting}
+        return {"num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "paused": engine.paused, "released": list(engine.released)}
 
     @app.get("/get_weight_version")
     async def get_weight_version():
@@ -121,10 +125,49 @@ def build_app(engine) -> FastAPI:
     async def abort_request(request: Request):
         body = await body_of(request)
         rid, abort_all = body.get("rid"), body.get("abort_all", False)
-        if not abort_all and not isinstance(rid, str):
+        if not isinstance(abort_all, bool):
+            raise InvalidRequest("abort_all: expected true or false")
+        if abort_all:
+            require_admin(request)  # a client may abort its own request, only an admin everyone's
+        elif not isinstance(rid, str):
             raise InvalidRequest("rid: send the request id to abort, or abort_all=true")
         engine.abort(None if abort_all else rid)
         return {"success": True}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        require_admin(request)
+        body = await body_of(request)
+        protocol.no_unknown(body, {"mode"})
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode: {mode!r} is not a pause mode; use one of {list(PAUSE_MODES)}")
+        await asyncio.to_thread(engine.pause, mode)
+        return {"success": True, "message": f"generation paused ({mode})"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        require_admin(request)
+        engine.continue_generation()
+        return {"success": True, "message": "generation continued"}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        require_admin(request)
+        tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
+        await asyncio.to_thread(engine.release_memory, tags)
+        return {"success": True, "message": f"released {list(tags)}"}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        require_admin(request)
+        tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
+        await asyncio.to_thread(engine.resume_memory, tags)
+        return {"success": True, "message": f"resumed {list(tags)}"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request):
@@ -172,11 +215,39 @@ def build_app(engine) -> FastAPI:
 
         return await asyncio.to_thread(work)
 
+    from miles.rollout.engine.weight_api import build_weight_router  # p2p, colocated, disk-delta, checker
+    app.include_router(build_weight_router(engine))
     return app
 
 
 class _Unauthorized(Exception):
     pass
+
+
+def prometheus_text(engine) -> str:
+    """Prometheus exposition of the engine's counters and gauges (stable `miles_engine_` names)."""
+    st = dict(engine.stats)
+    running, waiting = engine.num_requests()
+    hit = st["cached_tokens"] / st["prompt_tokens"] if st["prompt_tokens"] else 0.0
+    rows = [
+        ("prompt_tokens_total", "counter", "Prompt tokens admitted", st["prompt_tokens"]),
+        ("cached_tokens_total", "counter", "Prompt tokens whose KV came from the prefix cache", st["cached_tokens"]),
+        ("prefix_cache_hit_rate", "gauge", "cached_tokens_total / prompt_tokens_total", hit),
+        ("prefix_cache_tokens", "gauge", "Tokens held by the prefix cache", engine.prefix_cache.num_tokens),
+        ("generated_tokens_total", "counter", "Completion tokens generated", st["generated_tokens"]),
+        ("prefill_forwards_total", "counter", "Prefill forwards", st["prefill_forwards"]),
+        ("decode_forwards_total", "counter", "Decode forwards", st["decode_forwards"]),
+        ("retracted_requests_total", "counter", "Requests retracted by pause or memory release",
+         st["retracted_reqs"]),
+        ("num_running_reqs", "gauge", "Requests in the running batch", running),
+        ("num_waiting_reqs", "gauge", "Requests waiting for a batch slot", waiting),
+        ("weight_version", "gauge", "Weight version in force", engine.weight_version),
+    ]
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP miles_engine_{name} {help_}", f"# TYPE miles_engine_{name} {kind}",
+                f"miles_engine_{name} {value}"]
+    return "\n".join(out) + "\n"
 
 
 @dataclass
@@ -254,19 +325,31 @@ def parse_args(argv=None) -> tuple[EngineConfig, str]:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads for this engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--default-max-new-tokens", type=int, default=128)
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV across requests")
+    p.add_argument("--prefix-block-size", type=int, default=8, help="tokens per prefix-cache block")
+    p.add_argument("--prefix-cache-mb", type=float, default=512.0, help="memory the prefix cache may hold")
+    p.add_argument("--offload-dir", default=None, help="where released weights are parked")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
     cfg = EngineConfig(model_path=a.model, host=a.host, port=a.port, dtype=a.dtype, admin_token=a.admin_token,
                        max_batch_size=a.max_batch_size, context_length=a.context_length,
-                       num_threads=a.num_threads, seed=a.seed, default_max_new_tokens=a.default_max_new_tokens)
+                       num_threads=a.num_threads, seed=a.seed, default_max_new_tokens=a.default_max_new_tokens,
+                       prefix_cache=not a.no_prefix_cache, prefix_block_size=a.prefix_block_size,
+                       prefix_cache_mb=a.prefix_cache_mb, offload_dir=a.offload_dir)
+    from miles.config import ConfigError
+
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        p.error(str(e))
     return cfg, a.log_level
 
 
 def main(argv=None) -> int:
     """Serve in the foreground until SIGINT/SIGTERM."""
+    config, log_level = parse_args(argv)  # before the heavy import: --help answers at once
     from miles.rollout.engine.engine import Engine
 
-    config, log_level = parse_args(argv)
     logging.basicConfig(level=log_level.upper())
     engine = Engine(config)
     sock = _bind(config.host, config.port)

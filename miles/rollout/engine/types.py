@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from miles.rollout.engine.sampler import SamplingParams
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
+MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation can free
+
+
 class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the offending field (HTTP 400)."""
 
