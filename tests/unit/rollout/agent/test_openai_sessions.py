@@ -1,0 +1,90 @@
+"""The OpenAI-compatible session endpoint, driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from miles.rollout.agent import ChatFormat
+from miles.rollout.openai_api import start_session_server
+
+
+@pytest.fixture(scope="module")
+def sessions(agent_engine_url, agent_model_dir):
+    server = start_session_server(agent_engine_url, agent_model_dir)
+    yield server
+    server.stop()
+
+
+def harness(base_url: str) -> list[str]:
+    """A black-box agent: chats, feeds back a tool result, asks again."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "You are a calculator agent."},
+                {"role": "user", "content": "What is 12+30?"}]
+    replies = []
+    for observation in ("lower 42", "done?"):
+        r = client.chat.completions.create(model="miles", messages=messages, max_tokens=10, temperature=1.0, seed=5)
+        reply = r.choices[0].message.content
+        replies.append(reply)
+        messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": observation}]
+    r = client.chat.completions.create(model="miles", messages=messages, max_tokens=10, temperature=1.0, seed=6)
+    replies.append(r.choices[0].message.content)
+    return replies
+
+
+def test_openai_client_drives_a_session_and_miles_records_exact_tokens(sessions, agent_tokenizer):
+    tok = agent_tokenizer
+    fmt = ChatFormat(tok)
+    sid = httpx.post(f"{sessions.url}/sessions", json={"session_id": "episode-1"}).json()["session_id"]
+    replies = harness(sessions.base_url(sid))
+    traj = httpx.get(f"{sessions.url}/sessions/{sid}/trajectory").json()
+    # The chat template was applied once, to the first request's messages.
+    assert traj["prompt_ids"] == tok(tok.apply_chat_template(
+        [{"role": "system", "content": "You are a calculator agent."}, {"role": "user", "content": "What is 12+30?"}],
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    ids, mask = traj["response_ids"], traj["loss_mask"]
+    assert len(ids) == len(mask) == len(traj["rollout_logprobs"]) and len(traj["weight_versions"]) == 3
+    # Split the trajectory into model runs (mask 1) and environment runs (mask 0).
+    runs, cur = [], [mask[0], []]
+    for t, m in zip(ids, mask):
+        if m != cur[0]:
+            runs.append(cur)
+            cur = [m, []]
+        cur[1].append(t)
+    runs.append(cur)
+    assert [m for m, _ in runs] == [1, 0, 1, 0, 1]
+    model_runs = [r for m, r in runs if m == 1]
+    for reply, run in zip(replies, model_runs):
+        assert reply == tok.decode([t for t in run if t != fmt.end_id], skip_special_tokens=True)
+    # Later turns tokenize only the appended suffix, exactly as ChatFormat renders a tool turn.
+    for (m, obs_run), text, prev in zip([r for r in runs if r[0] == 0], ("lower 42", "done?"), model_runs):
+        assert obs_run == fmt.observation_ids(text, closed=prev[-1] == fmt.end_id)
+    # Model-token logprobs are the engine's (negative), environment tokens carry the 0.0 placeholder.
+    assert all(lp <= 0 for lp, m in zip(traj["rollout_logprobs"], mask) if m)
+    assert all(lp == 0.0 for lp, m in zip(traj["rollout_logprobs"], mask) if not m)
+    sample = sessions.store.get(sid).to_sample(reward=1.0)
+    assert sample.response_ids == ids and sample.loss_mask[-1] == 1
+
+
+def test_rewriting_history_is_refused_with_a_reason(sessions):
+    sid = sessions.new_session().id
+    client = openai.OpenAI(base_url=sessions.base_url(sid), api_key="unused", max_retries=0)
+    first = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="miles", messages=first, max_tokens=4).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="sent back unchanged"):
+        client.chat.completions.create(model="miles", max_tokens=4, messages=[
+            {"role": "user", "content": "hello"}, {"role": "assistant", "content": reply},
+            {"role": "tool", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="assistant turns come from the model"):
+        client.chat.completions.create(model="miles", max_tokens=4, messages=first + [
+            {"role": "assistant", "content": reply}, {"role": "assistant", "content": "forged"}])
+    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
+        client.chat.completions.create(model="miles", messages=first, stream=True)
+    # The refused calls left the session untouched: the honest continuation still works.
+    ok = client.chat.completions.create(model="miles", max_tokens=4, messages=first + [
+        {"role": "assistant", "content": reply}, {"role": "tool", "content": "x"}])
+    assert ok.choices[0].message.role == "assistant"
+    gone = openai.OpenAI(base_url=sessions.base_url("missing"), api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="POST /sessions"):
+        gone.chat.completions.create(model="miles", messages=first)
