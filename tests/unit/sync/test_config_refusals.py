@@ -1,0 +1,37 @@
+"""Weight-sync settings that cannot work are refused when the config loads, with the fix named."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.config import ConfigError
+from miles.config.loader import load_config
+from miles.config.run import RunConfig
+
+
+def _load(model_dir: str, **overrides: str) -> RunConfig:
+    return load_config(RunConfig, None, {"model.path": model_dir, **overrides})
+
+
+def test_disk_delta_loads_with_a_delta_dir(tiny_model_dir, tmp_path):
+    cfg = _load(tiny_model_dir, **{"sync.transport": "disk_delta", "sync.delta_dir": str(tmp_path)})
+    assert cfg.sync.transport == "disk_delta" and cfg.sync.verify_first_update
+
+
+@pytest.mark.parametrize("overrides, fix", [
+    ({"placement.mode": "colocated"}, "placement.mode = 'disaggregated'"),
+    ({"trainer.lora.rank": "8"}, "trainer.lora.rank = 0"),
+    ({}, "sync.delta_dir"),
+], ids=["colocated", "lora", "no-delta-dir"])
+def test_disk_delta_refusals_name_the_fix(tiny_model_dir, tmp_path, overrides, fix):
+    base = {"sync.transport": "disk_delta"}
+    if fix != "sync.delta_dir":
+        base["sync.delta_dir"] = str(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        _load(tiny_model_dir, **base, **overrides)
+    assert fix in str(err.value)
+
+
+def test_unknown_transport_lists_the_choices(tiny_model_dir):
+    with pytest.raises(ConfigError, match="p2p"):
+        _load(tiny_model_dir, **{"sync.transport": "pigeon"})
