@@ -1,10 +1,30 @@
-"""TrainerGroup: the FSDP2 ranks as Ray actors, driven together.
+"""TrainerGroup: the trainer ranks as Ray actors, driven together.
 
-Splits a global batch across ranks, counts the global loss tokens once (so normalisation does not
-depend on the split), and runs collective calls (train step, weight sync, export) on every rank.
+Applies the algorithm's batch-wide advantage pass (e.g. REINFORCE++ whitening) on the whole global
+batch, counts the batch's totals once (so loss normalisation does not depend on the split), splits
+the batch across data-parallel ranks, and runs collective calls (train step, weight sync, export,
+checkpoints) on every rank.
 """
 
 from __future__ import annotations
+
+import dataclasses
+
+
+def prepare_global_batch(seqs, algorithm):
+    """The batch-wide advantage pass and the global totals of one step."""
+    from miles.trainer.types import BatchTotals
+
+    advs = algorithm.batch_advantages([s.advantage for s in seqs])
+    seqs = [dataclasses.replace(s, advantage=a) for s, a in zip(seqs, advs)]
+    return seqs, BatchTotals.of(seqs)
+
+
+def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
+    """Data shards per rank: ranks of one tensor-parallel group get the same shard."""
+    dp = num_ranks // tp
+    shards = [seqs[d::dp] for d in range(dp)]
+    return [shards[r // tp] for r in range(num_ranks)]
 
 
 class TrainerGroup:
@@ -13,10 +33,13 @@ class TrainerGroup:
         import ray
 
         from miles.orchestration.actors import TrainerShell, free_port, remote
+        from miles.trainer.algorithms import get_algorithm
 
         n = trainer_cfg.num_ranks
         port = free_port()
         cls = remote(TrainerShell)
+        self.cfg = trainer_cfg
+        self.algorithm = get_algorithm(trainer_cfg.algorithm)
         self.actors = [cls.remote(trainer_cfg, sync_cfg, model_path, r, n, port, seed, temperature, cores,
                                   admin_token) for r in range(n)]
         self._ray = ray
@@ -27,18 +50,38 @@ class TrainerGroup:
 
     def train_step(self, seqs, kind: str = "rl") -> dict[str, float]:
         n = len(self.actors)
-        shards = [seqs[r::n] for r in range(n)]
-        total = sum(s.num_loss_tokens for s in seqs)
-        return self._all("train_step", shards, [total] * n, [kind] * n)[0]
+        if kind == "rl":
+            seqs, totals = prepare_global_batch(seqs, self.algorithm)
+        else:
+            from miles.trainer.types import BatchTotals
+
+            totals = BatchTotals.of(seqs)
+        tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
+        return self._all("train_step", split_for_ranks(seqs, n, tp), [totals] * n, [kind] * n)[0]
 
     def connect_engines(self, urls: list[str]) -> None:
         self._all("connect_engines", [urls] * len(self.actors))
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        return self._all("sync_weights", [version] * len(self.actors))[0]
+        metrics = dict(self._all("sync_weights", [version] * len(self.actors))[0])
+        if self.cfg.lora.rank:
+            # Which weights travelled: merged full weights (1) or the adapters alone (0).
+            metrics["sync/lora_merged"] = 1.0 if self.cfg.lora.sync == "merged" else 0.0
+        return metrics
 
     def save_hf(self, out_dir: str) -> str:
         return self._all("save_hf", [out_dir] * len(self.actors))[0]
+
+    def save_checkpoint(self, path: str) -> None:
+        """Collective distributed checkpoint of the trainer state into `path` (a staging folder)."""
+        self._call_trainer("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._call_trainer("load_checkpoint", path)
+
+    def _call_trainer(self, method: str, *args):
+        n = len(self.actors)
+        return self._ray.get([a.call_trainer.remote(method, *args) for a in self.actors])[0] if n else None
 
     def close(self) -> None:
         self._all("close")

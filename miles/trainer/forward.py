@@ -29,3 +29,21 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return torch.gather(logp, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, temperature: float = 1.0,
+                     with_entropy: bool = False):
+    """Next-token logprobs (B, T-1) and, if asked, the per-token entropy (B, T-1) of the same
+    tempered distribution. Packed rows pass position_ids and no attention_mask; the model then
+    keeps each packed sequence's attention to itself."""
+    import torch
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits  # (B, T, V)
+    logits = logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy

@@ -1,8 +1,9 @@
-"""What the trainer consumes: token sequences with per-token training targets."""
+"""What the trainer consumes: token sequences with per-token training targets, and the global
+counts of a step's batch that make its loss independent of how the batch is split."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,27 @@ class TrainSequence:
     loss_mask: list[int]         # per response token
     old_logprobs: list[float]    # per response token; the behaviour policy's (rollout) logprobs
     advantage: float = 0.0
+    token_advantages: list[float] = field(default_factory=list)  # per response token; overrides advantage
 
     @property
     def num_loss_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Counts over the whole global batch of one optimizer step (every rank, every micro-batch)."""
+
+    loss_tokens: int
+    num_seqs: int            # sequences with at least one loss token
+    max_response_len: int
+
+    @staticmethod
+    def of(seqs: list[TrainSequence]) -> "BatchTotals":
+        trained = [s for s in seqs if s.num_loss_tokens > 0]
+        return BatchTotals(loss_tokens=sum(s.num_loss_tokens for s in trained), num_seqs=len(trained),
+                           max_response_len=max((s.response_len for s in trained), default=0))

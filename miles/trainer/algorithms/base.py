@@ -1,48 +1,154 @@
 """The per-token policy-loss core every algorithm builds on.
 
-An algorithm supplies two things: per-sample advantages from a group's rewards, and per-token
-losses from current/old logprobs. Aggregation is shared: token-level sums divided by the number of
-loss tokens in the whole global batch, so the result does not depend on how samples are split into
-micro-batches or ranks.
+An algorithm supplies per-sample advantages from a group's rewards and a per-token loss from
+`LossInputs`. Everything shared lives here: the clipped surrogate (with dual-clip), KL to a
+reference policy (as a loss term or a reward penalty), the entropy bonus, and aggregation.
+
+Aggregation is expressed as a weight per token that depends only on the sequence it belongs to and
+on counts over the *global* batch (loss tokens, sequences, a constant), never on how samples were
+split into ranks or micro-batches. So the step's gradient is the same for any split.
+Non-goal: multi-epoch PPO minibatching (one optimizer step per rollout batch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    """Algorithm by name: grpo."""
-    clip_eps_low: float = 0.2
-    """Lower clip range of the importance ratio (ratio >= 1 - clip_eps_low)."""
-    clip_eps_high: float = 0.2
-    """Upper clip range of the importance ratio (ratio <= 1 + clip_eps_high)."""
+    """Algorithm by name: grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo."""
+    clip_eps_low: float | None = None
+    """Lower clip range of the importance ratio (None = the algorithm's default, 0.2 for most)."""
+    clip_eps_high: float | None = None
+    """Upper clip range of the ratio (None = the algorithm's default; DAPO's clip-higher is 0.28)."""
     std_normalize: bool = True
-    """Divide group-centred rewards by the group's standard deviation."""
+    """GRPO: divide group-centred rewards by the group's standard deviation."""
+    dual_clip_c: float = 0.0
+    """Dual-clip bound c > 1 for negative advantages: the loss per token is at most c·|A| (0 = off)."""
+    kl_coef: float = 0.0
+    """Weight of the KL divergence to the reference model (0 = no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r (r = ref/policy)."""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """loss: add kl_coef·KL to the loss; reward: subtract kl_coef·KL (summed to the end) from advantages."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef × the policy's per-token entropy from the loss."""
+    loss_agg: LossAgg | None = None
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (None = the algorithm's default)."""
+    loss_constant: int = 0
+    """seq_mean_token_sum_norm (Dr.GRPO) divides each sequence's token sum by this (0 = the longest
+    response in the global batch)."""
+    gamma: float = 1.0
+    """PPO: discount factor of GAE."""
+    gae_lambda: float = 0.95
+    """PPO: GAE lambda."""
+    value_clip: float = 0.2
+    """PPO: clip range of the value update around the rollout-time value (0 = off)."""
+    critic_lr: float = 1e-4
+    """PPO: AdamW learning rate of the value model."""
+    tis_mode: Literal["off", "truncate", "mask"] = "off"
+    """Off-policy correction (algorithms/tis.py): off; truncate = weight tokens by π_train/π_rollout
+    clipped to [tis_clip_low, tis_clip_high]; mask = that weight inside the band, 0 outside."""
+    tis_clip_low: float = 0.0
+    """Lower bound of the importance weight (truncate) or of the kept band (mask)."""
+    tis_clip_high: float = 2.0
+    """Upper bound of the importance weight (truncate) or of the kept band (mask)."""
 
     def validate(self) -> None:
         from miles.config import ConfigError
 
-        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-            raise ConfigError("algorithm.clip_eps_low/high must be >= 0")
+        for key in ("clip_eps_low", "clip_eps_high"):
+            v = getattr(self, key)
+            if v is not None and v < 0:
+                raise ConfigError(f"trainer.algorithm.{key} must be >= 0 (or unset for the algorithm's default)")
+        if self.dual_clip_c and self.dual_clip_c <= 1:
+            raise ConfigError("trainer.algorithm.dual_clip_c must be > 1 (e.g. 3.0), or 0 to turn dual-clip off")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ConfigError("trainer.algorithm.kl_coef and entropy_coef must be >= 0")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ConfigError("trainer.algorithm.kl_estimator must be k1, k2 or k3")
+        if self.kl_mode not in ("loss", "reward"):
+            raise ConfigError("trainer.algorithm.kl_mode must be 'loss' or 'reward'")
+        if self.loss_agg not in (None, "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+            raise ConfigError("trainer.algorithm.loss_agg must be token_mean, seq_mean_token_mean or "
+                              "seq_mean_token_sum_norm")
+        if not 0 <= self.tis_clip_low < self.tis_clip_high:
+            raise ConfigError("trainer.algorithm: need 0 <= tis_clip_low < tis_clip_high (e.g. 0 and 2)")
+        if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1) or self.critic_lr <= 0:
+            raise ConfigError("trainer.algorithm: need 0 < gamma <= 1, 0 <= gae_lambda <= 1 and critic_lr > 0")
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors aligned to next-token positions, each (B, T-1). `mask` is 1 on loss tokens.
+
+    `seq_ids` numbers sequences within the micro-batch (-1 on tokens of no sequence), so packed
+    rows (several sequences per row) and padded rows are treated alike.
+    """
+
+    logprobs: "torch.Tensor"
+    old_logprobs: "torch.Tensor"
+    advantages: "torch.Tensor"
+    mask: "torch.Tensor"
+    seq_ids: "torch.Tensor"
+    ref_logprobs: "torch.Tensor | None" = None
+    entropy: "torch.Tensor | None" = None
 
 
 class Algorithm(Protocol):
-    def advantages(self, rewards: list[float]) -> list[float]: ...
+    default_loss_agg: ClassVar[str]
+    needs_critic: ClassVar[bool]
 
-    def token_loss(self, logprobs: "torch.Tensor", old_logprobs: "torch.Tensor",
-                   advantages: "torch.Tensor") -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]: ...
+    def advantages(self, rewards: list[float]) -> list[float]:
+        """Per-sample advantages of one group (PPO: the raw rewards; GAE runs in the trainer)."""
+
+    def batch_advantages(self, advantages: list[float]) -> list[float]:
+        """A pass over the whole global batch after the per-group pass (identity for most)."""
+
+    def token_loss(self, x: LossInputs) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
+        """Per-token policy loss (B, T-1) and per-token metrics (e.g. clipfrac)."""
 
 
-def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
-    """PPO's clipped objective per token, as a loss. All inputs (N,) over loss tokens.
+class AlgorithmBase:
+    """Defaults shared by the algorithms: token-mean aggregation, no critic, clipped surrogate."""
 
+    default_loss_agg: ClassVar[str] = "token_mean"
+    needs_critic: ClassVar[bool] = False
+    default_clip: ClassVar[tuple[float, float]] = (0.2, 0.2)
+
+    def __init__(self, cfg: AlgorithmConfig):
+        self.cfg = cfg
+        lo, hi = self.default_clip
+        self.clip_low = lo if cfg.clip_eps_low is None else cfg.clip_eps_low
+        self.clip_high = hi if cfg.clip_eps_high is None else cfg.clip_eps_high
+
+    @property
+    def loss_agg(self) -> str:
+        return self.cfg.loss_agg or self.default_loss_agg
+
+    def batch_advantages(self, advantages: list[float]) -> list[float]:
+        return advantages
+
+    def token_loss(self, x: LossInputs):
+        loss, clipped = clipped_surrogate(x.logprobs, x.old_logprobs, x.advantages, self.clip_low, self.clip_high,
+                                          self.cfg.dual_clip_c)
+        return loss, {"clipfrac": clipped}
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float,
+                      dual_clip_c: float = 0.0):
+    """PPO's clipped objective per token, as a loss; any shape, elementwise.
+
+    With dual_clip_c > 1, a token with a negative advantage loses at most c·|A|: a huge ratio on a
+    bad action (stale or off-policy sample) cannot blow up the update.
     Returns the per-token loss and the per-token indicator of clipping (for clipfrac).
     """
     import torch
@@ -51,4 +157,71 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low: float, clip_
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
-    return loss, (clipped < unclipped).float()
+    was_clipped = (clipped < unclipped).float()
+    if dual_clip_c > 0:
+        bound = -dual_clip_c * advantages  # positive where A < 0
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        was_clipped = torch.where(dual, torch.ones_like(was_clipped), was_clipped)
+    return loss, was_clipped
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator: str):
+    """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3)."""
+    import torch
+
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r ** 2
+    if estimator == "k3":
+        # Clamp before exp: a token the reference finds far likelier would overflow.
+        log_r = torch.clamp(log_r, -20.0, 20.0)
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}: choose k1, k2 or k3")
+
+
+def kl_reward_penalty(advantages, logprobs, ref_logprobs, mask, seq_ids, coef: float):
+    """Advantages minus coef × the k1 KL of this token and every later token of its sequence.
+
+    This is the return of a per-token reward of -coef·KL with γ = 1, as in REINFORCE++.
+    All (B, T-1); no gradient flows through the penalty.
+    """
+    import torch
+
+    with torch.no_grad():
+        kl = (logprobs - ref_logprobs) * mask
+        # Suffix sums along each row, then cut at sequence boundaries: subtract the suffix sum that
+        # starts right after the sequence's last token.
+        suffix = torch.flip(torch.cumsum(torch.flip(kl, [1]), 1), [1])
+        after = torch.zeros_like(suffix)
+        for b in range(seq_ids.shape[0]):
+            ids = seq_ids[b]
+            for sid in torch.unique(ids[ids >= 0]).tolist():
+                pos = (ids == sid).nonzero().flatten()
+                end = int(pos[-1]) + 1
+                tail = suffix[b, end] if end < suffix.shape[1] else suffix.new_zeros(())
+                after[b, pos] = tail
+        return advantages - coef * (suffix - after) * mask
+
+
+def entropy_from_logits(logits):
+    """Per-token entropy of softmax(logits) over the last dim, in float32."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def token_weights(loss_agg: str, seq_lens: list[int], global_tokens: int, global_seqs: int,
+                  constant: int) -> list[float]:
+    """The weight of each loss token of each sequence, so that sum(weight × token loss) over the
+    global batch is the aggregated loss. Depends only on global counts, never on the split."""
+    if loss_agg == "token_mean":
+        return [1.0 / max(global_tokens, 1)] * len(seq_lens)
+    if loss_agg == "seq_mean_token_mean":
+        return [1.0 / (max(n, 1) * max(global_seqs, 1)) for n in seq_lens]
+    if loss_agg == "seq_mean_token_sum_norm":
+        return [1.0 / (max(constant, 1) * max(global_seqs, 1))] * len(seq_lens)
+    raise ValueError(f"unknown loss aggregation {loss_agg!r}")

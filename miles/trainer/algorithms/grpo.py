@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import statistics
 
-from miles.trainer.algorithms.base import AlgorithmConfig, clipped_surrogate
+from miles.trainer.algorithms.base import AlgorithmBase
 
 
-class GRPO:
-    def __init__(self, cfg: AlgorithmConfig):
-        self.cfg = cfg
-
+class GRPO(AlgorithmBase):
     def advantages(self, rewards: list[float]) -> list[float]:
         mean = statistics.fmean(rewards)
         centred = [r - mean for r in rewards]
@@ -18,8 +15,3 @@ class GRPO:
             return centred
         std = statistics.pstdev(rewards)
         return [c / (std + 1e-6) for c in centred]
-
-    def token_loss(self, logprobs, old_logprobs, advantages):
-        loss, clipped = clipped_surrogate(logprobs, old_logprobs, advantages,
-                                          self.cfg.clip_eps_low, self.cfg.clip_eps_high)
-        return loss, {"clipfrac": clipped}

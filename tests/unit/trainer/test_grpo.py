@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles.trainer.algorithms import get_algorithm
-from miles.trainer.algorithms.base import AlgorithmConfig
+from miles.trainer.algorithms.base import AlgorithmConfig, LossInputs
 
 
 def test_group_normalised_advantages():
@@ -23,7 +23,7 @@ def test_clipped_token_loss():
     old = torch.zeros(3)
     logp = torch.tensor([math.log(1.5), math.log(1.1), math.log(0.5)])
     adv = torch.tensor([1.0, 1.0, -1.0])
-    loss, extra = grpo.token_loss(logp, old, adv)
+    loss, extra = grpo.token_loss(LossInputs(logp, old, adv, torch.ones(3), torch.zeros(3, dtype=torch.long)))
     # ratio 1.5 with A>0 clips to 1.2; 1.1 is inside; 0.5 with A<0 clips to 0.8 → -min(-0.5, -0.8) = 0.8
     assert loss.tolist() == pytest.approx([-1.2, -1.1, 0.8], abs=1e-6)
     assert extra["clipfrac"].tolist() == [1.0, 0.0, 1.0]

@@ -1,0 +1,102 @@
+"""Micro-batches by token budget, padded or packed, with per-token training targets.
+
+A micro-batch is either padded rows (one sequence per row, cost = rows × longest row) or one packed
+row (sequences end to end, cost = total length). Packed sequences never attend to each other: each
+restarts its position ids at 0 and the model builds a block-diagonal causal mask from them.
+Non-goal: splitting one sequence over micro-batches (a sequence over budget gets one to itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles.trainer.types import TrainSequence
+
+
+def plan_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, pack: bool) -> list[list[int]]:
+    """Group sequence indices into micro-batches whose token cost stays within `max_tokens`
+    (0 = no token budget) and whose size stays within `max_seqs` (padded mode only).
+
+    Longest first, first fit: few micro-batches and little padding, for any input order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    costs: list[tuple[int, int]] = []  # (longest, total) per bin
+    for i in order:
+        n = lengths[i]
+        placed = False
+        for b, (longest, total) in enumerate(costs):
+            if pack:
+                fits = max_tokens <= 0 or total + n <= max_tokens
+            else:
+                fits = len(bins[b]) < max_seqs and (max_tokens <= 0 or max(longest, n) * (len(bins[b]) + 1) <= max_tokens)
+            if fits:
+                bins[b].append(i)
+                costs[b] = (max(longest, n), total + n)
+                placed = True
+                break
+        if not placed:
+            bins.append([i])
+            costs.append((n, n))
+    return bins
+
+
+@dataclass
+class MicroBatch:
+    input_ids: "torch.Tensor"                # (B, T)
+    attention_mask: "torch.Tensor | None"    # (B, T); None when packed
+    position_ids: "torch.Tensor | None"      # (1, T) when packed
+    mask: "torch.Tensor"                     # (B, T-1) 1 on loss tokens
+    weights: "torch.Tensor"                  # (B, T-1) aggregation weight of each loss token
+    old_logprobs: "torch.Tensor"             # (B, T-1)
+    advantages: "torch.Tensor"               # (B, T-1)
+    seq_ids: "torch.Tensor"                  # (B, T-1) index into `seqs`, -1 elsewhere
+    seqs: list
+
+
+def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: bool, pad_id: int) -> MicroBatch:
+    """Tensors of one micro-batch. Response token j of a sequence starting at offset o sits at
+    o + prompt_len + j and is predicted at the position before it."""
+    import torch
+
+    if pack:
+        rows = [[i for i in range(len(seqs))]]
+        width = sum(len(s.tokens) for s in seqs)
+    else:
+        rows = [[i] for i in range(len(seqs))]
+        width = max(len(s.tokens) for s in seqs)
+    B = len(rows)
+    ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    pos = torch.zeros((B, width), dtype=torch.long)
+    mask = torch.zeros(B, width - 1)
+    w = torch.zeros(B, width - 1)
+    old = torch.zeros(B, width - 1)
+    adv = torch.zeros(B, width - 1)
+    sid = torch.full((B, width - 1), -1, dtype=torch.long)
+    for r, members in enumerate(rows):
+        off = 0
+        for i in members:
+            s = seqs[i]
+            L = len(s.tokens)
+            ids[r, off:off + L] = torch.tensor(s.tokens, dtype=torch.long)
+            attn[r, off:off + L] = 1
+            pos[r, off:off + L] = torch.arange(L)
+            lo, n = off + s.prompt_len - 1, len(s.loss_mask)
+            m = torch.tensor(s.loss_mask, dtype=torch.float32)
+            mask[r, lo:lo + n] = m
+            w[r, lo:lo + n] = weights[i] * m
+            if s.old_logprobs:
+                old[r, lo:lo + n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+            adv[r, lo:lo + n] = torch.tensor(s.token_advantages, dtype=torch.float32) \
+                if s.token_advantages else s.advantage
+            sid[r, lo:lo + n] = i
+            off += L
+    if pack:
+        # Padding to the right would be read as one more packed sequence; there is none here.
+        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs)
+    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs)

@@ -1,0 +1,66 @@
+"""Runs trainer cases on N real gloo ranks (torch.multiprocessing) and saves each case's full
+gradients and metrics from rank 0. Driven by test_parallel.py: python dist_worker.py SPEC.json"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+
+def make_batch(seed: int, n: int):
+    from miles.trainer.types import TrainSequence
+
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(n):
+        P, R = rng.randint(2, 9), rng.randint(1, 7)
+        mask = [1] * R
+        if R > 2:
+            mask[1] = 0  # an environment token inside the response
+        seqs.append(TrainSequence(tokens=[rng.randint(5, 300) for _ in range(P + R)], prompt_len=P,
+                                  loss_mask=mask, old_logprobs=[-rng.uniform(4.0, 7.0) for _ in range(R)],
+                                  advantage=rng.choice([-1.0, -0.5, 0.5, 1.0])))
+    return seqs
+
+
+def run_rank(rank: int, world: int, spec: dict) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from miles.config.loader import build
+    from miles.orchestration.trainer_group import prepare_global_batch, split_for_ranks
+    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+
+    results = {}
+    for case in spec["cases"]:
+        cfg = build(TrainerConfig, {"num_ranks": world, **case["trainer"]})
+        trainer = FSDPTrainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
+        seqs, totals = prepare_global_batch(make_batch(spec["seed"], spec["n"]), trainer.algorithm)
+        width = max(cfg.tensor_parallel_size, cfg.expert_parallel_size)
+        metrics = trainer.compute_gradients(split_for_ranks(seqs, world, width)[rank], totals)
+        grads = {}
+        for name, p in trainer.model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name.removeprefix("_orig_mod.")] = g.detach().clone()
+        local_rows = {n: (p.to_local() if hasattr(p, "to_local") else p).shape[0]
+                      for n, p in trainer.model.named_parameters() if "experts" in n}
+        results[case["name"]] = {"grads": grads, "metrics": metrics, "local_expert_rows": local_rows}
+        del trainer
+    if rank == 0:
+        torch.save(results, spec["out"])
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    spec = json.loads(open(sys.argv[1]).read())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(run_rank, args=(spec["world"], spec), nprocs=spec["world"])
+
+
+if __name__ == "__main__":
+    main()
