@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles.metrics.sink import MetricsConfig
 from miles.orchestration.loop import LoopConfig
 from miles.orchestration.placement import PlacementConfig
 from miles.orchestration.ray_cluster import RayConfig
@@ -63,4 +64,6 @@ class RunConfig:
     """Weight sync from trainer to engines."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised warm start (used by `miles sft`)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Metric sinks, progress display and the live dashboard."""
 

@@ -75,9 +75,9 @@ def _start_engines(cfg, cores, admin_token: str):
 def run_train(cfg) -> dict:
     import ray
 
-    from miles.config.loader import save_config
+    from miles.config.loader import save_config, to_dict
     from miles.metrics.progress import Progress
-    from miles.metrics.sink import JsonlSink
+    from miles.metrics.sink import open_sinks
     from miles.orchestration.placement import core_pools
     from miles.orchestration.ray_cluster import ensure_ray
     from miles.orchestration.sync_loop import run_sync_loop
@@ -91,7 +91,7 @@ def run_train(cfg) -> dict:
     ensure_ray(cfg.ray)
     pools = core_pools(cfg.placement)
     admin_token = secrets.token_hex(16)
-    engines, trainer = [], None
+    engines, trainer, sink, progress, dashboard = [], None, None, None, None
     t_start = time.perf_counter()
     try:
         engines, urls = _start_engines(cfg, pools.engine if pools else None, admin_token)
@@ -102,15 +102,23 @@ def run_train(cfg) -> dict:
         from miles.orchestration.actors import remote
 
         rollout = remote(RolloutManager).remote(cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed)
-        sink = JsonlSink(run_dir / "metrics.jsonl")
-        ctx = TrainContext(cfg, run_dir, rollout, trainer, sink, Progress("train", cfg.loop.num_steps))
+        sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
+        if cfg.metrics.dashboard:
+            from miles.metrics.dashboard import Dashboard
+
+            dashboard = Dashboard(run_dir, cfg.metrics.dashboard_host, cfg.metrics.dashboard_port).start()
+            log(f"dashboard: {dashboard.url}")
+        progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
+        ctx = TrainContext(cfg, run_dir, rollout, trainer, sink, progress)
         before = ctx.call(rollout.evaluate)
         sink.write(0, before)
         log(f"eval accuracy before RL: {before['eval/accuracy']:.3f}")
         run_sync_loop(ctx)
+        progress.close()
         after = ctx.history[-1][1] if ctx.history else before
         final_ckpt = ctx.save(cfg.loop.num_steps)
         sink.close()
+        sink = None
         summary = {
             "run_dir": str(run_dir), "steps": cfg.loop.num_steps,
             "eval_accuracy_before": before["eval/accuracy"],
@@ -122,6 +130,12 @@ def run_train(cfg) -> dict:
             f"→ {summary['eval_accuracy_after']:.3f} after RL; checkpoint {final_ckpt}")
         return summary
     finally:
+        if progress is not None:
+            progress.close()
+        if sink is not None:
+            sink.close()
+        if dashboard is not None:
+            dashboard.stop()
         if trainer is not None:
             trainer.close()
         for a in engines:
@@ -162,7 +176,7 @@ def run_sft(cfg) -> dict:
     pools = core_pools(cfg.placement)
     tcfg = dataclasses.replace(cfg.trainer, lr=cfg.sft.lr)
     trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None)
-    progress = Progress("sft", cfg.sft.steps)
+    progress = Progress("sft", cfg.sft.steps, mode=cfg.metrics.progress)
     order: list[int] = []
     try:
         m = {}
@@ -174,8 +188,9 @@ def run_sft(cfg) -> dict:
                     rng.shuffle(order)
                 batch.append(data[order.pop()])
             m = trainer.train_step(batch, kind="sft")
-            if step % max(1, cfg.sft.steps // 20) == 0 or step == cfg.sft.steps:
+            if progress.live or step % max(1, cfg.sft.steps // 20) == 0 or step == cfg.sft.steps:
                 progress.update(step, nll=m["sft/nll"])
+        progress.close()
         out = trainer.save_hf(cfg.sft.out)
         summary = {"out": out, "steps": cfg.sft.steps, "final_nll": m.get("sft/nll"),
                    "wall_time_s": time.perf_counter() - t0}

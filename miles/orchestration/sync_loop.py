@@ -6,8 +6,6 @@ under weight version k, so training is exactly on-policy.
 
 from __future__ import annotations
 
-import time
-
 
 def groups_to_sequences(groups, algorithm):
     """Per-sample advantages within each group; drop groups with no signal (all rewards equal)."""
@@ -26,32 +24,42 @@ def groups_to_sequences(groups, algorithm):
 
 def run_sync_loop(ctx) -> None:
     cfg, rollout, trainer, sink, progress = ctx.cfg, ctx.rollout, ctx.trainer, ctx.sink, ctx.progress
+    from miles.metrics.timers import StepTimer, staleness_counts
     from miles.trainer.algorithms import get_algorithm
 
     algorithm = get_algorithm(cfg.trainer.algorithm)
     for step in range(1, cfg.loop.num_steps + 1):
-        t0 = time.perf_counter()
-        groups, metrics = ctx.call(rollout.generate_groups)
-        t1 = time.perf_counter()
+        timer = StepTimer()
+        progress.phase("rollout")
+        with timer.span("rollout"):
+            groups, metrics = ctx.call(rollout.generate_groups)
+        metrics.update(staleness_counts(groups, ctx.policy_version))
         seqs, dropped = groups_to_sequences(groups, algorithm)
         metrics["buffer/groups_discarded_zero_std"] = dropped
         metrics["buffer/groups_trained"] = len(groups) - dropped
-        if seqs:
-            metrics.update(trainer.train_step(seqs))
-        t2 = time.perf_counter()
-        if step % cfg.loop.update_weights_interval == 0:
-            metrics.update(trainer.sync_weights(step))
-            ctx.policy_version = step
-        t3 = time.perf_counter()
+        progress.phase("train")
+        with timer.span("train"):
+            if seqs:
+                metrics.update(trainer.train_step(seqs))
+        progress.phase("sync")
+        with timer.span("sync"):
+            if step % cfg.loop.update_weights_interval == 0:
+                metrics.update(trainer.sync_weights(step))
+                ctx.policy_version = step
         if ctx.eval_due(step):
-            metrics.update(ctx.call(rollout.evaluate))
+            progress.phase("eval")
+            with timer.span("eval"):
+                metrics.update(ctx.call(rollout.evaluate))
         if cfg.loop.save_every and step % cfg.loop.save_every == 0:
+            progress.phase("save")
             ctx.save(step)
-        metrics.update({"perf/rollout_s": t1 - t0, "perf/train_s": t2 - t1, "perf/sync_s": t3 - t2,
-                        "perf/step_s": time.perf_counter() - t0})
+        timer.add("perf/wait_data_s", timer.spans["perf/rollout_s"])
+        metrics = timer.finish(metrics)
         sink.write(step, metrics)
         ctx.record(step, metrics)
         shown = {"reward": metrics["rollout/reward_mean"]}
         if "eval/accuracy" in metrics:
             shown["eval_acc"] = metrics["eval/accuracy"]
+        if "rollout/samples_per_s" in metrics:
+            shown["samples/s"] = metrics["rollout/samples_per_s"]
         progress.update(step, **shown, step_s=metrics["perf/step_s"])

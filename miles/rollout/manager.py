@@ -137,6 +137,7 @@ class RolloutManager:
         elapsed = time.perf_counter() - t0
         for s in samples:
             s.reward = float(self.reward_fn(s.response_text, s.label))
+        reward_s = time.perf_counter() - t0 - elapsed
         n = cfg.n_samples_per_prompt
         groups = [Group(samples=samples[i:i + n]) for i in range(0, len(samples), n)]
         self._step += 1
@@ -150,6 +151,7 @@ class RolloutManager:
             "rollout/samples_per_s": len(samples) / elapsed,
             "rollout/tokens_per_s": resp_tokens / elapsed,
             "rollout/weight_version": min(s.oldest_weight_version for s in samples),
+            "perf/reward_s": reward_s,
         }
         return groups, metrics
 

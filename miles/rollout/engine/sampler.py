@@ -13,8 +13,10 @@ Non-goal: penalties (frequency, presence, repetition) and logit bias.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads lazily so `miles serve --help` answers at once
+    import torch
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ def sample(
     Rows with their own generator draw only from it, and draw exactly once per call, so a seeded
     request produces the same tokens whatever else shares its batch.
     """
+    import torch
+
     logits = logits.float()
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
     logprobs_all = torch.log_softmax(logits / temps[:, None], dim=-1)  # (B, V)
@@ -76,6 +80,8 @@ def sample(
 
 def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero out tokens outside top-k / top-p / min-p; multinomial renormalises the rest."""
+    import torch
+
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]

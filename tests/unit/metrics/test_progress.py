@@ -1,0 +1,57 @@
+"""Progress: a live redrawn line on a terminal, plain lines in logs and CI."""
+
+import io
+import time
+
+from miles.metrics.progress import Progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_plain_lines_when_not_a_terminal(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    out = io.StringIO()
+    p = Progress("train", 4, stream=out)
+    assert not p.live
+    p.phase("rollout")  # phases are not printed in logs: only finished steps are
+    p.update(1, reward=0.123456, **{"samples/s": 51.0})
+    p.update(2, reward=0.5)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("[train] 1/4 reward=0.123 samples/s=51 |")
+    assert "left" in lines[0] and "\r" not in out.getvalue()
+
+
+def test_live_line_redraws_in_place_and_shows_the_running_phase(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    out = Terminal()
+    p = Progress("train", 10, stream=out)
+    assert p.live
+    p.update(3, reward=0.5)
+    p.phase("sync")
+    time.sleep(2.5 * Progress.REDRAW_S)  # the ticker redraws while the driver is blocked
+    text = out.getvalue()
+    p.close()
+    frames = [f for f in text.split("\r\x1b[2K") if f]
+    assert len(frames) >= 3
+    assert "█" in frames[-1] and "3/10" in frames[-1] and "reward=0.5" in frames[-1]
+    assert "| sync " in frames[-1]
+    assert "\n" not in text  # nothing scrolls until the work is done
+    assert out.getvalue().endswith("\n")
+
+
+def test_ci_gets_plain_lines_even_on_a_terminal(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    out = Terminal()
+    p = Progress("sft", 2, stream=out)
+    assert not p.live
+    p.update(1, nll=1.5)
+    assert out.getvalue() == out.getvalue().splitlines()[0] + "\n"
+    off = Progress("sft", 2, stream=out, mode="off")
+    off.update(2, nll=1.0)
+    assert out.getvalue().count("\n") == 1
