@@ -13,6 +13,7 @@ Tensor/expert parallel layouts come from transformers' distributed config (train
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
@@ -203,7 +204,9 @@ class FSDPTrainer:
         `totals` (BatchTotals, or the global loss-token count) describes the whole global batch.
         """
         out = self.compute_gradients(seqs, totals, kind)
+        t_opt = time.perf_counter()
         out[f"{'train' if kind == 'rl' else 'sft'}/grad_norm"] = self._clip_and_step()
+        out["perf/train_optimizer_s"] = time.perf_counter() - t_opt
         return out
 
     def compute_gradients(self, seqs, totals, kind: str = "rl") -> dict[str, float]:
@@ -233,6 +236,7 @@ class FSDPTrainer:
 
         self._maybe_refresh_reference()
         sums: dict[str, float] = {}
+        self._fwd_bwd_s = [0.0, 0.0]  # this rank's forward / backward seconds, for the step-time breakdown
         for members in plan:
             if members:
                 chunk, w = [seqs[i] for i in members], [weights[i] for i in members]
@@ -260,6 +264,7 @@ class FSDPTrainer:
             from miles.trainer.algorithms.tis import tis_metrics
 
             out.update(tis_metrics(red, n))
+        out["perf/train_forward_s"], out["perf/train_backward_s"] = self._fwd_bwd_s
         return out
 
     def _micro_step(self, mb, algorithm, kind: str, sums: dict, real: bool) -> None:
@@ -268,6 +273,7 @@ class FSDPTrainer:
         from miles.trainer.algorithms.base import LossInputs, kl_estimate, kl_reward_penalty
         from miles.trainer.forward import forward_logprobs
 
+        t_fwd = time.perf_counter()
         acfg = self.cfg.algorithm
         temperature = self.temperature if kind == "rl" else 1.0
         want_entropy = kind == "rl" and acfg.entropy_coef > 0
@@ -299,7 +305,10 @@ class FSDPTrainer:
             tok_loss = tok_loss - acfg.entropy_coef * entropy
             _acc(sums, "entropy", (entropy.detach() * mb.mask).sum())
         loss = (tok_loss * mb.weights).sum() + extra_loss
+        t_bwd = time.perf_counter()
         loss.backward()
+        self._fwd_bwd_s[0] += t_bwd - t_fwd
+        self._fwd_bwd_s[1] += time.perf_counter() - t_bwd
         if not real:
             return
         with torch.no_grad():
