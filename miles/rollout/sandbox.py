@@ -208,6 +208,8 @@ class Sandbox:
             raise SandboxError("this sandbox is closed; start a new one")
         if not isinstance(command, str) or not command.strip():
             raise SandboxError("command: give a non-empty shell command string")
+        if "\x00" in command:
+            raise SandboxError("command: contains a NUL byte, which no shell command can")
         with self._lock:
             return self._run(command, self.config.wall_timeout_s if timeout_s is None else timeout_s)
 

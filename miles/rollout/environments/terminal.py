@@ -101,11 +101,17 @@ class TerminalEnv:
             raise RuntimeError("TerminalEnv.step before reset: call reset(task) first")
         command = action.strip()
         if command and command != DONE:
+            from miles.rollout.sandbox import SandboxError
+
             self.commands += 1
-            result = self.sandbox.run(command)
-            self.transcript.append(result)
+            try:
+                result = self.sandbox.run(command)
+                reply = result.observation() or "(no output)"
+                self.transcript.append(result)
+            except SandboxError as e:  # the model wrote something no shell can run; tell it why
+                reply = f"error: {e}"
             if self.commands < self.max_commands:
-                return StepResult(observation=result.observation() or "(no output)")
+                return StepResult(observation=reply)
         return StepResult(observation="", reward=self.verify(), done=True)
 
     def verify(self) -> float:

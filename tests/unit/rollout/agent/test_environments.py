@@ -112,6 +112,9 @@ def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
 
     env = TerminalEnv(max_commands=2)
     env.reset(Prompt(index=0, text="", label="hello_file"))
+    garbled = env.step("ls\x00")
+    assert not garbled.done and "NUL byte" in garbled.observation
+    env.reset(Prompt(index=0, text="", label="hello_file"))
     assert not env.step("ls").done
     last = env.step("echo hello > hello.txt")
     assert last.done and last.reward == 1.0

@@ -50,6 +50,8 @@ def test_host_side_file_access_refuses_paths_and_symlinks_that_leave(sandbox):
         sandbox.write_file("../evil", "x")
     with pytest.raises(SandboxError, match="relative path"):
         sandbox.write_file("/etc/evil", "x")
+    with pytest.raises(SandboxError, match="NUL byte"):
+        sandbox.run("echo a\x00b")
     sandbox.run("ln -s /etc/hostname link")
     with pytest.raises(SandboxError, match="outside the sandbox"):
         sandbox.read_file("link")
