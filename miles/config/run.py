@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.metrics.sink import MetricsConfig
+from miles.buffer.data_buffer import BufferConfig
 from miles.orchestration.loop import LoopConfig
 from miles.orchestration.placement import PlacementConfig
 from miles.orchestration.ray_cluster import RayConfig
@@ -56,6 +57,8 @@ class RunConfig:
     """Schedule and step counts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Engines, sampling, prompts and rewards."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """Data buffer between rollout and trainer: filters, staleness, retries, capacity."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -67,3 +70,9 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Metric sinks, progress display and the live dashboard."""
 
+    def validate(self) -> None:
+        from miles.orchestration.loop import check_run
+        from miles.sync.prepare import check_run as check_sync
+
+        check_run(self)
+        check_sync(self)

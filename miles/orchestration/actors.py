@@ -57,15 +57,13 @@ class TrainerShell:
     def connect_engines(self, urls: list[str]) -> None:
         if self.rank != 0:
             return
-        from miles.sync.transports import get_transport
+        from miles.sync.updater import WeightUpdater
 
-        self.transport = get_transport(self.sync_cfg.transport, admin_token=self.admin_token)
+        self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
         self.transport.connect(urls)
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Collective: every rank gathers; rank 0 buckets and sends."""
-        from miles.sync.prepare import MiB, push_weights
-
+        """Collective: every rank gathers; rank 0 converts, buckets, sends and verifies (sync/updater.py)."""
         named = self.trainer.full_named_tensors()
         if self.rank != 0:
             for _ in named:
@@ -73,18 +71,26 @@ class TrainerShell:
             return {}
         if self.transport is None:
             raise RuntimeError("sync_weights before connect_engines: the trainer has no route to the engines")
-        return push_weights(named, self.transport, version, self.sync_cfg.bucket_size_mb * MiB, self.sync_cfg.dtype)
+        return self.transport.push(named, version)
 
     def save_hf(self, out_dir: str):
         return self.trainer.save_hf(out_dir)
+
+    def call_trainer(self, method: str, *args):
+        """Forward any other trainer call (checkpoint save/load, ...) without a shell method each."""
+        return getattr(self.trainer, method)(*args)
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
 
-def remote(cls):
-    """Wrap a shell as a Ray actor class that takes no logical CPUs."""
+def remote(cls, max_concurrency: int = 1):
+    """Wrap a shell as a Ray actor class that takes no logical CPUs.
+
+    max_concurrency > 1 runs calls on a thread pool, so one call may block (a trainer waiting for
+    groups) while others (version updates, evaluation) proceed.
+    """
     import ray
 
-    return ray.remote(num_cpus=0)(cls)
+    return ray.remote(num_cpus=0, max_concurrency=max_concurrency)(cls)

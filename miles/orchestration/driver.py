@@ -36,8 +36,11 @@ class TrainContext:
     trainer: object
     sink: object
     progress: object
-    policy_version: int = 0
+    policy_version: int = 0     # optimizer steps the trainer has taken
+    weight_version: int = 0     # the newest version pushed to the engines
+    start_step: int = 0         # the step a resumed run continues after
     history: list = field(default_factory=list)
+    _memory_warned: bool = False
 
     def call(self, method, *args):
         import ray
@@ -49,10 +52,60 @@ class TrainContext:
         return step == self.cfg.loop.num_steps or (every > 0 and step % every == 0)
 
     def save(self, step: int) -> str:
+        self.save_state(step)
         return self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
+
+    def save_state(self, step: int) -> str:
+        """Resumable checkpoint (trainer state, buffer and prompt position, versions), made visible
+        by one rename once every part is written."""
+        from miles.trainer.checkpoint import commit, staging_path
+
+        final = self.run_dir / "checkpoints" / f"state_{step}"
+        staging = staging_path(final)
+        self.trainer.save_checkpoint(str(staging))
+        (staging / "rollout.json").write_text(json.dumps(self.call(self.rollout.buffer_state_dict)))
+        meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version}
+        return str(commit(staging, final, meta))
+
+    def restore(self) -> None:
+        """Continue from the run directory's latest resumable checkpoint: trainer state, buffer and
+        prompt position, then the engines get the saved weights before they generate again."""
+        from miles.trainer.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            raise SystemExit(f"miles: {self.run_dir} has no resumable checkpoint (checkpoints/latest); "
+                             "runs save one at every loop.save_every steps and at the end")
+        meta = json.loads((ckpt / "meta.json").read_text())
+        self.trainer.load_checkpoint(str(ckpt))
+        self.call(self.rollout.load_buffer_state_dict, json.loads((ckpt / "rollout.json").read_text()))
+        self.start_step, self.policy_version = meta["step"], meta["policy_version"]
+        self.trainer.sync_weights(meta["policy_version"])
+        self.weight_version = meta["policy_version"]
+        self.call(self.rollout.set_versions, self.policy_version, self.weight_version)
+        log(f"resumed from {ckpt} at step {self.start_step}")
 
     def record(self, step: int, metrics: dict) -> None:
         self.history.append((step, metrics))
+
+    def engine_memory(self, action: str) -> None:
+        """Colocated turn-taking on the engine side (release before training, resume after)."""
+        if not self.call(self.rollout.engine_memory, action) and not self._memory_warned:
+            self._memory_warned = True
+            log("colocated: the engines do not offer /release_memory_occupation; they keep their memory "
+                "while the trainer works")
+
+
+LOOPS = {"sync": "miles.orchestration.sync_loop:run_sync_loop",
+         "one_step_off": "miles.orchestration.one_step_off:run_one_step_off_loop",
+         "fully_async": "miles.orchestration.async_loop:run_fully_async_loop"}
+
+
+def run_loop(ctx) -> None:
+    import importlib
+
+    module, _, name = LOOPS[ctx.cfg.loop.schedule].partition(":")
+    getattr(importlib.import_module(module), name)(ctx)
 
 
 def _start_engines(cfg, cores, admin_token: str):
@@ -72,7 +125,7 @@ def _start_engines(cfg, cores, admin_token: str):
     return actors, urls
 
 
-def run_train(cfg) -> dict:
+def run_train(cfg, resume: str | None = None) -> dict:
     import ray
 
     from miles.config.loader import save_config, to_dict
@@ -80,11 +133,12 @@ def run_train(cfg) -> dict:
     from miles.metrics.sink import open_sinks
     from miles.orchestration.placement import core_pools
     from miles.orchestration.ray_cluster import ensure_ray
-    from miles.orchestration.sync_loop import run_sync_loop
     from miles.orchestration.trainer_group import TrainerGroup
     from miles.rollout.manager import RolloutManager
 
-    run_dir = make_run_dir(cfg.run.output_dir, cfg.run.name)
+    if resume and cfg.loop.schedule != "sync":
+        raise SystemExit(f"miles: --resume supports loop.schedule = 'sync' (this run uses {cfg.loop.schedule!r})")
+    run_dir = Path(resume) if resume else make_run_dir(cfg.run.output_dir, cfg.run.name)
     save_config(cfg, run_dir / "config.json")
     log(f"run directory: {run_dir}")
     started_ray = not ray.is_initialized()
@@ -101,7 +155,9 @@ def run_train(cfg) -> dict:
         trainer.connect_engines(urls)
         from miles.orchestration.actors import remote
 
-        rollout = remote(RolloutManager).remote(cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed)
+        # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
+        rollout = remote(RolloutManager, max_concurrency=8).remote(
+            cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token)
         sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
         if cfg.metrics.dashboard:
             from miles.metrics.dashboard import Dashboard
@@ -110,10 +166,16 @@ def run_train(cfg) -> dict:
             log(f"dashboard: {dashboard.url}")
         progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
         ctx = TrainContext(cfg, run_dir, rollout, trainer, sink, progress)
-        before = ctx.call(rollout.evaluate)
-        sink.write(0, before)
+        if resume:
+            ctx.restore()
+            before = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+        else:
+            before = ctx.call(rollout.evaluate)
+            sink.write(0, before)
         log(f"eval accuracy before RL: {before['eval/accuracy']:.3f}")
-        run_sync_loop(ctx)
+        log(f"schedule: {cfg.loop.schedule}, placement: {cfg.placement.mode}")
+        run_loop(ctx)
+        ledger = ctx.call(rollout.ledger)  # raises if any drawn prompt went unaccounted
         progress.close()
         after = ctx.history[-1][1] if ctx.history else before
         final_ckpt = ctx.save(cfg.loop.num_steps)
@@ -124,6 +186,7 @@ def run_train(cfg) -> dict:
             "eval_accuracy_before": before["eval/accuracy"],
             "eval_accuracy_after": after.get("eval/accuracy", before["eval/accuracy"]),
             "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
+            "schedule": cfg.loop.schedule, "ledger": ledger,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"done in {summary['wall_time_s']:.0f}s: eval accuracy {summary['eval_accuracy_before']:.3f} before RL "

@@ -2,7 +2,8 @@
 
 disaggregated (default): engines and trainer get disjoint device pools and can run concurrently.
 On CPU a pool is a set of cores; each process pins its threads to its pool's cores.
-Non-goal (for now): colocated turn-taking; it is refused until engines can release memory.
+colocated: both get every core and take turns (sync schedule only): while the trainer works the
+engines release their memory, and while the engines generate the trainer's state is offloaded.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Literal
 
 @dataclass
 class PlacementConfig:
-    mode: Literal["disaggregated"] = "disaggregated"
-    """disaggregated: engines and trainer on separate device pools."""
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: engines and trainer on separate device pools; colocated: they share all devices
+    and take turns (sync schedule only)."""
     pin_cpus: bool = True
     """On CPU, pin engine and trainer processes to disjoint cores."""
     engine_cpu_fraction: float = 0.5
@@ -39,6 +41,8 @@ def core_pools(cfg: PlacementConfig) -> CorePools | None:
     if not cfg.pin_cpus or not hasattr(os, "sched_getaffinity"):
         return None
     cores = sorted(os.sched_getaffinity(0))
+    if cfg.mode == "colocated":
+        return CorePools(engine=tuple(cores), trainer=tuple(cores))
     if len(cores) < 2:
         return None
     k = min(max(1, round(len(cores) * cfg.engine_cpu_fraction)), len(cores) - 1)

@@ -1,7 +1,10 @@
 """The synchronous schedule: generate → train → sync weights → evaluate → save, step after step.
 
 Engines sit idle while the trainer works and vice versa; every sample of step k is generated
-under weight version k, so training is exactly on-policy.
+under weight version k-1, the trainer's version when it trains them, so training is on-policy.
+In the colocated placement the two sides also hand the shared cores to each other: engines release
+their memory for the train step and take it back before the weights arrive.
+The helpers below (train, push weights, end a step) are shared by the overlapped schedules.
 """
 
 from __future__ import annotations
@@ -23,43 +26,74 @@ def groups_to_sequences(groups, algorithm):
 
 
 def run_sync_loop(ctx) -> None:
-    cfg, rollout, trainer, sink, progress = ctx.cfg, ctx.rollout, ctx.trainer, ctx.sink, ctx.progress
-    from miles.metrics.timers import StepTimer, staleness_counts
-    from miles.trainer.algorithms import get_algorithm
+    cfg, rollout, trainer, progress = ctx.cfg, ctx.rollout, ctx.trainer, ctx.progress
+    from miles.metrics.timers import StepTimer
 
-    algorithm = get_algorithm(cfg.trainer.algorithm)
-    for step in range(1, cfg.loop.num_steps + 1):
+    colocated = cfg.placement.mode == "colocated"
+    for step in range(ctx.start_step + 1, cfg.loop.num_steps + 1):
         timer = StepTimer()
         progress.phase("rollout")
         with timer.span("rollout"):
-            groups, metrics = ctx.call(rollout.generate_groups)
-        metrics.update(staleness_counts(groups, ctx.policy_version))
-        seqs, dropped = groups_to_sequences(groups, algorithm)
-        metrics["buffer/groups_discarded_zero_std"] = dropped
-        metrics["buffer/groups_trained"] = len(groups) - dropped
-        progress.phase("train")
-        with timer.span("train"):
-            if seqs:
-                metrics.update(trainer.train_step(seqs))
-        progress.phase("sync")
-        with timer.span("sync"):
-            if step % cfg.loop.update_weights_interval == 0:
-                metrics.update(trainer.sync_weights(step))
-                ctx.policy_version = step
-        if ctx.eval_due(step):
-            progress.phase("eval")
-            with timer.span("eval"):
-                metrics.update(ctx.call(rollout.evaluate))
-        if cfg.loop.save_every and step % cfg.loop.save_every == 0:
-            progress.phase("save")
-            ctx.save(step)
+            metrics = ctx.call(rollout.generate_batch)
+            groups, buffer_metrics = ctx.call(rollout.collect)
+        metrics.update(buffer_metrics)
+        if colocated:
+            ctx.engine_memory("release")  # the trainer's turn on the shared cores
+        train_on(ctx, step, groups, metrics, timer)
+        if colocated:
+            ctx.engine_memory("resume")
+        push_weights(ctx, step, metrics, timer)
+        # Sync schedule: the trainer waits for the whole collection before it can start.
         timer.add("perf/wait_data_s", timer.spans["perf/rollout_s"])
-        metrics = timer.finish(metrics)
-        sink.write(step, metrics)
-        ctx.record(step, metrics)
-        shown = {"reward": metrics["rollout/reward_mean"]}
-        if "eval/accuracy" in metrics:
-            shown["eval_acc"] = metrics["eval/accuracy"]
-        if "rollout/samples_per_s" in metrics:
-            shown["samples/s"] = metrics["rollout/samples_per_s"]
-        progress.update(step, **shown, step_s=metrics["perf/step_s"])
+        end_step(ctx, step, metrics, timer)
+
+
+# -- the parts every schedule shares ----------------------------------------------------------------
+def train_on(ctx, step: int, groups, metrics: dict, timer) -> None:
+    """One optimizer step on these groups; the trainer's policy version becomes `step`."""
+    from miles.metrics.timers import staleness_counts
+    from miles.trainer.algorithms import get_algorithm
+
+    metrics.update(staleness_counts(groups, ctx.policy_version))
+    seqs, dropped = groups_to_sequences(groups, get_algorithm(ctx.cfg.trainer.algorithm))
+    metrics["buffer/groups_discarded_zero_std"] = dropped
+    metrics["buffer/groups_trained"] = len(groups) - dropped
+    metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups) if seqs else 0
+    ctx.progress.phase("train")
+    with timer.span("train"):
+        if seqs:
+            metrics.update(ctx.trainer.train_step(seqs))
+    ctx.policy_version = step
+
+
+def push_weights(ctx, step: int, metrics: dict, timer) -> None:
+    """Push weights on the configured cadence and tell the rollout side the new versions."""
+    ctx.progress.phase("sync")
+    with timer.span("sync"):
+        if step % ctx.cfg.loop.update_weights_interval == 0:
+            metrics.update(ctx.trainer.sync_weights(step))
+            ctx.weight_version = step
+            ctx.call(ctx.rollout.set_versions, step, step)
+        else:
+            ctx.call(ctx.rollout.set_versions, step)
+
+
+def end_step(ctx, step: int, metrics: dict, timer) -> None:
+    """Evaluate and save when due, then write the step's record and show progress."""
+    cfg, progress = ctx.cfg, ctx.progress
+    if ctx.eval_due(step):
+        progress.phase("eval")
+        with timer.span("eval"):
+            metrics.update(ctx.call(ctx.rollout.evaluate))
+    if cfg.loop.save_every and step % cfg.loop.save_every == 0:
+        progress.phase("save")
+        ctx.save(step)
+    metrics = timer.finish(metrics)
+    ctx.sink.write(step, metrics)
+    ctx.record(step, metrics)
+    shown = {"reward": metrics.get("rollout/reward_mean", float("nan"))}
+    if "eval/accuracy" in metrics:
+        shown["eval_acc"] = metrics["eval/accuracy"]
+    if "rollout/samples_per_s" in metrics:
+        shown["samples/s"] = metrics["rollout/samples_per_s"]
+    progress.update(step, **shown, step_s=metrics["perf/step_s"])

@@ -20,12 +20,15 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 16
     seed: int | None = None
+    ignore_eos: bool = False
 
     def to_json(self) -> dict:
         out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                "max_new_tokens": self.max_new_tokens}
         if self.seed is not None:
             out["sampling_seed"] = self.seed
+        if self.ignore_eos:
+            out["ignore_eos"] = True
         return out
 
 

@@ -1,16 +1,25 @@
-"""RolloutManager: owns the prompt source, talks to the engines, scores samples, returns groups.
+"""RolloutManager: owns the prompt source and the data buffer, talks to the engines, scores samples.
 
-It never imports the trainer or the orchestrator; the driver calls `generate_groups` and
-`evaluate`. Requests for the n samples of one prompt go to the same engine, so a prefix cache
-there can share the prompt. Non-goals here: the router and health monitoring (separate parts).
+It never imports the trainer or the orchestrator. Two ways to produce groups:
+- `generate_batch` (sync and one-step-off schedules): one step's prompts, generated together and put
+  into the buffer; `collect()` then hands the trainer what passed the buffer's rules.
+- `start_producer` (fully async): a background thread keeps up to `buffer.max_inflight_groups`
+  groups in flight and puts each into the buffer as it finishes; `collect(n)` blocks for n groups.
+Requests for the n samples of one prompt go to the same engine, so a prefix cache there can share
+the prompt. A sample the engine aborts can resume from its generated prefix (partial rollout): the
+prefix is sent back as token ids and each segment records the weight version it ran under.
+Non-goals here: the router and health monitoring (separate parts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
+from miles.rollout.agent import AgentConfig
 from miles.rollout.data_source import TaskConfig
 
 
@@ -40,8 +49,21 @@ class RolloutConfig:
     """Reward function by name or module:function."""
     request_timeout_s: float = 300.0
     """Give up on one /generate after this many seconds."""
+    group_timeout_s: float = 0.0
+    """Give up on a whole group after this many seconds (0 = never); buffer.on_failure decides its fate."""
+    partial_rollout: bool = False
+    """Resume a sample the engine aborted from its generated prefix instead of failing its group."""
+    max_resumes: int = 2
+    """Most times one sample is resumed after an abort (partial_rollout)."""
+    response_lengths: Literal["natural", "long_tail"] = "natural"
+    """natural: stop at EOS; long_tail: each sample's length is drawn from a heavy-tailed law up to
+    max_new_tokens and EOS is ignored (controlled workloads for benchmarks)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """Where prompts come from."""
+    generate_fn: str = "single_turn"
+    """How a prompt becomes a scored sample: single_turn, agent (multi-turn episodes), or module:function."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes (generate_fn = "agent"): environment, turn/token budgets, episode timeout."""
 
     def validate(self) -> None:
         from miles.config import ConfigError
@@ -57,8 +79,16 @@ class RolloutConfig:
             raise ConfigError("rollout.top_p must be in (0, 1]")
         if self.max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
+        if self.group_timeout_s < 0 or self.max_resumes < 0:
+            raise ConfigError("rollout.group_timeout_s and rollout.max_resumes must be >= 0")
         if self.engine_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("rollout.engine_dtype must be float32, bfloat16 or float16")
+        from miles.rollout.agent import get_generate_fn
+
+        try:
+            get_generate_fn(self.generate_fn)
+        except ValueError as e:
+            raise ConfigError(f"rollout.generate_fn: {e}") from None
         from miles.rollout.reward import get_reward_fn
 
         try:
@@ -83,6 +113,25 @@ class EvalConfig:
             raise ConfigError("eval.every_steps must be >= 0 and eval.num_prompts >= 1")
 
 
+def run_coroutine(coro):
+    """asyncio.run on a fresh thread: a threaded Ray actor may call us from a thread whose event loop
+    is already running, where asyncio.run refuses to start."""
+    out: dict = {}
+
+    def main():
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=main, name="rollout-io")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 async def _run_all(jobs, timeout_s: float):
     # Kept outside the class: an `async def` method would make Ray run the actor as an async actor.
     import httpx
@@ -92,9 +141,22 @@ async def _run_all(jobs, timeout_s: float):
         return await asyncio.gather(*(job(client) for job in jobs))
 
 
+def long_tail_length(max_new_tokens: int, key: int) -> int:
+    """A Pareto(1.2)-distributed length in [max_new_tokens/16, max_new_tokens], fixed by `key`.
+
+    Most samples are short and a few are long, the shape that leaves synchronous batches waiting on
+    their slowest member.
+    """
+    import random
+
+    lo = max(1, max_new_tokens // 16)
+    return min(max_new_tokens, int(lo * random.Random(key).paretovariate(1.2)))
+
+
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
-                 seed: int = 0):
+                 seed: int = 0, buffer_cfg=None, admin_token: str | None = None):
+        from miles.buffer.data_buffer import BufferConfig, DataBuffer
         from miles.models.loading import load_tokenizer
         from miles.rollout.data_source import PromptSource
         from miles.rollout.reward import get_reward_fn
@@ -103,10 +165,22 @@ class RolloutManager:
         self.engine_urls = list(engine_urls)
         self.tokenizer = load_tokenizer(model_path)
         self.reward_fn = get_reward_fn(cfg.reward)
+        from miles.rollout.agent import get_generate_fn
+
+        # A plugged-in generate function scores its own samples; None keeps the built-in path below.
+        self.generate_fn = None if cfg.generate_fn == "single_turn" else get_generate_fn(cfg.generate_fn)
         self.source = PromptSource(cfg.task, "train", seed)
         self.eval_prompts = PromptSource(cfg.task, "eval", seed).take(eval_cfg.num_prompts)
         self._next_engine = 0
         self._step = 0
+        self.admin_token = admin_token
+        # Its own prompt source: the buffer's ledger must see every prompt it hands out.
+        self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
+        self._lock = threading.Lock()
+        self._stats = _SampleStats()
+        self._producer: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._producer_error: BaseException | None = None
 
     def _encode(self, text: str) -> list[int]:
         if self.cfg.task.apply_chat_template:
@@ -133,7 +207,7 @@ class RolloutManager:
                                         seed=hash((self.seed, p.index, k)) & 0x7FFFFFFF)
                 jobs.append(lambda c, url=url, ids=ids, p=p, params=params, k=k: generate(
                     c, url, ids, params, rid=f"s{self._step}-p{p.index}-{k}", label=p.label, prompt_index=p.index))
-        samples = asyncio.run(_run_all(jobs, self.cfg.request_timeout_s))
+        samples = run_coroutine(_run_all(jobs, self.cfg.request_timeout_s))
         elapsed = time.perf_counter() - t0
         for s in samples:
             s.reward = float(self.reward_fn(s.response_text, s.label))
@@ -155,6 +229,256 @@ class RolloutManager:
         }
         return groups, metrics
 
+    # -- buffered generation ---------------------------------------------------------------------
+    def set_versions(self, policy_version: int, weight_version: int | None = None) -> None:
+        """The trainer's version (for staleness) and, after a push, the engines' weight version."""
+        if weight_version is not None:
+            self.buffer.set_weight_version(weight_version)
+        self.buffer.set_policy_version(policy_version)
+
+    def generate_batch(self) -> dict[str, float]:
+        """Generate one step's prompts together and put every group into the buffer."""
+        prompts = self.buffer.draw(self.cfg.prompts_per_step)
+        t0 = time.perf_counter()
+
+        async def run():
+            import httpx
+
+            async with httpx.AsyncClient(timeout=self.cfg.request_timeout_s, limits=_limits()) as client:
+                return await asyncio.gather(*(self._generate_group(client, p) for p in prompts))
+
+        groups = run_coroutine(run())
+        for g in groups:
+            self.buffer.put(g)
+        metrics = self._take_stats(time.perf_counter() - t0)
+        samples = [s for g in groups for s in g.samples]
+        if samples:
+            metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
+        return metrics
+
+    def collect(self, n: int | None = None, timeout: float | None = None):
+        """Groups for one training step and the step's rollout and buffer metrics.
+
+        n=None takes every group ready now (after `generate_batch`); otherwise blocks for n groups.
+        """
+        if self._producer_error is not None:
+            raise RuntimeError(f"the rollout producer failed: {self._producer_error!r}")
+        groups = self.buffer.get(n, timeout)
+        metrics = self.buffer.metrics()
+        if self._producer is not None:
+            metrics.update(self._take_stats(None))
+        samples = [s for g in groups for s in g.samples]
+        if samples:
+            metrics["rollout/trained_reward_mean"] = sum(s.reward for s in samples) / len(samples)
+            metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
+        return groups, metrics
+
+    def start_producer(self) -> None:
+        """Keep generating in the background until `stop_producer` (fully-async schedule)."""
+        if self._producer is not None:
+            return
+        self._stopping.clear()
+        self.buffer.reopen()
+        self._stats = _SampleStats()
+        self._producer = threading.Thread(target=self._producer_main, name="rollout-producer", daemon=True)
+        self._producer.start()
+
+    def stop_producer(self, timeout: float = 60.0) -> None:
+        """Stop admitting prompts, abort what is in flight (those groups are retried), and wait."""
+        if self._producer is None:
+            return
+        self._stopping.set()
+        self.buffer.close()
+        self._producer.join(timeout)
+        self._producer = None
+        self.buffer.reopen()
+
+    def ledger(self) -> dict[str, int]:
+        """The buffer ledger's totals; raises if any drawn prompt is unaccounted for."""
+        return self.buffer.ledger.check()
+
+    def buffer_state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_buffer_state_dict(self, state: dict) -> None:
+        from miles.rollout.data_source import Prompt
+
+        self.buffer.load_state_dict(state, Prompt)
+        # Fresh draws continue after the last prompt the saved run drew.
+        drawn = max((int(i) for i in state["ledger"]["states"]), default=-1) + 1
+        while self.buffer.source.position < drawn:
+            self.buffer.source.take(1)
+
+    def engine_memory(self, action: Literal["release", "resume"]) -> bool:
+        """Colocated turn-taking: ask every engine to release (or take back) its memory.
+
+        Returns False when the engines do not offer the endpoint, so the caller can say so.
+        """
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        ok = True
+        for url in self.engine_urls:
+            r = httpx.post(f"{url}/{action}_memory_occupation", json={}, headers=headers, timeout=120)
+            if r.status_code == 404:
+                ok = False
+            elif r.status_code != 200:
+                raise RuntimeError(f"{url}/{action}_memory_occupation answered {r.status_code}: {r.text[:200]}")
+        return ok
+
+    def _producer_main(self) -> None:
+        try:
+            asyncio.run(self._produce())
+        except BaseException as e:  # noqa: BLE001 - surfaced to the trainer by collect()
+            self._producer_error = e
+            self.buffer.close()
+
+    async def _produce(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+
+        from miles.buffer.data_buffer import BufferClosed
+
+        # Producers blocked by backpressure each hold a thread; admission needs one more.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(self.buffer.cfg.max_inflight_groups + 4, thread_name_prefix="buffer"))
+        tasks: set[asyncio.Task] = set()
+        async with httpx.AsyncClient(timeout=self.cfg.request_timeout_s, limits=_limits()) as client:
+            while not self._stopping.is_set():
+                try:
+                    prompt = await asyncio.to_thread(self.buffer.admit, 0.2)
+                except BufferClosed:
+                    break
+                if prompt is None:
+                    continue
+                task = asyncio.create_task(self._produce_one(client, prompt))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                # In-flight requests come back aborted; their groups go to the retry queue.
+                await self._abort_all(client)
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _produce_one(self, client, prompt) -> None:
+        group = await self._generate_group(client, prompt)
+        await asyncio.to_thread(self.buffer.put, group)
+
+    async def _abort_all(self, client) -> None:
+        for url in self.engine_urls:
+            try:
+                await client.post(f"{url}/abort_request", json={"abort_all": True}, timeout=2)
+            except Exception:  # noqa: BLE001 - an unreachable engine has nothing in flight to abort
+                pass
+
+    def _sampling_params(self, prompt_index: int, k: int):
+        from miles.rollout.generate import SamplingParams
+
+        cfg = self.cfg
+        # A seed per sample makes a run reproducible regardless of batching inside the engine.
+        seed = hash((self.seed, prompt_index, k)) & 0x7FFFFFFF
+        length = cfg.max_new_tokens
+        if cfg.response_lengths == "long_tail":
+            length = long_tail_length(cfg.max_new_tokens, seed)
+        return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, length, seed=seed,
+                              ignore_eos=cfg.response_lengths == "long_tail")
+
+    async def _generate_group(self, client, prompt):
+        """All samples of one prompt, scored; a Group with `failure` set if generation gave up."""
+        import httpx
+
+        from miles.buffer.types import Group, Reason, SampleStatus
+        from miles.rollout.generate import GenerationError
+
+        with self._lock:
+            url = self.engine_urls[self._next_engine % len(self.engine_urls)]
+            self._next_engine += 1
+        ids = self._encode(prompt.text)
+        rids: list[str] = []
+        work = asyncio.gather(*(self._generate_sample(client, url, ids, prompt, k, rids)
+                                for k in range(self.cfg.n_samples_per_prompt)))
+        t0 = time.perf_counter()
+        try:
+            if self.cfg.group_timeout_s > 0:
+                samples = await asyncio.wait_for(work, self.cfg.group_timeout_s)
+            else:
+                samples = await work
+        except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
+            await self._abort_rids(client, url, rids)
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.TIMEOUT)
+        except (httpx.HTTPError, GenerationError, OSError):
+            await self._abort_rids(client, url, rids)
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.ENGINE_FAILURE)
+        if any(s.status is SampleStatus.ABORTED for s in samples):
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
+        for s in samples if self.generate_fn is None else ():
+            s.reward = float(self.reward_fn(s.response_text, s.label))
+        group = Group(samples=samples, prompt_index=prompt.index)
+        self._stats.add(group, time.perf_counter() - t0)
+        return group
+
+    async def _abort_rids(self, client, url: str, rids: list[str]) -> None:
+        async def one(rid):
+            try:
+                await client.post(f"{url}/abort_request", json={"rid": rid}, timeout=2)
+            except Exception:  # noqa: BLE001 - best effort: the engine may be the thing that failed
+                pass
+
+        # Short and concurrent: a hung engine must not hold the group's slot much past its timeout.
+        await asyncio.gather(*(one(r) for r in rids))
+
+    async def _generate_sample(self, client, url, prompt_ids, prompt, k: int, rids: list[str]):
+        """One sample, resumed from its prefix after aborts when partial rollout is on."""
+        import dataclasses
+
+        from miles.buffer.types import Sample, SampleStatus
+        from miles.rollout.generate import generate
+
+        params = self._sampling_params(prompt.index, k)
+        if self.generate_fn is not None:
+            rids.append(f"p{prompt.index}-{k}-{self._step}-{time.monotonic_ns()}")
+            return await self.generate_fn(self._generate_context(client, url), prompt, params, rids[-1])
+        response, logprobs, versions, text = [], [], [], ""
+        segment = 0
+        while True:
+            # The engine reports the version of a segment's last token; the version it held when the
+            # request went out bounds the first token's from below, so staleness is never understated.
+            known = self.buffer.weight_version
+            rid = f"p{prompt.index}-{k}-{self._step}-{time.monotonic_ns()}-{segment}"
+            rids.append(rid)
+            budget = params.max_new_tokens - len(response)
+            seg_params = dataclasses.replace(params, max_new_tokens=budget,
+                                             seed=None if params.seed is None else params.seed + segment)
+            s = await generate(client, url, prompt_ids + response, seg_params, rid=rid, label=prompt.label,
+                               prompt_index=prompt.index)
+            response += s.response_ids
+            logprobs += s.rollout_logprobs
+            versions.append(min(known, s.oldest_weight_version))
+            text = s.response_text
+            resumable = (s.status is SampleStatus.ABORTED and self.cfg.partial_rollout
+                         and segment < self.cfg.max_resumes and len(response) < params.max_new_tokens
+                         and not self._stopping.is_set())
+            if not resumable:
+                break
+            segment += 1
+        if segment:
+            text = self.tokenizer.decode(response, skip_special_tokens=True)
+        status = s.status
+        if status is SampleStatus.ABORTED and len(response) >= params.max_new_tokens:
+            status = SampleStatus.TRUNCATED
+        return Sample(prompt_ids=list(prompt_ids), response_ids=response, rollout_logprobs=logprobs,
+                      loss_mask=[1] * len(response), status=status, weight_versions=versions,
+                      response_text=text, label=prompt.label, prompt_index=prompt.index)
+
+    def _take_stats(self, elapsed: float | None) -> dict[str, float]:
+        stats, self._stats = self._stats, _SampleStats()
+        return stats.metrics(elapsed)
+
+    def _generate_context(self, client, url: str):
+        from miles.rollout.agent import GenerateContext
+
+        return GenerateContext(client, url, self.tokenizer, self._encode, self.reward_fn, self.cfg.agent)
+
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split."""
         from miles.rollout.generate import SamplingParams, generate
@@ -163,14 +487,61 @@ class RolloutManager:
         jobs = []
         for i, p in enumerate(self.eval_prompts):
             url = self.engine_urls[i % len(self.engine_urls)]
+            if self.generate_fn is not None:
+                jobs.append(lambda c, url=url, p=p: self.generate_fn(self._generate_context(c, url), p, params,
+                                                                     f"eval-{p.index}-{time.monotonic_ns()}"))
+                continue
             ids = self._encode(p.text)
             jobs.append(lambda c, url=url, ids=ids, p=p: generate(c, url, ids, params, label=p.label,
                                                                   prompt_index=p.index))
         t0 = time.perf_counter()
-        samples = asyncio.run(_run_all(jobs, self.cfg.request_timeout_s))
-        correct = sum(self.reward_fn(s.response_text, s.label) > 0 for s in samples)
+        samples = run_coroutine(_run_all(jobs, self.cfg.request_timeout_s))
+        if self.generate_fn is not None:
+            correct = sum(s.reward > 0 for s in samples)
+        else:
+            correct = sum(self.reward_fn(s.response_text, s.label) > 0 for s in samples)
         return {"eval/accuracy": correct / len(samples), "eval/num_prompts": len(samples),
                 "eval/time_s": time.perf_counter() - t0}
 
     def source_position(self) -> int:
         return self.source.position
+
+
+
+def _limits():
+    import httpx
+
+    return httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+
+
+class _SampleStats:
+    """Generation figures accumulated between two reports (thread-safe enough: one writer thread)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.samples = self.tokens = self.truncated = self.groups = self.zero_std = 0
+        self.reward = 0.0
+        self.group_s: list[float] = []
+
+    def add(self, group, seconds: float) -> None:
+        self.groups += 1
+        self.zero_std += len(set(group.rewards)) == 1
+        self.group_s.append(seconds)
+        for s in group.samples:
+            self.samples += 1
+            self.tokens += len(s.response_ids)
+            self.truncated += s.status.value == "truncated"
+            self.reward += s.reward
+
+    def metrics(self, elapsed: float | None) -> dict[str, float]:
+        elapsed = elapsed if elapsed is not None else time.perf_counter() - self.t0
+        n = max(self.samples, 1)
+        out = {"rollout/samples": float(self.samples), "rollout/time_s": elapsed,
+               "rollout/samples_per_s": self.samples / max(elapsed, 1e-9),
+               "rollout/tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+        if self.samples:
+            out.update({"rollout/reward_mean": self.reward / n, "rollout/response_len_mean": self.tokens / n,
+                        "rollout/truncated_frac": self.truncated / n,
+                        "rollout/zero_std_group_frac": self.zero_std / max(self.groups, 1),
+                        "rollout/group_time_max_s": max(self.group_s)})
+        return out

@@ -1,0 +1,38 @@
+"""The one-step-off schedule: generation of step k+1 overlaps training of step k.
+
+    engines: [gen 1][gen 2      ][gen 3      ] ...
+    trainer:        [train 1][sync 1][train 2][sync 2] ...
+
+The rollout manager generates the next batch in the background while the trainer trains on the
+batch before it, so each batch is at most one policy version old when it is trained (checked by
+the buffer on the way out). Weights are pushed right after each train step, while the engines are
+still generating: they apply a version atomically between decode steps and each sample records
+the versions it ran under. Who waits: the trainer waits for the next batch when generation is the
+slower side; generation waits for nothing. Needs the disaggregated placement.
+"""
+
+from __future__ import annotations
+
+
+def run_one_step_off_loop(ctx) -> None:
+    import ray
+
+    from miles.metrics.timers import StepTimer
+    from miles.orchestration.sync_loop import end_step, push_weights, train_on
+
+    cfg, rollout = ctx.cfg, ctx.rollout
+    pending = rollout.generate_batch.remote()
+    for step in range(ctx.start_step + 1, cfg.loop.num_steps + 1):
+        timer = StepTimer()
+        ctx.progress.phase("wait for data")
+        with timer.span("wait_data"):
+            metrics = ray.get(pending)
+            groups, buffer_metrics = ctx.call(rollout.collect)
+        metrics.update(buffer_metrics)
+        t_gen = metrics.get("rollout/time_s", 0.0)
+        if step < cfg.loop.num_steps:
+            pending = rollout.generate_batch.remote()  # step k+1's batch, overlapping this train step
+        train_on(ctx, step, groups, metrics, timer)
+        push_weights(ctx, step, metrics, timer)
+        timer.add("perf/rollout_s", t_gen)
+        end_step(ctx, step, metrics, timer)
