@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import subprocess
 import sys
@@ -122,6 +123,76 @@ class _Counters:
     sticky_hits: int = 0
 
 
+class _Unreachable(Exception):
+    """The engine could not be reached or dropped the connection before answering."""
+
+
+class _TimedOut(Exception):
+    """The engine took longer than the request timeout."""
+
+
+class _Upstream:
+    """HTTP client to the engines: aiohttp where installed (several times less CPU per request than
+    httpx, which matters when hundreds of requests pass through one Python process), else httpx."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        try:
+            import aiohttp
+        except ImportError:
+            aiohttp = None
+        self._aiohttp = aiohttp
+        self._session = None
+
+    async def request(self, method: str, url: str, body: bytes | None = None, headers: dict | None = None,
+                      timeout: float | None = None) -> tuple[int, bytes, str | None]:
+        timeout = timeout or self.timeout_s
+        if self._aiohttp is not None:
+            return await self._via_aiohttp(method, url, body, headers, timeout)
+        return await self._via_httpx(method, url, body, headers, timeout)
+
+    async def _via_aiohttp(self, method, url, body, headers, timeout):
+        aiohttp = self._aiohttp
+        if self._session is None:
+            # Idle connections are dropped before uvicorn's 5 s keep-alive would close them under us.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0), auto_decompress=False)
+        for attempt in (0, 1):
+            try:
+                async with self._session.request(method, url, data=body, headers=headers,
+                                                 timeout=aiohttp.ClientTimeout(total=timeout, connect=5.0)) as r:
+                    return r.status, await r.read(), r.headers.get("content-type")
+            except asyncio.TimeoutError:
+                raise _TimedOut() from None
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                # Most often a pooled keep-alive connection the server had just closed: one more try
+                # on a fresh connection. A dead engine then refuses the connection outright.
+                if attempt:
+                    raise _Unreachable(f"{type(exc).__name__}: {exc}") from None
+            except aiohttp.ClientError as exc:
+                raise _Unreachable(f"{type(exc).__name__}: {exc}") from None
+
+    async def _via_httpx(self, method, url, body, headers, timeout):
+        import httpx
+
+        if self._session is None:
+            self._session = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096,
+                                                                  max_keepalive_connections=256))
+        try:
+            r = await self._session.request(method, url, content=body, headers=headers,
+                                            timeout=httpx.Timeout(timeout, connect=5.0, pool=None))
+            return r.status_code, r.content, r.headers.get("content-type")
+        except httpx.TimeoutException:
+            raise _TimedOut() from None
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise _Unreachable(f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await (self._session.close() if self._aiohttp is not None else self._session.aclose())
+            self._session = None
+
+
 class Router:
     """The routing state and its policies; `build_app` puts HTTP in front of it."""
 
@@ -196,19 +267,13 @@ class Router:
 
     # ---- I/O ----------------------------------------------------------------------------------
 
-    def client(self):
-        import httpx
-
+    def client(self) -> "_Upstream":
         if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.config.request_timeout_s, connect=5.0, pool=None),
-                limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
+            self._client = _Upstream(self.config.request_timeout_s)
         return self._client
 
     async def proxy(self, method: str, path: str, body: bytes, content_type: str | None, key: str | None):
         """Returns (status, body bytes, content type) from the engine that served it."""
-        import httpx
-
         self.counters.requests += 1
         tried: set[str] = set()
         errors = []
@@ -220,21 +285,21 @@ class Router:
                 self.counters.retries += 1
             w.outstanding += 1
             try:
-                resp = await self.client().request(method, w.url + path, content=body,
-                                                   headers={"content-type": content_type or "application/json"})
-            except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+                status, content, ctype = await self.client().request(
+                    method, w.url + path, body, {"content-type": content_type or "application/json"})
+            except _Unreachable as exc:
                 # Nothing came back, so nothing was delivered: another engine can take it.
-                self.record_failure(w, f"{type(exc).__name__}: {exc}")
+                self.record_failure(w, str(exc))
                 tried.add(w.url)
-                errors.append(f"{w.url}: {type(exc).__name__}")
+                errors.append(f"{w.url}: {exc}")
                 continue
-            except httpx.TimeoutException:
+            except _TimedOut:
                 return 504, _json({"error": f"engine {w.url} did not answer within "
                                    f"{self.config.request_timeout_s}s"}), "application/json"
             finally:
                 w.outstanding -= 1
             w.served += 1
-            return resp.status_code, resp.content, resp.headers.get("content-type")
+            return status, content, ctype
         self.counters.unavailable += 1
         why = "; ".join(errors) or "every engine is quarantined"
         return 503, _json({"error": f"no engine could serve the request ({why}); check /list_workers"}), \
@@ -247,8 +312,8 @@ class Router:
 
         async def one(w: Worker) -> dict:
             try:
-                r = await self.client().post(w.url + path, content=body, headers=headers)
-                return {"url": w.url, "status": r.status_code}
+                status, _, _ = await self.client().request("POST", w.url + path, body, headers)
+                return {"url": w.url, "status": status}
             except Exception as exc:  # noqa: BLE001 - report per engine, do not fail the others
                 return {"url": w.url, "status": None, "error": f"{type(exc).__name__}: {exc}"}
 
@@ -257,11 +322,11 @@ class Router:
     async def check(self, w: Worker) -> None:
         timeout = self.config.health_check_timeout_s
         try:
-            r = await self.client().get(w.url + "/health", timeout=timeout)
-            if r.status_code != 200:
-                raise RuntimeError(f"/health answered {r.status_code}")
-            v = await self.client().get(w.url + "/get_weight_version", timeout=timeout)
-            version = v.json().get("weight_version") if v.status_code == 200 else None
+            status, _, _ = await self.client().request("GET", w.url + "/health", timeout=timeout)
+            if status != 200:
+                raise RuntimeError(f"/health answered {status}")
+            status, content, _ = await self.client().request("GET", w.url + "/get_weight_version", timeout=timeout)
+            version = json.loads(content).get("weight_version") if status == 200 else None
             if isinstance(version, str) and version.isdigit():  # SGLang reports versions as strings
                 version = int(version)
         except Exception as exc:  # noqa: BLE001 - any failure is a failed check
@@ -308,7 +373,7 @@ def build_app(router: Router):
         finally:
             task.cancel()
             if router._client is not None:
-                await router._client.aclose()
+                await router._client.close()
                 router._client = None
 
     app = FastAPI(title="miles router", lifespan=lifespan)
@@ -433,6 +498,59 @@ def start_router_thread(config: RouterConfig, worker_urls: list[str], startup_ti
     raise RuntimeError(f"router at {url} did not start within {startup_timeout_s}s")
 
 
+class RouterProcess:
+    """The built-in router in a child process (`python -m miles.rollout.router`); `.url`, `.stop()`."""
+
+    def __init__(self, worker_urls: list[str], *, extra_args: list[str] | None = None,
+                 startup_timeout_s: float = 60.0):
+        import re
+
+        import httpx
+
+        cmd = [sys.executable, "-m", "miles.rollout.router", "--port", "0", "--worker-urls", *worker_urls,
+               *(extra_args or [])]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self.url: str | None = None
+        found = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stdout:
+                self.output.append(line)
+                m = re.search(r"miles router serving .* at (http://\S+)", line)
+                if m and self.url is None:
+                    self.url = m.group(1)
+                    found.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if found.wait(0.1):
+                try:
+                    httpx.get(self.url + "/list_workers", timeout=2)
+                    return
+                except httpx.TransportError:
+                    pass
+        self.stop()
+        raise RuntimeError(f"router process did not start within {startup_timeout_s}s; its output:\n"
+                           f"{''.join(self.output[-50:])}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "RouterProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def launch_sglang_router(config: RouterConfig, worker_urls: list[str], port: int,
                          extra_args: list[str] | None = None) -> subprocess.Popen:
     """Start the Rust sglang-router (a test dependency, `pip install sglang-router`) on `port`."""
@@ -457,8 +575,6 @@ def _check_url(url: str) -> str:
 
 
 def _json(obj) -> bytes:
-    import json
-
     return json.dumps(obj).encode()
 
 

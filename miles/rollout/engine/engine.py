@@ -37,6 +37,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import uuid
 from collections import deque
 from concurrent.futures import Future
@@ -108,7 +109,7 @@ class Engine:
         self._control: list[tuple[str, threading.Event]] = []  # quiesce requests for the scheduler
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
-                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0}
+                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0}
         # Running batch; only the scheduler thread touches these.
         self._rows: list[_Row] = []
         self._cache = None
@@ -286,6 +287,9 @@ class Engine:
         return self._paused or bool(self._released)
 
     def _loop(self) -> None:
+        # OpenMP thread counts are per calling thread: without this the scheduler thread would use
+        # the default (every core) and fight the other processes on the machine.
+        torch.set_num_threads(self.config.num_threads)
         while True:
             with self._cond:
                 while not (self._stopping or self._control or self._aborts
@@ -300,6 +304,7 @@ class Engine:
                     room = self.config.max_batch_size - len(self._rows)
                     admit = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                     self._inflight.update(row.req.rid for row in admit)
+            t0 = time.perf_counter()
             try:
                 if admit:
                     self._prefill(admit)
@@ -315,6 +320,7 @@ class Engine:
                 if self._rows and not self._held():
                     self._decode_step()
                     self._evict_finished()
+                self.stats["busy_s"] += time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
                 log.exception("engine step failed; failing the running batch")
                 for row in self._rows + admit:
@@ -342,8 +348,6 @@ class Engine:
         return out.logits[:, -1, :]  # (B, V)
 
     def _prefill(self, rows: list[_Row]) -> None:
-        from transformers import DynamicCache
-
         # Identical prompts are prefilled once; `lead[i]` is the unique prompt row i copies.
         uniq: list[tuple[int, ...]] = []
         where: dict[tuple[int, ...], int] = {}
@@ -370,7 +374,7 @@ class Engine:
                 pos[i, S - s:] = torch.arange(c, len(ids))
                 mask[i, M - c:M] = 1
                 mask[i, M + S - s:] = 1
-            cache = DynamicCache(config=self.model.config)
+            cache = _new_cache(self.model.config)
             if M:
                 self._load_prefixes(cache, hits, cached, M)
             logits = self._forward(ids_t, mask, pos, cache, logits_to_keep=1)
@@ -470,8 +474,10 @@ class Engine:
         L_old, L_new = self._mask.shape[1], mask.shape[1]
         L = max(L_old, L_new)
         for old, new in zip(self._cache.layers, cache.layers):
-            old.keys = torch.cat([_left_pad(old.keys, L - L_old), _left_pad(new.keys, L - L_new)], dim=0)
-            old.values = torch.cat([_left_pad(old.values, L - L_old), _left_pad(new.values, L - L_new)], dim=0)
+            # One assignment: setting keys alone would change the length the values view is cut to.
+            old.keys, old.values = (
+                torch.cat([_left_pad(old.keys, L - L_old), _left_pad(new.keys, L - L_new)], dim=0),
+                torch.cat([_left_pad(old.values, L - L_old), _left_pad(new.values, L - L_new)], dim=0))
         self._mask = torch.cat([_left_pad(self._mask, L - L_old), _left_pad(mask, L - L_new)], dim=0)
         self._next_pos = torch.cat([self._next_pos, lens])
         self._last_tokens = torch.cat([self._last_tokens, tokens])
@@ -523,8 +529,7 @@ class Engine:
         # with the longest prompt that ever passed through.
         start = int(mask.any(dim=0).nonzero()[0])
         for layer in self._cache.layers:
-            layer.keys = layer.keys[idx, :, start:]
-            layer.values = layer.values[idx, :, start:]
+            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
         self._mask = mask[:, start:]
         self._next_pos = self._next_pos[idx]
         self._last_tokens = self._last_tokens[idx]
@@ -560,6 +565,78 @@ def _request_generator(params: SamplingParams) -> torch.Generator | None:
     if params.sampling_seed is None:
         return None
     return torch.Generator().manual_seed(params.sampling_seed)
+
+
+def _new_cache(model_config):
+    """An HF DynamicCache whose layers append in place into buffers with headroom."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model_config)
+    cache.layers = [_growing_layer_class()() for _ in cache.layers]
+    return cache
+
+
+_GROWING_LAYER = None
+
+
+def _growing_layer_class():
+    """DynamicLayer appends by torch.cat, copying the whole batch's KV at every decode step; this one
+    writes the new column into spare capacity and hands attention a view. Assigning `keys`/`values`
+    (as merging and evicting rows do) replaces the buffer."""
+    global _GROWING_LAYER
+    if _GROWING_LAYER is not None:
+        return _GROWING_LAYER
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def __init__(self, **kwargs):
+            self._k = self._v = None
+            self._len = 0
+            super().__init__(**kwargs)
+
+        @property
+        def keys(self):
+            return None if self._k is None else self._k[:, :, :self._len]
+
+        @keys.setter
+        def keys(self, t):
+            self._k = t
+            self._len = 0 if t is None else t.shape[-2]
+
+        @property
+        def values(self):
+            return None if self._v is None else self._v[:, :, :self._len]
+
+        @values.setter
+        def values(self, t):
+            self._v = t
+            self._len = 0 if t is None else t.shape[-2]
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.device = key_states.device
+            B, H, _, D = key_states.shape
+            self.keys = key_states.new_zeros((B, H, 0, D))
+            self.values = value_states.new_zeros((B, H, 0, value_states.shape[-1]))
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            L, n = self._len, key_states.shape[-2]
+            if L + n > self._k.shape[-2]:
+                cap = L + n + max(64, L // 2)
+                k, v = self._k, self._v
+                self._k = k.new_empty(k.shape[:2] + (cap, k.shape[3]))
+                self._v = v.new_empty(v.shape[:2] + (cap, v.shape[3]))
+                self._k[:, :, :L] = k[:, :, :L]
+                self._v[:, :, :L] = v[:, :, :L]
+            self._k[:, :, L:L + n] = key_states
+            self._v[:, :, L:L + n] = value_states
+            self._len = L + n
+            return self.keys, self.values
+
+    _GROWING_LAYER = GrowingLayer
+    return GrowingLayer
 
 
 def _row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:

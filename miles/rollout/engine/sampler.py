@@ -65,15 +65,20 @@ def sample(
     if sampled_rows:
         idx = torch.tensor(sampled_rows)
         probs = _truncate(logprobs_all[idx].exp(), [params[i] for i in sampled_rows])  # (S, V)
+        # Inverse-CDF sampling with one uniform per row, so the whole batch is drawn in one vectorised
+        # step: a seeded row takes its uniform from its own generator (one draw per call, whatever
+        # the batch), the others share one draw from the engine generator.
+        u = torch.empty(len(sampled_rows))
         shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
         if shared:
-            # One draw for all unseeded rows from the engine generator: cheap and reproducible given
-            # the same sequence of batches.
-            s = torch.tensor(shared)
-            tokens[idx[s]] = torch.multinomial(probs[s], 1, generator=default_generator).squeeze(1)
+            u[torch.tensor(shared)] = torch.rand(len(shared), generator=default_generator)
         for j, i in enumerate(sampled_rows):
             if generators[i] is not None:
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+                u[j] = torch.rand(1, generator=generators[i])[0]
+        cdf = probs.cumsum(dim=-1)  # (S, V)
+        # Strictly below the total mass, so the draw never lands on a zero-probability tail token.
+        target = (u * cdf[:, -1] * (1 - 1e-6))[:, None]
+        tokens[idx] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
     token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     return tokens, token_logprobs
 

@@ -1,0 +1,189 @@
+"""`miles bench rollout`: GRPO-shaped and multi-turn generation, miles engine vs transformers generate().
+
+GRPO workload: P prompts x n samples, sampled at temperature 1 with per-sample completion limits drawn
+from a long-tailed distribution (most short, a few reaching max_new_tokens; EOS is ignored so both
+sides produce exactly those lengths). The same prompts and limits go
+  * to miles: one built-in engine process behind the built-in router, every request sent at once
+    through the real client (miles.rollout.generate.generate);
+  * to transformers: model.generate() in this process on static batches of `--hf-batch-size`
+    samples, each batch running to its longest limit (the static-batching cost), outputs cut to each
+    sample's own limit.
+Throughput counts only the tokens each sample asked for. Both sides use one torch thread.
+Multi-turn workload: episodes share a system prompt and grow their history turn by turn (TITO: the
+next prompt is the previous prompt + its output ids + the new user turn), routed by episode key.
+Prefix-cache hit rates are read from the engine's counters around each workload.
+
+    miles bench rollout [--prompts 16 --samples 8 --max-new-tokens 128 --hf-batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+
+
+def _lengths(rng: random.Random, count: int, max_new: int) -> list[int]:
+    out = []
+    for _ in range(count):
+        u = rng.random()
+        if u < 0.08:
+            out.append(max_new)  # the tail that holds a static batch hostage
+        elif u < 0.25:
+            out.append(rng.randint(max_new // 4, max_new // 2))
+        else:
+            out.append(rng.randint(4, max(5, max_new // 8)))
+    return out
+
+
+def _prompts(tok, rng: random.Random, count: int) -> list[list[int]]:
+    system = "You are a careful assistant. Solve the arithmetic problem and give the answer. "
+    return [tok.encode(f"{system}Question {i}: {rng.randint(10, 999)}+{rng.randint(10, 999)}=") for i in range(count)]
+
+
+def run_hf(model, prompts, n, limits, batch_size: int, pad_id: int) -> tuple[float, int]:
+    import torch
+
+    items = [(p, limits[i * n + j]) for i, p in enumerate(prompts) for j in range(n)]
+    t0 = time.perf_counter()
+    tokens = 0
+    for s in range(0, len(items), batch_size):
+        batch = items[s:s + batch_size]
+        L = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), L), dtype=torch.long)
+        for i, (p, _) in enumerate(batch):
+            ids[i, L - len(p):] = torch.tensor(p)
+            mask[i, L - len(p):] = 1
+        longest = max(m for _, m in batch)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
+        tokens += sum(min(m, out.shape[1] - L) for _, m in batch)
+    return time.perf_counter() - t0, tokens
+
+
+async def run_miles_grpo(url: str, prompts, n, limits, seed: int) -> tuple[float, int]:
+    import httpx
+
+    from miles.rollout.generate import SamplingParams, generate
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as client:
+        t0 = time.perf_counter()
+        tasks = [generate(client, url, p, SamplingParams(temperature=1.0, max_new_tokens=limits[i * n + j],
+                                                         seed=seed + i * n + j, ignore_eos=True))
+                 for i, p in enumerate(prompts) for j in range(n)]
+        samples = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    tokens = sum(len(s.response_ids) for s in samples)
+    return wall, tokens
+
+
+async def run_multi_turn(url: str, tok, episodes: int, turns: int, max_new: int, seed: int) -> float:
+    import httpx
+
+    from miles.rollout.generate import SamplingParams, generate
+
+    system = tok.encode("System: you are a terminal agent. Run the command, read the output, and answer with "
+                        "the result. Keep answers short. Tools: ls cat echo grep python. ")
+
+    async def episode(e: int) -> None:
+        async with httpx.AsyncClient(timeout=600, headers={"X-Routing-Key": f"episode-{e}"}) as client:
+            await turns_of(e, client)
+
+    async def turns_of(e: int, client) -> None:
+        history = list(system)
+        for t in range(turns):
+            history += tok.encode(f"\nuser {e}: step {t} ls file {t * 7 + e}\nassistant:")
+            s = await generate(client, url, history, SamplingParams(temperature=1.0, max_new_tokens=max_new,
+                                                                   seed=seed + 100 * e + t, ignore_eos=True))
+            history += s.response_ids
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(episode(e) for e in range(episodes)))
+    return time.perf_counter() - t0
+
+
+def _counters(url: str) -> dict:
+    import httpx
+
+    st = httpx.get(url + "/get_server_info", timeout=30).json()["engine_stats"]
+    return {"prompt": st["prompt_tokens"], "cached": st["cached_tokens"], "busy_s": st["busy_s"],
+            "decode_forwards": st["decode_forwards"]}
+
+
+def _hit_rate(before: dict, after: dict) -> float:
+    prompt = after["prompt"] - before["prompt"]
+    return (after["cached"] - before["cached"]) / prompt if prompt else 0.0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="miles bench rollout")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--turn-max-new-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="checkpoint directory; default builds tiny-qwen3")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from miles.models.loading import load_model, load_tokenizer
+    from miles.models.presets import build_tiny_model
+    from miles.rollout.engine.process import EngineProcess
+    from miles.rollout.router import RouterProcess
+
+    torch.set_num_threads(1)
+    model_dir = a.model or str(build_tiny_model("tiny-qwen3", tempfile.mkdtemp(prefix="miles-bench-rollout-")))
+    tok = load_tokenizer(model_dir)
+    rng = random.Random(a.seed)
+    prompts = _prompts(tok, rng, a.prompts)
+    limits = _lengths(rng, a.prompts * a.samples, a.max_new_tokens)
+
+    model = load_model(model_dir).eval()
+    torch.manual_seed(a.seed)
+    hf_wall, hf_tokens = run_hf(model, prompts, a.samples, limits, a.hf_batch_size, tok.pad_token_id)
+    del model
+    print(f"transformers generate(): {hf_tokens} tokens in {hf_wall:.2f}s", flush=True)
+
+    with EngineProcess(model_dir, extra_args=["--num-threads", "1", "--max-batch-size", "256"]) as engine:
+        # Its own process, as `miles router` runs: sharing the client's interpreter would make the two
+        # take turns on one GIL.
+        router = RouterProcess([engine.url])
+        try:
+            asyncio.run(run_miles_grpo(router.url, prompts[:2], 2, [4] * 4, a.seed))  # warm-up
+            c0 = _counters(engine.url)
+            miles_wall, miles_tokens = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, limits, a.seed))
+            c1 = _counters(engine.url)
+            print(f"miles engine via router: {miles_tokens} tokens in {miles_wall:.2f}s", flush=True)
+            mt_wall = asyncio.run(run_multi_turn(router.url, tok, a.episodes, a.turns, a.turn_max_new_tokens, a.seed))
+            c2 = _counters(engine.url)
+        finally:
+            router.stop()
+
+    miles_tps, hf_tps = miles_tokens / miles_wall, hf_tokens / hf_wall
+    result = {
+        "miles_tokens_per_s": round(miles_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
+        "ratio": round(miles_tps / hf_tps, 2),
+        "grpo_prefix_cache_hit_rate": round(_hit_rate(c0, c1), 3),
+        "multi_turn_prefix_cache_hit_rate": round(_hit_rate(c1, c2), 3),
+        "miles_wall_s": round(miles_wall, 2),
+        "engine_busy_s": round(c1["busy_s"] - c0["busy_s"], 2),
+        "engine_decode_forwards": c1["decode_forwards"] - c0["decode_forwards"], "hf_wall_s": round(hf_wall, 2),
+        "miles_tokens": miles_tokens, "hf_tokens": hf_tokens, "multi_turn_wall_s": round(mt_wall, 2),
+        "prompts": a.prompts, "samples": a.samples, "max_new_tokens": a.max_new_tokens,
+        "hf_batch_size": a.hf_batch_size, "episodes": a.episodes, "turns": a.turns,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
