@@ -1,0 +1,81 @@
+"""The prefix cache reuses shared prefixes (GRPO groups, multi-turn histories) without changing outputs."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import torch
+
+from miles.rollout.engine.prefix_cache import PrefixCache
+
+
+def _kv(n, fill=0.0):
+    # (layers, heads, tokens, dim) filled with each token's position, so slices can be checked
+    return lambda a, b: (torch.arange(a, b, dtype=torch.float32).view(1, 1, -1, 1).expand(2, 1, -1, 3) + fill,) * 2
+
+
+def test_radix_tree_matches_whole_blocks_and_evicts_least_recently_used():
+    cache = PrefixCache(block_size=4, max_tokens=16)
+    assert cache.insert(list(range(10)), _kv(10)) == 2  # two full blocks, the partial one is dropped
+    hit = cache.match(list(range(9)) + [99])
+    assert len(hit) == 2
+    k, _ = PrefixCache.gather(hit)
+    assert k.shape == (2, 1, 8, 3) and k[0, 0, :, 0].tolist() == list(range(8))
+    assert len(cache.match([0, 1, 2, 3, 7, 7, 7, 7])) == 1  # diverges inside the second block
+    assert len(cache.match(list(range(10)), limit=7)) == 1  # never more than the limit
+    other = [50 + i for i in range(12)]
+    assert cache.insert(other, _kv(12)) == 3
+    assert cache.num_tokens <= 16  # evicted down to capacity
+    assert len(cache.match(other)) == 3  # the newest entry survives
+    assert len(cache.match(list(range(8)))) < 2  # the older one lost its tail first
+
+
+def _gen(client, ids, n=12, logprob=True):
+    r = client.post("/generate", json={"input_ids": ids, "return_logprob": logprob,
+                                       "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _lps(out):
+    return torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+
+
+def test_multi_turn_reuses_history_and_matches_transformers(client, tokenizer, ref):
+    history = tokenizer.encode("The trainer computes a policy update and the engines generate under the new "
+                               "weights. Run the command, read the output, and answer.")
+    cached = []
+    for turn in range(4):
+        history = history + tokenizer.encode(f" user {turn}: 12+{turn}=")
+        out = _gen(client, history)
+        assert out["output_ids"] == ref.greedy(history, 12)
+        torch.testing.assert_close(_lps(out), ref.logprobs(history, out["output_ids"]), atol=1e-4, rtol=0)
+        cached.append(out["meta_info"]["cached_tokens"])
+        history = history + out["output_ids"]
+    assert cached[0] == 0
+    # Every later turn reuses at least the previous turn's whole prompt, minus a partial block.
+    assert all(c >= len(history) // 2 for c in cached[1:]), cached
+
+
+def test_grpo_group_shares_its_prompt_and_each_sample_matches(engine_url, tokenizer, ref):
+    ids = tokenizer.encode("Question 17: 345+678= Answer with the number only, then stop.")
+    with httpx.Client(base_url=engine_url, timeout=120) as c, ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: _gen(c, ids, 10), range(8)))
+        metrics = c.get("/metrics").text
+    expected = ref.greedy(ids, 10)
+    assert all(o["output_ids"] == expected for o in outs)
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    # At most the first admitted copy computes the prompt; the rest reuse (nearly) all of it.
+    assert sum(c >= len(ids) - 8 for c in cached) >= 7, cached
+    rate = next(float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("miles_engine_prefix_cache_hit_rate "))
+    assert 0 < rate <= 1
+
+
+def test_flush_cache_forgets_prefixes(client, admin_token):
+    ids = list(range(100, 140))
+    _gen(client, ids, 2, logprob=False)
+    assert _gen(client, ids, 2, logprob=False)["meta_info"]["cached_tokens"] > 0
+    client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_token}"})
+    assert _gen(client, ids, 2, logprob=False)["meta_info"]["cached_tokens"] == 0
