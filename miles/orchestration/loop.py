@@ -17,6 +17,12 @@ class LoopConfig:
     """Export a Hugging Face checkpoint every this many steps (0 = only at the end)."""
     update_weights_interval: int = 1
     """Push weights to the engines every this many steps."""
+    pause_mode: Literal["none", "abort", "retract", "in_place"] = "none"
+    """Overlapped schedules: how engines treat in-flight requests during a weight push. none: keep
+    decoding, the new version is applied between two decode steps; abort: in-flight requests end
+    (resumed from their prefix with rollout.partial_rollout, else their groups are retried);
+    retract: requests are set aside and re-run under the new weights; in_place: decoding pauses and
+    continues on the new weights with the KV cache kept."""
     collect_timeout_s: float = 1800.0
     """fully_async: fail the run if the trainer waits this long for one step's groups."""
 

@@ -69,9 +69,18 @@ def train_on(ctx, step: int, groups, metrics: dict, timer) -> None:
 def push_weights(ctx, step: int, metrics: dict, timer) -> None:
     """Push weights on the configured cadence and tell the rollout side the new versions."""
     ctx.progress.phase("sync")
+    loop = ctx.cfg.loop
+    # In the sync schedule the engines are idle during a push, so there is nothing to pause.
+    pause = loop.pause_mode if loop.schedule != "sync" and loop.pause_mode != "none" else None
     with timer.span("sync"):
-        if step % ctx.cfg.loop.update_weights_interval == 0:
-            metrics.update(ctx.trainer.sync_weights(step))
+        if step % loop.update_weights_interval == 0:
+            if pause:
+                ctx.call(ctx.rollout.pause_engines, pause)
+            try:
+                metrics.update(ctx.trainer.sync_weights(step))
+            finally:
+                if pause:
+                    ctx.call(ctx.rollout.continue_engines)
             ctx.weight_version = step
             ctx.call(ctx.rollout.set_versions, step, step)
         else:

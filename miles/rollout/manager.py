@@ -316,7 +316,7 @@ class RolloutManager:
         """
         import httpx
 
-        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        headers = self._admin_headers()
         ok = True
         for url in self.engine_urls:
             r = httpx.post(f"{url}/{action}_memory_occupation", json={}, headers=headers, timeout=120)
@@ -325,6 +325,24 @@ class RolloutManager:
             elif r.status_code != 200:
                 raise RuntimeError(f"{url}/{action}_memory_occupation answered {r.status_code}: {r.text[:200]}")
         return ok
+
+    def pause_engines(self, mode: str) -> None:
+        """Pause every engine for a weight push (abort | retract | in_place, the engine's pause modes)."""
+        self._engine_call("pause_generation", {"mode": mode})
+
+    def continue_engines(self) -> None:
+        self._engine_call("continue_generation", {})
+
+    def _engine_call(self, endpoint: str, body: dict) -> None:
+        import httpx
+
+        for url in self.engine_urls:
+            r = httpx.post(f"{url}/{endpoint}", json=body, headers=self._admin_headers(), timeout=120)
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}/{endpoint} answered {r.status_code}: {r.text[:200]}")
+
+    def _admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
 
     def _producer_main(self) -> None:
         try:
@@ -367,7 +385,8 @@ class RolloutManager:
     async def _abort_all(self, client) -> None:
         for url in self.engine_urls:
             try:
-                await client.post(f"{url}/abort_request", json={"abort_all": True}, timeout=2)
+                await client.post(f"{url}/abort_request", json={"abort_all": True}, timeout=2,
+                                  headers=self._admin_headers())
             except Exception:  # noqa: BLE001 - an unreachable engine has nothing in flight to abort
                 pass
 
@@ -411,10 +430,11 @@ class RolloutManager:
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ENGINE_FAILURE)
         if any(s.status is SampleStatus.ABORTED for s in samples):
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
+        t_reward = time.perf_counter()
         for s in samples if self.generate_fn is None else ():
             s.reward = float(self.reward_fn(s.response_text, s.label))
         group = Group(samples=samples, prompt_index=prompt.index)
-        self._stats.add(group, time.perf_counter() - t0)
+        self._stats.add(group, time.perf_counter() - t0, reward_s=time.perf_counter() - t_reward)
         return group
 
     async def _abort_rids(self, client, url: str, rids: list[str]) -> None:
@@ -521,10 +541,12 @@ class _SampleStats:
         self.t0 = time.perf_counter()
         self.samples = self.tokens = self.truncated = self.groups = self.zero_std = 0
         self.reward = 0.0
+        self.reward_s = 0.0  # scoring runs on the event loop, so these seconds add to the rollout's wall time
         self.group_s: list[float] = []
 
-    def add(self, group, seconds: float) -> None:
+    def add(self, group, seconds: float, reward_s: float = 0.0) -> None:
         self.groups += 1
+        self.reward_s += reward_s
         self.zero_std += len(set(group.rewards)) == 1
         self.group_s.append(seconds)
         for s in group.samples:
@@ -538,7 +560,7 @@ class _SampleStats:
         n = max(self.samples, 1)
         out = {"rollout/samples": float(self.samples), "rollout/time_s": elapsed,
                "rollout/samples_per_s": self.samples / max(elapsed, 1e-9),
-               "rollout/tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+               "rollout/tokens_per_s": self.tokens / max(elapsed, 1e-9), "perf/reward_s": self.reward_s}
         if self.samples:
             out.update({"rollout/reward_mean": self.reward / n, "rollout/response_len_mean": self.tokens / n,
                         "rollout/truncated_frac": self.truncated / n,

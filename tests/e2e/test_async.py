@@ -26,7 +26,9 @@ def test_fully_async_trains_within_the_staleness_bound_with_off_policy_correctio
         "run.name": "async", "loop.schedule": "fully_async", "loop.num_steps": "4", "eval.every_steps": "0",
         "buffer.max_staleness": "1", "buffer.max_inflight_groups": "8", "buffer.filter": "none",
         "rollout.max_new_tokens": "6", "trainer.algorithm.tis_mode": "truncate",
-        "rollout.reward": "tests.e2e.test_async:text_parity_reward"})
+        "rollout.reward": "tests.e2e.test_async:text_parity_reward",
+        # Pushes pause the engines and abort what is in flight; those samples resume from their prefix.
+        "loop.pause_mode": "abort", "rollout.partial_rollout": "true"})
     summary = run_train(cfg)
     records = records_of(tmp_path / "async")
     steps = records[1:]

@@ -11,13 +11,16 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
+TOKEN = "rollout-test-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
 
-    server = start_server_thread(EngineConfig(model_path=tiny_model_dir, num_threads=1))
+    server = start_server_thread(EngineConfig(model_path=tiny_model_dir, num_threads=1, admin_token=TOKEN))
     yield server
     server.stop()
 
@@ -58,7 +61,8 @@ def manager(model_dir, urls, rollout=None, buffer=None):
 
     rcfg = RolloutConfig(**{"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, **(rollout or {})})
     bcfg = BufferConfig(**{"filter": "none", "max_inflight_groups": 3, "max_retries": 1, **(buffer or {})})
-    return RolloutManager(rcfg, EvalConfig(num_prompts=1), model_dir, urls, seed=0, buffer_cfg=bcfg)
+    return RolloutManager(rcfg, EvalConfig(num_prompts=1), model_dir, urls, seed=0, buffer_cfg=bcfg,
+                          admin_token=TOKEN)
 
 
 def wait_until_running(url: str, timeout: float = 20.0) -> None:
@@ -76,7 +80,7 @@ def abort_until_seen(m, url: str, timeout: float = 20.0) -> None:
     while m.buffer.ledger.events["retried_aborted"] == 0:
         assert time.monotonic() < deadline, "no abort reached a group"
         wait_until_running(url)
-        httpx.post(f"{url}/abort_request", json={"abort_all": True})
+        httpx.post(f"{url}/abort_request", json={"abort_all": True}, headers=ADMIN).raise_for_status()
         time.sleep(0.2)
 
 
@@ -112,7 +116,7 @@ def test_partial_rollout_resumes_aborted_samples_with_per_segment_versions(tiny_
         wait_until_running(engine.url)
         engine.engine.apply_weights({}, 1)  # a new policy version lands mid-generation
         m.set_versions(1, 1)
-        httpx.post(f"{engine.url}/abort_request", json={"abort_all": True})
+        httpx.post(f"{engine.url}/abort_request", json={"abort_all": True}, headers=ADMIN).raise_for_status()
         groups, _ = m.collect(2, timeout=60)
         retried_before_stop = m.buffer.ledger.events["retried_aborted"]
     finally:
