@@ -52,6 +52,7 @@ class Progress:
         self.live = _is_live(self.stream, mode)
         self.t0 = time.perf_counter()
         self.done = 0
+        self._first: tuple[float, int] | None = None  # (time, done) at the first update
         self.fields: dict[str, float | str] = {}
         self._phase: str | None = None
         self._phase_t0 = 0.0
@@ -74,6 +75,8 @@ class Progress:
     def update(self, done: int, **fields: float | str) -> None:
         """`done` of `total` finished; `fields` are the figures worth seeing (reward, samples/s, ...)."""
         with self._lock:
+            if self._first is None:
+                self._first = (time.perf_counter(), done)
             self.done, self.fields = done, fields
             self._phase = None
             if self.mode == "off":
@@ -103,9 +106,16 @@ class Progress:
 
     # -- rendering ----------------------------------------------------------------------------
     def _timing(self) -> tuple[float, float]:
-        elapsed = time.perf_counter() - self.t0
-        left = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        return elapsed, left
+        now = time.perf_counter()
+        elapsed = now - self.t0
+        if self._first is not None and self.done > self._first[1]:
+            # The rate since the first update: start-up (Ray, model loading) says nothing about the rest.
+            per_item = (now - self._first[0]) / (self.done - self._first[1])
+        elif self.done:
+            per_item = elapsed / self.done
+        else:
+            return elapsed, float("nan")
+        return elapsed, per_item * (self.total - self.done)
 
     def _figures(self) -> str:
         return " ".join(f"{k}={_fmt_value(v)}" for k, v in self.fields.items())

@@ -182,7 +182,19 @@ def plot_staleness(runs: list[Run]):
         xs = [k + (i - (len(runs) - 1) / 2) * width for k in hist]
         ax.bar(xs, list(hist.values()), width=width, label=run.name)
     if not drawn:
-        _no_data(ax, "staleness counts (buffer/staleness/<k>)")
+        # No per-group counts: show the buffer's per-step mean and max instead, if it reported them.
+        for i, run in enumerate(runs):
+            for key, label in (("buffer/staleness_mean", "mean"), ("buffer/staleness_max", "max")):
+                xs, ys = run.series(key)
+                if xs:
+                    ax.plot(xs, ys, RUN_STYLES[i % 2], marker=".", label=label + (f" ({run.name})" if len(runs) > 1 else ""))
+        if not ax.lines:
+            _no_data(ax, "staleness figures")
+            return fig
+        ax.set_title("staleness of trained groups per step")
+        ax.set_xlabel("step")
+        ax.set_ylabel("policy versions behind")
+        ax.legend()
         return fig
     ax.set_title("staleness of collected groups")
     ax.set_xlabel("policy versions behind when trained")
@@ -193,29 +205,41 @@ def plot_staleness(runs: list[Run]):
     return fig
 
 
-def ledger_keys(run: Run) -> list[str]:
-    """Counters of the buffer ledger: every `buffer/groups_*` key (trained, discarded, retried, ...)."""
-    return [k for k in run.keys("buffer/groups_")]
+# The buffer's ledger reports running totals per prompt (`buffer/drawn`, `buffer/trained`,
+# `buffer/pending`, `buffer/discarded_<reason>`, `buffer/retried_<reason>`); a loop without the
+# buffer reports per-step counts (`buffer/groups_*`) instead, which are summed up here.
+LEDGER_TOTALS = ("buffer/drawn", "buffer/trained", "buffer/pending")
+
+
+def ledger_series(run: Run) -> dict[str, tuple[list[int], list[float]]]:
+    """{label: (steps, running total)} of the buffer ledger."""
+    keys = [k for k in LEDGER_TOTALS if run.series(k)[0]]
+    keys += sorted(k for k in run.keys("buffer/discarded_") + run.keys("buffer/retried_"))
+    if keys:
+        return {k.removeprefix("buffer/"): run.series(k) for k in keys}
+    out = {}
+    for k in run.keys("buffer/groups_"):
+        xs, ys = run.series(k)
+        total, cum = 0.0, []
+        for y in ys:
+            total += y
+            cum.append(total)
+        out[k.removeprefix("buffer/groups_")] = (xs, cum)
+    return out
 
 
 def plot_buffer(runs: list[Run]):
     fig, (ax,) = _figure(1, 7.0)
     colors: dict[str, str] = {}
-    palette = ["#4C72B0", "#C44E52", "#55A868", "#DD8452", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    palette = ["#333333", "#55A868", "#8172B3", "#C44E52", "#DD8452", "#4C72B0", "#DA8BC3", "#937860", "#8C8C8C"]
     for i, run in enumerate(runs):
-        for key in ledger_keys(run):
-            xs, ys = run.series(key)
-            total, cum = 0.0, []
-            for y in ys:
-                total += y
-                cum.append(total)
-            color = colors.setdefault(key, palette[len(colors) % len(palette)])
-            label = key.removeprefix("buffer/groups_") + (f" ({run.name})" if len(runs) > 1 else "")
-            ax.plot(xs, cum, RUN_STYLES[i % 2], color=color, label=label)
+        for label, (xs, ys) in ledger_series(run).items():
+            color = colors.setdefault(label, palette[len(colors) % len(palette)])
+            ax.plot(xs, ys, RUN_STYLES[i % 2], color=color, label=label + (f" ({run.name})" if len(runs) > 1 else ""))
     if not ax.lines:
-        _no_data(ax, "buffer ledger counters (buffer/groups_*)")
+        _no_data(ax, "buffer ledger counters")
         return fig
-    ax.set_title("buffer ledger (cumulative groups)")
+    ax.set_title("buffer ledger (prompts/groups so far)")
     ax.set_xlabel("step")
     ax.set_ylabel("groups")
     ax.grid(alpha=0.3)
@@ -314,12 +338,15 @@ def run_figures(run: Run) -> dict[str, str]:
                        ("perf/trainer_idle_frac", "trainer idle (mean fraction)"),
                        ("sync/total_s", "weight sync time (s, mean)")):
         rows[label] = _fmt(_mean(run.series(key)[1]))
-    ledger = {k.removeprefix("buffer/groups_"): sum(run.series(k)[1]) for k in ledger_keys(run)}
+    ledger = {label: ys[-1] for label, (_, ys) in ledger_series(run).items() if ys}
     rows["buffer ledger (groups)"] = ", ".join(f"{k} {v:.0f}" for k, v in ledger.items()) or "—"
     hist = staleness_hist(run)
     if hist:
         n = sum(hist.values())
         rows["staleness (mean / max versions)"] = f"{sum(k * v for k, v in hist.items()) / n:.2f} / {max(hist)}"
+    elif run.series("buffer/staleness_max")[1]:
+        rows["staleness (mean / max versions)"] = (f"{_mean(run.series('buffer/staleness_mean')[1]):.2f} / "
+                                                   f"{max(run.series('buffer/staleness_max')[1]):.0f}")
     else:
         rows["staleness (mean / max versions)"] = "—"
     wall = run.summary.get("wall_time_s")
@@ -344,6 +371,12 @@ def health_notes(run: Run) -> list[str]:
     if idle and _mean(idle) > 0.7:
         notes.append(f"the trainer was idle {100 * _mean(idle):.0f}% of the time: generation is the bottleneck "
                      "(more engines, or an overlapped schedule)")
+    ledger = {label: ys[-1] for label, (_, ys) in ledger_series(run).items() if ys}
+    discarded = sum(v for k, v in ledger.items() if k.startswith("discarded_"))
+    if ledger.get("drawn") and discarded > 0.5 * ledger["drawn"]:
+        why = ", ".join(f"{k.removeprefix('discarded_')} {v:.0f}" for k, v in ledger.items() if k.startswith("discarded_"))
+        notes.append(f"{discarded:.0f} of {ledger['drawn']:.0f} prompts drawn were discarded ({why}): see buffer.png "
+                     "and the buffer settings (filter, max_staleness, on_stale)")
     total = run.config.get("loop", {}).get("num_steps")
     if total is not None and len(run.step_records) < total:
         notes.append(f"the run recorded {len(run.step_records)} of {total} steps: it is still going or stopped early")

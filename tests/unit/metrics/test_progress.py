@@ -55,3 +55,18 @@ def test_ci_gets_plain_lines_even_on_a_terminal(monkeypatch):
     off = Progress("sft", 2, stream=out, mode="off")
     off.update(2, nll=1.0)
     assert out.getvalue().count("\n") == 1
+
+
+def test_time_left_follows_the_pace_after_start_up(monkeypatch):
+    import miles.metrics.progress as progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    monkeypatch.delenv("CI", raising=False)
+    out = io.StringIO()
+    p = Progress("train", 10, stream=out)
+    clock[0] = 160.0  # a minute of start-up before the first step lands
+    p.update(1)
+    clock[0] = 170.0  # then 10 s per step
+    p.update(2)
+    assert out.getvalue().splitlines()[-1].endswith("| 1m10s elapsed, ~1m20s left")

@@ -113,3 +113,23 @@ def test_plots_of_a_run_without_those_metrics_still_render(tmp_path, plot):
     run.mkdir()
     JsonlSink(run / "metrics.jsonl").write(0, {"eval/accuracy": 0.3})
     assert render_png(plot, [load_run(run)]).startswith(b"\x89PNG")
+
+
+def test_buffer_ledger_totals_and_heavy_discards_are_reported(tmp_path):
+    run = tmp_path / "async"
+    run.mkdir()
+    sink = JsonlSink(run / "metrics.jsonl")
+    for k in range(1, 4):
+        # The data buffer reports running totals per prompt, with a reason for every discard.
+        sink.write(k, derive({"perf/step_s": 2.0, "perf/wait_data_s": 0.5, "perf/train_s": 1.0,
+                              "buffer/drawn": 10.0 * k, "buffer/trained": 3.0 * k, "buffer/pending": 1.0,
+                              "buffer/discarded_filtered": 5.0 * k, "buffer/discarded_stale": 1.0 * k - 1,
+                              "buffer/retried_failed": 1.0, "buffer/staleness_mean": 0.5, "buffer/staleness_max": 1.0}))
+    sink.close()
+    assert main([str(run)]) == 0
+    summary = (run / "report" / "summary.md").read_text()
+    assert ("| buffer ledger (groups) | drawn 30, trained 9, pending 1, discarded_filtered 15, discarded_stale 2, "
+            "retried_failed 1 |") in summary
+    assert "| staleness (mean / max versions) | 0.50 / 1 |" in summary
+    assert "17 of 30 prompts drawn were discarded (filtered 15, stale 2)" in summary
+    assert "wait for data" in summary.split("where step time went |")[1].splitlines()[0]
