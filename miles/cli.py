@@ -32,7 +32,24 @@ def cmd_init_model(args, extra) -> int:
 def cmd_train(args, extra) -> int:
     from miles.orchestration.driver import run_train
 
-    summary = run_train(_load(args.config, extra))
+    if args.resume:
+        from pathlib import Path
+
+        saved = Path(args.resume) / "config.json"
+        if not saved.is_file():
+            sys.exit(f"miles train: --resume {args.resume}: no config.json there; pass a run directory "
+                     "written by `miles train`")
+        if args.config:
+            # Without a TOML file argparse takes the first override's value as `config`; put it back.
+            gap = next((i for i, tok in enumerate(extra) if tok.startswith("--") and "=" not in tok
+                        and (i + 1 == len(extra) or extra[i + 1].startswith("--"))), None)
+            if gap is None:
+                sys.exit("miles train: --resume reads the run's own config.json; pass overrides as --KEY VALUE, "
+                         "not a TOML file")
+            extra = extra[:gap + 1] + [args.config] + extra[gap + 1:]
+        summary = run_train(_load(str(saved), extra), resume=args.resume)
+    else:
+        summary = run_train(_load(args.config, extra))
     print(json.dumps(summary))
     return 0
 
@@ -91,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text, description=f"{text}. Any setting can be overridden with "
                            "dotted keys, e.g. --rollout.n_samples_per_prompt 8 --loop.num_steps 10.")
         s.add_argument("config", nargs="?", help="TOML config file")
+        if name == "train":
+            s.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
         s.set_defaults(fn=fn)
 
     s = sub.add_parser("serve", help="serve one built-in engine over the engine HTTP API",

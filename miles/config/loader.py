@@ -179,8 +179,9 @@ def load_config(cls, path: str | Path | None = None, overrides: dict[str, str] |
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} not found")
         try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
+            # A run directory's saved config.json (resume) loads like a TOML file.
+            data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     for key, raw in (overrides or {}).items():
         _apply_override(cls, data, key, raw)
