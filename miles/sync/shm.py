@@ -20,14 +20,18 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "miles-w-"
 
 
-def create(nbytes: int, tag: str = "buf") -> tuple[str, "torch.Tensor"]:
-    """A new zero-filled buffer of `nbytes`; returns (path, (nbytes,) uint8 tensor). The caller unlinks it."""
+def create(nbytes: int, tag: str = "buf", touch: bool = False) -> tuple[str, "torch.Tensor"]:
+    """A new zero-filled buffer of `nbytes`; returns (path, (nbytes,) uint8 tensor). The caller unlinks it.
+    touch=True allocates every page now, so the first transfer into it does not pay for that."""
     import torch
 
     path = os.path.join(SHM_DIR, f"{PREFIX}{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     with open(path, "wb") as f:
         f.truncate(max(1, nbytes))  # sparse: pages are allocated when written
-    return path, torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
+    buf = torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
+    if touch:
+        buf.zero_()
+    return path, buf
 
 
 def attach(path: str, nbytes: int) -> "torch.Tensor":

@@ -86,14 +86,22 @@ def engine_checksums(model, expected: dict[str, list]) -> dict:
     """Compare the engine with {name: [dtype, checksum]}: mismatched, missing and unexpected names."""
     import torch
 
-    mine = unique_tensors(model)
-    mismatched = []
+    everything = model.state_dict()  # tied aliases included: a trainer may send either name
+    mismatched, covered = [], set()
     for name, (dtype, digest) in expected.items():
-        t = mine.get(name)
-        if t is not None and tensor_checksum(t.to(getattr(torch, dtype))) != digest:
+        t = everything.get(name)
+        if t is None:
+            continue
+        covered.add(_storage(t))
+        if tensor_checksum(t.to(getattr(torch, dtype))) != digest:
             mismatched.append(name)
-    return {"mismatched": mismatched, "missing": sorted(set(expected) - set(mine)),
-            "unexpected": sorted(set(mine) - set(expected)), "checked": len(expected)}
+    unexpected = [n for n, t in unique_tensors(model).items() if _storage(t) not in covered]
+    return {"mismatched": mismatched, "missing": sorted(set(expected) - set(everything)),
+            "unexpected": sorted(unexpected), "checked": len(expected)}
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr() if t.numel() else id(t)
 
 
 def engine_bucket_checksums(model, buckets: list[list[list[str]]]) -> list[str]:

@@ -59,6 +59,9 @@ class WeightReceiver:
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._lock = threading.Lock()  # one update at a time: collectives must not interleave
         self._p2p_buffers: dict[str, torch.Tensor] = {}  # path -> mapping of buffers this engine owns
+        # Mappings of senders' buffers (colocated), most recent last: mapping anew for every bucket
+        # would fault in every page again. Bounded, since a sender's unlinked buffer stays mapped here.
+        self._foreign: dict[str, torch.Tensor] = {}
         self._delta = None  # DeltaCopy: the local copy of the base checkpoint, at its current version
         self._delta_pending = None  # (version, tensors) staged from a delta; becomes the local copy at commit
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -141,10 +144,10 @@ class WeightReceiver:
     # ---- shared memory (p2p on one host, colocated) --------------------------------------------
 
     def open_p2p_buffer(self, nbytes: int) -> str:
-        """Create a receive buffer this engine owns; a p2p sender writes buckets straight into it."""
+        """Create a receive buffer this engine owns; a p2p sender writes a whole version straight into it."""
         from miles.sync import shm
 
-        path, buf = shm.create(nbytes, tag="p2p")
+        path, buf = shm.create(nbytes, tag="p2p", touch=True)
         with self._lock:
             self._p2p_buffers[path] = buf
         return path
@@ -162,7 +165,7 @@ class WeightReceiver:
 
     def receive_shm(self, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
                     offsets: list[int]) -> None:
-        """Copy one bucket out of a shared-memory buffer into staging (the buffer is reused next bucket)."""
+        """Stage one bucket from a shared-memory buffer (this engine's own p2p buffer, or a sender's)."""
         from miles.sync import shm
 
         if not names:
@@ -176,18 +179,27 @@ class WeightReceiver:
                 raise self._fail("offsets: expected non-negative integers")
             ends = [off + _numel(s) * torch.empty((), dtype=dt).element_size()
                     for off, (_, dt, s) in zip(offsets, specs)]
+            own = path in self._p2p_buffers
             buf = self._p2p_buffers.get(path)
             try:
                 if buf is None:
-                    buf = shm.attach(path, max(ends))
+                    buf = self._foreign.pop(path, None)
+                    if buf is None or buf.numel() < max(ends):
+                        buf = shm.attach(path, max(ends))
+                    self._foreign[path] = buf
+                    while len(self._foreign) > 2:
+                        self._foreign.pop(next(iter(self._foreign)))
                 elif buf.numel() < max(ends):
                     raise ValueError(f"the bucket needs {max(ends)} bytes but buffer {path} holds {buf.numel()}")
             except ValueError as exc:
                 raise self._fail(f"shm_path: {exc}") from None
             received = {}
             for (name, dtype, shape), off, end in zip(specs, offsets, ends):
-                # clone(): the sender overwrites this buffer with its next bucket.
-                received[name] = buf[off:end].clone().view(dtype).reshape(shape)
+                # A p2p buffer this engine owns holds a whole version (each bucket at its own offset,
+                # rewritten only by the next version, after commit has copied it out), so it IS the
+                # staging; a buffer someone else owns is reused for their next bucket: copy out.
+                chunk = buf[off:end] if own else buf[off:end].clone()
+                received[name] = chunk.view(dtype).reshape(shape)
             del buf
             err = self._validate(received)
             if err is not None:
@@ -316,13 +328,34 @@ class WeightReceiver:
                     chunk = chunk.clone()
                 out[name] = chunk.view(dtype).reshape(shape)
                 offset += n
+        elif load_format == "flattened_small":
+            # Tensors under SPLIT_BYTES arrive in one flat broadcast, in order; every larger one then
+            # arrives alone, straight into its own buffer, so the sender never copies it to flatten.
+            from miles.sync.transports.broadcast import SPLIT_BYTES
+
+            sizes = [_numel(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
+            small = [(spec, n) for spec, n in zip(specs, sizes) if n < SPLIT_BYTES]
+            if small:
+                flat = torch.empty(sum(n for _, n in small), dtype=torch.uint8)
+                group.pg.broadcast([flat], opts).wait()
+                offset = 0
+                for (name, dtype, shape), n in small:
+                    out[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
+                    offset += n
+            for (name, dtype, shape), n in zip(specs, sizes):
+                if n >= SPLIT_BYTES:
+                    buf = torch.empty(n, dtype=torch.uint8)
+                    group.pg.broadcast([buf], opts).wait()
+                    out[name] = buf.view(dtype).reshape(shape)
+            out = {name: out[name] for name, _, _ in specs}
         elif load_format is None:
             for name, dtype, shape in specs:
                 t = torch.empty(shape, dtype=dtype)
                 group.pg.broadcast([t], opts).wait()
                 out[name] = t
         else:
-            raise self._fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket' or null")
+            raise self._fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket', "
+                             "'flattened_small' or null")
         return out
 
     def _specs(self, names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -344,7 +377,9 @@ class WeightReceiver:
             shape, _ = meta[name]
             if tuple(t.shape) != shape:
                 return f"tensor {name!r} has shape {list(t.shape)} but the model expects {list(shape)}"
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            # The sum is a fast screen (a NaN or Inf makes it non-finite); only then is the exact,
+            # several times slower, element-wise check paid, to tell a real NaN from a sum overflow.
+            if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
                 return f"tensor {name!r} contains NaN or Inf"
         return None
 

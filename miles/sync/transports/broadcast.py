@@ -1,9 +1,12 @@
 """Broadcast transport: one torch.distributed group of the trainer's source (rank 0) + every engine.
 
-Per bucket: the tensors are flattened into ONE uint8 buffer, the metadata (names, dtypes, shapes,
-load_format "flattened_bucket", commit=false) is POSTed to every engine's
-/update_weights_from_distributed, and a single broadcast from rank 0 carries the bytes. Engines
-reply only after their receive completes, so collecting the replies is also the barrier.
+Per bucket: the metadata (names, dtypes, shapes, load_format, commit=false) is POSTed to every
+engine's /update_weights_from_distributed, then the bytes follow from rank 0. With load_format
+"flattened_small" (the default) tensors under SPLIT_BYTES are flattened into ONE uint8 broadcast and
+every larger tensor is broadcast on its own, from its own memory: flattening a bucket of large
+tensors would cost one more full copy of the bucket on the sender for no saving in messages.
+"flattened_bucket" (SGLang's) flattens everything. Engines reply only after their receive
+completes, so collecting the replies is also the barrier.
 
 Who waits on whom: connect() and send_bucket() block until every engine has replied; an engine
 blocks in its receive until the broadcast arrives. If an engine refuses before joining the collective
@@ -43,6 +46,9 @@ def _spawn(fn, *args) -> cf.Future:
     return fut
 
 
+# Tensors smaller than this travel together in one flat broadcast; larger ones go alone, uncopied.
+SPLIT_BYTES = 1 << 20
+
 # After an engine errors while our broadcast is still running, how long to let the broadcast finish
 # before concluding the engine never joined it.
 _GRACE_S = 2.0
@@ -53,7 +59,7 @@ class BroadcastTransport:
 
     def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
                  admin_token: str | None = None, timeout_s: float = 120.0,
-                 group_name: str = "weight_update_group"):
+                 group_name: str = "weight_update_group", load_format: str = "flattened_small"):
         if backend != "gloo":
             raise ValueError(f"backend {backend!r}: the broadcast transport runs on CPU tensors; use 'gloo'")
         self.master_address = master_address
@@ -62,6 +68,9 @@ class BroadcastTransport:
         self.admin_token = admin_token
         self.timeout_s = timeout_s
         self.group_name = group_name
+        if load_format not in ("flattened_small", "flattened_bucket"):
+            raise ValueError(f"load_format {load_format!r}: use 'flattened_small' or 'flattened_bucket'")
+        self.load_format = load_format
         self.engine_urls: list[str] = []
         self._store = None
         self._pg = None
@@ -119,26 +128,32 @@ class BroadcastTransport:
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "group_name": self.group_name,
-            "load_format": "flattened_bucket",
+            "load_format": self.load_format,
             "commit": False,
             "reset_staging": self._fresh,
         }
-        # (total_bytes,) uint8: each tensor's bytes in bucket order, as the engine splits them.
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        raw = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        if self.load_format == "flattened_bucket":
+            messages = [torch.cat(raw)]  # (total_bytes,) uint8, each tensor's bytes in bucket order
+        else:
+            small = [r for r in raw if r.numel() < SPLIT_BYTES]
+            messages = ([torch.cat(small)] if small else []) + [r for r in raw if r.numel() >= SPLIT_BYTES]
+        total = sum(m.numel() for m in messages)
         replies = [_spawn(self._post, url, "/update_weights_from_distributed", meta)
                    for url in self.engine_urls]
 
         def broadcast():
-            if flat.numel():
-                opts = dist.BroadcastOptions()
-                opts.rootRank = 0
-                opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-                self._pg.broadcast([flat], opts).wait()
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+            for m in messages:
+                if m.numel():
+                    self._pg.broadcast([m], opts).wait()
 
         self._fresh = False
         try:
             self._wait(_spawn(broadcast), replies, f"sending a bucket of {len(bucket)} tensors "
-                       f"({flat.numel()} bytes, first {bucket[0][0]!r})")
+                       f"({total} bytes, first {bucket[0][0]!r})")
         except TransportError:
             self._version_failed = True
             raise

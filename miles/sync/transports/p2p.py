@@ -3,8 +3,12 @@
 Broadcast fans every bucket out through one collective; p2p instead gives every engine its own
 channel, so one engine's transfer never waits on another's and nothing is relayed:
   * an engine on this host (loopback or this machine's name) lends a receive buffer in shared memory
-    (`/p2p_open_buffer`); the trainer copies each tensor's bytes straight into it, then POSTs the
-    layout, and the engine copies them into its staging. Engines are written concurrently.
+    (`/p2p_open_buffer`) big enough for a whole version; the trainer copies each tensor's bytes
+    straight into it, bucket after bucket at increasing offsets; the bytes are in the engine's memory
+    when send_bucket returns. The layout of the whole version travels once, with the commit, so a
+    version costs one HTTP call per engine. The buffer is the engine's staging: the only copy on the
+    engine is the commit into its parameters. Engines are written concurrently. When a version
+    outgrows the buffer, what was written is staged from it and the engine lends a bigger one.
   * an engine on another host gets a private two-rank gloo group and point-to-point sends over it
     (one BroadcastTransport of world size 2 per engine, all running at once).
 Engines apply the version at commit, all of it at once, as with every transport (base.py).
@@ -55,6 +59,8 @@ class P2PTransport:
         self._tcp: dict[str, object] = {}  # url -> BroadcastTransport over a 2-rank group
         self._fresh = True
         self._failed: str | None = None
+        self._cursor = 0  # where the next bucket of this version starts in every engine's buffer
+        self._layout = _empty_layout()  # tensors written into the current buffers, not yet announced
 
     def connect(self, engine_urls: list[str]) -> None:
         from miles.sync.transports.broadcast import BroadcastTransport
@@ -72,27 +78,38 @@ class P2PTransport:
             self._tcp[url] = BroadcastTransport(master_address=self.master_address, admin_token=self.admin_token,
                                                 timeout_s=self.timeout_s, group_name=f"miles_p2p_{i}")
         self._client.run_all([lambda t=t, u=u: t.connect([u]) for u, t in self._tcp.items()])
-        self._fresh, self._failed = True, None
+        self._fresh, self._failed, self._cursor = True, None, 0
 
     def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
         self._check()
         if not bucket:
             return
         bucket = [(n, t.detach().to("cpu").contiguous()) for n, t in bucket]
-        offsets, nbytes = shm.layout(bucket)
-        meta = {**shm.bucket_meta(bucket, offsets), "load_format": "shm", "commit": False,
-                "reset_staging": self._fresh}
-        self._fresh = False
+        rel, nbytes = shm.layout(bucket)
+        start = (self._cursor + 63) // 64 * 64
+        offsets = [start + o for o in rel]
+        meta = shm.bucket_meta(bucket, offsets)
+        grow = any(buf.numel() < start + nbytes for _, buf in self._shm.values())
+        announced, reset = self._layout, self._fresh  # reset: drop what an abandoned version left staged
+        if grow:
+            self._layout, self._fresh = _empty_layout(), False
+        for k in self._layout:
+            self._layout[k] += meta[k]
+        self._cursor = start + nbytes
 
         def to_shm(url: str) -> None:
             path, buf = self._shm[url]
-            if buf.numel() < nbytes:  # a bucket larger than the buffer: the engine lends a bigger one
+            if buf.numel() < start + nbytes:
+                # Stage what the old buffer holds (it stays mapped on the engine until commit), then
+                # take a bigger one, with headroom so that this happens about once per run.
+                self._client.post(url, "/update_weights_from_tensor", {
+                    **announced, "shm_path": path, "load_format": "shm", "commit": False, "reset_staging": reset})
+                size = (start + nbytes) * 5 // 4
                 self._client.post(url, "/p2p_close_buffer", {"shm_path": path})
-                path = self._client.post(url, "/p2p_open_buffer", {"nbytes": nbytes})["shm_path"]
-                buf = shm.attach(path, nbytes)
+                path = self._client.post(url, "/p2p_open_buffer", {"nbytes": size})["shm_path"]
+                buf = shm.attach(path, size)
                 self._shm[url] = (path, buf)
             shm.write_bucket(buf, bucket, offsets)
-            self._client.post(url, "/update_weights_from_tensor", {**meta, "shm_path": path})
 
         jobs = [lambda u=u: to_shm(u) for u in self._shm] + [lambda t=t: t.send_bucket(bucket)
                                                                for t in self._tcp.values()]
@@ -106,7 +123,8 @@ class P2PTransport:
     def commit(self, weight_version: int) -> None:
         self._check()
         shm_urls = list(self._shm)
-        self._fresh = True
+        layout, fresh = self._layout, self._fresh
+        self._fresh, self._cursor, self._layout = True, 0, _empty_layout()
         if self._failed is not None:
             why, self._failed = self._failed, None
             reset = {"names": [], "reset_staging": True, "commit": False, "load_format": "shm"}
@@ -118,9 +136,11 @@ class P2PTransport:
                     pass  # tcp engines refuse their own commit: that is the point
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed ({why}); "
                                  "engines keep their previous weights")
-        body = {"names": [], "load_format": "shm", "commit": True, "weight_version": int(weight_version)}
+        body = {**layout, "load_format": "shm", "commit": True, "weight_version": int(weight_version),
+                "reset_staging": fresh}
         self._client.run_all(
-            [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor", body)]
+            [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor",
+                                           lambda _i, url: {**body, "shm_path": self._shm[url][0]})]
             + [lambda t=t: t.commit(weight_version) for t in self._tcp.values()])
 
     def close(self) -> None:
@@ -140,3 +160,7 @@ class P2PTransport:
     def _check(self) -> None:
         if self._client is None:
             raise TransportError("p2p transport is not connected: call connect(engine_urls) first")
+
+
+def _empty_layout() -> dict[str, list]:
+    return {"names": [], "dtypes": [], "shapes": [], "offsets": []}

@@ -129,3 +129,21 @@ def test_verified_updates_pass_and_later_ones_use_bucket_checksums(engine_thread
 
 def test_registry_lists_all_four_transports():
     assert set(TRANSPORTS) == {"broadcast", "p2p", "disk_delta", "colocated"}
+
+
+def test_broadcast_sends_large_tensors_unflattened_and_exact(engine_thread, base_model_dir, admin_token, monkeypatch):
+    import miles.sync.transports.broadcast as bc
+
+    # Lower the split so the tiny model has both kinds: small tensors flattened, large ones alone.
+    monkeypatch.setattr(bc, "SPLIT_BYTES", 4096)
+    state = _perturbed_state(base_model_dir, seed=5)
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    assert min(sizes) < 4096 <= max(sizes)
+    transport = get_transport("broadcast", admin_token=admin_token)
+    transport.connect([engine_thread.url])
+    try:
+        push_weights(iter(state.items()), transport, 41, bucket_bytes=256 * 1024)
+    finally:
+        transport.close()
+    assert _version(engine_thread.url) == 41
+    _assert_engine_holds(engine_thread, state)

@@ -1,0 +1,242 @@
+"""miles bench sync: weight-sync transports against bare torch.distributed, on one host.
+
+A Qwen3-architecture model of ~270 MiB of bf16 weights is built in memory (fp32 master weights, as a
+trainer holds them), saved once as the run's starting checkpoint, and served by two built-in engines
+in their own processes (bf16). Then, in one run:
+  * broadcast_s       miles' broadcast transport: buckets, HTTP metadata, one gloo broadcast per bucket,
+                      engine staging and the atomic commit on both engines
+  * raw_gloo_broadcast_s  the same bucket bytes broadcast with bare torch.distributed (gloo) to two
+                      receiver processes that do nothing else (the baseline)
+  * memcpy_s          one in-memory copy of the same bytes (what any transfer costs at least)
+  * p2p_s / colocated_s   the shared-memory transports to the same two engines
+  * after real AdamW steps at lr 1e-6 on the fp32 master weights: the disk-delta update of the bf16
+    engine weights, its density (fraction of bytes changed), wire bytes and full bytes
+The last line is one JSON object with the raw figures and the ratios.
+
+    miles bench sync [--layers 8] [--bucket-mb 64] [--repeats 3] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_RECEIVER = r"""
+import sys, datetime, torch, torch.distributed as dist
+torch.set_num_threads(1)
+host, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+sizes = [int(s) for s in sys.argv[5].split(",")]
+repeats = int(sys.argv[6])
+t = datetime.timedelta(seconds=300)
+store = dist.TCPStore(host, port, world, is_master=False, timeout=t)
+pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, t)
+bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+for _ in range(repeats):
+    for b in bufs:
+        pg.broadcast([b]).wait()
+    pg.allreduce([torch.zeros(1)]).wait()
+"""
+
+
+def build_model(layers: int, out_dir: str):
+    """fp32 master weights rounded to bf16-representable values, saved as the bf16 base checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from miles.models.presets import train_tokenizer
+
+    tokenizer = train_tokenizer(512, seed=0)
+    config = Qwen3Config(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id, dtype="float32")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    model.float()
+    tokenizer.save_pretrained(out_dir)
+    return model
+
+
+def named_bf16(model):
+    import torch
+
+    seen, out = set(), []
+    for n, t in model.state_dict().items():
+        if t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        out.append((n, t.detach().to(torch.bfloat16).contiguous()))
+    return out
+
+
+def time_push(transport, named, version: int, bucket_bytes: int) -> float:
+    from miles.sync.prepare import push_weights
+
+    t0 = time.perf_counter()
+    push_weights(iter(named), transport, version, bucket_bytes)
+    return time.perf_counter() - t0
+
+
+def raw_gloo(named, bucket_bytes: int, repeats: int) -> list[float]:
+    """Broadcast the same bucket bytes with bare torch.distributed to two receiver processes."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from miles.sync.prepare import buckets
+
+    flats = [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in b]) for b in buckets(iter(named), bucket_bytes)]
+    sizes = ",".join(str(f.numel()) for f in flats)
+    world = 3
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+    procs = [subprocess.Popen([sys.executable, "-c", _RECEIVER, "127.0.0.1", str(store.port), str(r), str(world),
+                               sizes, str(repeats)]) for r in (1, 2)]
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, world, timeout)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for f in flats:
+            pg.broadcast([f]).wait()
+        pg.allreduce([torch.zeros(1)]).wait()  # every receiver has every byte
+        times.append(time.perf_counter() - t0)
+    for p in procs:
+        p.wait(60)
+    return times
+
+
+def memcpy(named) -> float:
+    import torch
+
+    src = [t for _, t in named]
+    dst = [torch.empty_like(t) for t in src]
+    for d, s in zip(dst, src):  # touch the pages first, as a transfer's receive buffers would be
+        d.copy_(s)
+    t0 = time.perf_counter()
+    for d, s in zip(dst, src):
+        d.copy_(s)
+    return time.perf_counter() - t0
+
+
+def optimizer_steps(model, steps: int, lr: float) -> None:
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (2, 64), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from miles.rollout.engine.process import EngineProcess
+    from miles.sync.transports import get_transport
+
+    ap = argparse.ArgumentParser(prog="miles bench sync")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers (8 → ~270 MiB of bf16 weights)")
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed pushes per transport (the median is reported)")
+    ap.add_argument("--steps", type=int, default=2, help="AdamW steps before the disk-delta update")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    bucket_bytes = a.bucket_mb << 20
+    token = "bench-sync"
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+
+    with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as tmp:
+        base = os.path.join(tmp, "base")
+        model = build_model(a.layers, base)
+        named = named_bf16(model)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        print(f"model: {nbytes / 2**20:.0f} MiB of bf16 weights in {len(named)} tensors", file=sys.stderr)
+        engines = [EngineProcess(base, admin_token=token, extra_args=["--dtype", "bfloat16", "--num-threads", "1"],
+                                 startup_timeout_s=300) for _ in range(2)]
+        urls = [e.url for e in engines]
+        version = 0
+        try:
+            results: dict[str, list[float]] = {"broadcast": [], "raw": [], "p2p": [], "colocated": [], "memcpy": []}
+            transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300),
+                          "p2p": get_transport("p2p", admin_token=token, timeout_s=300, buffer_bytes=bucket_bytes),
+                          "colocated": get_transport("colocated", admin_token=token, timeout_s=300,
+                                                     buffer_bytes=bucket_bytes)}
+            for t in transports.values():
+                t.connect(urls)
+            # Warm-up (two rounds): receive buffers grow to a whole version and their pages get mapped;
+            # first-touch page faults are set-up, not the steady-state cost of a transfer.
+            for _ in range(2):
+                for name, t in transports.items():
+                    version += 1
+                    time_push(t, named, version, bucket_bytes)
+            # Interleaved rounds, so a neighbour's load spreads over every method alike.
+            for _ in range(a.repeats):
+                for name, t in transports.items():
+                    version += 1
+                    results[name].append(time_push(t, named, version, bucket_bytes))
+                results["raw"].extend(raw_gloo(named, bucket_bytes, 1))
+                results["memcpy"].append(memcpy(named))
+            for t in transports.values():
+                t.close()
+
+            optimizer_steps(model, a.steps, a.lr)
+            updated = named_bf16(model)
+            delta = get_transport("disk_delta", admin_token=token, timeout_s=300, delta_dir=os.path.join(tmp, "deltas"),
+                                  base_path=base, local_dir=os.path.join(tmp, "local"))
+            delta.connect(urls)
+            t0 = time.perf_counter()
+            from miles.sync.prepare import push_weights
+
+            push_weights(iter(updated), delta, version + 1, bucket_bytes)
+            delta_s = time.perf_counter() - t0
+            stats = delta.last_stats
+            delta.close()
+            # The engines really hold the updated weights.
+            ok = all(r["success"] for r in _compare(urls, token, updated))
+        finally:
+            for e in engines:
+                e.stop()
+
+    bc, raw, p2p = med(results["broadcast"]), med(results["raw"]), med(results["p2p"])
+    out = {
+        "bytes": nbytes, "bucket_mb": a.bucket_mb, "engines": 2, "repeats": a.repeats,
+        "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw, 4), "memcpy_s": round(med(results["memcpy"]), 4),
+        "broadcast_efficiency": round(raw / bc, 3),
+        "p2p_s": round(p2p, 4), "p2p_speedup_vs_broadcast": round(bc / p2p, 3),
+        "colocated_s": round(med(results["colocated"]), 4),
+        "delta_steps": a.steps, "delta_lr": a.lr,
+        "delta_density": round(stats["delta/changed_bytes"] / stats["delta/full_bytes"], 6),
+        "delta_wire_bytes": stats["delta/wire_bytes"], "full_bytes": stats["delta/full_bytes"],
+        "delta_s": round(delta_s, 4), "delta_engines_verified": ok,
+        "raw_runs": {k: [round(x, 4) for x in v] for k, v in results.items()},
+    }
+    print(json.dumps(out))
+    return 0
+
+
+def _compare(urls, token, named):
+    import httpx
+
+    from miles.sync.verify import tensor_checksum
+
+    expected = {n: ["bfloat16", tensor_checksum(t)] for n, t in named}
+    return [httpx.post(f"{u}/weights_checker", json={"action": "compare", "expected": expected}, timeout=300,
+                       headers={"Authorization": f"Bearer {token}"}).json() for u in urls]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
