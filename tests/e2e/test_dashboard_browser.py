@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import subprocess
-import urllib.error
 import urllib.request
 
 import pytest
@@ -78,17 +77,3 @@ def test_dashboard_page_shows_latest_step_and_plots_and_follows_the_run(tmp_path
         dash.stop()
         sink.close()
 
-
-def test_dashboard_answers_unknown_paths_with_a_hint(tmp_path):
-    run = tmp_path / "r"
-    run.mkdir()
-    JsonlSink(run / "metrics.jsonl").write(0, {"eval/accuracy": 0.5})
-    dash = Dashboard(run).start()
-    try:
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(dash.url + "plots/nope.png")
-        assert e.value.code == 404 and b"/api/status" in e.value.read()
-        status = json.loads(urllib.request.urlopen(dash.url + "api/status").read())
-        assert status["step"] == 0 and status["total_steps"] is None and status["latest"]["eval/accuracy"] == 0.5
-    finally:
-        dash.stop()
