@@ -1,7 +1,7 @@
 """Router: one URL in front of many engines, speaking the same SGLang HTTP API they do.
 
 Selection is least-outstanding-requests: each request goes to the active engine with the fewest
-requests this router has in flight there (ties go to the engine that served fewest overall). A
+requests this router has in flight there (ties are broken round-robin). A
 request that carries a routing key (header `X-Routing-Key` by default) sticks to the engine that
 served that key before, so a multi-turn episode returns to the engine holding its prefix KV; if that
 engine is quarantined the key moves.
@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import itertools
 import json
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -200,6 +202,7 @@ class Router:
         self.config = config
         # Engines given at start are trusted until a check fails; ones added later must pass one first.
         self.workers: dict[str, Worker] = {u: Worker(u) for u in map(_check_url, worker_urls)}
+        self._turn = itertools.count()  # round-robin among engines tied on outstanding requests
         self._sticky: OrderedDict[str, str] = OrderedDict()  # routing key -> worker url, LRU-bounded
         self.counters = _Counters()
         self._client = None  # httpx.AsyncClient, created on the serving event loop
@@ -237,7 +240,9 @@ class Router:
                 self._sticky.move_to_end(key)
                 self.counters.sticky_hits += 1
                 return self.workers[url]
-        w = min(active, key=lambda w: (w.outstanding, w.served))
+        least = min(w.outstanding for w in active)
+        tied = [w for w in active if w.outstanding == least]
+        w = tied[next(self._turn) % len(tied)]
         if key is not None:
             self._sticky[key] = w.url
             self._sticky.move_to_end(key)
@@ -478,8 +483,6 @@ def start_router_thread(config: RouterConfig, worker_urls: list[str], startup_ti
     import httpx
     import uvicorn
 
-    from miles.rollout.engine.server import _bind, _url
-
     router = Router(config, worker_urls)
     sock = _bind(config.host, config.port)
     server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning", lifespan="on",
@@ -568,6 +571,18 @@ def launch_sglang_router(config: RouterConfig, worker_urls: list[str], port: int
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _url(sock: socket.socket, host: str) -> str:
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _check_url(url: str) -> str:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"url: {url!r} is not an engine URL; send http://host:port")
@@ -609,8 +624,6 @@ def parse_args(argv=None) -> tuple[RouterConfig, list[str], str]:
 
 def main(argv=None) -> int:
     import uvicorn
-
-    from miles.rollout.engine.server import _bind, _url
 
     config, urls, log_level = parse_args(argv)
     logging.basicConfig(level=log_level.upper())
