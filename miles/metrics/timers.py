@@ -80,11 +80,14 @@ def breakdown(m: dict) -> dict[str, float]:
     """Disjoint parts of one step that add up to perf/step_s (the remainder is 'other')."""
     g = lambda k: m.get(k) or 0.0  # noqa: E731
     parts: dict[str, float] = {}
-    if "perf/rollout_s" in m:
+    rollout, wait = m.get("perf/rollout_s"), m.get("perf/wait_data_s")
+    if rollout is not None and (wait is None or rollout <= wait + 1e-6):
+        # The trainer waited for the whole collection (sync schedule): generation is part of the step.
         parts["rollout"] = max(0.0, g("perf/rollout_s") - g("perf/reward_s"))
         parts["reward"] = g("perf/reward_s")
-    elif "perf/wait_data_s" in m:
-        parts["wait for data"] = g("perf/wait_data_s")
+    elif wait is not None:
+        # Generation overlapped training: only the time the trainer actually waited is the step's.
+        parts["wait for data"] = wait
     train_parts = {"train forward": g("perf/train_forward_s"), "train backward": g("perf/train_backward_s"),
                    "train optimizer": g("perf/train_optimizer_s")}
     parts.update(train_parts)

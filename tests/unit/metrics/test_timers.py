@@ -45,3 +45,13 @@ def test_staleness_counts_groups_by_versions_behind():
 
     counts = staleness_counts([group([5, 5]), group([4, 5]), group([3]), group([5])], policy_version=5)
     assert counts == {"buffer/staleness/0": 2, "buffer/staleness/1": 1, "buffer/staleness/2": 1}
+
+
+def test_overlapped_generation_shows_as_the_trainers_wait_not_as_rollout_time():
+    # fully_async / one_step_off: engines generated all step long, the trainer waited 0.5 s of it.
+    rec = derive({"perf/step_s": 4.0, "perf/rollout_s": 4.0, "perf/wait_data_s": 0.5, "perf/reward_s": 0.2,
+                  "perf/train_s": 2.5, "perf/sync_s": 0.8})
+    parts = breakdown(rec)
+    assert "rollout" not in parts and parts["wait for data"] == 0.5
+    assert sum(parts.values()) == pytest.approx(4.0)
+    assert rec["perf/engine_idle_frac"] == 0.0
