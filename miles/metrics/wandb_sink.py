@@ -16,8 +16,10 @@ class WandbSink:
         import wandb
 
         self._wandb = wandb
+        # Generous start-up timeouts: the wandb service starts while engines and trainer load on the
+        # same cores, and a slow start is no reason to lose the run.
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_machine_info=True,
-                                  disable_git=True, save_code=False)
+                                  disable_git=True, save_code=False, init_timeout=600, x_service_wait=600)
         self._run = wandb.init(project=project, entity=entity, name=name, dir=str(run_dir), mode=mode,
                                config=config or {}, settings=settings, reinit="create_new")
         self.dir = Path(self._run.dir).parent if self._run.dir else Path(run_dir) / "wandb"
