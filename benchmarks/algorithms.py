@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-prompts", type=int, default=128)
     p.add_argument("--only", default="", help="comma-separated variant names (default: all)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
+    p.add_argument("--sft-model", default="", help="start from this warm-started checkpoint (skips the SFT)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -64,14 +65,15 @@ def main(argv=None) -> int:
         sys.exit(f"miles bench algorithms: unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     t0 = time.perf_counter()
-    base = build_tiny_model("tiny-qwen3", out / "base")
-    sft = load_config(RunConfig, EXAMPLE / "sft.toml", {"model.path": str(base), "sft.out": str(out / "sft-model"),
-                                                        "sft.steps": str(args.sft_steps)})
-    run_sft(sft)
+    sft_model = Path(args.sft_model) if args.sft_model else out / "sft-model"
+    if not args.sft_model:
+        base = build_tiny_model("tiny-qwen3", out / "base")
+        run_sft(load_config(RunConfig, EXAMPLE / "sft.toml", {"model.path": str(base), "sft.out": str(sft_model),
+                                                              "sft.steps": str(args.sft_steps)}))
     results = {}
     for name in names:
         algo = name.split("+")[0]
-        over = {"model.path": str(out / "sft-model"), "run.output_dir": str(out / "runs"), "run.name": name,
+        over = {"model.path": str(sft_model), "run.output_dir": str(out / "runs"), "run.name": name,
                 "loop.num_steps": str(args.rl_steps), "eval.every_steps": "0",
                 "eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(args.prompts_per_step),
                 "trainer.algorithm.name": algo, "trainer.algorithm.clip_eps_low": "none",

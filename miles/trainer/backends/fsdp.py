@@ -1,7 +1,7 @@
 """FSDP2 trainer: one instance per rank, all ranks in one torch.distributed group.
 
-Each decoder layer and the root module are sharded with `fully_shard`; the optimizer steps on the
-local shards. A step's loss is a weighted sum of per-token losses whose weights depend only on
+Each decoder layer and the root module are sharded with `fully_shard` (with more than one rank;
+a single rank trains the plain module); the optimizer steps on the local shards. A step's loss is a weighted sum of per-token losses whose weights depend only on
 counts over the *global* batch (`BatchTotals`), so the gradient is the same whether the samples sit
 on one rank or many, in one micro-batch or ten, padded or packed.
 
@@ -172,10 +172,12 @@ class FSDPTrainer:
             from miles.trainer.lora import apply_lora
 
             model = apply_lora(model, cfg.lora)
-        mesh = init_device_mesh("cpu", (self.world_size,))
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if self.world_size > 1:
+            # One rank has nothing to shard: FSDP's hooks and DTensor dispatch would be pure cost.
+            mesh = init_device_mesh("cpu", (self.world_size,))
+            for layer in _decoder_layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         model.train()
         return model, self.world_size
 
@@ -188,10 +190,11 @@ class FSDPTrainer:
         critic = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, dtype=torch.float32,
                                                                  attn_implementation="sdpa")
         torch.nn.init.zeros_(critic.score.weight)  # start from V = 0 rather than random values
-        mesh = init_device_mesh("cpu", (self.world_size,))
-        for layer in _decoder_layers(critic):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(critic, mesh=mesh)
+        if self.world_size > 1:
+            mesh = init_device_mesh("cpu", (self.world_size,))
+            for layer in _decoder_layers(critic):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(critic, mesh=mesh)
         critic.train()
         self.critic = critic
         self.critic_optim = torch.optim.AdamW(critic.parameters(), lr=self.cfg.algorithm.critic_lr,
