@@ -214,7 +214,8 @@ def main(argv=None) -> int:
     bc, raw, p2p = med(results["broadcast"]), med(results["raw"]), med(results["p2p"])
     out = {
         "bytes": nbytes, "bucket_mb": a.bucket_mb, "engines": 2, "repeats": a.repeats,
-        "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw, 4), "memcpy_s": round(med(results["memcpy"]), 4),
+        "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw, 4),
+        "memcpy_s": round(med(results["memcpy"]), 4),
         "broadcast_efficiency": round(raw / bc, 3),
         "p2p_s": round(p2p, 4), "p2p_speedup_vs_broadcast": round(bc / p2p, 3),
         "colocated_s": round(med(results["colocated"]), 4),

@@ -21,11 +21,15 @@ class EngineClient:
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10))
         self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="miles-sync-http")
 
-    def post(self, url: str, path: str, body: dict) -> dict:
+    def get(self, url: str, path: str) -> dict:
+        return self.post(url, path, None)
+
+    def post(self, url: str, path: str, body: dict | None) -> dict:
+        """POST `body` (GET when body is None); returns the JSON reply or raises TransportError."""
         import httpx
 
         try:
-            r = self._http.post(url + path, json=body)
+            r = self._http.get(url + path) if body is None else self._http.post(url + path, json=body)
         except httpx.HTTPError as exc:
             raise TransportError(f"engine {url}: {path} failed to respond ({type(exc).__name__}: {exc})") from None
         if r.status_code != 200:

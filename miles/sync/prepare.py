@@ -123,7 +123,6 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
     """Convert, cast and send every tensor in buckets, then commit `version`. Returns sync/* metrics.
     With `record`, also fills in per-tensor and per-bucket checksums (for verification)."""
     from miles.models.loading import torch_dtype
-    from miles.sync import verify
 
     cast = torch_dtype(dtype) if dtype else None
     t0 = time.perf_counter()

@@ -2,8 +2,8 @@
 
     connect(urls) once -> push(named_tensors, version) per update -> close()
 
-push = [noise-fill the engines, first update only] → prepare + bucket + transport + commit →
-verify (every tensor at the first update; one checksum per bucket afterwards). A verification
+push = [pause engines in place + noise-fill them, first update only] → prepare + bucket + transport
++ commit → verify (every tensor at the first update; one checksum per bucket afterwards) → continue. A verification
 failure raises VerificationError naming the engines and tensors; it never passes silently.
 Non-goals: gathering shards (the trainer backend yields full tensors), cadence (the loop decides).
 """
@@ -11,10 +11,13 @@ Non-goals: gathering shards (the trainer backend yields full tensors), cadence (
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
+
+log = logging.getLogger(__name__)
 
 
 class WeightUpdater:
@@ -43,24 +46,53 @@ class WeightUpdater:
         if self._client is None:
             raise RuntimeError("push before connect: the trainer has no route to the engines")
         full_check = self._updates == 0 and self.cfg.verify_first_update
-        if full_check:
-            # A tensor the transport never writes keeps this noise, so it cannot pass the comparison.
-            verify.noise_fill(self._client, self.engine_urls, self.noise_seed)
         record = Record(per_tensor=full_check) if full_check or self.cfg.verify_checksums else None
-        metrics = push_weights(named, self.transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
-                               converter=self.converter, record=record)
-        self._updates += 1
-        t0 = time.perf_counter()
         if full_check:
-            verify.compare_full(self._client, self.engine_urls, record.tensors)
+            # Engines hold noise from the fill until the commit: hold their running requests between two
+            # steps meanwhile (in-place pause), so that nothing is generated from noise.
+            paused = self._pause()  # the engines this call paused (not those someone else had paused)
+            try:
+                # A tensor the transport never writes keeps this noise, so it cannot pass the comparison.
+                verify.noise_fill(self._client, self.engine_urls, self.noise_seed)
+                metrics = self._push(named, version, record)
+                t0 = time.perf_counter()
+                verify.compare_full(self._client, self.engine_urls, record.tensors)
+            finally:
+                if paused:
+                    self._client.post_all(paused, "/continue_generation", {})
             metrics["sync/verified_tensors"] = len(record.tensors)
-        elif record is not None:
+        else:
+            metrics = self._push(named, version, record)
+            t0 = time.perf_counter()
+        if not full_check and record is not None:
             verify.compare_buckets(self._client, self.engine_urls, record.buckets, record.digests)
             metrics["sync/verified_buckets"] = len(record.buckets)
         metrics["sync/verify_s"] = time.perf_counter() - t0
         for k, v in getattr(self.transport, "last_stats", {}).items():
             metrics[f"sync/{k}"] = v
         return metrics
+
+    def _push(self, named, version: int, record) -> dict[str, float]:
+        metrics = push_weights(named, self.transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
+                               converter=self.converter, record=record)
+        self._updates += 1
+        return metrics
+
+    def _pause(self) -> list[str]:
+        """Pause in place every engine that is generating; returns the URLs it paused."""
+        from miles.sync.transports.base import TransportError
+
+        paused = []
+        for url in self.engine_urls:
+            try:
+                if self._client.get(url, "/get_load").get("paused"):
+                    continue  # paused by its owner, who will also continue it
+                self._client.post(url, "/pause_generation", {"mode": "in_place"})
+                paused.append(url)
+            except TransportError as exc:
+                log.warning("engine %s could not be paused for the verified first update (%s); requests "
+                            "running during it may see the noise fill", url, exc)
+        return paused
 
     def close(self) -> None:
         self.transport.close()

@@ -46,7 +46,8 @@ def test_generation_across_an_update_reports_both_versions(tiny_model_dir):
         while httpx.get(f"{server.url}/get_load").json()["num_running_reqs"] == 0:
             assert time.monotonic() < deadline and not running.done(), "the request never started running"
             time.sleep(0.01)
-        assert httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=headers).status_code == 200
+        r = httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=headers)
+        assert r.status_code == 200, r.text
         g = torch.Generator().manual_seed(0)
         state = {n: t + 0.01 * torch.randn(t.shape, generator=g) for n, t in base.items()}
         updater.push(iter(state.items()), version=2)

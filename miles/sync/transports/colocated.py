@@ -79,7 +79,8 @@ class ColocatedTransport:
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed ({why}); "
                                  "engines keep their previous weights")
         self._client.post_all(self.engine_urls, "/update_weights_from_tensor",
-                              {"names": [], "load_format": "shm", "commit": True, "weight_version": int(weight_version)})
+                              {"names": [], "load_format": "shm", "commit": True,
+                               "weight_version": int(weight_version)})
 
     def close(self) -> None:
         if self._path is not None:

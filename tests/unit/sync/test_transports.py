@@ -118,6 +118,10 @@ def test_verified_updates_pass_and_later_ones_use_bucket_checksums(engine_thread
         state = _perturbed_state(base_model_dir, seed=3)
         first = updater.push(iter(state.items()), version=31)
         assert first["sync/verified_tensors"] == len(state)
+        # Engines were held during the noise-filled window and are generating again.
+        assert httpx.get(f"{engine_thread.url}/get_load").json()["paused"] is False
+        assert httpx.post(f"{engine_thread.url}/generate", json={"input_ids": [5, 6], "sampling_params": {
+            "max_new_tokens": 2}}, timeout=60).json()["meta_info"]["weight_version"] == 31
         second = updater.push(iter(_perturbed_state(base_model_dir, seed=4).items()), version=32)
         assert second["sync/verified_buckets"] == second["sync/buckets"] >= 1
         # The engine is fp32, the wire bf16: the engine holds exactly the upcast bf16 values.
