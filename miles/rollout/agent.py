@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 
 from miles.buffer.types import Sample, SampleStatus
 
-_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+_SEND_ATTEMPTS = 3
 
 
 @dataclass
@@ -240,8 +240,19 @@ async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id,
     sp["stop_token_ids"] = [end_id]
     if params.seed is not None:
         sp["sampling_seed"] = (params.seed + 7919 * turn) & 0x7FFFFFFF
-    resp = await client.post(f"{url}/generate", json={"input_ids": input_ids, "sampling_params": sp,
-                                                      "return_logprob": True, "rid": rid})
+    import httpx
+
+    body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
+    for attempt in range(_SEND_ATTEMPTS):
+        try:
+            resp = await client.post(f"{url}/generate", json=body)
+            break
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            # A pooled keep-alive connection the server closed just as we reused it (common under load).
+            # Only what comes back is recorded, so resending (under a fresh rid) cannot corrupt the episode.
+            if attempt == _SEND_ATTEMPTS - 1:
+                raise
+            body["rid"] = f"{rid}-resend{attempt + 1}"
     if resp.status_code != 200:
         raise GenerationError(f"{url}/generate answered {resp.status_code}: {resp.text[:300]}")
     return resp.json()
