@@ -157,7 +157,8 @@ def run_train(cfg, resume: str | None = None) -> dict:
 
         # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
         rollout = remote(RolloutManager, max_concurrency=8).remote(
-            cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token)
+            cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
+            cores=pools.engine if pools else None)
         sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
         if cfg.metrics.dashboard:
             from miles.metrics.dashboard import Dashboard

@@ -50,5 +50,18 @@ def core_pools(cfg: PlacementConfig) -> CorePools | None:
 
 
 def pin_current_process(cores: tuple[int, ...] | None) -> None:
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
+    """Pin every thread of this process to `cores`; threads started later inherit the mask.
+
+    sched_setaffinity(0) alone pins only the calling thread, and a Ray worker already runs several.
+    """
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # a thread that exited meanwhile
+            pass

@@ -155,7 +155,12 @@ def long_tail_length(max_new_tokens: int, key: int) -> int:
 
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
-                 seed: int = 0, buffer_cfg=None, admin_token: str | None = None):
+                 seed: int = 0, buffer_cfg=None, admin_token: str | None = None, cores=None):
+        if cores:
+            # The manager's HTTP and scoring work belongs to the rollout side's cores, not the trainer's.
+            from miles.orchestration.placement import pin_current_process
+
+            pin_current_process(tuple(cores))
         from miles.buffer.data_buffer import BufferConfig, DataBuffer
         from miles.models.loading import load_tokenizer
         from miles.rollout.data_source import PromptSource
