@@ -1,0 +1,53 @@
+"""The engine's weight endpoints: SGLang's full reload from disk, the weights checker, and refusals
+that name the fix and leave the served weights alone."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+
+@pytest.fixture
+def post(engine_thread, admin_token):
+    def _post(path: str, body: dict, token: str | None = admin_token):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(f"{engine_thread.url}{path}", json=body, headers=headers, timeout=60)
+    return _post
+
+
+def test_reload_from_disk_and_checker_snapshot_compare(post, engine_thread, base_model_dir):
+    from miles.models.loading import load_model
+
+    assert post("/weights_checker", {"action": "reset_tensors", "seed": 3}).json()["success"]
+    assert post("/weights_checker", {"action": "snapshot"}).json()["success"]
+    r = post("/update_weights_from_disk", {"model_path": base_model_dir, "weight_version": 50})
+    assert r.status_code == 200 and r.json()["weight_version"] == 50, r.text
+    base = load_model(base_model_dir).state_dict()
+    engine = engine_thread.engine.model.state_dict()
+    assert all(torch.equal(engine[n], t) for n, t in base.items())
+    diff = post("/weights_checker", {"action": "compare"}).json()
+    assert not diff["success"] and len(diff["mismatched"]) == diff["checked"]  # every tensor was rewritten
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/weights_checker", {"action": "shuffle"}, "snapshot, reset_tensors, compare or checksum"),
+    ("/update_weights_from_tensor", {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+                                     "offsets": [0], "shm_path": "/etc/passwd"}, "/dev/shm"),
+    ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "load_format 'shm'"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "safetensors"),
+    ("/update_weights_from_disk", {"load_format": "miles_delta", "model_path": "/tmp/none"}, "/init_delta_base"),
+    ("/p2p_open_buffer", {"nbytes": -1}, "positive integer"),
+], ids=["action", "shm-path", "pickles", "no-checkpoint", "no-base", "nbytes"])
+def test_bad_requests_are_refused_and_weights_stay(post, engine_thread, path, body, needle):
+    before = engine_thread.engine.weight_version
+    norm = engine_thread.engine.model.state_dict()["model.norm.weight"].clone()
+    r = post(path, body)
+    assert r.status_code == 400 and needle in r.json()["error"], r.text
+    assert engine_thread.engine.weight_version == before
+    assert torch.equal(engine_thread.engine.model.state_dict()["model.norm.weight"], norm)
+
+
+def test_weight_endpoints_need_the_admin_token(post):
+    r = post("/weights_checker", {"action": "reset_tensors"}, token="wrong")
+    assert r.status_code == 401 and "Authorization" in r.text
