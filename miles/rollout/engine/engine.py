@@ -67,7 +67,9 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     weight_version: int | None = None  # version of the weights that produced the latest token
+    weight_versions: list[int] = field(default_factory=list)  # every version that produced a token, in order
     cached_tokens: int | None = None  # prompt tokens whose KV came from the cache, set at first admission
+    answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
     kv_version: int | None = None  # weight version its KV was computed under; None once mixed
 
     def prefill_ids(self) -> tuple[int, ...]:
@@ -112,6 +114,7 @@ class Engine:
                       "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0}
         # Running batch; only the scheduler thread touches these.
         self._rows: list[_Row] = []
+        self._dead = 0  # finished rows still in the batch tensors (see _evict_finished)
         self._cache = None
         self._mask: torch.Tensor | None = None  # (B, L) 1 = real token
         self._next_pos: torch.Tensor | None = None  # (B,) position of the next input token
@@ -180,7 +183,7 @@ class Engine:
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting)."""
         with self._cond:
-            return len(self._rows), len(self._waiting)
+            return len(self._rows) - self._dead, len(self._waiting)
 
     @property
     def paused(self) -> bool:
@@ -301,7 +304,7 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
                 admit = []
                 if not self._held() and not control:
-                    room = self.config.max_batch_size - len(self._rows)
+                    room = self.config.max_batch_size - (len(self._rows) - self._dead)
                     admit = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                     self._inflight.update(row.req.rid for row in admit)
             t0 = time.perf_counter()
@@ -337,7 +340,7 @@ class Engine:
         if not aborts:
             return
         for row in self._rows:
-            if row.req.rid in aborts:
+            if row.req.rid in aborts and row.finish is None:
                 row.finish = FinishReason("abort", message="aborted")
         self._evict_finished()
 
@@ -396,10 +399,11 @@ class Engine:
             first_of.setdefault(j, r)
             r.kv_version = version
         lens = torch.tensor([len(uniq[j]) for j in lead])
+        self._evict_finished(compact=True)  # merging copies the batch anyway: drop finished rows now
         self._merge(rows, cache, mask, lens, tokens)
         self._record(rows, tokens, logprobs, version)
         self.stats["prefill_forwards"] += 1
-        self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], len(self._rows))
+        self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], len(self._rows) - self._dead)
 
     def _load_prefixes(self, cache, hits, cached: list[int], M: int) -> None:
         """Fill `cache` with each row's cached prefix, right-aligned at column M."""
@@ -420,11 +424,12 @@ class Engine:
         mask = torch.cat([self._mask, torch.ones((len(self._rows), 1), dtype=torch.long)], dim=1)  # (B, L+1)
         with self.model_lock, torch.inference_mode():
             version = self.weight_version
-            logits = self._forward(self._last_tokens[:, None], mask, self._next_pos[:, None], self._cache,
-                                   logits_to_keep=1)
+            # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
+            pos = self._next_pos.clamp(max=self.context_length - 1)[:, None]
+            logits = self._forward(self._last_tokens[:, None], mask, pos, self._cache, logits_to_keep=1)
             tokens, logprobs = self._sample(logits, self._rows)
         for row in self._rows:
-            if row.kv_version != version:
+            if row.kv_version != version and row.finish is None:
                 row.kv_version = None  # its KV now spans two weight versions: never cache it
         self._mask = mask
         self._next_pos = self._next_pos + 1
@@ -440,6 +445,8 @@ class Engine:
             if row.finish is not None:
                 continue
             row.weight_version = version
+            if not row.weight_versions or row.weight_versions[-1] != version:
+                row.weight_versions.append(version)
             row.output_ids.append(t)
             row.logprobs.append(lp)
             self.stats["generated_tokens"] += 1
@@ -498,28 +505,39 @@ class Engine:
 
     def _retract_all(self) -> None:
         """Move every running row back to the head of the queue; its KV survives in the prefix cache."""
-        if not self._rows:
-            return
-        self._cache_rows(list(range(len(self._rows))))
-        rows = self._rows
+        live = [i for i, r in enumerate(self._rows) if r.finish is None]
+        self._cache_rows(live)
+        rows = [self._rows[i] for i in live]
         self._reset_batch()
+        if not rows:
+            return
         self.stats["retracted_reqs"] += len(rows)
         with self._cond:
             self._inflight.difference_update(r.req.rid for r in rows)
             self._waiting.extendleft(reversed(rows))
 
-    def _evict_finished(self) -> None:
-        done = [i for i, r in enumerate(self._rows) if r.finish is not None]
-        if not done:
+    def _evict_finished(self, compact: bool = False) -> None:
+        """Answer finished rows at once and free their slots; drop them from the batch tensors lazily.
+
+        Removing a row copies the whole batch's KV, so finished rows stay in the tensors (their
+        outputs ignored) until they are a quarter of the batch or new rows are merged in; a finished
+        row's answer, its slot in max_batch_size and its prefix-cache entry never wait for that.
+        """
+        newly = [i for i, r in enumerate(self._rows) if r.finish is not None and not r.answered]
+        if newly:
+            self._cache_rows([i for i in newly if self._rows[i].output_ids])
+            with self._cond:
+                self._inflight.difference_update(self._rows[i].req.rid for i in newly)
+            for i in newly:
+                row = self._rows[i]
+                row.answered = True
+                if not row.future.done():
+                    row.future.set_result(self._result(row, row.finish))
+            self._dead += len(newly)
+        if not self._dead or (not compact and self._dead * 4 < len(self._rows)):
             return
-        self._cache_rows([i for i in done if self._rows[i].output_ids])
-        with self._cond:
-            self._inflight.difference_update(self._rows[i].req.rid for i in done)
-        for i in done:
-            row = self._rows[i]
-            if not row.future.done():
-                row.future.set_result(self._result(row, row.finish))
         keep = [i for i, r in enumerate(self._rows) if r.finish is None]
+        self._dead = 0
         if not keep:
             self._reset_batch()
             return
@@ -536,6 +554,7 @@ class Engine:
         self._rows = [self._rows[i] for i in keep]
 
     def _reset_batch(self) -> None:
+        self._dead = 0
         self._rows, self._cache, self._mask, self._next_pos, self._last_tokens = [], None, None, None, None
 
     def _result(self, row: _Row, finish: FinishReason) -> GenerateResult:
@@ -547,7 +566,7 @@ class Engine:
             rid=row.req.rid, text=text, prompt_tokens=len(row.req.input_ids), output_ids=list(row.output_ids),
             output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
             weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
-            cached_tokens=row.cached_tokens or 0)
+            cached_tokens=row.cached_tokens or 0, weight_versions=tuple(row.weight_versions))
 
     def _shutdown(self) -> None:
         with self._cond:

@@ -42,7 +42,8 @@ def _lps(out):
     return torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
 
 
-def test_multi_turn_reuses_history_and_matches_transformers(client, tokenizer, ref):
+def test_multi_turn_reuses_history_and_matches_transformers(client, tokenizer, ref, admin_token):
+    client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_token}"})  # other tests share prompts
     history = tokenizer.encode("The trainer computes a policy update and the engines generate under the new "
                                "weights. Run the command, read the output, and answer.")
     cached = []
