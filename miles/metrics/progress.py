@@ -43,6 +43,7 @@ class Progress:
     `p.close()` at the end. `mode`: auto | live | plain | off (metrics.progress)."""
 
     REDRAW_S = 0.25
+    POLL_S = 1.0
     BAR = 20
 
     def __init__(self, label: str, total: int, stream=None, mode: str = "auto"):
@@ -56,6 +57,9 @@ class Progress:
         self.fields: dict[str, float | str] = {}
         self._phase: str | None = None
         self._phase_t0 = 0.0
+        self._poll = None
+        self._polled: dict[str, float] = {}
+        self._polled_at = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -65,10 +69,16 @@ class Progress:
             self._ticker.start()
 
     # -- what callers use ---------------------------------------------------------------------
-    def phase(self, name: str | None) -> None:
-        """Name what is running now (shown with its elapsed time on a terminal)."""
+    def phase(self, name: str | None, poll=None) -> None:
+        """Name what is running now (shown with its elapsed time on a terminal).
+
+        `poll`, if given, returns figures of the work in progress ({"samples": n, ...}); on a terminal
+        it is called about once a second and `samples` is shown with its rate since the phase began.
+        It is never called in plain mode, so logs and CI pay nothing for it.
+        """
         with self._lock:
             self._phase, self._phase_t0 = name, time.perf_counter()
+            self._poll, self._polled, self._polled_at = poll, {}, 0.0
             if self.live:
                 self._draw()
 
@@ -78,7 +88,7 @@ class Progress:
             if self._first is None:
                 self._first = (time.perf_counter(), done)
             self.done, self.fields = done, fields
-            self._phase = None
+            self._phase, self._poll, self._polled = None, None, {}
             if self.mode == "off":
                 return
             if self.live:
@@ -130,7 +140,13 @@ class Progress:
         elapsed, left = self._timing()
         filled = int(self.BAR * self.done / self.total) if self.total else self.BAR
         bar = "█" * filled + "░" * (self.BAR - filled)
-        now = f" | {self._phase} {time.perf_counter() - self._phase_t0:.1f}s" if self._phase else ""
+        now = ""
+        if self._phase:
+            running = time.perf_counter() - self._phase_t0
+            now = f" | {self._phase} {running:.1f}s"
+            if "samples" in self._polled:
+                n = self._polled["samples"]
+                now += f" {n:.0f} samples ({n / max(running, 1e-9):.3g}/s)"
         eta = f" ~{_fmt_duration(left)} left" if left == left else ""
         figures = f" {self._figures()}" if self.fields else ""
         return f"[{self.label}] {bar} {self.done}/{self.total}{figures}{now} | {_fmt_duration(elapsed)}{eta}"
@@ -143,6 +159,19 @@ class Progress:
 
     def _tick(self) -> None:
         while not self._stop.wait(self.REDRAW_S):
+            poll = self._poll
+            if poll is not None and time.perf_counter() - self._polled_at >= self.POLL_S:
+                self._polled_at = time.perf_counter()
+                try:
+                    polled = dict(poll())
+                except Exception:  # noqa: BLE001 - a progress line must never take the run down
+                    polled = None
+                with self._lock:
+                    if self._poll is poll:  # the phase may have ended while we asked
+                        if polled is None:
+                            self._poll = None
+                        else:
+                            self._polled = polled
             with self._lock:
                 self._draw()
 

@@ -32,7 +32,8 @@ def run_sync_loop(ctx) -> None:
     colocated = cfg.placement.mode == "colocated"
     for step in range(ctx.start_step + 1, cfg.loop.num_steps + 1):
         timer = StepTimer()
-        progress.phase("rollout")
+        # On a terminal the progress line polls the manager for samples done so far (samples/s live).
+        progress.phase("rollout", poll=lambda: ctx.call(rollout.live_stats))
         with timer.span("rollout"):
             metrics = ctx.call(rollout.generate_batch)
             groups, buffer_metrics = ctx.call(rollout.collect)

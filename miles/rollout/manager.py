@@ -183,6 +183,7 @@ class RolloutManager:
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
         self._lock = threading.Lock()
         self._stats = _SampleStats()
+        self._samples_done = 0  # samples finished in the current batch, for the live progress line
         self._producer: threading.Thread | None = None
         self._stopping = threading.Event()
         self._producer_error: BaseException | None = None
@@ -244,6 +245,7 @@ class RolloutManager:
     def generate_batch(self) -> dict[str, float]:
         """Generate one step's prompts together and put every group into the buffer."""
         prompts = self.buffer.draw(self.cfg.prompts_per_step)
+        self._samples_done = 0
         t0 = time.perf_counter()
 
         async def run():
@@ -260,6 +262,15 @@ class RolloutManager:
         if samples:
             metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
         return metrics
+
+    def live_stats(self) -> dict[str, float]:
+        """Samples finished so far in the current batch: cheap, for a live progress line."""
+        return {"samples": float(self._samples_done)}
+
+    async def _counted(self, sample_coro):
+        sample = await sample_coro
+        self._samples_done += 1  # only the event loop's thread writes it
+        return sample
 
     def collect(self, n: int | None = None, timeout: float | None = None):
         """Groups for one training step and the step's rollout and buffer metrics.
@@ -419,7 +430,7 @@ class RolloutManager:
             self._next_engine += 1
         ids = self._encode(prompt.text)
         rids: list[str] = []
-        work = asyncio.gather(*(self._generate_sample(client, url, ids, prompt, k, rids)
+        work = asyncio.gather(*(self._counted(self._generate_sample(client, url, ids, prompt, k, rids))
                                 for k in range(self.cfg.n_samples_per_prompt)))
         t0 = time.perf_counter()
         try:

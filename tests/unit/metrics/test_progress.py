@@ -1,6 +1,7 @@
 """Progress: a live redrawn line on a terminal, plain lines in logs and CI."""
 
 import io
+import re
 import time
 
 from miles.metrics.progress import Progress
@@ -70,3 +71,50 @@ def test_time_left_follows_the_pace_after_start_up(monkeypatch):
     clock[0] = 170.0  # then 10 s per step
     p.update(2)
     assert out.getvalue().splitlines()[-1].endswith("| 1m10s elapsed, ~1m20s left")
+
+
+def test_live_rollout_shows_samples_so_far_and_their_rate(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr(Progress, "POLL_S", 0.1)
+    calls = []
+
+    def poll():
+        calls.append(1)
+        return {"samples": 12.0 * len(calls)}
+
+    out = Terminal()
+    p = Progress("train", 5, stream=out)
+    p.phase("rollout", poll=poll)
+    time.sleep(0.8)
+    p.update(1, reward=0.5)
+    n_calls = len(calls)
+    time.sleep(0.4)  # the phase is over: no more polling
+    p.close()
+    assert n_calls >= 2 and len(calls) == n_calls
+    frames = [f for f in out.getvalue().split("\r\x1b[2K") if "| rollout" in f]
+    assert re.search(r"\| rollout \d+\.\ds \d+ samples \([\d.]+/s\)", frames[-1]), frames[-1]
+
+
+def test_a_failing_poll_never_breaks_the_progress_line_and_plain_mode_never_polls(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr(Progress, "POLL_S", 0.05)
+
+    def broken():
+        raise ConnectionError("manager gone")
+
+    out = Terminal()
+    p = Progress("train", 2, stream=out)
+    p.phase("rollout", poll=broken)
+    time.sleep(0.5)
+    p.update(1)
+    p.close()
+    assert "1/2" in out.getvalue()
+
+    calls = []
+    plain = Progress("train", 2, stream=io.StringIO(), mode="plain")
+    plain.phase("rollout", poll=lambda: calls.append(1) or {"samples": 1.0})
+    time.sleep(0.3)
+    plain.update(1)
+    assert calls == []
