@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     from miles.config import load_config

@@ -45,5 +45,9 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        from miles.trainer.algorithms.base import entropy_from_logits
+
+        entropy = entropy_from_logits(logits)
     return logp, entropy

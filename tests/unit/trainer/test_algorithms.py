@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from miles.trainer.algorithms import ALGORITHMS, get_algorithm
-from miles.trainer.algorithms.base import (AlgorithmConfig, LossInputs, clipped_surrogate, kl_estimate,
-                                           kl_reward_penalty, token_weights)
+from miles.trainer.algorithms.base import (AlgorithmConfig, LossInputs, clipped_surrogate, entropy_from_logits,
+                                           kl_estimate, kl_reward_penalty, token_weights)
 from miles.trainer.algorithms.ppo import gae, value_loss
 
 
@@ -156,3 +156,12 @@ def test_every_algorithm_is_registered_and_has_a_config_default():
     for name in ALGORITHMS:
         a = algo(name)
         assert a.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def test_entropy_bonus_term():
+    # Uniform over 4 tokens: entropy log 4; one certain token: entropy 0.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, -1e4, -1e4, -1e4]])
+    assert entropy_from_logits(logits).tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
+    # p = (0.5, 0.25, 0.25): H = 0.5 log 2 + 2 · 0.25 log 4 = 1.5 log 2
+    three = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    assert entropy_from_logits(three).item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
