@@ -1,7 +1,8 @@
 """Verifiable arithmetic: multi-digit addition and subtraction from a seeded generator.
 
 A problem is `a+b=` or `a-b=` (a >= b, so answers are never negative); the answer is the exact
-decimal result. Every (a, op, b) triple is assigned to train or eval by a stable hash, so the two
+decimal result. With `fixed_width`, operands and answers are zero-padded (`07+38=045`), which keeps
+each column at a fixed position and makes the task far easier for a small model to learn. Every (a, op, b) triple is assigned to train or eval by a stable hash, so the two
 splits are disjoint for any seed and any number of draws.
 Non-goal: natural-language word problems; this task exists to make reward exact and cheap.
 """
@@ -32,7 +33,7 @@ class ArithmeticTask:
     """Draws problems of one split, reproducibly from `seed`."""
 
     def __init__(self, digits: int = 2, ops: str = "+-", split: str = "train", seed: int = 0,
-                 eval_fraction: float = 0.1):
+                 eval_fraction: float = 0.1, fixed_width: bool = False):
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         if digits < 1 or digits > 9:
@@ -40,7 +41,7 @@ class ArithmeticTask:
         if not ops or set(ops) - {"+", "-"}:
             raise ValueError(f"ops must be a non-empty string of '+' and '-', got {ops!r}")
         self.digits, self.ops, self.split = digits, ops, split
-        self.eval_fraction = eval_fraction
+        self.eval_fraction, self.fixed_width = eval_fraction, fixed_width
         self.rng = random.Random(f"{seed}:{split}")
 
     def draw(self) -> Problem:
@@ -51,7 +52,14 @@ class ArithmeticTask:
             if op == "-" and a < b:
                 a, b = b, a
             if _split_of(a, op, b, self.eval_fraction) == self.split:
-                return Problem(prompt=f"{a}{op}{b}=", answer=str(solve(a, op, b)))
+                return self._format(a, op, b)
+
+    def _format(self, a: int, op: str, b: int) -> Problem:
+        if not self.fixed_width:
+            return Problem(prompt=f"{a}{op}{b}=", answer=str(solve(a, op, b)))
+        # Worksheet layout: every column at the same position in every problem (07+38=045).
+        w = self.digits
+        return Problem(prompt=f"{a:0{w}d}{op}{b:0{w}d}=", answer=f"{solve(a, op, b):0{w + 1}d}")
 
     def take(self, n: int) -> list[Problem]:
         return [self.draw() for _ in range(n)]
