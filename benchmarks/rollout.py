@@ -87,8 +87,12 @@ async def run_multi_turn(url: str, tok, episodes: int, turns: int, max_new: int,
 
     from miles.rollout.generate import SamplingParams, generate
 
-    system = tok.encode("System: you are a terminal agent. Run the command, read the output, and answer with "
-                        "the result. Keep answers short. Tools: ls cat echo grep python. ")
+    # Agent-shaped: a system prompt with tool descriptions, then short observations and replies.
+    system = tok.encode(
+        "System: you are a terminal agent. Run the command, read the output, and answer with the result. "
+        "Keep answers short. Tools: ls lists a directory; cat prints a file; echo prints its arguments; "
+        "grep finds lines matching a pattern in a file; python runs a script and prints its output. "
+        "Call one tool per turn, read the observation, then decide the next step or give the answer. ")
 
     async def episode(e: int) -> None:
         async with httpx.AsyncClient(timeout=600, headers={"X-Routing-Key": f"episode-{e}"}) as client:
@@ -97,7 +101,7 @@ async def run_multi_turn(url: str, tok, episodes: int, turns: int, max_new: int,
     async def turns_of(e: int, client) -> None:
         history = list(system)
         for t in range(turns):
-            history += tok.encode(f"\nuser {e}: step {t} ls file {t * 7 + e}\nassistant:")
+            history += tok.encode(f"\nobservation {e}.{t}: file {t * 7 + e}\nassistant:")
             s = await generate(client, url, history, SamplingParams(temperature=1.0, max_new_tokens=max_new,
                                                                    seed=seed + 100 * e + t, ignore_eos=True))
             history += s.response_ids
@@ -115,6 +119,12 @@ def _counters(url: str) -> dict:
             "decode_forwards": st["decode_forwards"]}
 
 
+def _flush(url: str) -> None:
+    import httpx
+
+    httpx.post(url + "/flush_cache", timeout=30).raise_for_status()
+
+
 def _hit_rate(before: dict, after: dict) -> float:
     prompt = after["prompt"] - before["prompt"]
     return (after["cached"] - before["cached"]) / prompt if prompt else 0.0
@@ -127,9 +137,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="alternate the two sides this many times, so a load change on a shared machine "
+                        "hits both sides alike")
     p.add_argument("--model", default=None, help="checkpoint directory; default builds tiny-qwen3")
     a = p.parse_args(argv)
 
@@ -148,35 +161,41 @@ def main(argv=None) -> int:
     limits = _lengths(rng, a.prompts * a.samples, a.max_new_tokens)
 
     model = load_model(model_dir).eval()
-    torch.manual_seed(a.seed)
-    hf_wall, hf_tokens = run_hf(model, prompts, a.samples, limits, a.hf_batch_size, tok.pad_token_id)
-    del model
-    print(f"transformers generate(): {hf_tokens} tokens in {hf_wall:.2f}s", flush=True)
-
+    hf_wall = miles_wall = 0.0
+    hf_tokens = miles_tokens = 0
     with EngineProcess(model_dir, extra_args=["--num-threads", "1", "--max-batch-size", "256"]) as engine:
         # Its own process, as `miles router` runs: sharing the client's interpreter would make the two
         # take turns on one GIL.
-        router = RouterProcess([engine.url])
-        try:
+        with RouterProcess([engine.url]) as router:
             asyncio.run(run_miles_grpo(router.url, prompts[:2], 2, [4] * 4, a.seed))  # warm-up
-            c0 = _counters(engine.url)
-            miles_wall, miles_tokens = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, limits, a.seed))
-            c1 = _counters(engine.url)
-            print(f"miles engine via router: {miles_tokens} tokens in {miles_wall:.2f}s", flush=True)
+            busy, grpo = 0.0, {"prompt": 0, "cached": 0}
+            for r in range(a.rounds):
+                torch.manual_seed(a.seed + r)
+                w, t = run_hf(model, prompts, a.samples, limits, a.hf_batch_size, tok.pad_token_id)
+                hf_wall, hf_tokens = hf_wall + w, hf_tokens + t
+                print(f"round {r}: transformers generate() {t} tokens in {w:.2f}s", flush=True)
+                _flush(engine.url)  # no round may find the warm-up's or an earlier round's prompts cached
+                c0 = _counters(engine.url)
+                w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, limits, a.seed + 1000 * r))
+                c1 = _counters(engine.url)
+                miles_wall, miles_tokens = miles_wall + w, miles_tokens + t
+                busy += c1["busy_s"] - c0["busy_s"]
+                for k in grpo:
+                    grpo[k] += c1[k] - c0[k]
+                print(f"round {r}: miles engine via router {t} tokens in {w:.2f}s", flush=True)
+            _flush(engine.url)
+            c_mt = _counters(engine.url)
             mt_wall = asyncio.run(run_multi_turn(router.url, tok, a.episodes, a.turns, a.turn_max_new_tokens, a.seed))
             c2 = _counters(engine.url)
-        finally:
-            router.stop()
 
     miles_tps, hf_tps = miles_tokens / miles_wall, hf_tokens / hf_wall
     result = {
         "miles_tokens_per_s": round(miles_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
         "ratio": round(miles_tps / hf_tps, 2),
-        "grpo_prefix_cache_hit_rate": round(_hit_rate(c0, c1), 3),
-        "multi_turn_prefix_cache_hit_rate": round(_hit_rate(c1, c2), 3),
+        "grpo_prefix_cache_hit_rate": round(grpo["cached"] / grpo["prompt"], 3),
+        "multi_turn_prefix_cache_hit_rate": round(_hit_rate(c_mt, c2), 3),
         "miles_wall_s": round(miles_wall, 2),
-        "engine_busy_s": round(c1["busy_s"] - c0["busy_s"], 2),
-        "engine_decode_forwards": c1["decode_forwards"] - c0["decode_forwards"], "hf_wall_s": round(hf_wall, 2),
+        "engine_busy_s": round(busy, 2), "rounds": a.rounds, "hf_wall_s": round(hf_wall, 2),
         "miles_tokens": miles_tokens, "hf_tokens": hf_tokens, "multi_turn_wall_s": round(mt_wall, 2),
         "prompts": a.prompts, "samples": a.samples, "max_new_tokens": a.max_new_tokens,
         "hf_batch_size": a.hf_batch_size, "episodes": a.episodes, "turns": a.turns,

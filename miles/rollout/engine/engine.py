@@ -363,27 +363,11 @@ class Engine:
             lead.append(where[ids])
         with self.model_lock, torch.inference_mode():
             version = self.weight_version
-            # At least one token is always computed: its logits choose the first output token.
-            hits = [self.prefix_cache.match(ids, limit=len(ids) - 1) for ids in uniq]
-            cached = [len(h) * self.prefix_cache.block_size for h in hits]
-            suffix = [len(ids) - c for ids, c in zip(uniq, cached)]
-            R, M, S = len(uniq), max(cached), max(suffix)
-            ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded
-            pos = torch.zeros((R, S), dtype=torch.long)
-            mask = torch.zeros((R, M + S), dtype=torch.long)  # [pad | cached prefix | pad | suffix]
-            for i, ids in enumerate(uniq):
-                c, s = cached[i], suffix[i]
-                ids_t[i, S - s:] = torch.tensor(ids[c:])
-                pos[i, S - s:] = torch.arange(c, len(ids))
-                mask[i, M - c:M] = 1
-                mask[i, M + S - s:] = 1
-            cache = _new_cache(self.model.config)
-            if M:
-                self._load_prefixes(cache, hits, cached, M)
-            logits = self._forward(ids_t, mask, pos, cache, logits_to_keep=1)
-            for i, ids in enumerate(uniq):
-                self.prefix_cache.insert(ids, lambda a, b, i=i: _row_kv(cache, mask, i, a, b))
-            if R < len(rows):
+            computed_by = self._prefill_shared_prefixes(uniq)
+            cache, mask, logits, cached = self._prefill_forward(uniq)
+            for i, before in computed_by.items():
+                cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
+            if len(uniq) < len(rows):
                 idx = torch.tensor(lead)
                 logits, mask = logits[idx], mask[idx]
                 for layer in cache.layers:
@@ -402,8 +386,59 @@ class Engine:
         self._evict_finished(compact=True)  # merging copies the batch anyway: drop finished rows now
         self._merge(rows, cache, mask, lens, tokens)
         self._record(rows, tokens, logprobs, version)
-        self.stats["prefill_forwards"] += 1
         self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], len(self._rows) - self._dead)
+
+    def _prefill_shared_prefixes(self, uniq: list[tuple[int, ...]]) -> dict[int, int]:
+        """Prefill, once, the whole blocks that several admitted prompts start with and the cache lacks
+        (a system prompt shared by different questions, the first turns of parallel episodes), so
+        the main prefill finds them cached. Returns {prompt index: its cache hit before} for the one
+        prompt charged with computing each shared prefix. Caller holds model_lock."""
+        B = self.prefix_cache.block_size
+        if len(uniq) < 2 or self.prefix_cache.max_tokens == 0:
+            return {}
+        order = sorted(range(len(uniq)), key=lambda i: uniq[i])
+        shared_len = [0] * len(uniq)
+        for a, b in zip(order, order[1:]):  # in sorted order the longest common prefix is a neighbour's
+            n = _common_prefix_len(uniq[a], uniq[b])
+            shared_len[a], shared_len[b] = max(shared_len[a], n), max(shared_len[b], n)
+        todo: dict[tuple[int, ...], int] = {}
+        for i, ids in enumerate(uniq):
+            n = min(shared_len[i], len(ids) - 1) // B * B
+            before = len(self.prefix_cache.match(ids, limit=n)) * B
+            if n > before and ids[:n] not in todo:
+                todo[ids[:n]] = i
+        if not todo:
+            return {}
+        charged = {i: len(self.prefix_cache.match(uniq[i], limit=len(uniq[i]) - 1)) * B for i in todo.values()}
+        self._prefill_forward(list(todo))
+        return charged
+
+    def _prefill_forward(self, prompts: list[tuple[int, ...]]):
+        """One forward over `prompts`, each starting from its cached prefix; inserts the new KV into the
+        prefix cache. Returns (cache, mask (R, M + S), last-position logits (R, V), cached lengths).
+        Caller holds model_lock."""
+        # At least one token is always computed: its logits choose the first output token.
+        hits = [self.prefix_cache.match(ids, limit=len(ids) - 1) for ids in prompts]
+        cached = [len(h) * self.prefix_cache.block_size for h in hits]
+        suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
+        R, M, S = len(prompts), max(cached), max(suffix)
+        ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded
+        pos = torch.zeros((R, S), dtype=torch.long)
+        mask = torch.zeros((R, M + S), dtype=torch.long)  # [pad | cached prefix | pad | suffix]
+        for i, ids in enumerate(prompts):
+            c, n = cached[i], suffix[i]
+            ids_t[i, S - n:] = torch.tensor(ids[c:])
+            pos[i, S - n:] = torch.arange(c, len(ids))
+            mask[i, M - c:M] = 1
+            mask[i, M + S - n:] = 1
+        cache = _new_cache(self.model.config)
+        if M:
+            self._load_prefixes(cache, hits, cached, M)
+        logits = self._forward(ids_t, mask, pos, cache, logits_to_keep=1)
+        self.stats["prefill_forwards"] += 1
+        for i, ids in enumerate(prompts):
+            self.prefix_cache.insert(ids, lambda a, b, i=i: _row_kv(cache, mask, i, a, b))
+        return cache, mask, logits, cached
 
     def _load_prefixes(self, cache, hits, cached: list[int], M: int) -> None:
         """Fill `cache` with each row's cached prefix, right-aligned at column M."""
@@ -656,6 +691,14 @@ def _growing_layer_class():
 
     _GROWING_LAYER = GrowingLayer
     return GrowingLayer
+
+
+def _common_prefix_len(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:

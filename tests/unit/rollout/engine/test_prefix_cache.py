@@ -80,3 +80,20 @@ def test_flush_cache_forgets_prefixes(client, admin_token):
     assert _gen(client, ids, 2, logprob=False)["meta_info"]["cached_tokens"] > 0
     client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_token}"})
     assert _gen(client, ids, 2, logprob=False)["meta_info"]["cached_tokens"] == 0
+
+
+def test_prompts_admitted_together_share_their_common_prefix(client, tokenizer, ref, admin_token):
+    client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_token}"})
+    system = tokenizer.encode("System: you are a terminal agent. Tools: ls cat echo grep python. Answer briefly. ")
+    prompts = [system + tokenizer.encode(q) for q in ("user: 12+30=", "user: ls file", "user: 7*8=")]
+    r = client.post("/generate", json={"input_ids": prompts, "return_logprob": True,
+                                       "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    for ids, out in zip(prompts, outs):
+        assert out["output_ids"] == ref.greedy(ids, 8)
+        torch.testing.assert_close(_lps(out), ref.logprobs(ids, out["output_ids"]), atol=1e-4, rtol=0)
+    cached = sorted(o["meta_info"]["cached_tokens"] for o in outs)
+    block = len(system) // 8 * 8
+    # One prompt paid for the shared system prompt; the other two reused it.
+    assert cached[0] < block <= cached[1] <= cached[2], (cached, len(system))
