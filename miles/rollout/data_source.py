@@ -12,13 +12,15 @@ from dataclasses import dataclass
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source by name: arithmetic."""
+    """Prompt source by name: arithmetic, or terminal (shell tasks for the terminal environment)."""
     digits: int = 2
     """arithmetic: operand digits."""
     ops: str = "+-"
     """arithmetic: operators to draw from ('+', '-', or both)."""
     eval_fraction: float = 0.1
     """arithmetic: share of all problems reserved for eval (disjoint from train)."""
+    fixed_width: bool = False
+    """arithmetic: zero-pad operands and answers to a fixed width (07+38=045)."""
     apply_chat_template: bool = False
     """Wrap each prompt as a user message with the tokenizer's chat template."""
 
@@ -45,10 +47,17 @@ class Prompt:
 def _arithmetic(cfg: TaskConfig, split: str, seed: int):
     from miles.rollout.tasks.arithmetic import ArithmeticTask
 
-    return ArithmeticTask(digits=cfg.digits, ops=cfg.ops, split=split, seed=seed, eval_fraction=cfg.eval_fraction)
+    return ArithmeticTask(digits=cfg.digits, ops=cfg.ops, split=split, seed=seed, eval_fraction=cfg.eval_fraction,
+                          fixed_width=cfg.fixed_width)
 
 
-TASKS = {"arithmetic": _arithmetic}
+def _terminal(cfg: TaskConfig, split: str, seed: int):
+    from miles.rollout.environments.terminal import TerminalTaskSource
+
+    return TerminalTaskSource(split=split, seed=seed)
+
+
+TASKS = {"arithmetic": _arithmetic, "terminal": _terminal}
 
 
 class PromptSource:
