@@ -105,7 +105,7 @@ def test_pause_then_continue_finishes_with_exact_greedy_output(
         engine_url, client, admin_token, tokenizer, hf_model, mode, paused_guard):
     ids = tokenizer.encode(PROMPT + " " + mode)
     before = client.get("/get_server_info").json()["engine_stats"]
-    t, box = _start(engine_url, _long_greedy(ids, f"pause-{mode}", n=120))
+    t, box = _start(engine_url, _long_greedy(ids, f"pause-{mode}", n=300))
     _wait_running(client)
     r = client.post("/pause_generation", json={"mode": mode}, headers=_admin(admin_token))
     assert r.status_code == 200, r.text
@@ -122,7 +122,7 @@ def test_pause_then_continue_finishes_with_exact_greedy_output(
     client.post("/continue_generation", headers=_admin(admin_token))
     t.join(60)
     out = box["response"].json()
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 120}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
     _assert_greedy(hf_model, ids, out)
     after = client.get("/get_server_info").json()["engine_stats"]
     assert after["retracted_reqs"] - before["retracted_reqs"] == (1 if mode == "retract" else 0)
