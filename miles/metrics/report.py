@@ -102,6 +102,16 @@ def _figure(ncols: int = 1, width: float = 7.0, height: float = 4.0):
     return fig, list(axes)
 
 
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:  # one point: widen the view so the locator has whole numbers to show
+        mid = (lo + hi) / 2
+        ax.set_xlim(mid - 1, mid + 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even for 2 of them
+
+
 def _no_data(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} in this run", ha="center", va="center", transform=ax.transAxes, color="#777777")
     ax.set_xticks([])
@@ -124,6 +134,7 @@ def plot_reward(runs: list[Run]):
             continue
         ax.set_title(title)
         ax.set_xlabel("step")
+        _integer_steps(ax)
         ax.grid(alpha=0.3)
         if len(runs) > 1:
             ax.legend()
@@ -151,6 +162,7 @@ def plot_step_time(runs: list[Run]):
         top = max(top, max(bottom))
         ax.set_title(f"step time breakdown — {run.name}" if len(runs) > 1 else "step time breakdown")
         ax.set_xlabel("step")
+        _integer_steps(ax)
         ax.set_ylabel("seconds")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if len(runs) > 1 and top > 0:
@@ -193,13 +205,14 @@ def plot_staleness(runs: list[Run]):
             return fig
         ax.set_title("staleness of trained groups per step")
         ax.set_xlabel("step")
+        _integer_steps(ax)
         ax.set_ylabel("policy versions behind")
         ax.legend()
         return fig
     ax.set_title("staleness of collected groups")
     ax.set_xlabel("policy versions behind when trained")
     ax.set_ylabel("groups")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xticks(sorted({k for run in runs for k in staleness_hist(run)}))
     if len(runs) > 1:
         ax.legend()
     return fig
@@ -241,6 +254,7 @@ def plot_buffer(runs: list[Run]):
         return fig
     ax.set_title("buffer ledger (prompts/groups so far)")
     ax.set_xlabel("step")
+    _integer_steps(ax)
     ax.set_ylabel("groups")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -265,6 +279,7 @@ def plot_throughput(runs: list[Run]):
             continue
         ax.set_title(title)
         ax.set_xlabel("step")
+        _integer_steps(ax)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     ax_i.set_ylim(0, 1.02)
