@@ -54,6 +54,7 @@ class GenerateResult:
     finish_reason: FinishReason
     weight_version: int  # the version of the weights that produced the last token
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
+    weight_versions: tuple[int, ...] = ()  # versions that produced tokens, in order (two if an update landed mid-way)
 
     def to_sglang(self) -> dict:
         meta = {
@@ -63,6 +64,7 @@ class GenerateResult:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason.to_dict(),
             "weight_version": self.weight_version,
+            "weight_versions": list(self.weight_versions) or [self.weight_version],
         }
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]
