@@ -126,3 +126,48 @@ def test_pause_then_continue_finishes_with_exact_greedy_output(
     _assert_greedy(hf_model, ids, out)
     after = client.get("/get_server_info").json()["engine_stats"]
     assert after["retracted_reqs"] - before["retracted_reqs"] == (1 if mode == "retract" else 0)
+
+
+@pytest.mark.parametrize("path,body,reason", [
+    ("/pause_generation", {"mode": "sideways"}, "mode"),
+    ("/pause_generation", {"mode": "abort", "now": True}, "now"),
+    ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
+    ("/release_memory_occupation", {"tags": []}, "tags"),
+    ("/resume_memory_occupation", {"tags": "weights"}, "tags"),
+    ("/abort_request", {"abort_all": "yes"}, "abort_all"),
+    ("/abort_request", {}, "rid"),
+    ("/generate", {"input_ids": [5], "return_hidden_states": True}, "return_hidden_states"),
+    ("/generate", {"input_ids": [5], "log_metrics": "loud"}, "log_metrics"),
+])
+def test_bad_control_requests_get_400_and_change_nothing(client, admin_token, path, body, reason):
+    r = client.post(path, json=body, headers=_admin(admin_token))
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]
+    load = client.get("/get_load").json()
+    assert load["paused"] is False and load["released"] == []
+    assert client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_fields_sglang_router_adds_are_accepted_at_their_defaults(client):
+    """sglang-router re-serialises /generate with these fields set to SGLang's defaults."""
+    body = {"model": None, "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_logprob": False,
+            "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
+            "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == 2
+
+
+def test_control_endpoints_need_the_admin_token(client):
+    for path in ("/pause_generation", "/continue_generation", "/release_memory_occupation",
+                 "/resume_memory_occupation"):
+        assert client.post(path, json={}).status_code == 401, path
+    assert client.get("/get_load").json()["paused"] is False
+
+
+def test_engine_and_router_bind_loopback_by_default(engine_url):
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.router import RouterConfig
+
+    assert engine_url.startswith("http://127.0.0.1:")
+    assert EngineConfig(model_path="x").host == RouterConfig().host == "127.0.0.1"
