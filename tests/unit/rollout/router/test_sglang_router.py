@@ -35,7 +35,11 @@ def test_sglang_router_serves_built_in_engines(engines):
         assert r is not None and r.status_code == 200, r.text if r is not None else "router never answered"
         out = r.json()
         assert out["output_ids"] == direct["output_ids"]
-        assert out["meta_info"]["output_token_logprobs"] == direct["meta_info"]["output_token_logprobs"]
+        # The ids exactly; the values to float32 noise, as the two calls may be served by different
+        # engines with and without a cached prefix.
+        got, want = out["meta_info"]["output_token_logprobs"], direct["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in got] == [t for _, t, _ in want]
+        assert all(abs(a[0] - b[0]) < 1e-5 for a, b in zip(got, want))
         assert out["meta_info"]["weight_version"] == 0
         many = [httpx.post(url + "/generate", json={**body, "rid": f"sg-{i}"}, timeout=60) for i in range(6)]
         assert all(m.status_code == 200 and m.json()["output_ids"] == direct["output_ids"] for m in many)
