@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The main job: build a tiny Qwen3 model, warm-start it with SFT, then improve it with GRPO.
+# The main job: build a small Qwen3 model (about 3M parameters), warm-start it with SFT, then improve it with GRPO.
 # Prints eval accuracy before and after RL; everything lands under runs/arithmetic/.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MILES=${MILES:-.venv/bin/miles}
 OUT=${OUT:-runs/arithmetic}
 HERE=examples/arithmetic
-"$MILES" init-model --preset tiny-qwen3 --out "$OUT/base"
+"$MILES" init-model --preset "${PRESET:-small-qwen3}" --out "$OUT/base"
 "$MILES" sft "$HERE/sft.toml" --model.path "$OUT/base" --sft.out "$OUT/sft-model" "$@"
 "$MILES" train "$HERE/grpo.toml" --model.path "$OUT/sft-model" --run.output_dir "$OUT" "$@"

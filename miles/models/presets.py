@@ -41,6 +41,9 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny-qwen3": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # Wider, for examples that must learn a task within minutes on a CPU (about 3M parameters).
+    "small-qwen3": Preset(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=32),
 }
 
 
