@@ -30,19 +30,9 @@ FILTERS: dict[str, Callable[[Group], bool]] = {"nonzero_std": nonzero_std, "none
 
 def get_filter(spec: str) -> GroupFilter:
     """A filter by registry name or `module:function`; a bad spec raises ValueError naming the fix."""
-    if spec in FILTERS:
-        return FILTERS[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown group filter {spec!r}: choose one of {sorted(FILTERS)} "
-                         "or give a module:function path")
-    import importlib
+    from miles.registry import resolve
 
-    module, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"group filter {spec!r} cannot be loaded ({e}); check the module is importable "
-                         "and defines that function") from None
+    fn = resolve(spec, FILTERS, "group filter")
     if not callable(fn):
         raise ValueError(f"group filter {spec!r} is not callable; it must be a function (Group) -> bool")
     return fn

@@ -17,7 +17,6 @@ Non-goals: parallel tool calls within a turn, streaming, environment-side tokeni
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -97,16 +96,11 @@ GENERATE_FNS: dict[str, Callable] = {"single_turn": single_turn, "agent": multi_
 
 def get_generate_fn(name: str) -> Callable:
     """The generate function for `name`, checked against GenerateFn; ValueError names the fix."""
+    from miles.registry import resolve
+
     if name in GENERATE_FNS:
         return GENERATE_FNS[name]
-    if ":" not in name:
-        raise ValueError(f"unknown generate function {name!r}: choose one of {sorted(GENERATE_FNS)} or give "
-                         "module:function")
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"generate function {name!r} cannot be loaded: {e}") from None
+    fn = resolve(name, GENERATE_FNS, "generate function")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"generate function {name!r} must be an `async def` taking (ctx, prompt, params, rid) "
                          "and returning a Sample")

@@ -6,7 +6,6 @@ User functions can be given as `module:function` and are checked when the run is
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Callable, Protocol
 
@@ -24,15 +23,11 @@ REWARDS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_m
 
 
 def get_reward_fn(name: str) -> Callable[[str, str | None], float]:
+    from miles.registry import resolve
+
     if name in REWARDS:
         return REWARDS[name]
-    if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}: choose one of {sorted(REWARDS)} or give module:function")
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {name!r} cannot be loaded: {e}") from None
+    fn = resolve(name, REWARDS, "reward")
     if not callable(fn):
         raise ValueError(f"reward {name!r} is not callable")
     params = [p for p in inspect.signature(fn).parameters.values()

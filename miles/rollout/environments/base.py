@@ -12,7 +12,6 @@ is configured. Non-goals: batched/vectorised environments, environment-side toke
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
@@ -54,16 +53,12 @@ ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"tool_calc": _tool_calc, "
 
 def get_environment(name: str) -> Callable[[], Environment]:
     """The factory for `name`; raises ValueError naming the fix when it is unknown or malformed."""
+    from miles.registry import resolve
+
     if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
-    if ":" not in name:
-        raise ValueError(f"unknown environment {name!r}: choose one of {sorted(ENVIRONMENTS)} or give "
-                         "module:function (a function with no arguments returning an Environment)")
-    module, _, attr = name.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"environment {name!r} cannot be loaded: {e}") from None
+    factory = resolve(name, ENVIRONMENTS, "environment",
+                      " (a function with no arguments returning an Environment)")
     if not callable(factory):
         raise ValueError(f"environment {name!r} is not callable: give a function returning an Environment")
     return factory
