@@ -539,13 +539,9 @@ class RouterProcess:
                            f"{''.join(self.output[-50:])}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from miles.rollout.engine.process import terminate
+
+        terminate(self.proc, timeout_s)
 
     def __enter__(self) -> "RouterProcess":
         return self

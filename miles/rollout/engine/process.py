@@ -63,16 +63,21 @@ class EngineProcess:
         return self.proc.poll() is None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout_s)
 
     def __enter__(self) -> "EngineProcess":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if the child has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
