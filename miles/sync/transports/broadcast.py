@@ -26,6 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from miles.sync.engine_client import EngineClient
 from miles.sync.transports.base import TransportError
 
 if TYPE_CHECKING:
@@ -82,7 +83,6 @@ class BroadcastTransport:
     # ---- WeightTransport ----------------------------------------------------------------------
 
     def connect(self, engine_urls: list[str]) -> None:
-        import httpx
         import torch.distributed as dist
 
         if not engine_urls:
@@ -91,8 +91,7 @@ class BroadcastTransport:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         world = 1 + len(self.engine_urls)
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(self.timeout_s + 30, connect=10))
+        self._http = EngineClient(self.admin_token, self.timeout_s + 30)
         # wait_for_workers=False: engines connect only after our POSTs reach them.
         self._store = dist.TCPStore(self.master_address, self.master_port, world, is_master=True,
                                     wait_for_workers=False, timeout=timeout)
@@ -198,19 +197,7 @@ class BroadcastTransport:
                                  "call close() and connect(engine_urls) again")
 
     def _post(self, url: str, path: str, body: dict) -> dict:
-        import httpx
-
-        try:
-            r = self._http.post(url + path, json=body)
-        except httpx.HTTPError as exc:
-            raise TransportError(f"engine {url}: {path} failed to respond ({type(exc).__name__}: {exc})") from None
-        if r.status_code != 200:
-            try:
-                reason = r.json().get("error") or r.json().get("message") or r.text
-            except ValueError:
-                reason = r.text
-            raise TransportError(f"engine {url}: {path} returned HTTP {r.status_code}: {reason}")
-        return r.json()
+        return self._http.post(url, path, body)
 
     def _wait(self, collective: cf.Future | None, replies: list[cf.Future], what: str) -> None:
         """Wait for the collective and every engine's reply; raise one error naming every failed engine."""
