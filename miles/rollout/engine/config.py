@@ -40,6 +40,9 @@ class EngineConfig:
     """Memory the prefix cache may hold; least recently used blocks are evicted beyond it."""
     offload_dir: str | None = None
     """Where /release_memory_occupation parks the weights; None uses the system temp directory."""
+    reuse_weight_memory: bool = True
+    """Keep the memory a weight update displaced as the next update's receive buffers: updates skip
+    first-touch page faults, at the cost of a second copy of the weights held between updates."""
 
     def validate(self) -> None:
         from miles.config import ConfigError

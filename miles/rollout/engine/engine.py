@@ -232,6 +232,8 @@ class Engine:
                 for p in params.values():
                     p.data = torch.empty(0, dtype=p.dtype)
                 self._offload_path = path
+            if "weights" in tags:
+                self.receiver.drop_spares()
         _return_freed_memory()
 
     def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
@@ -254,18 +256,33 @@ class Engine:
         with self.model_lock:
             self.prefix_cache.clear()
 
-    def apply_weights(self, tensors: dict[str, torch.Tensor], weight_version: int | None) -> int:
-        """Copy `tensors` into the model between two decode steps; returns the new weight version."""
+    def apply_weights(self, tensors: dict[str, torch.Tensor], weight_version: int | None,
+                      adopt: frozenset[str] | set[str] = frozenset()) -> tuple[int, list[torch.Tensor]]:
+        """Install `tensors` between two decode steps; returns (new weight version, displaced memory).
+
+        A tensor named in `adopt` is held by nobody but the caller, so its parameter takes over its
+        memory instead of copying from it: an update then costs no second pass over the weights. The
+        parameter's previous memory is returned so the caller can receive the next update into it.
+        Everything else (and any dtype or layout mismatch) is copied in place.
+        """
         with self.model_lock, torch.no_grad():
             if self._offload_path is not None:
                 raise InvalidRequest("the engine's weights are released; call /resume_memory_occupation "
                                      "before updating them")
             state = self.model.state_dict()  # shares storage with the parameters; tied weights share too
+            params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names: one Parameter
+            displaced = []
             for name, t in tensors.items():
-                state[name].copy_(t)
+                p = params.get(name)
+                if (name in adopt and p is not None and t.dtype == p.dtype and t.shape == p.shape
+                        and t.is_contiguous() and p.data.is_contiguous()):
+                    displaced.append(p.data)
+                    p.data = t
+                else:
+                    state[name].copy_(t)
             self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
             self.prefix_cache.clear()
-            return self.weight_version
+            return self.weight_version, displaced
 
     def stop(self) -> None:
         with self._cond:

@@ -281,8 +281,10 @@ def _url(sock: socket.socket, host: str) -> str:
 def _uvicorn_server(engine, log_level: str = "warning"):
     import uvicorn
 
+    # Keep-alive outlives the clients' idle-connection expiry (httpx: 5 s): with equal timeouts a client
+    # can reuse a connection in the instant the server closes it and get no response at all.
     return uvicorn.Server(uvicorn.Config(build_app(engine), log_level=log_level, lifespan="off",
-                                         timeout_graceful_shutdown=5))
+                                         timeout_graceful_shutdown=5, timeout_keep_alive=65))
 
 
 def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -> RunningServer:
@@ -329,13 +331,16 @@ def parse_args(argv=None) -> tuple[EngineConfig, str]:
     p.add_argument("--prefix-block-size", type=int, default=8, help="tokens per prefix-cache block")
     p.add_argument("--prefix-cache-mb", type=float, default=512.0, help="memory the prefix cache may hold")
     p.add_argument("--offload-dir", default=None, help="where released weights are parked")
+    p.add_argument("--no-reuse-weight-memory", action="store_true",
+                   help="free the memory a weight update displaces instead of receiving the next one into it")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
     cfg = EngineConfig(model_path=a.model, host=a.host, port=a.port, dtype=a.dtype, admin_token=a.admin_token,
                        max_batch_size=a.max_batch_size, context_length=a.context_length,
                        num_threads=a.num_threads, seed=a.seed, default_max_new_tokens=a.default_max_new_tokens,
                        prefix_cache=not a.no_prefix_cache, prefix_block_size=a.prefix_block_size,
-                       prefix_cache_mb=a.prefix_cache_mb, offload_dir=a.offload_dir)
+                       prefix_cache_mb=a.prefix_cache_mb, offload_dir=a.offload_dir,
+                       reuse_weight_memory=not a.no_reuse_weight_memory)
     from miles.config import ConfigError
 
     try:

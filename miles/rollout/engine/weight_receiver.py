@@ -9,7 +9,11 @@ Wire contract (SGLang's `update_weights_from_distributed`, plus miles' staging):
     the tensors into staging. Any error discards the whole staging and poisons the pending version:
     its commit is refused, because applying the remainder would publish a version that never existed.
   * `commit` applies all staged tensors in one go under the engine's model lock (between two decode
-    steps), sets the weight version, and clears staging.
+    steps), sets the weight version, and clears staging. Staged memory nobody else holds (broadcast
+    receives, copies out of a sender's buffer, checkpoint loads) becomes the parameters' memory
+    outright; the memory it displaces is kept (config `reuse_weight_memory`) as the receive buffers
+    of the next version, so a steady-state update neither copies the model again nor faults in fresh
+    pages. Memory still owned elsewhere (this engine's p2p buffer, the disk-delta local copy) is copied.
   * `reset_staging` (a miles extension, sent with the first bucket of each version) drops whatever an
     abandoned earlier version left staged or poisoned, so one failed push does not block the next.
 Two wire formats: load_format "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes
@@ -56,6 +60,8 @@ class WeightReceiver:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[str, _Group] = {}
         self._staging: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()  # staged names whose memory only staging holds (adoptable at commit)
+        self._spares: dict[int, list[torch.Tensor]] = {}  # nbytes -> uint8 buffers displaced by the last commit
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._lock = threading.Lock()  # one update at a time: collectives must not interleave
         self._p2p_buffers: dict[str, torch.Tensor] = {}  # path -> mapping of buffers this engine owns
@@ -81,7 +87,7 @@ class WeightReceiver:
             # The prefix keeps several groups (or a re-initialised one) from colliding in one store.
             pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank_offset, world_size, self.timeout)
             self._groups[group_name] = _Group(pg, store, rank_offset, world_size)
-            self._staging.clear()
+            self._clear_staging()
             self._poisoned = None
         return f"joined {group_name!r} as rank {rank_offset} of {world_size}"
 
@@ -91,9 +97,14 @@ class WeightReceiver:
 
     def reset_staging(self) -> None:
         with self._lock:
-            self._staging.clear()
+            self._clear_staging()
             self._poisoned = None
             self._delta_pending = None
+
+    def drop_spares(self) -> None:
+        """Free the kept receive buffers (the engine is releasing its memory)."""
+        with self._lock:
+            self._spares.clear()
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 group_name: str = "weight_update_group", load_format: str | None = None) -> None:
@@ -123,17 +134,23 @@ class WeightReceiver:
             err = self._validate(received)
             if err is not None:
                 raise self._fail(err)
-            self._staging.update(received)
+            self._stage(received, owned=True)
 
     def commit(self, weight_version: int | None, flush_cache: bool = True) -> int:
         with self._lock:
             if self._poisoned is not None:
                 why, self._poisoned = self._poisoned, None
-                self._staging.clear()
+                self._clear_staging()
                 raise WeightUpdateError(f"commit refused: an earlier bucket of this version failed ({why}); "
                                         "the old weights stay in force, resend the whole version")
-            staged, self._staging = self._staging, {}
-            version = self.engine.apply_weights(staged, weight_version)
+            staged, owned = self._staging, self._owned
+            self._clear_staging()
+            version, displaced = self.engine.apply_weights(staged, weight_version, adopt=owned)
+            self._spares = {}  # spares the last version did not use are not kept twice
+            if self.engine.config.reuse_weight_memory:
+                for t in displaced:
+                    flat = t.reshape(-1).view(torch.uint8)
+                    self._spares.setdefault(flat.numel(), []).append(flat)
             if self._delta_pending is not None:
                 self._delta.advance(*self._delta_pending)
                 self._delta_pending = None
@@ -198,13 +215,13 @@ class WeightReceiver:
                 # A p2p buffer this engine owns holds a whole version (each bucket at its own offset,
                 # rewritten only by the next version, after commit has copied it out), so it IS the
                 # staging; a buffer someone else owns is reused for their next bucket: copy out.
-                chunk = buf[off:end] if own else buf[off:end].clone()
+                chunk = buf[off:end] if own else self._buffer(end - off).copy_(buf[off:end])
                 received[name] = chunk.view(dtype).reshape(shape)
             del buf
             err = self._validate(received)
             if err is not None:
                 raise self._fail(err)
-            self._staging.update(received)
+            self._stage(received, owned=not own)
 
     # ---- disk delta --------------------------------------------------------------------------
 
@@ -231,7 +248,7 @@ class WeightReceiver:
             err = self._validate(tensors)
             if err is not None:
                 raise self._fail(err)
-            self._staging.update(tensors)
+            self._stage(tensors, owned=False)  # the local copy keeps these: copied at commit
             self._delta_pending = (version, tensors)
             return version
 
@@ -256,7 +273,7 @@ class WeightReceiver:
             err = self._validate(tensors)
             if err is not None:
                 raise self._fail(err)
-            self._staging.update(tensors)
+            self._stage(tensors, owned=True)
             return len(tensors)
 
     # ---- weights checker -----------------------------------------------------------------------
@@ -344,13 +361,13 @@ class WeightReceiver:
                     offset += n
             for (name, dtype, shape), n in zip(specs, sizes):
                 if n >= SPLIT_BYTES:
-                    buf = torch.empty(n, dtype=torch.uint8)
+                    buf = self._buffer(n)
                     group.pg.broadcast([buf], opts).wait()
                     out[name] = buf.view(dtype).reshape(shape)
             out = {name: out[name] for name, _, _ in specs}
         elif load_format is None:
             for name, dtype, shape in specs:
-                t = torch.empty(shape, dtype=dtype)
+                t = self._buffer(_numel(shape) * torch.empty((), dtype=dtype).element_size()).view(dtype).reshape(shape)
                 group.pg.broadcast([t], opts).wait()
                 out[name] = t
         else:
@@ -383,8 +400,23 @@ class WeightReceiver:
                 return f"tensor {name!r} contains NaN or Inf"
         return None
 
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A (nbytes,) uint8 receive buffer: memory the last commit displaced if it fits, else fresh."""
+        spare = self._spares.get(nbytes)
+        return spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _stage(self, tensors: dict[str, torch.Tensor], owned: bool) -> None:
+        self._staging.update(tensors)
+        if owned:
+            self._owned.update(tensors)
+        else:
+            self._owned.difference_update(tensors)
+
+    def _clear_staging(self) -> None:
+        self._staging, self._owned = {}, set()
+
     def _fail(self, reason: str) -> WeightUpdateError:
-        self._staging.clear()
+        self._clear_staging()
         self._delta_pending = None
         self._poisoned = reason
         return WeightUpdateError(reason + "; staged weights were discarded")

@@ -139,3 +139,45 @@ def test_every_output_matches_the_version_it_reports(trainer, engine_thread):
         assert v in (old_v, new_v)
         assert lp == pytest.approx(old_lp if v == old_v else new_lp, abs=1e-6)
     assert {v for _, v in results} == {old_v, new_v}
+
+
+def _ptr(engine_thread, name: str) -> int:
+    return dict(engine_thread.engine.model.named_parameters())[name].data_ptr()
+
+
+def test_commit_adopts_received_memory_and_receives_into_the_displaced(trainer, engine_thread):
+    """A broadcast update costs no copy into the parameters, and the next one lands in the memory
+    the last one freed (no fresh pages), while values still follow the trainer exactly."""
+    name = "model.layers.0.mlp.gate_proj.weight"
+    shape = _param(engine_thread, name).shape
+    first = torch.full(shape, 0.125)
+    r = trainer.update({name: first}, reset_staging=True)
+    assert r.status_code == 200, r.text
+    ptrs = [_ptr(engine_thread, name)]
+    for value in (0.25, 0.5):
+        r = trainer.update({name: torch.full(shape, value)}, reset_staging=True)
+        assert r.status_code == 200, r.text
+        assert torch.equal(_param(engine_thread, name), torch.full(shape, value))
+        ptrs.append(_ptr(engine_thread, name))
+    assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0]  # two buffers take turns
+
+
+def test_memory_the_sender_can_still_write_is_copied_not_adopted(engine_thread, admin_token):
+    """An engine's own p2p buffer is rewritten by the next version: the served weights must not live there."""
+    from miles.sync import shm
+
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    name = "model.layers.0.mlp.up_proj.weight"
+    shape, dtype = tuple(_param(engine_thread, name).shape), _param(engine_thread, name).dtype
+    new = torch.full(shape, 0.75, dtype=dtype)
+    nbytes = new.numel() * new.element_size()
+    path = httpx.post(engine_thread.url + "/p2p_open_buffer", json={"nbytes": nbytes}, headers=headers).json()["shm_path"]
+    buf = shm.attach(path, nbytes)
+    shm.write_bucket(buf, [(name, new)], [0])
+    r = httpx.post(engine_thread.url + "/update_weights_from_tensor", headers=headers, timeout=60, json={
+        "load_format": "shm", "shm_path": path, "names": [name], "dtypes": [str(dtype).removeprefix("torch.")],
+        "shapes": [list(shape)], "offsets": [0], "commit": True, "reset_staging": True})
+    assert r.status_code == 200, r.text
+    buf.fill_(0)  # the trainer writing the next version
+    assert torch.equal(_param(engine_thread, name), new)
+    httpx.post(engine_thread.url + "/p2p_close_buffer", json={"shm_path": path}, headers=headers)
