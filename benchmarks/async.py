@@ -14,12 +14,12 @@ as stale is reported beside the mean of all groups (which prompts each mode thro
 Last line: one JSON object.
 
 With --learn it instead checks that the arithmetic example still learns under fully_async: one SFT
-warm start, then GRPO with the sync schedule for --learn-steps steps and fully_async for as many
+warm start of the example's model (or --sft-model, an existing one), then GRPO with the sync schedule for --learn-steps steps and fully_async for as many
 steps as it takes to train the same number of samples; eval accuracy gain of each (same held-out
 prompts, greedy) and `gain_gap` = sync gain − fully_async gain (done when <= 0.05).
 
     miles bench async [--steps 8] [--prompts-per-step 8] [--max-new-tokens 192] [--pacing]
-    miles bench async --learn [--learn-steps 30] [--sft-steps 600]
+    miles bench async --learn [--learn-steps 40] [--sft-steps 600] [--preset small-qwen3] [--sft-model DIR]
 """
 
 from __future__ import annotations
@@ -91,11 +91,14 @@ def learn(args, out: Path) -> dict:
     from miles.models.presets import build_tiny_model
     from miles.orchestration.driver import run_sft, run_train
 
-    base = build_tiny_model("tiny-qwen3", out / "base")
-    run_sft(load_config(RunConfig, EXAMPLE / "sft.toml", {
-        "model.path": str(base), "sft.out": str(out / "sft-model"), "sft.steps": str(args.sft_steps),
-        "metrics.progress": "plain"}))
-    common = {"model.path": str(out / "sft-model"), "run.output_dir": str(out / "runs"), "eval.every_steps": "0",
+    sft_model = args.sft_model
+    if not sft_model:
+        base = build_tiny_model(args.preset, out / "base")
+        sft_model = str(out / "sft-model")
+        run_sft(load_config(RunConfig, EXAMPLE / "sft.toml", {
+            "model.path": str(base), "sft.out": sft_model, "sft.steps": str(args.sft_steps),
+            "metrics.progress": "plain"}))
+    common = {"model.path": sft_model, "run.output_dir": str(out / "runs"), "eval.every_steps": "0",
               "eval.num_prompts": str(args.eval_prompts), "loop.save_every": "0", "metrics.progress": "plain"}
     runs = {}
     sync = run_train(load_config(RunConfig, EXAMPLE / "grpo.toml", {
@@ -131,8 +134,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated schedules (default: all)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     p.add_argument("--learn", action="store_true", help="sync vs fully_async learning on the arithmetic example")
-    p.add_argument("--learn-steps", type=int, default=30)
+    p.add_argument("--learn-steps", type=int, default=40)
     p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--preset", default="small-qwen3", help="model preset of the warm start (the example's)")
+    p.add_argument("--sft-model", default="", help="reuse this SFT checkpoint instead of training one")
     p.add_argument("--eval-prompts", type=int, default=256)
     args = p.parse_args(argv)
 

@@ -7,6 +7,7 @@ Run directory: config.json (resolved), metrics.jsonl, checkpoints/, summary.json
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 import time
@@ -125,6 +126,17 @@ def _start_engines(cfg, cores, admin_token: str):
     return actors, urls
 
 
+def _check_reachable(urls: list[str]) -> None:
+    """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
+    import httpx
+
+    for url in urls:
+        try:
+            httpx.get(url + "/health", timeout=10).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise SystemExit(f"miles: engine {url} (rollout.engine_urls) does not answer /health: {exc}") from None
+
+
 def run_train(cfg, resume: str | None = None) -> dict:
     import ray
 
@@ -144,11 +156,16 @@ def run_train(cfg, resume: str | None = None) -> dict:
     started_ray = not ray.is_initialized()
     ensure_ray(cfg.ray)
     pools = core_pools(cfg.placement)
-    admin_token = secrets.token_hex(16)
+    external = list(cfg.rollout.engine_urls)
+    admin_token = (os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None) if external else secrets.token_hex(16)
     engines, trainer, sink, progress, dashboard = [], None, None, None, None
     t_start = time.perf_counter()
     try:
-        engines, urls = _start_engines(cfg, pools.engine if pools else None, admin_token)
+        if external:
+            urls = [u.rstrip("/") for u in external]
+            _check_reachable(urls)
+        else:
+            engines, urls = _start_engines(cfg, pools.engine if pools else None, admin_token)
         log(f"engines ready: {', '.join(urls)}")
         trainer = TrainerGroup(cfg.trainer, cfg.sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
                                pools.trainer if pools else None, admin_token)

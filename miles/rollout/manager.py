@@ -26,7 +26,15 @@ from miles.rollout.data_source import TaskConfig
 @dataclass
 class RolloutConfig:
     num_engines: int = 1
-    """Built-in engine processes to start."""
+    """Built-in engine processes to start (ignored when engine_urls is set)."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Engines already running (SGLang servers or `miles serve`) to generate with and push weights to,
+    instead of starting built-in ones. The run neither starts nor stops them. Their admin token
+    (SGLang's --api-key), if any, is read from the environment variable MILES_ENGINE_ADMIN_TOKEN so
+    that it never lands in the saved run config."""
+    pd_disaggregation: bool = False
+    """The engines at engine_urls serve prefill and decode on separate workers (SGLang PD
+    disaggregation); weight updates must then reach both kinds, which not every transport can do."""
     engine_dtype: str = "float32"
     """Engine weights/compute dtype: float32 or bfloat16."""
     engine_max_batch_size: int = 256
@@ -70,6 +78,14 @@ class RolloutConfig:
 
         if self.num_engines < 1:
             raise ConfigError("rollout.num_engines must be >= 1")
+        for url in self.engine_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"rollout.engine_urls: {url!r} is not an http(s) URL; give each engine's base "
+                                  "URL, e.g. http://10.0.0.5:30000")
+        if self.pd_disaggregation and not self.engine_urls:
+            raise ConfigError("rollout.pd_disaggregation: the built-in engine serves prefill and decode in one "
+                              "process; point rollout.engine_urls at SGLang PD-disaggregated servers or set "
+                              "rollout.pd_disaggregation = false")
         if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1:
             raise ConfigError("rollout.n_samples_per_prompt and rollout.prompts_per_step must be >= 1")
         if self.temperature <= 0:

@@ -91,8 +91,7 @@ def check_run(run) -> None:
     if getattr(lora, "rank", 0):
         raise ConfigError("sync.transport = 'disk_delta' cannot ship LoRA runs (the delta is against full base "
                           "weights): set sync.transport = 'broadcast' or 'p2p', or trainer.lora.rank = 0")
-    if getattr(run.rollout, "pd_disaggregation", False) or getattr(run.rollout, "disaggregation_mode", None) \
-            not in (None, "", "null", "none"):
+    if run.rollout.pd_disaggregation:
         raise ConfigError("sync.transport = 'disk_delta' cannot update prefill/decode-disaggregated engines: "
                           "set sync.transport = 'broadcast' or 'p2p', or turn off prefill/decode disaggregation")
 

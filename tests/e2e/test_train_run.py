@@ -47,3 +47,21 @@ def test_short_grpo_run_writes_run_dir_and_updates_engines(tiny_model_dir, tmp_p
     assert summary["final_checkpoint"] == str(ckpt)
     AutoModelForCausalLM.from_pretrained(ckpt)  # loadable
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_run_on_engines_started_outside_the_run(tiny_model_dir, tmp_path, ray_cluster, monkeypatch):
+    """rollout.engine_urls: generate with and push weights to an engine the run did not start (as
+    with SGLang servers), authenticated by the token from the environment; the engine outlives the run."""
+    import httpx
+
+    from miles.orchestration.driver import run_train
+    from miles.rollout.engine.process import EngineProcess
+
+    with EngineProcess(tiny_model_dir, admin_token="outside-token") as engine:
+        monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", "outside-token")
+        summary = run_train(small_config(tiny_model_dir, tmp_path, **{
+            "loop.num_steps": "2", "eval.every_steps": "0", "rollout.engine_urls": engine.url}))
+        assert summary["steps"] == 2
+        # The engine serves the trainer's last push and is still up.
+        assert httpx.get(engine.url + "/get_weight_version").json()["weight_version"] == 2
+        assert httpx.get(engine.url + "/health").status_code == 200

@@ -22,7 +22,9 @@ def test_disk_delta_loads_with_a_delta_dir(tiny_model_dir, tmp_path):
     ({"placement.mode": "colocated"}, "placement.mode = 'disaggregated'"),
     ({"trainer.lora.rank": "8"}, "trainer.lora.rank = 0"),
     ({}, "sync.delta_dir"),
-], ids=["colocated", "lora", "no-delta-dir"])
+    ({"rollout.engine_urls": "http://10.0.0.5:30000", "rollout.pd_disaggregation": "true"},
+     "sync.transport = 'broadcast' or 'p2p'"),
+], ids=["colocated", "lora", "no-delta-dir", "pd-disaggregation"])
 def test_disk_delta_refusals_name_the_fix(tiny_model_dir, tmp_path, overrides, fix):
     base = {"sync.transport": "disk_delta"}
     if fix != "sync.delta_dir":
@@ -35,3 +37,16 @@ def test_disk_delta_refusals_name_the_fix(tiny_model_dir, tmp_path, overrides, f
 def test_unknown_transport_lists_the_choices(tiny_model_dir):
     with pytest.raises(ConfigError, match="p2p"):
         _load(tiny_model_dir, **{"sync.transport": "pigeon"})
+
+
+def test_pd_disaggregation_needs_external_engines(tiny_model_dir):
+    with pytest.raises(ConfigError, match="rollout.engine_urls"):
+        _load(tiny_model_dir, **{"rollout.pd_disaggregation": "true"})
+    cfg = _load(tiny_model_dir, **{"rollout.engine_urls": "http://10.0.0.5:30000,http://10.0.0.6:30000",
+                                   "rollout.pd_disaggregation": "true"})
+    assert cfg.rollout.engine_urls == ["http://10.0.0.5:30000", "http://10.0.0.6:30000"]
+
+
+def test_engine_urls_must_be_urls(tiny_model_dir):
+    with pytest.raises(ConfigError, match="http"):
+        _load(tiny_model_dir, **{"rollout.engine_urls": "10.0.0.5:30000"})
