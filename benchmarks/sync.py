@@ -13,7 +13,7 @@ in their own processes (bf16). Then, in one run:
     engine weights, its density (fraction of bytes changed), wire bytes and full bytes
 The last line is one JSON object with the raw figures and the ratios.
 
-    miles bench sync [--layers 8] [--bucket-mb 64] [--repeats 3] [--steps 2]
+    miles bench sync [--layers 8] [--bucket-mb 512] [--repeats 3] [--steps 2]
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="miles bench sync")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (8 → ~270 MiB of bf16 weights)")
-    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=int, default=512, help="bucket size (default: sync.bucket_size_mb's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed pushes per transport (the median is reported)")
     ap.add_argument("--steps", type=int, default=2, help="AdamW steps before the disk-delta update")
     ap.add_argument("--lr", type=float, default=1e-6)
