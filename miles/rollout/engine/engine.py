@@ -284,11 +284,24 @@ class Engine:
             self.prefix_cache.clear()
             return self.weight_version, displaced
 
+    def covers_parameters(self, names) -> bool:
+        """Whether `names` reach every parameter (tied ones through any of their names)."""
+        names = set(names)
+        reached = {id(p) for n, p in self.model.named_parameters(remove_duplicate=False) if n in names}
+        return all(id(p) in reached for p in self.model.parameters())
+
+    def points_into(self, buf: torch.Tensor) -> bool:
+        """Whether any parameter or buffer of the model lives in `buf`'s memory."""
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        return any(lo <= t.data_ptr() < hi for t in self.model.state_dict().values() if t.numel())
+
     def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout=30)
+        self.receiver.close()
         if self._offload_path is not None:
             os.unlink(self._offload_path)
             self._offload_path = None

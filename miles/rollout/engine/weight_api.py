@@ -3,7 +3,8 @@
     POST /update_weights_from_tensor  {load_format: "shm", shm_path, names, dtypes, shapes, offsets,
                                        commit, weight_version, reset_staging, flush_cache}
          stage a bucket from a shared-memory buffer on this host (p2p, colocated); commit=true with no
-         names applies everything staged.
+         names applies everything staged. With swap_buffers=true a whole version in an own p2p buffer
+         becomes the parameters' memory, and the reply's shm_path is where the next version must go.
     POST /update_weights_from_disk    SGLang's {model_path} reloads a safetensors checkpoint; miles'
          {load_format: "miles_delta", model_path: <version dir>, commit: false} patches the local copy
          and stages it, {load_format: "miles_delta", commit: true, weight_version} applies it, and
@@ -25,7 +26,7 @@ from miles.rollout.engine import protocol
 from miles.rollout.engine.types import InvalidRequest
 
 _TENSOR_FIELDS = {"load_format", "shm_path", "names", "dtypes", "shapes", "offsets", "commit", "weight_version",
-                  "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors"}
+                  "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors", "swap_buffers"}
 _DISK_FIELDS = {"model_path", "load_format", "commit", "weight_version", "reset_staging", "flush_cache",
                 "abort_all_requests"}
 
@@ -51,8 +52,12 @@ def build_weight_router(engine) -> APIRouter:
             return {"success": True, "message": staged_msg}
         if _flag(body, "abort_all_requests", False):
             engine.abort()
-        version = receiver.commit(_version(body.get("weight_version")), flush_cache=_flag(body, "flush_cache", True))
-        return {"success": True, "message": f"weights updated to version {version}", "weight_version": version}
+        version = receiver.commit(_version(body.get("weight_version")), flush_cache=_flag(body, "flush_cache", True),
+                                  swap_buffers=_flag(body, "swap_buffers", False))
+        reply = {"success": True, "message": f"weights updated to version {version}", "weight_version": version}
+        if isinstance(body.get("shm_path"), str):
+            reply["shm_path"] = receiver.write_next(body["shm_path"])  # where the next version goes
+        return reply
 
     @router.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):

@@ -13,7 +13,10 @@ Wire contract (SGLang's `update_weights_from_distributed`, plus miles' staging):
     receives, copies out of a sender's buffer, checkpoint loads) becomes the parameters' memory
     outright; the memory it displaces is kept (config `reuse_weight_memory`) as the receive buffers
     of the next version, so a steady-state update neither copies the model again nor faults in fresh
-    pages. Memory still owned elsewhere (this engine's p2p buffer, the disk-delta local copy) is copied.
+    pages. Memory still owned elsewhere (the disk-delta local copy) is copied. A version that arrived
+    whole in one of this engine's p2p buffers is adopted too when the sender opts in (`swap_buffers`):
+    the parameters then live in that buffer, and the commit's reply names the buffer the sender must
+    write the next version into (the one the parameters just left), so no byte is copied twice.
   * `reset_staging` (a miles extension, sent with the first bucket of each version) drops whatever an
     abandoned earlier version left staged or poisoned, so one failed push does not block the next.
 Two wire formats: load_format "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes
@@ -62,6 +65,9 @@ class WeightReceiver:
         self._staging: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()  # staged names whose memory only staging holds (adoptable at commit)
         self._spares: dict[int, list[torch.Tensor]] = {}  # nbytes -> uint8 buffers displaced by the last commit
+        self._from_p2p: dict[str, str] = {}  # staged name -> the own p2p buffer its bytes are in
+        self._serving: str | None = None  # the own p2p buffer the parameters live in, if any
+        self._write_next: dict[str, str] = {}  # p2p buffer committed from -> buffer to write the next version to
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._lock = threading.Lock()  # one update at a time: collectives must not interleave
         self._p2p_buffers: dict[str, torch.Tensor] = {}  # path -> mapping of buffers this engine owns
@@ -136,18 +142,26 @@ class WeightReceiver:
                 raise self._fail(err)
             self._stage(received, owned=True)
 
-    def commit(self, weight_version: int | None, flush_cache: bool = True) -> int:
+    def commit(self, weight_version: int | None, flush_cache: bool = True, swap_buffers: bool = False) -> int:
+        """Apply everything staged. swap_buffers: the sender will write its next version wherever
+        `write_next` says, so a whole version staged in one own p2p buffer may be adopted in place."""
         with self._lock:
             if self._poisoned is not None:
                 why, self._poisoned = self._poisoned, None
                 self._clear_staging()
                 raise WeightUpdateError(f"commit refused: an earlier bucket of this version failed ({why}); "
                                         "the old weights stay in force, resend the whole version")
-            staged, owned = self._staging, self._owned
+            staged, owned, from_p2p = self._staging, self._owned, self._from_p2p
             self._clear_staging()
-            version, displaced = self.engine.apply_weights(staged, weight_version, adopt=owned)
+            sources = set(from_p2p.get(n) for n in staged)
+            source = sources.pop() if len(sources) == 1 else None
+            swap = swap_buffers and source is not None and self.engine.covers_parameters(staged)
+            version, displaced = self.engine.apply_weights(staged, weight_version,
+                                                           adopt=set(staged) if swap else owned)
             self._spares = {}  # spares the last version did not use are not kept twice
-            if self.engine.config.reuse_weight_memory:
+            if swap:
+                self._write_next[source] = self._swap_serving(source)
+            elif self.engine.config.reuse_weight_memory:
                 for t in displaced:
                     flat = t.reshape(-1).view(torch.uint8)
                     self._spares.setdefault(flat.numel(), []).append(flat)
@@ -158,7 +172,26 @@ class WeightReceiver:
                 self.engine.flush_cache()
             return version
 
+    def write_next(self, path: str) -> str:
+        """The p2p buffer a sender that committed from `path` must write its next version into."""
+        return self._write_next.get(path, path)
+
     # ---- shared memory (p2p on one host, colocated) --------------------------------------------
+
+    def _swap_serving(self, source: str) -> str:
+        """The parameters now live in `source`; return the buffer the next version goes to: the one
+        they left if nothing points into it any more, else a fresh one of the same size."""
+        from miles.sync import shm
+
+        old, self._serving = self._serving, source
+        size = self._p2p_buffers[source].numel()
+        if old is not None and old != source and old in self._p2p_buffers:
+            buf = self._p2p_buffers[old]
+            if buf.numel() >= size and not self.engine.points_into(buf):
+                return old
+        path, buf = shm.create(size, tag="p2p", touch=True)
+        self._p2p_buffers[path] = buf
+        return path
 
     def open_p2p_buffer(self, nbytes: int) -> str:
         """Create a receive buffer this engine owns; a p2p sender writes a whole version straight into it."""
@@ -173,12 +206,20 @@ class WeightReceiver:
         from miles.sync import shm
 
         with self._lock:
-            if self._p2p_buffers.pop(path, None) is not None:
+            # The buffer the parameters live in outlives its sender: only the engine's exit frees it.
+            if path != self._serving and self._p2p_buffers.pop(path, None) is not None:
                 shm.unlink(path)
+            nxt = self._write_next.pop(path, None)
+            if nxt is not None and nxt != self._serving and self._p2p_buffers.pop(nxt, None) is not None:
+                shm.unlink(nxt)
 
     def close(self) -> None:
-        for path in list(self._p2p_buffers):
-            self.close_p2p_buffer(path)
+        from miles.sync import shm
+
+        with self._lock:
+            for path in self._p2p_buffers:
+                shm.unlink(path)  # mappings the parameters still use stay valid until they are freed
+            self._p2p_buffers.clear()
 
     def receive_shm(self, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
                     offsets: list[int]) -> None:
@@ -222,6 +263,8 @@ class WeightReceiver:
             if err is not None:
                 raise self._fail(err)
             self._stage(received, owned=not own)
+            if own:
+                self._from_p2p.update((n, path) for n in received)
 
     # ---- disk delta --------------------------------------------------------------------------
 
@@ -407,13 +450,15 @@ class WeightReceiver:
 
     def _stage(self, tensors: dict[str, torch.Tensor], owned: bool) -> None:
         self._staging.update(tensors)
+        for n in tensors:
+            self._from_p2p.pop(n, None)
         if owned:
             self._owned.update(tensors)
         else:
             self._owned.difference_update(tensors)
 
     def _clear_staging(self) -> None:
-        self._staging, self._owned = {}, set()
+        self._staging, self._owned, self._from_p2p = {}, set(), {}
 
     def _fail(self, reason: str) -> WeightUpdateError:
         self._clear_staging()

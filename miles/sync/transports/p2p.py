@@ -6,9 +6,11 @@ channel, so one engine's transfer never waits on another's and nothing is relaye
     (`/p2p_open_buffer`) big enough for a whole version; the trainer copies each tensor's bytes
     straight into it, bucket after bucket at increasing offsets; the bytes are in the engine's memory
     when send_bucket returns. The layout of the whole version travels once, with the commit, so a
-    version costs one HTTP call per engine. The buffer is the engine's staging: the only copy on the
-    engine is the commit into its parameters. Engines are written concurrently. When a version
-    outgrows the buffer, what was written is staged from it and the engine lends a bigger one.
+    version costs one HTTP call per engine. The buffer is the engine's staging, and a whole version
+    in it becomes the engine's parameters at commit (`swap_buffers`): the engine then lends the
+    buffer its parameters left for the next version, so each byte is copied exactly once, by the
+    trainer. Engines are written concurrently. When a version outgrows the buffer, what was written
+    is staged from it and the engine lends a bigger one.
   * an engine on another host gets a private two-rank gloo group and point-to-point sends over it
     (one BroadcastTransport of world size 2 per engine, all running at once).
 Engines apply the version at commit, all of it at once, as with every transport (base.py).
@@ -56,6 +58,7 @@ class P2PTransport:
         self.engine_urls: list[str] = []
         self._client: EngineClient | None = None
         self._shm: dict[str, tuple[str, "torch.Tensor"]] = {}  # url -> (path, mapping) of the engine's buffer
+        self._mapped: dict[str, "torch.Tensor"] = {}  # path -> mapping, for the buffers engines alternate between
         self._tcp: dict[str, object] = {}  # url -> BroadcastTransport over a 2-rank group
         self._fresh = True
         self._failed: str | None = None
@@ -137,11 +140,26 @@ class P2PTransport:
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed ({why}); "
                                  "engines keep their previous weights")
         body = {**layout, "load_format": "shm", "commit": True, "weight_version": int(weight_version),
-                "reset_staging": fresh}
-        self._client.run_all(
+                "reset_staging": fresh, "swap_buffers": True}
+        replies, *_ = self._client.run_all(
             [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor",
                                            lambda _i, url: {**body, "shm_path": self._shm[url][0]})]
             + [lambda t=t: t.commit(weight_version) for t in self._tcp.values()])
+        for url, reply in zip(shm_urls, replies):
+            self._switch(url, reply.get("shm_path", self._shm[url][0]))
+
+    def _switch(self, url: str, path: str) -> None:
+        """Write the engine's next version into `path` (its parameters now live in the old one)."""
+        old_path, old_buf = self._shm[url]
+        if path == old_path:
+            return
+        self._mapped[old_path] = old_buf
+        buf = self._mapped.pop(path, None)
+        if buf is None:
+            buf = shm.attach(path, old_buf.numel())
+        self._shm[url] = (path, buf)
+        while len(self._mapped) > len(self._shm):  # one spare mapping per engine: the buffer it alternates with
+            self._mapped.pop(next(iter(self._mapped)))
 
     def close(self) -> None:
         for url, (path, _) in list(self._shm.items()):
@@ -150,6 +168,7 @@ class P2PTransport:
             except TransportError:
                 pass  # the engine is gone; its buffer went with it or is reclaimed at its exit
         self._shm.clear()
+        self._mapped.clear()
         for t in self._tcp.values():
             t.close()
         self._tcp.clear()

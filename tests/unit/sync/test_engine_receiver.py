@@ -181,3 +181,34 @@ def test_memory_the_sender_can_still_write_is_copied_not_adopted(engine_thread, 
     buf.fill_(0)  # the trainer writing the next version
     assert torch.equal(_param(engine_thread, name), new)
     httpx.post(engine_thread.url + "/p2p_close_buffer", json={"shm_path": path}, headers=headers)
+
+
+def test_p2p_versions_land_in_alternating_buffers_without_touching_served_weights(engine_thread, admin_token):
+    """With p2p, a whole version becomes the parameters' memory at commit and the next version is
+    written into the buffer they left: the served weights never change before commit, every version
+    arrives bitwise, and the parameters alternate between two places (no copy on the engine)."""
+    from miles.sync.prepare import buckets
+    from miles.sync.transports import get_transport
+
+    engine = engine_thread.engine
+    base = {n: t.clone() for n, t in engine.model.state_dict().items() if n != "lm_head.weight"}
+    transport = get_transport("p2p", admin_token=admin_token, timeout_s=60, buffer_bytes=16 << 20)
+    transport.connect([engine_thread.url])
+    name = "model.layers.1.self_attn.q_proj.weight"
+    try:
+        ptrs = []
+        for version in (1, 2, 3):
+            new = {n: t + 0.01 * version for n, t in base.items()}
+            before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+            for bucket in buckets(iter(new.items()), 1 << 20):
+                transport.send_bucket(bucket)
+            for n, t in engine.model.state_dict().items():  # written, not committed: still the old version
+                assert torch.equal(t, before[n]), n
+            transport.commit(version)
+            state = engine.model.state_dict()
+            assert all(torch.equal(state[n], t) for n, t in new.items())
+            assert engine.weight_version == version
+            ptrs.append(_ptr(engine_thread, name))
+        assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0]
+    finally:
+        transport.close()
