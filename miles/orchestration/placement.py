@@ -3,7 +3,9 @@
 disaggregated (default): engines and trainer get disjoint device pools and can run concurrently.
 On CPU a pool is a set of cores; each process pins its threads to its pool's cores.
 colocated: both get every core and take turns (sync schedule only): while the trainer works the
-engines release their memory, and while the engines generate the trainer's state is offloaded.
+engines release their memory (/release_memory_occupation). The trainer keeps its parameters
+between steps (it pushes them right after training); its optimizer state can live off the device
+between steps (trainer.offload_optimizer).
 """
 
 from __future__ import annotations
