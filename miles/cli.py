@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("init-model", help="build a tiny HF model + locally trained tokenizer")
-    s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3)")
+    s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe)")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_init_model)

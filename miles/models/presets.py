@@ -1,5 +1,6 @@
-"""Tiny real models built locally: an HF Qwen3 config with small dimensions and a byte-level BPE
-tokenizer trained with the `tokenizers` library, saved as an ordinary checkpoint directory.
+"""Tiny real models built locally: an HF Qwen3 (dense) or Qwen3-MoE config with small dimensions and
+a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary checkpoint
+directory.
 
 They stand in for large checkpoints in demos and tests and travel the same loading code.
 Non-goal: quality. A preset is the smallest architecture that still exercises every code path.
@@ -36,6 +37,9 @@ class Preset:
     head_dim: int
     max_position_embeddings: int = 512
     vocab_size: int = 320
+    num_experts: int = 0  # > 0 builds a Qwen3-MoE model: every decoder layer's MLP is a sparse MoE block
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
 
 PRESETS: dict[str, Preset] = {
@@ -44,6 +48,10 @@ PRESETS: dict[str, Preset] = {
     # Wider, for examples that must learn a task within minutes on a CPU (about 3M parameters).
     "small-qwen3": Preset(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+    # Mixture of experts (HF Qwen3-MoE): 8 experts, top-2 routing in each of the 4 layers.
+    "tiny-qwen3-moe": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96),
 }
 
 
@@ -74,10 +82,10 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     return fast
 
 
-def build_tiny_model(preset: str, out: str | Path, seed: int = 0, moe: bool = False) -> Path:
+def build_tiny_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json to `out`."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
@@ -85,13 +93,17 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, moe: bool = Fa
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(p.vocab_size, seed=seed)
-    config = Qwen3Config(
+    moe = {}
+    if p.num_experts:
+        moe = dict(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                   moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True)
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(
         vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
         max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, dtype="float32",
+        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, dtype="float32", **moe,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

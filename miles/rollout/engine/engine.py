@@ -22,6 +22,12 @@ Each output records the weight version that produced its last token (read under 
 cannot disagree with the weights).
 Requests in flight across an update continue on the new weights with the KV cache they already have.
 
+Routed experts (MoE models, `return_routed_experts`): every forward that serves such a request
+records each router's top-k ids (models/moe.py), and the request collects the rows of its own tokens:
+the prefill's for its prompt, one per decode step after. Such a request computes its whole prompt
+rather than reading cached KV, because the cache keeps KV but not the routing that produced it; its
+KV is still offered to the cache for requests that do not ask.
+
 Pausing (SGLang's pause modes): `abort` finishes everything in flight as aborted; `retract` puts
 running requests back in the queue (their KV goes to the prefix cache, so resuming re-prefills little)
 and they continue after /continue_generation; `in_place` stops stepping and keeps the running batch
@@ -46,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles.models.loading import load_model, load_tokenizer
+from miles.models.moe import encode_routed_experts, hook_routers, routers
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.sampler import SamplingParams, sample
@@ -71,6 +78,7 @@ class _Row:
     cached_tokens: int | None = None  # prompt tokens whose KV came from the cache, set at first admission
     answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
     kv_version: int | None = None  # weight version its KV was computed under; None once mixed
+    routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
 
     def prefill_ids(self) -> tuple[int, ...]:
         # After a retract the generated tokens are part of what must be prefilled again.
@@ -94,6 +102,7 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
         _check_cache_layout(self.model.config)
+        self.routers = routers(self.model)  # empty for dense models
         self.prefix_cache = PrefixCache(config.prefix_block_size,
                                         _cache_tokens(config, self.model) if config.prefix_cache else 0)
         self.weight_version = 0
@@ -125,7 +134,7 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
 
     def make_request(self, input_ids, params: SamplingParams | None = None, return_logprob: bool = False,
-                     rid: str | None = None) -> GenerateRequest:
+                     rid: str | None = None, return_routed_experts: bool = False) -> GenerateRequest:
         """Build a request and check it against this model; raises InvalidRequest naming the field."""
         params = params or SamplingParams(max_new_tokens=self.config.default_max_new_tokens)
         ids = tuple(input_ids)
@@ -143,8 +152,11 @@ class Engine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"sampling_params.stop_token_ids: {bad} is outside the vocabulary")
+        if return_routed_experts and not self.routers:
+            raise InvalidRequest("return_routed_experts: this model has no mixture-of-experts layers, so there are "
+                                 "no routed experts to return; send false")
         return GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
-                               return_logprob=return_logprob)
+                               return_logprob=return_logprob, return_routed_experts=return_routed_experts)
 
     def submit(self, req: GenerateRequest) -> Future:
         """Queue a request; the future resolves to a GenerateResult."""
@@ -374,11 +386,18 @@ class Engine:
                 row.finish = FinishReason("abort", message="aborted")
         self._evict_finished()
 
-    def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int):
+    def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False):
+        """Last-position logits (B, V), and with `capture` the routed expert ids (B, S, MoE layers, top_k)."""
         kwargs = {self._cache_kwarg: cache}
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                         logits_to_keep=logits_to_keep, **kwargs)
-        return out.logits[:, -1, :]  # (B, V)
+        ids: list[torch.Tensor] = []
+        with hook_routers(self.model, lambda _layer, out: ids.append(out[2]), self.routers if capture else []):
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                             logits_to_keep=logits_to_keep, **kwargs)
+        routed = None
+        if capture:
+            B, S = input_ids.shape
+            routed = torch.stack(ids, dim=1).to(torch.int32).view(B, S, len(ids), -1)  # each was (B*S, top_k)
+        return out.logits[:, -1, :], routed
 
     def _prefill(self, rows: list[_Row]) -> None:
         # Identical prompts are prefilled once; `lead[i]` is the unique prompt row i copies.
@@ -391,10 +410,11 @@ class Engine:
                 where[ids] = len(uniq)
                 uniq.append(ids)
             lead.append(where[ids])
+        routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
         with self.model_lock, torch.inference_mode():
             version = self.weight_version
-            computed_by = self._prefill_shared_prefixes(uniq)
-            cache, mask, logits, cached = self._prefill_forward(uniq)
+            computed_by = self._prefill_shared_prefixes(uniq, routed_uniq)
+            cache, mask, logits, cached, routed = self._prefill_forward(uniq, routed_uniq)
             for i, before in computed_by.items():
                 cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
             if len(uniq) < len(rows):
@@ -403,6 +423,10 @@ class Engine:
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[idx], layer.values[idx]
             tokens, logprobs = self._sample(logits, rows)
+        for r, j in zip(rows, lead):
+            if r.req.return_routed_experts:
+                # Its whole prompt was computed (no cache read), right-aligned in the (R, S) suffix block.
+                r.routed = [routed[j, routed.shape[1] - len(uniq[j]):]]
         first_of = {}
         for r, j in zip(rows, lead):
             if r.cached_tokens is None:
@@ -418,11 +442,12 @@ class Engine:
         self._record(rows, tokens, logprobs, version)
         self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], len(self._rows) - self._dead)
 
-    def _prefill_shared_prefixes(self, uniq: list[tuple[int, ...]]) -> dict[int, int]:
+    def _prefill_shared_prefixes(self, uniq: list[tuple[int, ...]], full: set[int] = frozenset()) -> dict[int, int]:
         """Prefill, once, the whole blocks that several admitted prompts start with and the cache lacks
         (a system prompt shared by different questions, the first turns of parallel episodes), so
         the main prefill finds them cached. Returns {prompt index: its cache hit before} for the one
-        prompt charged with computing each shared prefix. Caller holds model_lock."""
+        prompt charged with computing each shared prefix. Prompts in `full` read no cache, so they are
+        left out. Caller holds model_lock."""
         B = self.prefix_cache.block_size
         if len(uniq) < 2 or self.prefix_cache.max_tokens == 0:
             return {}
@@ -433,6 +458,8 @@ class Engine:
             shared_len[a], shared_len[b] = max(shared_len[a], n), max(shared_len[b], n)
         todo: dict[tuple[int, ...], int] = {}
         for i, ids in enumerate(uniq):
+            if i in full:
+                continue
             n = min(shared_len[i], len(ids) - 1) // B * B
             before = len(self.prefix_cache.match(ids, limit=n)) * B
             if n > before and ids[:n] not in todo:
@@ -443,12 +470,13 @@ class Engine:
         self._prefill_forward(list(todo))
         return charged
 
-    def _prefill_forward(self, prompts: list[tuple[int, ...]]):
-        """One forward over `prompts`, each starting from its cached prefix; inserts the new KV into the
-        prefix cache. Returns (cache, mask (R, M + S), last-position logits (R, V), cached lengths).
-        Caller holds model_lock."""
+    def _prefill_forward(self, prompts: list[tuple[int, ...]], full: set[int] = frozenset()):
+        """One forward over `prompts`, each starting from its cached prefix (prompts in `full`: from
+        nothing, recording routed experts); inserts the new KV into the prefix cache. Returns (cache,
+        mask (R, M + S), last-position logits (R, V), cached lengths, routed ids (R, S, layers, top_k)
+        or None). Caller holds model_lock."""
         # At least one token is always computed: its logits choose the first output token.
-        hits = [self.prefix_cache.match(ids, limit=len(ids) - 1) for ids in prompts]
+        hits = [self.prefix_cache.match(ids, limit=0 if i in full else len(ids) - 1) for i, ids in enumerate(prompts)]
         cached = [len(h) * self.prefix_cache.block_size for h in hits]
         suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
         R, M, S = len(prompts), max(cached), max(suffix)
@@ -464,11 +492,11 @@ class Engine:
         cache = _new_cache(self.model.config)
         if M:
             self._load_prefixes(cache, hits, cached, M)
-        logits = self._forward(ids_t, mask, pos, cache, logits_to_keep=1)
+        logits, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=1, capture=bool(full))
         self.stats["prefill_forwards"] += 1
         for i, ids in enumerate(prompts):
             self.prefix_cache.insert(ids, lambda a, b, i=i: _row_kv(cache, mask, i, a, b))
-        return cache, mask, logits, cached
+        return cache, mask, logits, cached, routed
 
     def _load_prefixes(self, cache, hits, cached: list[int], M: int) -> None:
         """Fill `cache` with each row's cached prefix, right-aligned at column M."""
@@ -491,8 +519,14 @@ class Engine:
             version = self.weight_version
             # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
             pos = self._next_pos.clamp(max=self.context_length - 1)[:, None]
-            logits = self._forward(self._last_tokens[:, None], mask, pos, self._cache, logits_to_keep=1)
+            capture = any(r.req.return_routed_experts and r.finish is None for r in self._rows)
+            logits, routed = self._forward(self._last_tokens[:, None], mask, pos, self._cache, logits_to_keep=1,
+                                           capture=capture)
             tokens, logprobs = self._sample(logits, self._rows)
+        if routed is not None:
+            for row, r in zip(self._rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
+                if row.req.return_routed_experts and row.finish is None:
+                    row.routed.append(r)
         for row in self._rows:
             if row.kv_version != version and row.finish is None:
                 row.kv_version = None  # its KV now spans two weight versions: never cache it
@@ -631,7 +665,13 @@ class Engine:
             rid=row.req.rid, text=text, prompt_tokens=len(row.req.input_ids), output_ids=list(row.output_ids),
             output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
             weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
-            cached_tokens=row.cached_tokens or 0, weight_versions=tuple(row.weight_versions))
+            cached_tokens=row.cached_tokens or 0, weight_versions=tuple(row.weight_versions),
+            routed_experts=self._routed_experts(row) if row.req.return_routed_experts else None)
+
+    @staticmethod
+    def _routed_experts(row: _Row) -> str:
+        # Empty when it finished before its prompt was computed (aborted in the queue, max_new_tokens=0).
+        return encode_routed_experts(torch.cat(row.routed)) if row.routed else ""
 
     def _shutdown(self) -> None:
         with self._cond:

@@ -57,6 +57,7 @@ class GenerateItem:
     params: SamplingParams
     return_logprob: bool
     rid: str | None
+    return_routed_experts: bool = False
 
 
 def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[list[GenerateItem], bool]:
@@ -70,8 +71,7 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[
         _bool(body[k], k)
     if body.get("stream", False) is not False:
         raise InvalidRequest("stream: streaming is not supported by the built-in engine; send stream=false")
-    if body.get("return_routed_experts", False) is not False:
-        raise InvalidRequest("return_routed_experts: the built-in engine does not record routed experts")
+    routed = _bool(body.get("return_routed_experts", False), "return_routed_experts")
     if body.get("top_logprobs_num", 0) not in (0, None):
         raise InvalidRequest("top_logprobs_num: top logprobs are not supported; send 0")
     # Accepted for SGLang clients; output logprobs never include text or prompt positions here.
@@ -108,7 +108,7 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[
         rid = rids[i]
         if rid is not None and not isinstance(rid, str):
             raise InvalidRequest(f"rid: expected a string, got {_kind(rid)}")
-        items.append(GenerateItem(list(prompts[i]), sp, lp, rid))
+        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed))
     return items, batched
 
 

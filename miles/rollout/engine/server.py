@@ -70,7 +70,8 @@ def build_app(engine) -> FastAPI:
         items, batched = protocol.parse_generate(await body_of(request), engine.tokenizer,
                                                  engine.config.default_max_new_tokens)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
-        reqs = [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid) for it in items]
+        reqs = [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
+                for it in items]
         futures = [engine.submit(r) for r in reqs]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))

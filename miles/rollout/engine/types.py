@@ -24,6 +24,7 @@ class GenerateRequest:
     input_ids: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
+    return_routed_experts: bool = False  # record the top-k expert ids of every token (MoE models)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class GenerateResult:
     weight_version: int  # the version of the weights that produced the last token
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
     weight_versions: tuple[int, ...] = ()  # versions that produced tokens, in order (two if an update landed mid-way)
+    routed_experts: str | None = None  # base64 int32 (prompt + completion - 1, MoE layers, top_k), see models/moe.py
 
     def to_sglang(self) -> dict:
         meta = {
@@ -68,4 +70,6 @@ class GenerateResult:
         }
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
