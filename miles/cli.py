@@ -24,7 +24,7 @@ def cmd_init_model(args, extra) -> int:
         sys.exit(f"miles init-model: unexpected arguments {' '.join(extra)}")
     if args.preset not in PRESETS:
         sys.exit(f"miles init-model: unknown preset {args.preset!r}; choose one of {', '.join(sorted(PRESETS))}")
-    out = build_tiny_model(args.preset, args.out, seed=args.seed)
+    out = build_tiny_model(args.preset, args.out, seed=args.seed, init_std=args.init_std)
     print(f"wrote {args.preset} to {out}")
     return 0
 
@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe)")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--init-std", type=float, default=0.0,
+                   help="redraw weight matrices from N(0, STD) for varied outputs (default: the model's own init)")
     s.set_defaults(fn=cmd_init_model)
 
     for name, fn, text in (("train", cmd_train, "run RL training from a TOML config"),

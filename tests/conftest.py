@@ -25,3 +25,11 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_model_dir(tmp_path_factory) -> str:
+    """The tiny-qwen3-moe preset (8 experts, top-2) with weights large enough that routing matters."""
+    from miles.models.presets import build_tiny_model
+
+    return str(build_tiny_model("tiny-qwen3-moe", tmp_path_factory.mktemp("tiny-qwen3-moe"), init_std=0.1))

@@ -29,6 +29,11 @@ class Sample:
     response_text: str = ""
     label: str | None = None            # the reference answer, for verifiable rewards
     prompt_index: int = -1              # position of the prompt in the data source
+    # MoE runs with routing replay: the engine's top-k expert ids of every token it fed through the
+    # model, base64 int32 (tokens, MoE layers, top_k) as SGLang returns it (models/moe.py). They cover
+    # prompt + response - 1 tokens, or fewer when the last tokens never reached the engine
+    # (environment tokens after the final turn); uncovered tokens route freely in training.
+    routed_experts: str | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)

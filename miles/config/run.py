@@ -73,6 +73,8 @@ class RunConfig:
     def validate(self) -> None:
         from miles.orchestration.loop import check_run
         from miles.sync.prepare import check_run as check_sync
+        from miles.trainer.r3 import check_run as check_r3
 
         check_run(self)
         check_sync(self)
+        check_r3(self)

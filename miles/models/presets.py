@@ -82,8 +82,12 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
     return fast
 
 
-def build_tiny_model(preset: str, out: str | Path, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json to `out`."""
+def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: float = 0.0) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json to `out`.
+
+    `init_std` > 0 redraws every weight matrix from N(0, init_std). The default init (std 0.02) gives
+    near-uniform logits and router scores; larger weights give varied outputs and routing decisions
+    that matter, for tests and benchmarks that compare outputs or routing."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
@@ -107,6 +111,11 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if init_std > 0:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:  # projections, embeddings, stacked experts, routers; not norms
+                    param.normal_(0.0, init_std)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -21,7 +21,8 @@ def groups_to_sequences(groups, algorithm):
             continue
         for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
             seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
-                                      loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv))
+                                      loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv,
+                                      routed_experts=s.routed_experts))
     return seqs, dropped
 
 

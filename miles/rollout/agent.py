@@ -66,6 +66,7 @@ class GenerateContext:
     encode: Callable[[str], list[int]]  # prompt text → prompt ids (chat template or plain)
     reward_fn: Callable[[str, str | None], float]
     agent: AgentConfig
+    return_routed_experts: bool = False  # ask the engine for routed experts and keep them on the Sample
 
 
 class GenerateFn(Protocol):
@@ -78,7 +79,7 @@ async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     from miles.rollout.generate import generate
 
     s = await generate(ctx.client, ctx.url, ctx.encode(prompt.text), params, rid=rid, label=prompt.label,
-                       prompt_index=prompt.index)
+                       prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
     s.reward = float(ctx.reward_fn(s.response_text, s.label))
     return s
 
@@ -88,7 +89,8 @@ async def multi_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     from miles.rollout.environments.base import get_environment
 
     env = get_environment(ctx.agent.environment)()
-    return await run_episode(ctx.client, ctx.url, ctx.tokenizer, env, prompt, params, ctx.agent, rid)
+    return await run_episode(ctx.client, ctx.url, ctx.tokenizer, env, prompt, params, ctx.agent, rid,
+                             return_routed_experts=ctx.return_routed_experts)
 
 
 GENERATE_FNS: dict[str, Callable] = {"single_turn": single_turn, "agent": multi_turn}
@@ -152,10 +154,10 @@ class ChatFormat:
 
 
 async def run_episode(client, url: str, tokenizer, env, prompt, params, cfg: AgentConfig, rid: str,
-                      fmt: ChatFormat | None = None) -> Sample:
+                      fmt: ChatFormat | None = None, return_routed_experts: bool = False) -> Sample:
     """Play one episode of `env` on `prompt` against the engine at `url`; always closes `env`."""
     fmt = fmt or ChatFormat(tokenizer, cfg.turn_end_token, cfg.observation_role)
-    traj = _Trajectory()
+    traj = _Trajectory(want_routed=return_routed_experts)
     try:
         first = await asyncio.to_thread(env.reset, prompt)
         traj.prompt_ids = fmt.prompt_ids(first)
@@ -169,7 +171,8 @@ async def run_episode(client, url: str, tokenizer, env, prompt, params, cfg: Age
         await asyncio.to_thread(env.close)
     return Sample(prompt_ids=traj.prompt_ids, response_ids=traj.ids, rollout_logprobs=traj.logprobs,
                   loss_mask=traj.mask, reward=traj.reward, status=traj.status, weight_versions=traj.versions,
-                  response_text=traj.last_action, label=prompt.label, prompt_index=prompt.index)
+                  response_text=traj.last_action, label=prompt.label, prompt_index=prompt.index,
+                  routed_experts=traj.routed)
 
 
 @dataclass
@@ -184,6 +187,8 @@ class _Trajectory:
     last_action: str = ""
     current_rid: str | None = None
     note: str = ""
+    want_routed: bool = False
+    routed: str | None = None  # the latest turn's routed experts: its prompt was the whole history so far
 
     def append(self, ids: list[int], logprobs: list[float] | None, trained: bool) -> None:
         self.ids += ids
@@ -199,12 +204,15 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
             return
         traj.current_rid = f"{rid}-t{turn}"
         out = await _generate_turn(client, url, traj.prompt_ids + traj.ids, params, min(params.max_new_tokens, budget),
-                                   fmt.end_id, traj.current_rid, turn)
+                                   fmt.end_id, traj.current_rid, turn, traj.want_routed)
         meta = out["meta_info"]
         ids = list(out["output_ids"])
         logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
         if len(logprobs) != len(ids):
             raise RuntimeError(f"{url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
+        from miles.rollout.generate import routed_experts_of
+
+        traj.routed = routed_experts_of(meta, url, traj.want_routed)
         traj.append(ids, logprobs, trained=True)
         traj.versions.append(int(meta.get("weight_version", 0)))
         finish = meta["finish_reason"]["type"]
@@ -226,7 +234,8 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
     traj.status = SampleStatus.TRUNCATED
 
 
-async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id, rid, turn) -> dict:
+async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id, rid, turn,
+                         return_routed_experts: bool = False) -> dict:
     from miles.rollout.generate import GenerationError
 
     sp = params.to_json()
@@ -237,6 +246,8 @@ async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id,
     import httpx
 
     body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
+    if return_routed_experts:
+        body["return_routed_experts"] = True
     for attempt in range(_SEND_ATTEMPTS):
         try:
             resp = await client.post(f"{url}/generate", json=body)

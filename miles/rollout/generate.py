@@ -37,9 +37,11 @@ class GenerationError(RuntimeError):
 
 
 async def generate(client, url: str, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                   label: str | None = None, prompt_index: int = -1) -> Sample:
+                   label: str | None = None, prompt_index: int = -1, return_routed_experts: bool = False) -> Sample:
     """POST /generate once and turn the reply into a Sample (reward filled in later)."""
     body = {"input_ids": prompt_ids, "sampling_params": params.to_json(), "return_logprob": True}
+    if return_routed_experts:
+        body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = rid
     resp = await client.post(f"{url}/generate", json=body)
@@ -51,9 +53,23 @@ async def generate(client, url: str, prompt_ids: list[int], params: SamplingPara
     logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
     if len(logprobs) != len(ids):
         raise GenerationError(f"{url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
+    routed = routed_experts_of(meta, url, return_routed_experts)
     return Sample(
         prompt_ids=list(prompt_ids), response_ids=ids, rollout_logprobs=logprobs, loss_mask=[1] * len(ids),
         status=_STATUS.get(meta["finish_reason"]["type"], SampleStatus.ABORTED),
         weight_versions=[int(meta.get("weight_version", 0))], response_text=out.get("text", ""),
-        label=label, prompt_index=prompt_index,
+        label=label, prompt_index=prompt_index, routed_experts=routed,
     )
+
+
+def routed_experts_of(meta: dict, url: str, asked: bool) -> str | None:
+    """The reply's routed experts when they were asked for; a server or router that dropped them
+    would otherwise turn routing replay off without a word."""
+    if not asked:
+        return None
+    routed = meta.get("routed_experts")
+    if not isinstance(routed, str):
+        raise GenerationError(f"{url} answered without meta_info.routed_experts although return_routed_experts "
+                              "was sent: serve an MoE model on an engine that records them, behind a router that "
+                              "forwards them (router.kind = 'miles')")
+    return routed

@@ -36,7 +36,8 @@ class RolloutConfig:
     """The engines at engine_urls serve prefill and decode on separate workers (SGLang PD
     disaggregation); weight updates must then reach both kinds, which not every transport can do."""
     engine_dtype: str = "float32"
-    """Engine weights/compute dtype: float32 or bfloat16."""
+    """Engine weights/compute dtype: float32 or bfloat16 (bfloat16 engines route some tokens of an MoE
+    model to other experts than a float32 trainer would)."""
     engine_max_batch_size: int = 256
     """Most sequences an engine decodes together."""
     engine_num_threads: int = 1
@@ -53,6 +54,9 @@ class RolloutConfig:
     """Top-k sampling (-1 = off)."""
     max_new_tokens: int = 16
     """Longest response in tokens."""
+    return_routed_experts: bool = False
+    """Ask the engines for the experts each token was routed to (MoE models) and keep them on the
+    samples: the trainer then reports the routing mismatch, and can replay them (trainer.routing_replay)."""
     reward: str = "exact_match"
     """Reward function by name or module:function."""
     request_timeout_s: float = 300.0
@@ -228,7 +232,8 @@ class RolloutManager:
                 params = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens,
                                         seed=hash((self.seed, p.index, k)) & 0x7FFFFFFF)
                 jobs.append(lambda c, url=url, ids=ids, p=p, params=params, k=k: generate(
-                    c, url, ids, params, rid=f"s{self._step}-p{p.index}-{k}", label=p.label, prompt_index=p.index))
+                    c, url, ids, params, rid=f"s{self._step}-p{p.index}-{k}", label=p.label, prompt_index=p.index,
+                    return_routed_experts=cfg.return_routed_experts))
         samples = run_coroutine(_run_all(jobs, self.cfg.request_timeout_s))
         elapsed = time.perf_counter() - t0
         for s in samples:
@@ -502,7 +507,7 @@ class RolloutManager:
             seg_params = dataclasses.replace(params, max_new_tokens=budget,
                                              seed=None if params.seed is None else params.seed + segment)
             s = await generate(client, url, prompt_ids + response, seg_params, rid=rid, label=prompt.label,
-                               prompt_index=prompt.index)
+                               prompt_index=prompt.index, return_routed_experts=self.cfg.return_routed_experts)
             response += s.response_ids
             logprobs += s.rollout_logprobs
             versions.append(min(known, s.oldest_weight_version))
@@ -518,9 +523,11 @@ class RolloutManager:
         status = s.status
         if status is SampleStatus.ABORTED and len(response) >= params.max_new_tokens:
             status = SampleStatus.TRUNCATED
+        # The last segment's request held the whole prefix, so its routing covers every earlier segment.
         return Sample(prompt_ids=list(prompt_ids), response_ids=response, rollout_logprobs=logprobs,
                       loss_mask=[1] * len(response), status=status, weight_versions=versions,
-                      response_text=text, label=prompt.label, prompt_index=prompt.index)
+                      response_text=text, label=prompt.label, prompt_index=prompt.index,
+                      routed_experts=s.routed_experts)
 
     def _take_stats(self, elapsed: float | None) -> dict[str, float]:
         stats, self._stats = self._stats, _SampleStats()
@@ -529,7 +536,8 @@ class RolloutManager:
     def _generate_context(self, client, url: str):
         from miles.rollout.agent import GenerateContext
 
-        return GenerateContext(client, url, self.tokenizer, self._encode, self.reward_fn, self.cfg.agent)
+        return GenerateContext(client, url, self.tokenizer, self._encode, self.reward_fn, self.cfg.agent,
+                               self.cfg.return_routed_experts)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split."""

@@ -56,11 +56,14 @@ class MicroBatch:
     advantages: "torch.Tensor"               # (B, T-1)
     seq_ids: "torch.Tensor"                  # (B, T-1) index into `seqs`, -1 elsewhere
     seqs: list
+    routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
 
 
-def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: bool, pad_id: int) -> MicroBatch:
+def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: bool, pad_id: int,
+                      moe_shape: tuple[int, int] | None = None) -> MicroBatch:
     """Tensors of one micro-batch. Response token j of a sequence starting at offset o sits at
-    o + prompt_len + j and is predicted at the position before it."""
+    o + prompt_len + j and is predicted at the position before it. With `moe_shape` (MoE layers,
+    top_k) the sequences' routed experts are laid out the same way."""
     import torch
 
     if pack:
@@ -78,6 +81,7 @@ def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: b
     old = torch.zeros(B, width - 1)
     adv = torch.zeros(B, width - 1)
     sid = torch.full((B, width - 1), -1, dtype=torch.long)
+    offsets = [(0, 0)] * len(seqs)
     for r, members in enumerate(rows):
         off = 0
         for i in members:
@@ -95,8 +99,14 @@ def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: b
             adv[r, lo:lo + n] = torch.tensor(s.token_advantages, dtype=torch.float32) \
                 if s.token_advantages else s.advantage
             sid[r, lo:lo + n] = i
+            offsets[i] = (r, off)
             off += L
+    routed = None
+    if moe_shape is not None:
+        from miles.trainer.r3 import routed_tensor
+
+        routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     if pack:
         # Padding to the right would be read as one more packed sequence; there is none here.
-        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs)
-    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs)
+        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed)
+    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed)

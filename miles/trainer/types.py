@@ -14,6 +14,7 @@ class TrainSequence:
     old_logprobs: list[float]    # per response token; the behaviour policy's (rollout) logprobs
     advantage: float = 0.0
     token_advantages: list[float] = field(default_factory=list)  # per response token; overrides advantage
+    routed_experts: str | None = None  # the engine's expert ids per token (Sample.routed_experts), for R3
 
     @property
     def num_loss_tokens(self) -> int:

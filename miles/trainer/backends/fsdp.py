@@ -52,6 +52,9 @@ class TrainerConfig:
     """Pack sequences end to end into one row per micro-batch (no attention across sequences)."""
     ref_update_every: int = 0
     """Refresh the reference model from the policy every this many steps (0 = keep the initial one)."""
+    routing_replay: bool = False
+    """Rollout Routing Replay (R3, MoE models): the policy forward routes each token to the experts the
+    engine chose (needs rollout.return_routed_experts); gate weights still come from the trainer's router."""
     tensor_parallel_size: int = 1
     """Tensor-parallel ranks per model replica (DTensor, transformers' TP plan)."""
     expert_parallel_size: int = 1
@@ -139,6 +142,10 @@ class FSDPTrainer:
         self.pad_id = load_tokenizer(model_path).pad_token_id or 0
         self.algorithm = get_algorithm(cfg.algorithm)
         self.model, self.dp_size = self._build_policy()
+        from miles.models.moe import moe_shape, routers
+
+        self.routers = routers(self.model)  # empty for dense models
+        self.moe_shape = moe_shape(self.model.config) if self.routers else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         from miles.trainer.offload import OptimizerSet
 
@@ -239,6 +246,8 @@ class FSDPTrainer:
 
         self._maybe_refresh_reference()
         sums: dict[str, float] = {}
+        if self.moe_shape is not None:
+            sums.update(r3_pairs=0.0, r3_mismatch=0.0)  # same keys on every rank for the all-reduce below
         self._fwd_bwd_s = [0.0, 0.0]  # this rank's forward / backward seconds, for the step-time breakdown
         for members in plan:
             if members:
@@ -246,7 +255,7 @@ class FSDPTrainer:
             else:
                 # A rank with nothing left still joins the collectives, with zero weight.
                 chunk, w = [_placeholder(self.pad_id)], [0.0]
-            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id)
+            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape)
             self._micro_step(mb, algorithm, kind, sums, bool(members))
         keys = sorted(sums)
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
@@ -261,6 +270,8 @@ class FSDPTrainer:
         if kind == "rl":
             out["train/clipfrac"] = red.get("clipped", 0.0) / n
             out["train/rollout_logprob_abs_diff"] = red.get("logp_diff", 0.0) / n
+            if red.get("r3_pairs"):
+                out["train/r3_mismatch_rate"] = red["r3_mismatch"] / red["r3_pairs"]
             for k in ("kl", "entropy", "value_loss", "value_mean"):
                 if k in red:
                     out[f"train/{k}"] = red[k] / n
@@ -275,13 +286,16 @@ class FSDPTrainer:
 
         from miles.trainer.algorithms.base import LossInputs, kl_estimate, kl_reward_penalty
         from miles.trainer.forward import forward_logprobs
+        from miles.trainer.r3 import routing_replay
 
         t_fwd = time.perf_counter()
         acfg = self.cfg.algorithm
         temperature = self.temperature if kind == "rl" else 1.0
         want_entropy = kind == "rl" and acfg.entropy_coef > 0
-        logp, entropy = forward_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.position_ids,
-                                         temperature, want_entropy)  # (B, T-1)
+        # Mismatch is counted on real micro-batches only; a placeholder carries no routed experts.
+        with routing_replay(self.routers, mb.routed, self.cfg.routing_replay, sums):
+            logp, entropy = forward_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.position_ids,
+                                             temperature, want_entropy)  # (B, T-1)
         x = LossInputs(logp, mb.old_logprobs, mb.advantages, mb.mask, mb.seq_ids, entropy=entropy)
         extra_loss = 0.0
         if kind == "rl" and self.reference is not None:

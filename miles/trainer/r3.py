@@ -1,0 +1,103 @@
+"""Rollout Routing Replay (R3): the trainer routes each token to the experts the engine chose.
+
+In a mixture-of-experts model a tiny numeric difference between engine and trainer (bf16 vs fp32,
+other kernels, other batch shapes) flips which experts a token goes to; the gradient then flows
+through experts that never produced the token. The engine records its top-k ids per token and MoE
+layer (Sample.routed_experts); inside `routing_replay` every router of the policy first computes its
+own top-k (counted against the engine's: the mismatch rate, measured before replay) and, with
+replay on, hands the experts the engine's ids instead. The gate weights are recomputed from the
+current router logits over the replayed experts (softmax, then renormalised over the top-k as the
+model does), so the router still gets a gradient and keeps learning.
+
+Only the policy forward is wrapped; reference and critic are separate modules and route freely.
+Tokens without recorded experts (padding, tokens after the last engine call) route freely too.
+Non-goal: replay in the engine (routing there is what is being recorded).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from miles.models.moe import decode_routed_experts, hook_routers
+
+
+def routed_tensor(seqs, offsets: list[tuple[int, int]], shape: tuple[int, int], rows: int, width: int):
+    """(rows, width, MoE layers, top_k) engine expert ids laid out like the micro-batch's tokens, -1
+    where none were recorded; None when no sequence carries any. `offsets[i]` = (row, first column)
+    of sequence i."""
+    if not any(s.routed_experts for s in seqs):
+        return None
+    layers, top_k = shape
+    out = torch.full((rows, width, layers, top_k), -1, dtype=torch.long)
+    for s, (r, off) in zip(seqs, offsets):
+        if not s.routed_experts:
+            continue
+        ids = decode_routed_experts(s.routed_experts, layers, top_k)  # (n, layers, top_k)
+        if len(ids) > len(s.tokens):
+            raise ValueError(f"routed experts cover {len(ids)} tokens but the sequence has {len(s.tokens)}: "
+                             "they belong to another sequence")
+        out[r, off:off + len(ids)] = ids
+    return out
+
+
+def routing_replay(model_routers: list, routed: torch.Tensor | None, replay: bool, sums: dict):
+    """Context for one policy forward over a micro-batch whose engine routing is `routed`
+    (B, T, layers, top_k). Adds to `sums`: r3_pairs (token × layer pairs with recorded experts) and
+    r3_mismatch (those where the trainer's own top-k set differs from the engine's)."""
+    if routed is None or not model_routers:
+        return nullcontext()
+    return _replay(model_routers, routed, replay, sums)
+
+
+@contextmanager
+def _replay(model_routers, routed, replay, sums):
+    k = routed.shape[-1]
+
+    def on_router(layer: int, out):
+        logits, weights, ids = out  # (N, E), (N, k), (N, k); N = B*T in the micro-batch's order
+        engine = routed[:, :, layer].reshape(-1, k).to(ids.device)
+        known = engine[:, 0] >= 0
+        with torch.no_grad():
+            differs = (ids.sort(-1).values != engine.sort(-1).values).any(-1) & known
+            sums["r3_pairs"] = sums.get("r3_pairs", 0.0) + float(known.sum())
+            sums["r3_mismatch"] = sums.get("r3_mismatch", 0.0) + float(differs.sum())
+        if not replay:
+            return None
+        ids = torch.where(known[:, None], engine, ids)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights = probs.gather(1, ids)
+        if getattr(model_routers[layer], "norm_topk_prob", True):
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), ids
+
+    with hook_routers(None, on_router, model_routers):
+        yield
+
+
+def check_run(run) -> None:
+    """Config-load refusals (called from RunConfig.validate): replay without recorded experts,
+    recorded experts on a dense model, a router that would strip them."""
+    from miles.config import ConfigError
+
+    capture, replay = run.rollout.return_routed_experts, run.trainer.routing_replay
+    if replay and not capture:
+        raise ConfigError("trainer.routing_replay replays the experts the engines recorded: set "
+                          "rollout.return_routed_experts = true as well")
+    if not capture:
+        return
+    from transformers import AutoConfig
+
+    from miles.models.moe import moe_shape
+
+    config = AutoConfig.from_pretrained(run.model.path)
+    if moe_shape(config) is None:
+        raise ConfigError(f"rollout.return_routed_experts / trainer.routing_replay need a mixture-of-experts model, "
+                          f"but model.path {run.model.path!r} is a dense {config.model_type!r} model: set both to "
+                          "false, or train an MoE checkpoint (e.g. `miles init-model --preset tiny-qwen3-moe`)")
+    # The run config has no router section of its own yet; a run that carries one (rollout.router or a
+    # top-level router) must not put a router in front of the engines that drops the routed experts.
+    for router in (getattr(run.rollout, "router", None), getattr(run, "router", None)):
+        if router is not None:
+            router.check_features(return_routed_experts=True)
