@@ -25,6 +25,20 @@ def make_batch(seed: int, n: int):
     return seqs
 
 
+def with_routed_experts(seqs, seed: int, layers: int, experts: int, top_k: int):
+    """Attach made-up engine routing (distinct experts per token and layer) for replay cases."""
+    import dataclasses
+
+    import torch
+
+    from miles.models.moe import encode_routed_experts
+
+    g = torch.Generator().manual_seed(seed)
+    return [dataclasses.replace(s, routed_experts=encode_routed_experts(torch.stack([
+        torch.randperm(experts, generator=g)[:top_k] for _ in range((len(s.tokens) - 1) * layers)
+    ]).view(len(s.tokens) - 1, layers, top_k))) for s in seqs]
+
+
 def run_rank(rank: int, world: int, spec: dict) -> None:
     import torch
 
@@ -37,7 +51,10 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
     for case in spec["cases"]:
         cfg = build(TrainerConfig, {"num_ranks": world, **case["trainer"]})
         trainer = FSDPTrainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
-        seqs, totals = prepare_global_batch(make_batch(spec["seed"], spec["n"]), trainer.algorithm)
+        seqs = make_batch(spec["seed"], spec["n"])
+        if case.get("routed"):
+            seqs = with_routed_experts(seqs, spec["seed"], *case["routed"])
+        seqs, totals = prepare_global_batch(seqs, trainer.algorithm)
         width = max(cfg.tensor_parallel_size, cfg.expert_parallel_size)
         metrics = trainer.compute_gradients(split_for_ranks(seqs, world, width)[rank], totals)
         grads = {}

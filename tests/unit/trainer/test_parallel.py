@@ -60,6 +60,8 @@ def layouts(tiny_model_dir, moe_model_dir, tmp_path_factory):
         {"name": "packed", "model": dense,
          "trainer": {"algorithm": ALGO, "max_tokens_per_micro_batch": 30, "pack_sequences": True}},
         {"name": "moe_reference", "model": moe, "trainer": {"algorithm": ALGO}},
+        {"name": "moe_replay_reference", "model": moe, "routed": [2, 4, 2],
+         "trainer": {"algorithm": ALGO, "routing_replay": True}},
     ])
     two = run_cases(tmp_path_factory.mktemp("two"), 2, [
         {"name": "dp", "model": dense, "trainer": {"algorithm": ALGO, "micro_batch_size": 1}},
@@ -67,6 +69,8 @@ def layouts(tiny_model_dir, moe_model_dir, tmp_path_factory):
          "trainer": {"algorithm": ALGO, "max_tokens_per_micro_batch": 30, "pack_sequences": True}},
         {"name": "tp", "model": dense, "trainer": {"algorithm": ALGO, "tensor_parallel_size": 2}},
         {"name": "ep", "model": moe, "trainer": {"algorithm": ALGO, "expert_parallel_size": 2}},
+        {"name": "ep_replay", "model": moe, "routed": [2, 4, 2],
+         "trainer": {"algorithm": ALGO, "expert_parallel_size": 2, "routing_replay": True}},
     ])
     return {**one, **two}
 
@@ -87,6 +91,18 @@ def test_expert_parallel_moe_matches_one_rank(layouts):
     assert set(ref["local_expert_rows"].values()) == {4}
     assert_same_grads(layouts["ep"]["grads"], ref["grads"], "ep")
     assert layouts["ep"]["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-5)
+
+
+def test_routing_replay_under_expert_parallel_matches_one_rank(layouts):
+    # The engine's (here: made-up) experts are replayed before expert parallelism maps global expert
+    # ids to each rank's local ones, so the sharded step equals the single-rank one.
+    ref = layouts["moe_replay_reference"]
+    assert_same_grads(layouts["ep_replay"]["grads"], ref["grads"], "ep_replay")
+    assert layouts["ep_replay"]["metrics"]["train/r3_mismatch_rate"] == \
+        pytest.approx(ref["metrics"]["train/r3_mismatch_rate"])
+    assert ref["metrics"]["train/r3_mismatch_rate"] > 0.3  # random routing disagrees with the model's
+    free = layouts["moe_reference"]["grads"]  # without replay the experts get other tokens
+    assert any(not torch.allclose(free[n], g, atol=1e-6) for n, g in ref["grads"].items() if "experts" in n)
 
 
 def test_tp_norm_gradients_are_nonzero_and_match(layouts):
