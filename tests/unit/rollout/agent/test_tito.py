@@ -116,3 +116,28 @@ def test_episode_timeout_aborts_and_closes_the_environment(agent_engine_url, age
     assert time.monotonic() - t0 < 5
     # What was generated before the timeout is kept consistent, never half a turn.
     assert len(sample.response_ids) == len(sample.loss_mask) == len(sample.rollout_logprobs)
+
+
+def test_episode_keeps_the_routed_experts_of_its_whole_history(tiny_moe_model_dir):
+    """MoE + routing replay: the last turn's request held the whole history, so its routed experts
+    cover every token of the episode the engine was fed."""
+    from miles.models.loading import load_tokenizer
+    from miles.models.moe import decode_routed_experts
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+
+    server = start_server_thread(EngineConfig(model_path=tiny_moe_model_dir))
+    tok = load_tokenizer(tiny_moe_model_dir)
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await run_episode(client, server.url, tok, ScriptedEnv(), Prompt(index=1, text="hi", label="x"),
+                                         SamplingParams(temperature=1.0, max_new_tokens=8, seed=3),
+                                         AgentConfig(max_turns=5, max_response_tokens=400), rid="moe",
+                                         return_routed_experts=True)
+        sample = asyncio.run(main())
+    finally:
+        server.stop()
+    assert sample.status == SampleStatus.COMPLETED and 0 in sample.loss_mask  # observations in between
+    routed = decode_routed_experts(sample.routed_experts, 4, 2)
+    assert routed.shape == (len(sample.prompt_ids) + len(sample.response_ids) - 1, 4, 2)
