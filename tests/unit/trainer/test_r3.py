@@ -161,3 +161,34 @@ def test_a_reply_without_the_asked_for_routed_experts_fails_the_sample():
     assert routed_experts_of({}, "http://e", False) is None
     with pytest.raises(GenerationError, match="router.kind = 'miles'"):
         routed_experts_of({"weight_version": 3}, "http://e", True)
+
+
+def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequences(tiny_moe_model_dir):
+    from miles.buffer.data_buffer import BufferConfig
+    from miles.models.moe import decode_routed_experts
+    from miles.orchestration.sync_loop import groups_to_sequences
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+    from miles.rollout.manager import EvalConfig, RolloutConfig, RolloutManager
+    from miles.trainer.algorithms import get_algorithm
+    from miles.trainer.algorithms.base import AlgorithmConfig
+
+    server = start_server_thread(EngineConfig(model_path=tiny_moe_model_dir, dtype="bfloat16"))
+    try:
+        m = RolloutManager(RolloutConfig(prompts_per_step=2, n_samples_per_prompt=3, max_new_tokens=8,
+                                         return_routed_experts=True),
+                           EvalConfig(num_prompts=1), tiny_moe_model_dir, [server.url],
+                           buffer_cfg=BufferConfig(filter="none"))
+        m.generate_batch()
+        groups, _ = m.collect()
+    finally:
+        server.stop()
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 6
+    for s in samples:
+        assert decode_routed_experts(s.routed_experts, 4, 2).shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1
+    for g in groups:  # give every group a learning signal so none is dropped
+        for i, s in enumerate(g.samples):
+            s.reward = float(i)
+    seqs, dropped = groups_to_sequences(groups, get_algorithm(AlgorithmConfig()))
+    assert dropped == 0 and [q.routed_experts for q in seqs] == [s.routed_experts for s in samples]
