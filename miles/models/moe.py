@@ -46,12 +46,12 @@ def routers(model) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def hook_routers(model, fn: Callable[[int, tuple], tuple | None], modules: list | None = None):
-    """Call fn(moe_layer_index, (logits, weights, ids)) after each router; a tuple it returns replaces
-    the router's output. Runs before any hook the model already has (e.g. expert-parallel index
-    remapping), so fn sees and sets global expert ids."""
+def hook_routers(modules: list, fn: Callable[[int, tuple], tuple | None]):
+    """Call fn(moe_layer_index, (logits, weights, ids)) after each of `modules` (from `routers`); a
+    tuple it returns replaces the router's output. Runs before any hook the model already has (e.g.
+    expert-parallel index remapping), so fn sees and sets global expert ids."""
     handles = [m.register_forward_hook(lambda _m, _a, out, i=i: fn(i, out), prepend=True)
-               for i, m in enumerate(modules if modules is not None else routers(model))]
+               for i, m in enumerate(modules)]
     try:
         yield
     finally:

@@ -72,7 +72,7 @@ def _replay(model_routers, routed, replay, sums):
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, weights.to(logits.dtype), ids
 
-    with hook_routers(None, on_router, model_routers):
+    with hook_routers(model_routers, on_router):
         yield
 
 

@@ -390,7 +390,7 @@ class Engine:
         """Last-position logits (B, V), and with `capture` the routed expert ids (B, S, MoE layers, top_k)."""
         kwargs = {self._cache_kwarg: cache}
         ids: list[torch.Tensor] = []
-        with hook_routers(self.model, lambda _layer, out: ids.append(out[2]), self.routers if capture else []):
+        with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                              logits_to_keep=logits_to_keep, **kwargs)
         routed = None

@@ -20,10 +20,10 @@ def moe_server(tiny_moe_model_dir):
 
 def hf_routing(model, tokens: list[int]) -> torch.Tensor:
     """(tokens, MoE layers, top_k) expert ids of one teacher-forced transformers forward."""
-    from miles.models.moe import hook_routers
+    from miles.models.moe import hook_routers, routers
 
     ids = []
-    with torch.no_grad(), hook_routers(model, lambda _layer, out: ids.append(out[2])):
+    with torch.no_grad(), hook_routers(routers(model), lambda _layer, out: ids.append(out[2])):
         model(input_ids=torch.tensor([tokens]))
     return torch.stack(ids, dim=1)
 
