@@ -118,6 +118,23 @@ def test_replay_lowers_the_rollout_logprob_gap(gloo, tiny_moe_model_dir, moe_bf1
     assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in trainer.routers)
 
 
+def test_the_reference_model_routes_freely_under_replay(gloo, tiny_moe_model_dir, moe_bf16_samples):
+    from miles.models.moe import routers
+
+    trainer = trainer_for(tiny_moe_model_dir, routing_replay=True, algorithm={"kl_coef": 0.01})
+    seqs = sequences(moe_bf16_samples)
+    free = []
+
+    def own_choice(_module, _args, out):  # registered last: sees the output after any other hook
+        logits, _, ids = out
+        free.append(torch.equal(ids, torch.softmax(logits.float(), -1).topk(ids.shape[-1]).indices))
+    for router in routers(trainer.reference.model):
+        router.register_forward_hook(own_choice)
+    metrics = trainer.compute_gradients(seqs, sum(s.num_loss_tokens for s in seqs))
+    assert metrics["train/r3_mismatch_rate"] > 0 and "train/kl" in metrics
+    assert len(free) == 4 and all(free)
+
+
 @pytest.fixture(scope="module")
 def varied_dense_model_dir(tmp_path_factory) -> str:
     # Varied weights: near-uniform logits (the default init) would make any two forwards agree.
