@@ -42,6 +42,15 @@ def routed_tensor(seqs, offsets: list[tuple[int, int]], shape: tuple[int, int], 
     return out
 
 
+def check_sequences(seqs) -> None:
+    """Replay on but experts missing would silently train with free routing; refuse instead."""
+    missing = sum(not s.routed_experts for s in seqs)
+    if missing:
+        raise ValueError(f"trainer.routing_replay is on but {missing} of {len(seqs)} sequences carry no routed "
+                         "experts: a custom generate function must send return_routed_experts when "
+                         "GenerateContext.return_routed_experts is set and keep meta_info.routed_experts on the Sample")
+
+
 def routing_replay(model_routers: list, routed: torch.Tensor | None, replay: bool, sums: dict):
     """Context for one policy forward over a micro-batch whose engine routing is `routed`
     (B, T, layers, top_k). Adds to `sums`: r3_pairs (token × layer pairs with recorded experts) and

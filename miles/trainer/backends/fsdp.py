@@ -232,6 +232,10 @@ class FSDPTrainer:
             totals = BatchTotals(loss_tokens=totals, num_seqs=len(seqs), max_response_len=0)
         algorithm = self.algorithm if kind == "rl" else _sft_algorithm()
         cfg = self.cfg
+        if kind == "rl" and cfg.routing_replay:
+            from miles.trainer.r3 import check_sequences
+
+            check_sequences(seqs)
         agg = algorithm.loss_agg
         const = cfg.algorithm.loss_constant or totals.max_response_len
         weights = token_weights(agg, [s.num_loss_tokens for s in seqs], totals.loss_tokens, totals.num_seqs, const)

@@ -217,3 +217,13 @@ def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequen
             s.reward = float(i)
     seqs, dropped = groups_to_sequences(groups, get_algorithm(AlgorithmConfig()))
     assert dropped == 0 and [q.routed_experts for q in seqs] == [s.routed_experts for s in samples]
+
+
+def test_replay_refuses_sequences_without_routed_experts(gloo, tiny_moe_model_dir, moe_bf16_samples):
+    import dataclasses
+
+    trainer = trainer_for(tiny_moe_model_dir, routing_replay=True)
+    seqs = sequences(moe_bf16_samples)
+    seqs[3] = dataclasses.replace(seqs[3], routed_experts=None)
+    with pytest.raises(ValueError, match="1 of 12 sequences carry no routed experts"):
+        trainer.compute_gradients(seqs, sum(s.num_loss_tokens for s in seqs))
