@@ -197,6 +197,8 @@ class _Trajectory:
 
 
 async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatFormat, traj: _Trajectory) -> None:
+    from miles.rollout.generate import routed_experts_of
+
     for turn in range(cfg.max_turns):
         budget = cfg.max_response_tokens - len(traj.ids)
         if budget <= 0:
@@ -210,8 +212,6 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
         logprobs = [float(lp) for lp, *_ in meta.get("output_token_logprobs", [])]
         if len(logprobs) != len(ids):
             raise RuntimeError(f"{url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
-        from miles.rollout.generate import routed_experts_of
-
         traj.routed = routed_experts_of(meta, url, traj.want_routed)
         traj.append(ids, logprobs, trained=True)
         traj.versions.append(int(meta.get("weight_version", 0)))
