@@ -22,8 +22,10 @@ class EngineShell:
         from miles.orchestration.placement import pin_current_process
         from miles.rollout.engine.server import start_server_thread
 
-        pin_current_process(cores)
         self.server = start_server_thread(engine_config)
+        # Pinned once serving: start-up (imports, loading) may use any idle core, which matters when a
+        # replacement starts while its pool's cores are busy generating.
+        pin_current_process(cores)
 
     def url(self) -> str:
         return self.server.url
@@ -52,7 +54,21 @@ class TrainerShell:
         self.transport = None
 
     def train_step(self, seqs, global_loss_tokens: int, kind: str = "rl"):
-        return self.trainer.train_step(seqs, global_loss_tokens, kind)
+        try:
+            return self.trainer.train_step(seqs, global_loss_tokens, kind)
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():
+                raise
+            timeout = self.trainer.cfg.collective_timeout_s
+            raise CollectiveTimeout(
+                f"trainer rank {self.rank}: a collective did not complete within trainer.collective_timeout_s = "
+                f"{timeout:g}s, so another rank has died or stalled; the step is abandoned. Continue from the "
+                f"last checkpoint with `miles train --resume RUN_DIR` ({str(exc).splitlines()[0][:200]})") from None
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def connect_engines(self, urls: list[str]) -> None:
         if self.rank != 0:
@@ -62,16 +78,48 @@ class TrainerShell:
         self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
         self.transport.connect(urls)
 
+    def reconnect_engines(self, urls: list[str]) -> None:
+        """Point the weight transport at a changed set of engines; the updater keeps its history, so no
+        engine is noise-filled again (new engines get `push_full` first)."""
+        if self.rank != 0:
+            return
+        if self.transport is None:
+            return self.connect_engines(urls)
+        self.transport.connect(urls)
+
     def sync_weights(self, version: int) -> dict[str, float]:
         """Collective: every rank gathers; rank 0 converts, buckets, sends and verifies (sync/updater.py)."""
-        named = self.trainer.full_named_tensors()
-        if self.rank != 0:
-            for _ in named:
-                pass
-            return {}
-        if self.transport is None:
+        if self.rank == 0 and self.transport is None:
             raise RuntimeError("sync_weights before connect_engines: the trainer has no route to the engines")
-        return self.transport.push(named, version)
+        return self._push(self.transport, version)
+
+    def push_full(self, urls: list[str], version: int) -> dict[str, float]:
+        """Collective: bring new engines to `version` with a full push, noise-fill verified, over a
+        transport of their own (the engines already serving are not paused or touched)."""
+        import dataclasses
+
+        from miles.sync.updater import WeightUpdater
+
+        named = self.trainer.full_named_tensors()
+        updater = None
+        try:
+            if self.rank != 0:
+                return {}
+            cfg = dataclasses.replace(self.sync_cfg, verify_first_update=True)
+            updater = WeightUpdater(cfg, self.admin_token, base_path=self.trainer.model_path)
+            updater.connect(urls)
+            return updater.push(named, version)
+        finally:
+            _drain(named)
+            if updater is not None:
+                updater.close()
+
+    def _push(self, updater, version: int) -> dict[str, float]:
+        named = self.trainer.full_named_tensors()
+        try:
+            return updater.push(named, version) if self.rank == 0 else {}
+        finally:
+            _drain(named)
 
     def save_hf(self, out_dir: str):
         return self.trainer.save_hf(out_dir)
@@ -83,6 +131,17 @@ class TrainerShell:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _drain(named) -> None:
+    # Every rank must finish the gather even when rank 0's send failed part-way, or the others
+    # would wait in the next all-gather until the collective timeout.
+    for _ in named:
+        pass
+
+
+class CollectiveTimeout(RuntimeError):
+    """A trainer collective outlived trainer.collective_timeout_s: a peer rank died or stalled."""
 
 
 def remote(cls, max_concurrency: int = 1):

@@ -41,7 +41,26 @@ class TrainContext:
     weight_version: int = 0     # the newest version pushed to the engines
     start_step: int = 0         # the step a resumed run continues after
     history: list = field(default_factory=list)
+    fleet: object = None        # health.EngineFleet: replaces dead engines while the loop runs
+    faults: object = None       # faults.FaultInjector, when the config asks for faults
     _memory_warned: bool = False
+
+    def weights_lock(self):
+        """Held while the trainer's weights move (train step, push), so an engine brought up meanwhile is
+        pushed weights that match the version it is told."""
+        import contextlib
+
+        return self.fleet.weights_lock if self.fleet is not None else contextlib.nullcontext()
+
+    def sync_weights(self, version: int) -> dict:
+        """Push the trainer's weights to every serving engine as `version` (engines that die meanwhile
+        are replaced and the push goes to the rest)."""
+        if self.faults is not None:
+            self.faults.before_push()
+        if self.fleet is None:
+            return self.trainer.sync_weights(version)
+        with self.fleet.weights_lock:
+            return self.fleet.push(lambda: self.trainer.sync_weights(version))
 
     def call(self, method, *args):
         import ray
@@ -81,7 +100,7 @@ class TrainContext:
         self.trainer.load_checkpoint(str(ckpt))
         self.call(self.rollout.load_buffer_state_dict, json.loads((ckpt / "rollout.json").read_text()))
         self.start_step, self.policy_version = meta["step"], meta["policy_version"]
-        self.trainer.sync_weights(meta["policy_version"])
+        self.sync_weights(meta["policy_version"])
         self.weight_version = meta["policy_version"]
         self.call(self.rollout.set_versions, self.policy_version, self.weight_version)
         log(f"resumed from {ckpt} at step {self.start_step}")
@@ -109,21 +128,75 @@ def run_loop(ctx) -> None:
     getattr(importlib.import_module(module), name)(ctx)
 
 
-def _start_engines(cfg, cores, admin_token: str):
-    import ray
+def _engine_starter(cfg, cores, admin_token: str):
+    """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool's cores.
+
+    Slot -1 is a standby engine, not yet given a slot."""
+    import itertools
 
     from miles.orchestration.actors import EngineShell, remote
     from miles.rollout.engine.config import EngineConfig
 
     r = cfg.rollout
     cls = remote(EngineShell)
-    actors = []
-    for i in range(r.num_engines):
+    standby_seeds = itertools.count(cfg.run.seed + 10_000)
+
+    def launch(slot: int):
+        seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
         ecfg = EngineConfig(model_path=cfg.model.path, dtype=r.engine_dtype, max_batch_size=r.engine_max_batch_size,
-                            num_threads=r.engine_num_threads, seed=cfg.run.seed + i, admin_token=admin_token)
-        actors.append(cls.remote(ecfg, cores))
-    urls = ray.get([a.url.remote() for a in actors])
-    return actors, urls
+                            num_threads=r.engine_num_threads, seed=seed, admin_token=admin_token)
+        return cls.remote(ecfg, cores)
+
+    def handle(actor):
+        import ray
+
+        from miles.orchestration.health import EngineHandle
+
+        url, pid = ray.get([actor.url.remote(), actor.pid.remote()])
+        return EngineHandle(url, pid, lambda: ray.kill(actor))
+
+    def start(slot: int):
+        return handle(launch(slot))
+
+    def start_many(n: int):
+        actors = [launch(i) for i in range(n)]  # all start together; then wait for each
+        return [handle(a) for a in actors]
+
+    return start, start_many
+
+
+def _start_fleet(cfg, pools, admin_token: str, holder: dict):
+    """Engines, the router in front of them, and the fleet that keeps them serving."""
+    import dataclasses
+
+    import ray
+
+    from miles.orchestration.health import EngineFleet
+    from miles.rollout.router import start_router_thread
+
+    start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token)
+    # Standby engines start with the others, so that even the first failure finds one ready.
+    started = start_many(cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0))
+    holder["engines"] = started
+    engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
+    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=admin_token), [e.url for e in engines])
+    holder["router"] = router
+
+    def bring_up(url: str) -> None:
+        ctx = holder["ctx"]
+        ctx.trainer.push_full([url], ctx.policy_version)
+
+    def reconnect(urls: list[str]) -> None:
+        holder["ctx"].trainer.reconnect_engines(urls)
+
+    def on_change(urls: list[str]) -> None:
+        ray.get(holder["rollout"].set_engine_urls.remote(urls))
+
+    fleet = EngineFleet(cfg.health, start, router.url, admin_token, bring_up=bring_up, reconnect=reconnect,
+                        on_change=on_change)
+    fleet.adopt(engines, standby)
+    holder["fleet"] = fleet
+    return fleet, router
 
 
 def _check_reachable(urls: list[str]) -> None:
@@ -158,15 +231,21 @@ def run_train(cfg, resume: str | None = None) -> dict:
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
     admin_token = (os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None) if external else secrets.token_hex(16)
-    engines, trainer, sink, progress, dashboard = [], None, None, None, None
+    trainer, sink, progress, dashboard, faults = None, None, None, None, None
+    fleet, router = None, None
+    holder: dict = {}  # what has been started, for the fleet's callbacks and for shutdown
     t_start = time.perf_counter()
     try:
         if external:
+            # Started and stopped by someone else: generate and push to them directly; no router, and no
+            # health monitor, since the run could not restart them.
             urls = [u.rstrip("/") for u in external]
             _check_reachable(urls)
+            log(f"engines ready: {', '.join(urls)}")
         else:
-            engines, urls = _start_engines(cfg, pools.engine if pools else None, admin_token)
-        log(f"engines ready: {', '.join(urls)}")
+            fleet, router = _start_fleet(cfg, pools, admin_token, holder)
+            urls = fleet.serving_urls()
+            log(f"engines ready: {', '.join(urls)}; router at {router.url}")
         trainer = TrainerGroup(cfg.trainer, cfg.sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
                                pools.trainer if pools else None, admin_token)
         trainer.connect_engines(urls)
@@ -175,7 +254,8 @@ def run_train(cfg, resume: str | None = None) -> dict:
         # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
         rollout = remote(RolloutManager, max_concurrency=8).remote(
             cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
-            cores=pools.engine if pools else None)
+            cores=pools.engine if pools else None, router_url=router.url if router else None)
+        holder["rollout"] = rollout
         sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
         if cfg.metrics.dashboard:
             from miles.metrics.dashboard import Dashboard
@@ -183,7 +263,8 @@ def run_train(cfg, resume: str | None = None) -> dict:
             dashboard = Dashboard(run_dir, cfg.metrics.dashboard_host, cfg.metrics.dashboard_port).start()
             log(f"dashboard: {dashboard.url}")
         progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
-        ctx = TrainContext(cfg, run_dir, rollout, trainer, sink, progress)
+        ctx = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet)
+        holder["ctx"] = ctx
         if resume:
             ctx.restore()
             before = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
@@ -192,7 +273,19 @@ def run_train(cfg, resume: str | None = None) -> dict:
             sink.write(0, before)
         log(f"eval accuracy before RL: {before['eval/accuracy']:.3f}")
         log(f"schedule: {cfg.loop.schedule}, placement: {cfg.placement.mode}")
+        if fleet is not None:
+            fleet.start_monitor()
+        if cfg.fault.active:
+            from miles.orchestration.faults import FaultInjector
+
+            faults = ctx.faults = FaultInjector(cfg.fault, fleet)
+            if cfg.fault.drop_response_prob and router is not None:
+                router.router.response_fault = faults.drop_response
+            faults.start()
+            log(f"fault injection on: {cfg.fault}")
         run_loop(ctx)
+        if faults is not None:
+            faults.stop()
         ledger = ctx.call(rollout.ledger)  # raises if any drawn prompt went unaccounted
         progress.close()
         after = ctx.history[-1][1] if ctx.history else before
@@ -205,22 +298,32 @@ def run_train(cfg, resume: str | None = None) -> dict:
             "eval_accuracy_after": after.get("eval/accuracy", before["eval/accuracy"]),
             "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
             "schedule": cfg.loop.schedule, "ledger": ledger,
+            "fleet": fleet.report() if fleet is not None else None,
         }
+        if faults is not None:
+            summary["faults"] = faults.report(summary["fleet"]["events"] if fleet is not None else [])
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log(f"done in {summary['wall_time_s']:.0f}s: eval accuracy {summary['eval_accuracy_before']:.3f} before RL "
             f"→ {summary['eval_accuracy_after']:.3f} after RL; checkpoint {final_ckpt}")
         return summary
     finally:
+        if faults is not None:
+            faults.stop()
         if progress is not None:
             progress.close()
         if sink is not None:
             sink.close()
         if dashboard is not None:
             dashboard.stop()
+        if "fleet" in holder:
+            holder["fleet"].close()
+        else:
+            for e in holder.get("engines", []):
+                e.stop()
+        if "router" in holder:
+            holder["router"].stop()
         if trainer is not None:
             trainer.close()
-        for a in engines:
-            ray.kill(a)
         if started_ray:
             ray.shutdown()
 

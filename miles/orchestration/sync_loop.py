@@ -62,10 +62,12 @@ def train_on(ctx, step: int, groups, metrics: dict, timer) -> None:
     metrics["buffer/groups_trained"] = len(groups) - dropped
     metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups) if seqs else 0
     ctx.progress.phase("train")
-    with timer.span("train"):
+    if ctx.faults is not None:
+        ctx.faults.before_train(step, ctx.trainer)
+    with timer.span("train"), ctx.weights_lock():
         if seqs:
             metrics.update(ctx.trainer.train_step(seqs))
-    ctx.policy_version = step
+        ctx.policy_version = step
 
 
 def push_weights(ctx, step: int, metrics: dict, timer) -> None:
@@ -79,7 +81,7 @@ def push_weights(ctx, step: int, metrics: dict, timer) -> None:
             if pause:
                 ctx.call(ctx.rollout.pause_engines, pause)
             try:
-                metrics.update(ctx.trainer.sync_weights(step))
+                metrics.update(ctx.sync_weights(step))
             finally:
                 if pause:
                     ctx.call(ctx.rollout.continue_engines)
@@ -92,6 +94,8 @@ def push_weights(ctx, step: int, metrics: dict, timer) -> None:
 def end_step(ctx, step: int, metrics: dict, timer) -> None:
     """Evaluate and save when due, then write the step's record and show progress."""
     cfg, progress = ctx.cfg, ctx.progress
+    if ctx.fleet is not None:
+        ctx.fleet.raise_if_failed()  # an engine that could not be replaced ends the run here, named
     if ctx.eval_due(step):
         progress.phase("eval")
         with timer.span("eval"):

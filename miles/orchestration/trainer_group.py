@@ -43,10 +43,29 @@ class TrainerGroup:
         self.actors = [cls.remote(trainer_cfg, sync_cfg, model_path, r, n, port, seed, temperature, cores,
                                   admin_token) for r in range(n)]
         self._ray = ray
+        self.failed = False
 
     def _all(self, method: str, *args_per_rank):
         refs = [getattr(a, method).remote(*(args[r] for args in args_per_rank)) for r, a in enumerate(self.actors)]
-        return self._ray.get(refs)
+        return self._gather(method, refs)
+
+    def _gather(self, method: str, refs: list):
+        """Every rank's result; the first rank that fails ends the call at once with a TrainerFailure
+        (the other ranks are then stuck in a collective until its timeout, or already failed too)."""
+        ray = self._ray
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception as exc:  # noqa: BLE001 - re-raised with the rank and the way out
+                rank = refs.index(done[0])
+                self.failed = True
+                raise TrainerFailure(f"trainer rank {rank} failed in {method}: {_first_line(exc)}. The step did "
+                                     "not complete; continue from the last checkpoint with "
+                                     "`miles train --resume RUN_DIR`") from exc
+        self.failed = False
+        return ray.get(refs)
 
     def train_step(self, seqs, kind: str = "rl") -> dict[str, float]:
         n = len(self.actors)
@@ -61,6 +80,17 @@ class TrainerGroup:
 
     def connect_engines(self, urls: list[str]) -> None:
         self._all("connect_engines", [urls] * len(self.actors))
+
+    def reconnect_engines(self, urls: list[str]) -> None:
+        """The weight transport follows a changed fleet (engines replaced, added or removed)."""
+        self._all("reconnect_engines", [urls] * len(self.actors))
+
+    def push_full(self, urls: list[str], version: int) -> dict[str, float]:
+        """Bring new engines to `version`: a full push over their own transport, noise-fill verified."""
+        return self._all("push_full", [urls] * len(self.actors), [version] * len(self.actors))[0]
+
+    def pids(self) -> list[int]:
+        return self._ray.get([a.pid.remote() for a in self.actors])
 
     def sync_weights(self, version: int) -> dict[str, float]:
         metrics = dict(self._all("sync_weights", [version] * len(self.actors))[0])
@@ -84,6 +114,30 @@ class TrainerGroup:
         return self._ray.get([a.call_trainer.remote(method, *args) for a in self.actors])[0] if n else None
 
     def close(self) -> None:
-        self._all("close")
+        if not self.failed:
+            # After a failure some ranks may sit in a collective until its timeout: do not wait on them.
+            try:
+                self._all("close")
+            except TrainerFailure:
+                pass
         for a in self.actors:
             self._ray.kill(a)
+
+
+class TrainerFailure(RuntimeError):
+    """A trainer rank failed (died, or a collective timed out); the step did not complete."""
+
+
+def _first_line(exc: BaseException) -> str:
+    from miles.orchestration.actors import CollectiveTimeout
+
+    # Ray wraps the rank's own exception; its cause carries the message worth showing.
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, CollectiveTimeout):
+        return str(cause)
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "CollectiveTimeout" in line or "died" in line.lower() or "Error" in line:
+            return line.strip()[:500]
+    return (lines[-1] if lines else type(exc).__name__)[:500]

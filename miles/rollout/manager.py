@@ -175,7 +175,8 @@ def long_tail_length(max_new_tokens: int, key: int) -> int:
 
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
-                 seed: int = 0, buffer_cfg=None, admin_token: str | None = None, cores=None):
+                 seed: int = 0, buffer_cfg=None, admin_token: str | None = None, cores=None,
+                 router_url: str | None = None):
         if cores:
             # The manager's HTTP and scoring work belongs to the rollout side's cores, not the trainer's.
             from miles.orchestration.placement import pin_current_process
@@ -187,7 +188,10 @@ class RolloutManager:
         from miles.rollout.reward import get_reward_fn
 
         self.cfg, self.eval_cfg, self.seed = cfg, eval_cfg, seed
-        self.engine_urls = list(engine_urls)
+        self.engine_urls = list(engine_urls)  # admin calls (pause, abort, memory) go to each engine
+        # Generation goes through the router when there is one: it spreads load and retries a request
+        # whose engine died before answering on a live engine.
+        self.router_url = router_url
         self.tokenizer = load_tokenizer(model_path)
         self.reward_fn = get_reward_fn(cfg.reward)
         from miles.rollout.agent import get_generate_fn
@@ -331,8 +335,9 @@ class RolloutManager:
         self.buffer.reopen()
 
     def ledger(self) -> dict[str, int]:
-        """The buffer ledger's totals; raises if any drawn prompt is unaccounted for."""
-        return self.buffer.ledger.check()
+        """The buffer ledger's totals and its event counts (retries and discards by reason); raises if
+        any drawn prompt is unaccounted for."""
+        return {**self.buffer.ledger.check(), "events": dict(self.buffer.ledger.events)}
 
     def buffer_state_dict(self) -> dict:
         return self.buffer.state_dict()
@@ -370,11 +375,20 @@ class RolloutManager:
     def continue_engines(self) -> None:
         self._engine_call("continue_generation", {})
 
+    def set_engine_urls(self, urls: list[str]) -> None:
+        """The serving engines changed (one replaced, added or removed); admin calls follow them."""
+        self.engine_urls = list(urls)
+
     def _engine_call(self, endpoint: str, body: dict) -> None:
         import httpx
 
-        for url in self.engine_urls:
-            r = httpx.post(f"{url}/{endpoint}", json=body, headers=self._admin_headers(), timeout=120)
+        for url in list(self.engine_urls):
+            try:
+                r = httpx.post(f"{url}/{endpoint}", json=body, headers=self._admin_headers(), timeout=120)
+            except httpx.TransportError:
+                if self.router_url is None:
+                    raise
+                continue  # a dead engine: the health monitor replaces it, and its replacement starts unpaused
             if r.status_code != 200:
                 raise RuntimeError(f"{url}/{endpoint} answered {r.status_code}: {r.text[:200]}")
 
@@ -447,7 +461,7 @@ class RolloutManager:
         from miles.rollout.generate import GenerationError
 
         with self._lock:
-            url = self.engine_urls[self._next_engine % len(self.engine_urls)]
+            url = self.router_url or self.engine_urls[self._next_engine % len(self.engine_urls)]
             self._next_engine += 1
         ids = self._encode(prompt.text)
         rids: list[str] = []
@@ -464,6 +478,8 @@ class RolloutManager:
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.TIMEOUT)
         except (httpx.HTTPError, GenerationError, OSError):
             await self._abort_rids(client, url, rids)
+            if self.router_url:
+                await self._wait_for_engines(client)
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ENGINE_FAILURE)
         if any(s.status is SampleStatus.ABORTED for s in samples):
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
@@ -473,6 +489,18 @@ class RolloutManager:
         group = Group(samples=samples, prompt_index=prompt.index)
         self._stats.add(group, time.perf_counter() - t0, reward_s=time.perf_counter() - t_reward)
         return group
+
+    async def _wait_for_engines(self, client) -> None:
+        """Hold a failed group while the router has no engine to serve it (all being replaced), so its
+        retry is not spent at once on the same failure."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            try:
+                if (await client.get(f"{self.router_url}/health", timeout=5)).status_code == 200:
+                    return
+            except Exception:  # noqa: BLE001 - the router itself unreachable: keep waiting until the deadline
+                pass
+            await asyncio.sleep(0.5)
 
     async def _abort_rids(self, client, url: str, rids: list[str]) -> None:
         async def one(rid):
@@ -546,7 +574,7 @@ class RolloutManager:
         params = SamplingParams(temperature=0.0, max_new_tokens=self.eval_cfg.max_new_tokens)
         jobs = []
         for i, p in enumerate(self.eval_prompts):
-            url = self.engine_urls[i % len(self.engine_urls)]
+            url = self.router_url or self.engine_urls[i % len(self.engine_urls)]
             if self.generate_fn is not None:
                 jobs.append(lambda c, url=url, p=p: self.generate_fn(self._generate_context(c, url), p, params,
                                                                      f"eval-{p.index}-{time.monotonic_ns()}"))

@@ -206,6 +206,8 @@ class Router:
         self._sticky: OrderedDict[str, str] = OrderedDict()  # routing key -> worker url, LRU-bounded
         self.counters = _Counters()
         self._client = None  # httpx.AsyncClient, created on the serving event loop
+        # Fault injection (orchestration/faults.py): when it returns True an engine's reply is dropped.
+        self.response_fault = None
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -304,6 +306,9 @@ class Router:
             finally:
                 w.outstanding -= 1
             w.served += 1
+            if self.response_fault is not None and self.response_fault():
+                return 502, _json({"error": f"the reply of {w.url} was dropped (fault injection)"}), \
+                    "application/json"
             return status, content, ctype
         self.counters.unavailable += 1
         why = "; ".join(errors) or "every engine is quarantined"

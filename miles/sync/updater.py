@@ -38,6 +38,8 @@ class WeightUpdater:
 
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.transport.connect(self.engine_urls)
+        if self._client is not None:  # a reconnect to a changed set of engines
+            self._client.close()
         self._client = EngineClient(self.admin_token, self.cfg.timeout_s)
 
     def push(self, named, version: int) -> dict[str, float]:

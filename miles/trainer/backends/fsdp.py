@@ -67,6 +67,9 @@ class TrainerConfig:
     """Optimizer state streamed back per bucket of parameters of about this size around the step."""
     num_threads: int = 1
     """torch threads per trainer process (keep at 1 when processes share few cores)."""
+    collective_timeout_s: float = 600.0
+    """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
+    instead of hanging on a dead or stalled rank."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm and its knobs."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -77,6 +80,8 @@ class TrainerConfig:
 
         if self.num_ranks < 1:
             raise ConfigError("trainer.num_ranks must be >= 1")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("trainer.collective_timeout_s must be > 0")
         if self.lr <= 0:
             raise ConfigError("trainer.lr must be > 0")
         if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
@@ -134,7 +139,10 @@ class FSDPTrainer:
         torch.set_num_threads(cfg.num_threads)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            import datetime
+
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model_path, self.temperature = model_path, temperature
         self.step = 0

@@ -1,0 +1,168 @@
+"""Fault injection: break a running job on purpose, to show it survives.
+
+    --fault.kill_engine_every_s 30    SIGKILL a serving engine every 30 s
+    --fault.stall_engine_every_s 30   SIGSTOP one (alive, holding its port, answering nothing)
+    --fault.drop_response_prob 0.05   the router answers 502 instead of passing on 5% of engine replies
+    --fault.delay_weight_sync_s 2     every weight push starts 2 s late
+    --fault.kill_trainer_at_step 3    SIGKILL the last trainer rank as step 3's training starts
+
+Engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
+health monitor (health.py) must find and replace each. Every injected fault is recorded with its
+wall-clock time, so recovery can be measured from the moment of the fault, not of its detection.
+Non-goals: network partitions, disk faults, faults on other hosts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FaultConfig:
+    kill_engine_every_s: float = 0.0
+    """SIGKILL a serving engine every this many seconds (0 = never)."""
+    stall_engine_every_s: float = 0.0
+    """SIGSTOP a serving engine every this many seconds (0 = never); it stays stopped until replaced."""
+    first_fault_after_s: float = 0.0
+    """Seconds after the loop starts before the first engine fault (0 = one interval)."""
+    max_engine_faults: int = 0
+    """Stop injecting engine faults after this many kills and stalls together (0 = no limit)."""
+    drop_response_prob: float = 0.0
+    """Fraction of engine replies the router drops, answering 502 to the client instead."""
+    delay_weight_sync_s: float = 0.0
+    """Sleep this long before every weight push (a slow or congested transport)."""
+    kill_trainer_at_step: int = 0
+    """SIGKILL the last trainer rank as this step's training starts (0 = never)."""
+    seed: int = 0
+    """Seed for which engine each fault hits and which replies are dropped."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if min(self.kill_engine_every_s, self.stall_engine_every_s, self.first_fault_after_s,
+               self.delay_weight_sync_s) < 0 or self.max_engine_faults < 0 or self.kill_trainer_at_step < 0:
+            raise ConfigError("fault.* intervals, delays and counts must be >= 0")
+        if not 0 <= self.drop_response_prob < 1:
+            raise ConfigError("fault.drop_response_prob must be in [0, 1)")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.kill_engine_every_s or self.stall_engine_every_s or self.drop_response_prob
+                    or self.delay_weight_sync_s or self.kill_trainer_at_step)
+
+
+@dataclass
+class InjectedFault:
+    kind: str       # kill_engine | stall_engine | kill_trainer
+    target: str     # the engine URL, or "trainer rank N"
+    pid: int
+    at: float       # time.time() when the signal was sent
+
+
+class FaultInjector:
+    """Drives the configured faults against a fleet (health.EngineFleet) and a trainer group."""
+
+    def __init__(self, cfg: FaultConfig, fleet=None):
+        self.cfg, self.fleet = cfg, fleet
+        self.faults: list[InjectedFault] = []
+        self._rng = random.Random(cfg.seed)
+        self._drop_rng = random.Random(cfg.seed + 1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- engine faults (a background thread) -------------------------------------------------------
+
+    def start(self) -> None:
+        kinds = [(k, every) for k, every in (("kill_engine", self.cfg.kill_engine_every_s),
+                                             ("stall_engine", self.cfg.stall_engine_every_s)) if every > 0]
+        if kinds and self.fleet is not None:
+            self._thread = threading.Thread(target=self._main, args=(kinds,), name="miles-faults", daemon=True)
+            self._thread.start()
+
+    def _main(self, kinds) -> None:
+        t0 = time.monotonic()
+        due = {k: t0 + (self.cfg.first_fault_after_s or every) for k, every in kinds}
+        every = dict(kinds)
+        while not self._stop.is_set():
+            kind = min(due, key=due.get)
+            if self._stop.wait(max(0.0, due[kind] - time.monotonic())):
+                return
+            if self.cfg.max_engine_faults and self._engine_faults() >= self.cfg.max_engine_faults:
+                return
+            if self.engine_fault(kind) is None:
+                due[kind] = time.monotonic() + 0.2  # every engine is being replaced: try again shortly
+            else:
+                due[kind] = time.monotonic() + every[kind]
+
+    def _engine_faults(self) -> int:
+        return sum(f.kind != "kill_trainer" for f in self.faults)
+
+    def engine_fault(self, kind: str) -> InjectedFault | None:
+        """Kill or stall one serving engine now; None when no engine is serving."""
+        serving = self.fleet.serving()
+        if not serving:
+            return None
+        _, engine = self._rng.choice(serving)
+        sig = signal.SIGKILL if kind == "kill_engine" else signal.SIGSTOP
+        fault = InjectedFault(kind, engine.url, engine.pid, time.time())
+        try:
+            os.kill(engine.pid, sig)
+        except ProcessLookupError:
+            return None
+        self.faults.append(fault)
+        log.warning("fault injection: %s %s (pid %d)", kind, engine.url, engine.pid)
+        return fault
+
+    # ---- hooks the loop and the router call ----------------------------------------------------------
+
+    def drop_response(self) -> bool:
+        return self.cfg.drop_response_prob > 0 and self._drop_rng.random() < self.cfg.drop_response_prob
+
+    def before_push(self) -> None:
+        if self.cfg.delay_weight_sync_s:
+            time.sleep(self.cfg.delay_weight_sync_s)
+
+    def before_train(self, step: int, trainer) -> None:
+        if step != self.cfg.kill_trainer_at_step:
+            return
+        rank = len(trainer.actors) - 1
+        pid = trainer.pids()[rank]
+        self.faults.append(InjectedFault("kill_trainer", f"trainer rank {rank}", pid, time.time()))
+        log.warning("fault injection: kill trainer rank %d (pid %d) at step %d", rank, pid, step)
+        os.kill(pid, signal.SIGKILL)
+
+    # ---- report -------------------------------------------------------------------------------------
+
+    def report(self, replacements: list[dict] | None = None) -> dict:
+        """Injected faults, and for engine faults whether and how fast their slot served again."""
+        by_pid = {r["old_pid"]: r for r in replacements or []}
+        rows, recovery = [], []
+        for f in self.faults:
+            row = dict(f.__dict__)
+            r = by_pid.get(f.pid)
+            if f.kind != "kill_trainer":
+                row["recovered"] = bool(r and r["admitted_at"])
+                if row["recovered"]:
+                    row["recovery_s"] = r["admitted_at"] - f.at
+                    recovery.append(row["recovery_s"])
+            rows.append(row)
+        engine = [f for f in self.faults if f.kind != "kill_trainer"]
+        return {"kills": sum(f.kind == "kill_engine" for f in engine),
+                "stalls": sum(f.kind == "stall_engine" for f in engine),
+                "recovered": len(recovery),
+                "mean_recovery_s": sum(recovery) / len(recovery) if recovery else None,
+                "max_recovery_s": max(recovery) if recovery else None,
+                "faults": rows}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -1,0 +1,444 @@
+"""The engine fleet: health probes, replacement of dead or stalled engines, elastic add and remove.
+
+    monitor thread ── GET /health_generate (timeout) ──► every serving engine, every interval_s
+        │ failure_threshold misses in a row: dead, or alive but not answering (stalled)
+        ▼
+    replace(slot): the router drops it ─► its process is SIGKILLed ─► a new engine takes the slot
+        (a standby already started, or a fresh start; the slot's cores, a new port)
+        ─► bring_up(url): full weight push at the trainer's version, noise-fill verified
+        ─► the main weight transport reconnects to the serving set ─► router /add_worker, which
+           admits it only at the fleet's weight version ─► serving
+
+The run never pauses for this: the other engines keep generating; the router retries the dead
+engine's in-flight requests on live engines, and groups that still fail go back to the buffer as
+"gave up" (retried). A weight push that an engine dies in is retried on the engines still serving.
+
+Who waits on whom: replacement and the loop's train/push share `weights_lock`, so a new engine is
+brought up against weights that match the version it is told (never a half-trained state), and
+the main transport is never reconnected during a push.
+Non-goals: engines on other hosts (a slot is a set of this machine's cores), trainer failures
+(collective timeouts end the step; `miles train --resume` continues).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HealthConfig:
+    enabled: bool = True
+    """Probe the engines and replace those that die or stall (needs the router, which `miles train` starts)."""
+    interval_s: float = 1.0
+    """Seconds between two probe rounds of every serving engine."""
+    timeout_s: float = 5.0
+    """A /health_generate probe slower than this is a miss (a stalled engine answers none)."""
+    failure_threshold: int = 2
+    """Consecutive misses after which an engine is declared dead and replaced."""
+    restart: bool = True
+    """Start a replacement in the dead engine's slot; false only removes it from the fleet."""
+    standby_engines: int = 0
+    """Engines started ahead of need, idle, so a replacement skips process start-up (seconds)."""
+    max_replacements: int = 100
+    """Most replacements in one run; past that a failing engine is only removed (a crash loop stops)."""
+    admit_timeout_s: float = 120.0
+    """Longest a new engine may take from start to router admission before the run fails."""
+
+    def validate(self) -> None:
+        from miles.config import ConfigError
+
+        if self.interval_s <= 0 or self.timeout_s <= 0 or self.admit_timeout_s <= 0:
+            raise ConfigError("health.interval_s, health.timeout_s and health.admit_timeout_s must be > 0")
+        if self.failure_threshold < 1 or self.standby_engines < 0 or self.max_replacements < 0:
+            raise ConfigError("health.failure_threshold >= 1, health.standby_engines >= 0 and "
+                              "health.max_replacements >= 0 are required")
+
+
+def check_run(run) -> None:
+    """Refusals that join the fleet with the router and the faults (called from RunConfig.validate)."""
+    from miles.config import ConfigError
+
+    if run.router.kind != "miles":
+        raise ConfigError(f"router.kind = {run.router.kind!r}: `miles train` runs the built-in router, which the "
+                          "health monitor drives to replace engines; set router.kind = 'miles' (the sglang "
+                          "router is for `miles router`-style serving)")
+    engine_faults = run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
+    if engine_faults and run.rollout.engine_urls:
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s act on engines the run starts; with "
+                          "rollout.engine_urls the engines are someone else's: unset one of the two")
+    if engine_faults and not (run.health.enabled and run.health.restart):
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s need health.enabled = true and "
+                          "health.restart = true, or nothing would replace the engines they break")
+
+
+@dataclass
+class EngineHandle:
+    """One running engine process, however it was started."""
+
+    url: str
+    pid: int
+    stop: Callable[[], None]  # ends the process and releases what holds it (actor, ...)
+
+    def kill(self) -> None:
+        import os
+        import signal
+
+        try:
+            # SIGKILL also ends a SIGSTOPped process, which a polite shutdown would wait on forever.
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.stop()
+        except Exception as exc:  # noqa: BLE001 - the process is gone either way
+            log.debug("stopping %s after SIGKILL: %s", self.url, exc)
+
+
+@dataclass
+class Slot:
+    index: int
+    engine: EngineHandle | None
+    state: str = "serving"          # serving | replacing | removed
+    misses: int = 0
+    first_miss: float | None = None
+
+
+@dataclass
+class Replacement:
+    """One engine declared dead and what became of its slot (wall-clock seconds, time.time())."""
+
+    slot: int
+    old_url: str
+    old_pid: int
+    reason: str
+    first_miss: float
+    detected_at: float
+    new_url: str | None = None
+    started_at: float | None = None
+    admitted_at: float | None = None
+    error: str | None = None
+
+    def public(self) -> dict:
+        return dict(self.__dict__)
+
+
+class FleetError(RuntimeError):
+    """The fleet could not keep an engine serving (start-up, weight push or admission failed)."""
+
+
+@dataclass
+class EngineFleet:
+    """Owns the engines of a run: starts them, watches them, replaces them, grows and shrinks.
+
+    start_engine(slot) starts one engine process; bring_up(url) pushes the trainer's current weights
+    fully to a new engine and verifies them; reconnect(urls) points the main weight transport at
+    exactly these engines; on_change(urls) tells the rollout side the serving set.
+    """
+
+    cfg: HealthConfig
+    start_engine: Callable[[int], EngineHandle]
+    router_url: str
+    admin_token: str | None = None
+    bring_up: Callable[[str], None] = lambda url: None
+    reconnect: Callable[[list[str]], None] = lambda urls: None
+    on_change: Callable[[list[str]], None] = lambda urls: None
+    slots: list[Slot] = field(default_factory=list)
+    replacements: list[Replacement] = field(default_factory=list)
+    weights_lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=5.0))
+        self._lock = threading.Lock()          # slots, standbys, replacement records
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._standby: list[EngineHandle] = []
+        self._standby_starting = 0
+        self._workers: list[threading.Thread] = []
+        self._transport_urls: list[str] = []
+        self.error: BaseException | None = None  # a replacement that failed; the loop raises it
+
+    # ---- membership -------------------------------------------------------------------------------
+
+    def adopt(self, engines: list[EngineHandle], standby: list[EngineHandle] = ()) -> None:
+        """Take the engines the run started with (already connected to the router and the transport)
+        and standby engines started with them."""
+        with self._lock:
+            for e in engines:
+                self.slots.append(Slot(len(self.slots), e))
+            self._transport_urls = [e.url for e in engines]
+            self._standby.extend(standby)
+
+    def serving_urls(self) -> list[str]:
+        with self._lock:
+            return [s.engine.url for s in self.slots if s.state == "serving"]
+
+    def serving(self) -> list[tuple[int, EngineHandle]]:
+        with self._lock:
+            return [(s.index, s.engine) for s in self.slots if s.state == "serving"]
+
+    def add_engine(self) -> str:
+        """Grow the fleet by one engine, brought up and admitted like a replacement; returns its URL."""
+        with self._lock:
+            slot = Slot(len(self.slots), None, state="replacing")
+            self.slots.append(slot)
+        engine = self._take_engine(slot.index)
+        self._admit(slot, engine)
+        return engine.url
+
+    def remove_engine(self, url: str) -> None:
+        """Shrink the fleet: the router stops sending to the engine, then it is stopped."""
+        with self._lock:
+            slot = next((s for s in self.slots if s.state == "serving" and s.engine.url == url), None)
+            if slot is None:
+                raise ValueError(f"{url} is not a serving engine of this fleet; serving: {self.serving_urls()}")
+            slot.state = "removed"
+        self._router("remove_worker", url)
+        self.on_change(self.serving_urls())
+        with self.weights_lock:
+            self._reconnect()
+        slot.engine.stop()
+
+    # ---- monitoring ---------------------------------------------------------------------------------
+
+    def start_monitor(self) -> None:
+        for _ in range(self.cfg.standby_engines):
+            self._start_standby()
+        if self.cfg.enabled and self._monitor is None:
+            self._monitor = threading.Thread(target=self._monitor_main, name="miles-health", daemon=True)
+            self._monitor.start()
+
+    def probe(self, url: str) -> str | None:
+        """None if the engine generated a token within timeout_s, else why not."""
+        import httpx
+
+        try:
+            r = self._http.get(url + "/health_generate", timeout=self.cfg.timeout_s)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return None if r.status_code == 200 else f"/health_generate answered {r.status_code}: {r.text[:120]}"
+
+    def _monitor_main(self) -> None:
+        with cf.ThreadPoolExecutor(16, thread_name_prefix="miles-probe") as pool:
+            while not self._stop.wait(self.cfg.interval_s):
+                try:
+                    self._probe_round(pool, self.cfg.failure_threshold)
+                except Exception:  # noqa: BLE001 - the monitor must outlive any one bad round
+                    log.exception("health probe round failed")
+
+    def _probe_round(self, pool, threshold: int) -> list[int]:
+        serving = [(s, s.engine.url) for s in self.slots if s.state == "serving"]
+        now = time.time()
+        results = list(pool.map(lambda su: self.probe(su[1]), serving))
+        failed = []
+        for (slot, url), err in zip(serving, results):
+            with self._lock:
+                if slot.state != "serving" or slot.engine.url != url:
+                    continue
+                if err is None:
+                    slot.misses, slot.first_miss = 0, None
+                    continue
+                slot.misses += 1
+                slot.first_miss = slot.first_miss or now
+                if slot.misses < threshold:
+                    continue
+                slot.state = "replacing"
+            failed.append(slot.index)
+            self._declare_dead(slot, err)
+        return failed
+
+    def check_now(self) -> list[int]:
+        """Probe every serving engine once, and replace each that misses (after a failed push, say)."""
+        with cf.ThreadPoolExecutor(16, thread_name_prefix="miles-probe") as pool:
+            return self._probe_round(pool, threshold=1)
+
+    # ---- replacement ---------------------------------------------------------------------------------
+
+    def _declare_dead(self, slot: Slot, reason: str) -> None:
+        old = slot.engine
+        rec = Replacement(slot.index, old.url, old.pid, reason, slot.first_miss or time.time(), time.time())
+        with self._lock:
+            self.replacements.append(rec)
+            allowed = self.cfg.restart and len(self.replacements) <= self.cfg.max_replacements
+        log.warning("engine %s (slot %d) is not answering (%s): replacing it", old.url, slot.index, reason)
+        # Out of the router first, so no new request goes there while it is being put down.
+        self._router("remove_worker", old.url, missing_ok=True)
+        self.on_change(self.serving_urls())
+        old.kill()
+        if not allowed:
+            with self._lock:
+                slot.state = "removed"
+            rec.error = "not replaced (health.restart is off or health.max_replacements reached)"
+            with self.weights_lock:
+                self._reconnect()
+            return
+        t = threading.Thread(target=self._replace, args=(slot, rec), name=f"miles-replace-{slot.index}", daemon=True)
+        self._workers.append(t)
+        t.start()
+
+    def _replace(self, slot: Slot, rec: Replacement) -> None:
+        try:
+            engine = self._take_engine(slot.index)
+            rec.new_url, rec.started_at = engine.url, time.time()
+            self._admit(slot, engine)
+            rec.admitted_at = time.time()
+            log.warning("engine slot %d serving again at %s, %.1fs after its first missed probe",
+                        slot.index, engine.url, rec.admitted_at - rec.first_miss)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the loop through `raise_if_failed`
+            rec.error = f"{type(exc).__name__}: {exc}"
+            self.error = FleetError(f"could not replace engine slot {slot.index} ({rec.old_url}): {rec.error}")
+            log.error("%s", self.error)
+
+    def _take_engine(self, index: int) -> EngineHandle:
+        with self._lock:
+            engine = self._standby.pop(0) if self._standby else None
+        if engine is None:
+            engine = self.start_engine(index)
+        if self.cfg.standby_engines:
+            self._start_standby()  # the next failure finds one ready again
+        return engine
+
+    def _admit(self, slot: Slot, engine: EngineHandle) -> None:
+        deadline = time.monotonic() + self.cfg.admit_timeout_s
+        try:
+            with self.weights_lock:
+                self.bring_up(engine.url)
+                with self._lock:
+                    slot.engine, slot.misses, slot.first_miss = engine, 0, None
+                self._reconnect_absorbing_failures(extra=[engine.url])
+            self._router("add_worker", engine.url)
+            # The router admits it once its weight version is the fleet's; a new engine brought up at a
+            # version the others do not hold yet waits for the next push, which includes it.
+            while not self._router_active(engine.url):
+                if time.monotonic() > deadline:
+                    raise FleetError(f"the router did not admit {engine.url} within health.admit_timeout_s = "
+                                     f"{self.cfg.admit_timeout_s}s; see its /list_workers")
+                time.sleep(0.05)
+        except BaseException:
+            engine.kill()
+            with self._lock:
+                slot.state = "removed"
+            raise
+        with self._lock:
+            slot.state = "serving"
+        self.on_change(self.serving_urls())
+
+    def _start_standby(self) -> None:
+        def run():
+            try:
+                e = self.start_engine(-1)
+            except Exception as exc:  # noqa: BLE001 - a later replacement starts its own engine instead
+                log.warning("standby engine did not start: %s", exc)
+                return
+            finally:
+                with self._lock:
+                    self._standby_starting -= 1
+            with self._lock:
+                if self._stop.is_set():
+                    e.stop()
+                else:
+                    self._standby.append(e)
+
+        with self._lock:
+            if len(self._standby) + self._standby_starting >= self.cfg.standby_engines:
+                return
+            self._standby_starting += 1
+        threading.Thread(target=run, name="miles-standby", daemon=True).start()
+
+    # ---- weight pushes ------------------------------------------------------------------------------
+
+    def push(self, sync: Callable[[], dict]) -> dict:
+        """Run one main weight push (the caller holds weights_lock) against the serving engines.
+
+        An engine that fails during it is declared dead and the push is retried on the others; with
+        no engine serving there is nothing to push to, and replacements get the version at bring-up.
+        """
+        for _ in range(3):
+            self._reconnect_absorbing_failures()
+            if not self._transport_urls:
+                return {}
+            pushed_to = set(self._transport_urls)
+            try:
+                return sync()
+            except Exception as exc:  # noqa: BLE001 - re-raised below unless an engine explains it
+                self.check_now()
+                # Retry only if an engine of this push has since left the serving set (declared dead
+                # by this check or by the monitor): any other failure is not the fleet's to absorb.
+                gone = pushed_to - set(self.serving_urls())
+                if not gone:
+                    raise
+                log.warning("weight push failed (%s); %s left the fleet, retrying on the engines serving",
+                            str(exc).splitlines()[0][:200], sorted(gone))
+        raise FleetError("weight push kept failing while engines died; see the health log above")
+
+    def _reconnect(self, extra: list[str] = ()) -> None:
+        urls = self.serving_urls() + [u for u in extra if u not in self.serving_urls()]
+        if set(urls) != set(self._transport_urls):
+            if urls:
+                self.reconnect(urls)
+            self._transport_urls = urls
+
+    def _reconnect_absorbing_failures(self, extra: list[str] = ()) -> None:
+        """Reconnect; if an engine dies while the transport joins it, drop it and try again."""
+        for attempt in range(3):
+            before = set(self.serving_urls())
+            try:
+                return self._reconnect(extra)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless an engine left meanwhile
+                self.check_now()
+                if set(self.serving_urls()) == before or attempt == 2:
+                    raise
+                log.warning("reconnecting the weight transport failed (%s); an engine left the fleet, "
+                            "retrying", str(exc).splitlines()[0][:200])
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # ---- router -------------------------------------------------------------------------------------
+
+    def _router(self, action: str, url: str, missing_ok: bool = False) -> None:
+        r = self._http.post(f"{self.router_url}/{action}", params={"url": url})
+        if r.status_code != 200 and not (missing_ok and r.status_code == 404):
+            raise FleetError(f"router {self.router_url}/{action}?url={url} answered {r.status_code}: {r.text[:200]}")
+
+    def _router_active(self, url: str) -> bool:
+        workers = self._http.get(f"{self.router_url}/list_workers").json()["workers"]
+        return any(w["url"] == url and not w["quarantined"] for w in workers)
+
+    # ---- report and shutdown -------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        with self._lock:
+            recs = [r.public() for r in self.replacements]
+        done = [r for r in recs if r["admitted_at"] is not None]
+        return {"replacements": len(recs), "recovered": len(done),
+                "mean_recovery_s": (sum(r["admitted_at"] - r["first_miss"] for r in done) / len(done)
+                                    if done else None),
+                "events": recs}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=self.cfg.timeout_s + 5)
+        for t in self._workers:
+            t.join(timeout=5)
+        with self._lock:
+            engines = [s.engine for s in self.slots if s.engine is not None and s.state != "removed"]
+            engines += self._standby
+            self._standby = []
+        for e in engines:
+            try:
+                e.stop()
+            except Exception:  # noqa: BLE001 - shutting down; the process may already be gone
+                pass
+        self._http.close()
