@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--first-after", type=float, default=6.0, help="seconds into the loop of the first kill")
     p.add_argument("--steps", type=int, default=40, help="training steps (enough to outlast the kills)")
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--standby", type=int, default=1, help="health.standby_engines")
+    p.add_argument("--standby", type=int, default=2, help="health.standby_engines")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
 

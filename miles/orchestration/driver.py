@@ -223,6 +223,9 @@ def run_train(cfg, resume: str | None = None) -> dict:
 
     if resume and cfg.loop.schedule != "sync":
         raise SystemExit(f"miles: --resume supports loop.schedule = 'sync' (this run uses {cfg.loop.schedule!r})")
+    if resume and cfg.fault.kill_trainer_at_step:
+        # The saved config still asks for the fault that ended the run; once was the point.
+        cfg.fault.kill_trainer_at_step = 0
     run_dir = Path(resume) if resume else make_run_dir(cfg.run.output_dir, cfg.run.name)
     save_config(cfg, run_dir / "config.json")
     log(f"run directory: {run_dir}")

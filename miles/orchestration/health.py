@@ -122,6 +122,7 @@ class Replacement:
     detected_at: float
     new_url: str | None = None
     started_at: float | None = None
+    pushed_at: float | None = None      # full weight push verified
     admitted_at: float | None = None
     error: str | None = None
 
@@ -225,7 +226,9 @@ class EngineFleet:
             r = self._http.get(url + "/health_generate", timeout=self.cfg.timeout_s)
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return None if r.status_code == 200 else f"/health_generate answered {r.status_code}: {r.text[:120]}"
+        if r.status_code == 200 or (r.status_code == 503 and "paused" in r.text):
+            return None  # paused on purpose (a verified weight push, a pause mode): alive and answering
+        return f"/health_generate answered {r.status_code}: {r.text[:120]}"
 
     def _monitor_main(self) -> None:
         with cf.ThreadPoolExecutor(16, thread_name_prefix="miles-probe") as pool:
@@ -289,7 +292,10 @@ class EngineFleet:
         try:
             engine = self._take_engine(slot.index)
             rec.new_url, rec.started_at = engine.url, time.time()
-            self._admit(slot, engine)
+            if self._stop.is_set():  # the run ended while it started
+                engine.stop()
+                return
+            self._admit(slot, engine, rec)
             rec.admitted_at = time.time()
             log.warning("engine slot %d serving again at %s, %.1fs after its first missed probe",
                         slot.index, engine.url, rec.admitted_at - rec.first_miss)
@@ -307,14 +313,17 @@ class EngineFleet:
             self._start_standby()  # the next failure finds one ready again
         return engine
 
-    def _admit(self, slot: Slot, engine: EngineHandle) -> None:
+    def _admit(self, slot: Slot, engine: EngineHandle, rec: Replacement | None = None) -> None:
         deadline = time.monotonic() + self.cfg.admit_timeout_s
         try:
             with self.weights_lock:
                 self.bring_up(engine.url)
                 with self._lock:
-                    slot.engine, slot.misses, slot.first_miss = engine, 0, None
-                self._reconnect_absorbing_failures(extra=[engine.url])
+                    # Serving from here on as far as weights go: the next push (which reconnects the main
+                    # transport to the changed set first) includes it. The router admits it below.
+                    slot.engine, slot.misses, slot.first_miss, slot.state = engine, 0, None, "serving"
+            if rec is not None:
+                rec.pushed_at = time.time()
             self._router("add_worker", engine.url)
             # The router admits it once its weight version is the fleet's; a new engine brought up at a
             # version the others do not hold yet waits for the next push, which includes it.
@@ -328,8 +337,6 @@ class EngineFleet:
             with self._lock:
                 slot.state = "removed"
             raise
-        with self._lock:
-            slot.state = "serving"
         self.on_change(self.serving_urls())
 
     def _start_standby(self) -> None:

@@ -1,5 +1,6 @@
-"""`miles train --resume RUN_DIR`: 2 steps, stop, resume, 2 more steps gives the same step-3 and
-step-4 metrics as 4 steps straight (real engine, real Ray, FSDP2 on gloo, checkpoints on disk)."""
+"""`miles train --resume RUN_DIR`: a run whose trainer is SIGKILLed during step 3 (after its step-2
+checkpoint), resumed, gives the same step-3 and step-4 metrics as 4 steps straight (real engine, real
+Ray, FSDP2 on gloo, checkpoints on disk)."""
 
 import json
 
@@ -41,9 +42,13 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, ray_c
     from miles.cli import main
     from miles.orchestration.driver import run_train
 
+    from miles.orchestration.trainer_group import TrainerFailure
+
     run_train(config(tiny_model_dir, tmp_path, "straight", 4))
-    run_train(config(tiny_model_dir, tmp_path, "resumed", 2))
+    with pytest.raises(TrainerFailure, match=r"trainer rank 0 failed in train_step.*miles train --resume"):
+        run_train(config(tiny_model_dir, tmp_path, "resumed", 4, **{"fault.kill_trainer_at_step": "3"}))
     resumed = tmp_path / "resumed"
+    assert sorted(records(resumed)) == [0, 1, 2]  # step 3 died with its trainer
     ckpts = resumed / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "state_2"
     assert not list(ckpts.glob("*.staging"))  # committed, not half-written

@@ -1,0 +1,110 @@
+"""The engine fleet over real engine processes, a real router and real weight pushes: a stalled
+engine (SIGSTOP: alive, holding its port, answering nothing) is found, killed and replaced by an
+engine brought to the fleet's weight version, while the router keeps serving; engines are added
+and removed while it runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+TOKEN = "fleet-test-token"
+
+
+@pytest.fixture()
+def fleet(tiny_model_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.orchestration.health import EngineFleet, EngineHandle, HealthConfig
+    from miles.rollout.engine.process import EngineProcess
+    from miles.rollout.router import RouterConfig, start_router_thread
+    from miles.sync.prepare import SyncConfig
+    from miles.sync.updater import WeightUpdater
+
+    torch.set_num_threads(1)
+    # The "trainer": the same checkpoint with every weight moved, so a pushed engine differs from a fresh one.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    weights = dict(model.state_dict())
+    sync_cfg = SyncConfig(bucket_size_mb=1)
+
+    def start(slot: int) -> EngineHandle:
+        proc = EngineProcess(tiny_model_dir, admin_token=TOKEN, extra_args=["--num-threads", "1"])
+        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(start, [0, 1]))
+    main = WeightUpdater(sync_cfg, TOKEN, base_path=tiny_model_dir)
+    main.connect([e.url for e in engines])
+    main.push(iter(weights.items()), 1)  # the fleet's weight version is 1
+    router = start_router_thread(RouterConfig(admin_token=TOKEN, health_check_interval_s=0.2),
+                                 [e.url for e in engines])
+    pushed: list[str] = []
+
+    def bring_up(url: str) -> None:
+        new = WeightUpdater(sync_cfg, TOKEN, base_path=tiny_model_dir)  # noise-fills and verifies every tensor
+        new.connect([url])
+        new.push(iter(weights.items()), 1)
+        new.close()
+        pushed.append(url)
+
+    f = EngineFleet(HealthConfig(interval_s=0.3, timeout_s=1.5, failure_threshold=2), start, router.url, TOKEN,
+                    bring_up=bring_up, reconnect=main.connect)
+    f.adopt(engines)
+    f.start_monitor()
+    f.pushed = pushed
+    yield f
+    f.close()
+    router.stop()
+    main.close()
+
+
+def _generate(url: str) -> httpx.Response:
+    return httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+
+
+def _active(router_url: str) -> list[str]:
+    return [w["url"] for w in httpx.get(router_url + "/list_workers").json()["workers"] if not w["quarantined"]]
+
+
+def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version(fleet):
+    stalled, survivor = fleet.serving()[0][1], fleet.serving()[1][1]
+    os.kill(stalled.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    while not (fleet.replacements and fleet.replacements[0].admitted_at) and time.monotonic() - t0 < 120:
+        # The router keeps answering meanwhile, from the engine that still works.
+        assert _generate(fleet.router_url).status_code == 200
+        time.sleep(0.2)
+    rec = fleet.replacements[0]
+    assert rec.admitted_at is not None, rec
+    assert rec.old_url == stalled.url and "timed out" in rec.reason.lower(), rec.reason
+    assert rec.detected_at - rec.first_miss < 5  # two missed probes, not a long hang
+    with pytest.raises(ProcessLookupError):  # SIGKILLed, not left stopped
+        os.kill(stalled.pid, 0)
+
+    new_url = rec.new_url
+    assert fleet.pushed == [new_url]  # fully pushed (and verified) before admission
+    assert httpx.get(new_url + "/get_weight_version").json()["weight_version"] in (1, "1")
+    assert sorted(fleet.serving_urls()) == sorted([survivor.url, new_url])
+    assert sorted(_active(fleet.router_url)) == sorted([survivor.url, new_url])
+    # The replacement generates exactly what the survivor does: same weights.
+    assert _generate(new_url).json()["output_ids"] == _generate(survivor.url).json()["output_ids"]
+
+    # Elastic: grow by one engine, then shrink by one, while the router serves.
+    added = fleet.add_engine()
+    assert added in _active(fleet.router_url) and len(fleet.serving_urls()) == 3
+    fleet.remove_engine(survivor.url)
+    assert sorted(_active(fleet.router_url)) == sorted([new_url, added])
+    assert _generate(fleet.router_url).status_code == 200
+    with pytest.raises(ValueError, match="not a serving engine"):
+        fleet.remove_engine(survivor.url)
