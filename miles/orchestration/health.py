@@ -200,9 +200,10 @@ class EngineFleet:
         """Shrink the fleet: the router stops sending to the engine, then it is stopped."""
         with self._lock:
             slot = next((s for s in self.slots if s.state == "serving" and s.engine.url == url), None)
-            if slot is None:
-                raise ValueError(f"{url} is not a serving engine of this fleet; serving: {self.serving_urls()}")
-            slot.state = "removed"
+            if slot is not None:
+                slot.state = "removed"
+        if slot is None:
+            raise ValueError(f"{url} is not a serving engine of this fleet; serving: {self.serving_urls()}")
         self._router("remove_worker", url)
         self.on_change(self.serving_urls())
         with self.weights_lock:
