@@ -17,7 +17,7 @@ Last line, one JSON object:
                           generation failed (engine failure, timeout, abort) or unaccounted for
   mean_recovery_s         from the SIGKILL to the router admitting the replacement (max_recovery_s too)
 
-    miles bench faults [--kills 3] [--every 30] [--steps 40]
+    miles bench faults [--kills 3] [--every 20] [--steps 60]
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def lost_prompts(ledger: dict) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=3, help="engine kills to inject")
-    p.add_argument("--every", type=float, default=30.0, help="seconds between two kills")
+    p.add_argument("--every", type=float, default=20.0, help="seconds between two kills")
     p.add_argument("--first-after", type=float, default=6.0, help="seconds into the loop of the first kill")
-    p.add_argument("--steps", type=int, default=40, help="training steps (enough to outlast the kills)")
+    p.add_argument("--steps", type=int, default=60, help="training steps (enough to outlast the kills)")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--standby", type=int, default=2, help="health.standby_engines")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")

@@ -39,7 +39,8 @@ class HealthConfig:
     interval_s: float = 1.0
     """Seconds between two probe rounds of every serving engine."""
     timeout_s: float = 5.0
-    """A /health_generate probe slower than this is a miss (a stalled engine answers none)."""
+    """A /health_generate probe slower than this is a miss, unless /health still answers within it
+    (a busy engine); a stalled engine answers neither."""
     failure_threshold: int = 2
     """Consecutive misses after which an engine is declared dead and replaced."""
     restart: bool = True
@@ -225,6 +226,15 @@ class EngineFleet:
 
         try:
             r = self._http.get(url + "/health_generate", timeout=self.cfg.timeout_s)
+        except httpx.TimeoutException as exc:
+            # A full batch queues the probe's token behind it; an engine whose server still answers
+            # is busy, not stalled (a stopped or wedged process answers neither).
+            try:
+                if self._http.get(url + "/health", timeout=self.cfg.timeout_s).status_code == 200:
+                    return None
+            except httpx.HTTPError:
+                pass
+            return f"{type(exc).__name__}: no answer within health.timeout_s = {self.cfg.timeout_s:g}s"
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if r.status_code == 200 or (r.status_code == 503 and "paused" in r.text):
@@ -388,19 +398,19 @@ class EngineFleet:
                             str(exc).splitlines()[0][:200], sorted(gone))
         raise FleetError("weight push kept failing while engines died; see the health log above")
 
-    def _reconnect(self, extra: list[str] = ()) -> None:
-        urls = self.serving_urls() + [u for u in extra if u not in self.serving_urls()]
+    def _reconnect(self) -> None:
+        urls = self.serving_urls()
         if set(urls) != set(self._transport_urls):
             if urls:
                 self.reconnect(urls)
             self._transport_urls = urls
 
-    def _reconnect_absorbing_failures(self, extra: list[str] = ()) -> None:
+    def _reconnect_absorbing_failures(self) -> None:
         """Reconnect; if an engine dies while the transport joins it, drop it and try again."""
         for attempt in range(3):
             before = set(self.serving_urls())
             try:
-                return self._reconnect(extra)
+                return self._reconnect()
             except Exception as exc:  # noqa: BLE001 - re-raised unless an engine left meanwhile
                 self.check_now()
                 if set(self.serving_urls()) == before or attempt == 2:

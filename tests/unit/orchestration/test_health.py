@@ -6,7 +6,6 @@ and removed while it runs."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import httpx
@@ -61,7 +60,7 @@ def fleet(tiny_model_dir):
                     bring_up=bring_up, reconnect=main.connect)
     f.adopt(engines)
     f.start_monitor()
-    f.pushed = pushed
+    f.pushed, f.router = pushed, router
     yield f
     f.close()
     router.stop()
@@ -78,8 +77,12 @@ def _active(router_url: str) -> list[str]:
 
 
 def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version(fleet):
-    stalled, survivor = fleet.serving()[0][1], fleet.serving()[1][1]
-    os.kill(stalled.pid, signal.SIGSTOP)
+    from miles.orchestration.faults import FaultConfig, FaultInjector
+
+    injector = FaultInjector(FaultConfig(seed=1), fleet)
+    fault = injector.engine_fault("stall_engine")  # SIGSTOP one of the two
+    stalled = next(e for _, e in fleet.serving() if e.pid == fault.pid)
+    survivor = next(e for _, e in fleet.serving() if e.pid != fault.pid)
     t0 = time.monotonic()
     while not (fleet.replacements and fleet.replacements[0].admitted_at) and time.monotonic() - t0 < 120:
         # The router keeps answering meanwhile, from the engine that still works.
@@ -87,8 +90,10 @@ def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version
         time.sleep(0.2)
     rec = fleet.replacements[0]
     assert rec.admitted_at is not None, rec
-    assert rec.old_url == stalled.url and "timed out" in rec.reason.lower(), rec.reason
-    assert rec.detected_at - rec.first_miss < 5  # two missed probes, not a long hang
+    assert rec.old_url == stalled.url and "no answer within" in rec.reason, rec.reason
+    assert rec.detected_at - rec.first_miss < 10  # two missed probe rounds, not a long hang
+    report = injector.report([r.public() for r in fleet.replacements])
+    assert report["stalls"] == 1 and report["recovered"] == 1 and report["mean_recovery_s"] > 0
     with pytest.raises(ProcessLookupError):  # SIGKILLed, not left stopped
         os.kill(stalled.pid, 0)
 
@@ -108,3 +113,8 @@ def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version
     assert _generate(fleet.router_url).status_code == 200
     with pytest.raises(ValueError, match="not a serving engine"):
         fleet.remove_engine(survivor.url)
+
+    # Injected dropped replies: the client gets a 502 that says so, not a hang or a wrong answer.
+    fleet.router.router.response_fault = FaultInjector(FaultConfig(drop_response_prob=0.99), fleet).drop_response
+    r = _generate(fleet.router_url)
+    assert r.status_code == 502 and "dropped (fault injection)" in r.text
