@@ -37,7 +37,8 @@ def test_fully_async_trains_within_the_staleness_bound_with_off_policy_correctio
         assert r["buffer/groups_trained"] + r["buffer/groups_discarded_zero_std"] == 4  # prompts_per_step
         assert r["buffer/staleness_max"] <= 1
         assert r["step"] - 1 - r["rollout/weight_version"] <= 1  # oldest trained weights vs the policy
-        assert 0 < r["train/tis_ess"] <= 1  # off-policy correction ran and reported
+        # Off-policy correction ran and reported (an all on-policy step gives 1 up to float32 rounding).
+        assert 0 < r["train/tis_ess"] <= 1 + 1e-6
     # The engines kept receiving weights while generating: later steps train on newer versions.
     assert steps[-1]["rollout/weight_version"] >= 1
     ledger = summary["ledger"]
