@@ -6,8 +6,8 @@
     replace(slot): the router drops it ─► its process is SIGKILLed ─► a new engine takes the slot
         (a standby already started, or a fresh start; the slot's cores, a new port)
         ─► bring_up(url): full weight push at the trainer's version, noise-fill verified
-        ─► the main weight transport reconnects to the serving set ─► router /add_worker, which
-           admits it only at the fleet's weight version ─► serving
+        ─► router /add_worker, which admits it only at the fleet's weight version ─► serving
+        (the main weight transport reconnects to the changed set at the start of the next push)
 
 The run never pauses for this: the other engines keep generating; the router retries the dead
 engine's in-flight requests on live engines, and groups that still fail go back to the buffer as
