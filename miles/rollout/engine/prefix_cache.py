@@ -107,7 +107,7 @@ class PrefixCache:
             child.last_used = now
             node, i = child, i + 1
         tail = tuple(ids[nfull * B:])
-        if i == nfull and (not tail or tail in node.starts):
+        if i == nfull and (not tail or tail in node.starts or tail in node.children):
             return 0  # a tail that some block here already starts with adds nothing
         keys, values = kv_fn(i * B, len(ids))
         for j in range(i, nfull + (1 if tail else 0)):
