@@ -9,7 +9,7 @@ the tool turn; the samples of one prompt share the first turn's prompt. Only the
 turn-end token before it are new to the cache on a later turn (the end token is sampled last, so
 its KV was never computed).
 
-    python examples/tool_calc/cache_report.py --model runs/tool_calc/grpo/checkpoints/step_16
+    python examples/tool_calc/cache_report.py --model runs/tool_calc/grpo/checkpoints/step_12
 """
 
 from __future__ import annotations
