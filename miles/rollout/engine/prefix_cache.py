@@ -4,11 +4,13 @@ A block's keys and values depend on every token before it (causal attention, abs
 positions), so a node is keyed by its own token ids under its parent: the path from the root
 spells the exact prefix the KV was computed for. Prefixes are stored as chains of `block_size`
 blocks ending, where their length is not a multiple of it, in one shorter tail block (always a
-leaf). A request reuses the longest chain of whole blocks its prompt starts with, then as much of
-one more block as its prompt shares with any child there: the KV of a block's first k tokens
-depends on nothing after them. Sub-block reuse matters for multi-turn rollouts, where each turn's
-prompt is the last turn's prompt plus its output plus a short observation, so whole blocks alone
-would lose up to `block_size - 1` tokens of history per turn.
+leaf). A request reuses the longest chain of blocks its prompt holds whole; the last one may be
+used only up to the request's limit (at least one prompt token is always computed). Tails matter
+for multi-turn rollouts, where each turn's prompt is the last turn's prompt plus its output plus a
+short observation: whole blocks alone would lose up to `block_size - 1` tokens of history per turn.
+A tail is shared like any block, only by prompts that hold all of it, never by one that diverges
+inside it: reusing the first k tokens of another prompt's block would make how much of a prompt
+comes from the cache (and so its logprobs, to the last bit) depend on which request came first.
 
 Entries are copied in and out (`insert` clones, `gather` concatenates), so nothing in the running
 batch ever points into the tree and eviction needs no reference counts: least recently used leaves
@@ -24,13 +26,10 @@ import torch
 
 
 class _Node:
-    __slots__ = ("children", "starts", "keys", "values", "parent", "edge", "last_used")
+    __slots__ = ("children", "keys", "values", "parent", "edge", "last_used")
 
     def __init__(self, parent: "_Node | None", edge: tuple[int, ...], keys=None, values=None):
-        self.children: dict[tuple[int, ...], _Node] = {}
-        # First k < block_size tokens of a child's edge → a child that starts with them, so a
-        # sub-block match costs block_size dict lookups however many children there are.
-        self.starts: dict[tuple[int, ...], _Node] = {}
+        self.children: dict[tuple[int, ...], _Node] = {}  # by edge: block_size tokens, or fewer for a tail
         self.parent = parent
         self.edge = edge
         self.keys = keys  # (layers, kv_heads, len(edge), head_dim)
@@ -71,12 +70,15 @@ class PrefixCache:
             nodes.append(child)
             node, pos = child, pos + B
         last = B
-        for k in range(min(B - 1, n - pos), 0, -1):
-            child = node.starts.get(tuple(ids[pos:pos + k]))
+        # One more block the prompt holds whole (a tail, or a full block past the limit), up to the limit.
+        for e in range(min(B, len(ids) - pos), 0, -1):
+            child = node.children.get(tuple(ids[pos:pos + e]))
             if child is not None:
-                child.last_used = now
-                nodes.append(child)
-                pos, last = pos + k, k
+                if n > pos:
+                    child.last_used = now
+                    nodes.append(child)
+                    last = min(e, n - pos)
+                    pos += last
                 break
         return Match(nodes, pos, last)
 
@@ -107,8 +109,8 @@ class PrefixCache:
             child.last_used = now
             node, i = child, i + 1
         tail = tuple(ids[nfull * B:])
-        if i == nfull and (not tail or tail in node.starts or tail in node.children):
-            return 0  # a tail that some block here already starts with adds nothing
+        if i == nfull and (not tail or tail in node.children):
+            return 0
         keys, values = kv_fn(i * B, len(ids))
         for j in range(i, nfull + (1 if tail else 0)):
             a, b = (j - i) * B, min((j - i + 1) * B, len(ids) - i * B)
@@ -120,24 +122,17 @@ class PrefixCache:
         return added
 
     def _add(self, parent: _Node, edge: tuple[int, ...], keys, values, now: int) -> _Node:
+        for k in range(1, len(edge)):
+            old = parent.children.get(edge[:k])
+            if old is not None:
+                self._remove(old)  # a shorter tail of the same tokens: the new block holds its KV too
         child = _Node(parent, edge, keys, values)
         child.last_used = now
-        for k in range(1, min(len(edge), self.block_size - 1) + 1):
-            old = parent.children.get(edge[:k])
-            if old is not None and k < len(edge):
-                self._remove(old)  # a shorter tail of the same tokens: the new block holds its KV too
-            parent.starts[edge[:k]] = child
         parent.children[edge] = child
         return child
 
     def _remove(self, leaf: _Node) -> None:
-        parent = leaf.parent
-        del parent.children[leaf.edge]
-        for k in range(1, min(len(leaf.edge), self.block_size - 1) + 1):
-            if parent.starts.get(leaf.edge[:k]) is leaf:
-                # Another child may start the same way; finding it would cost a scan of the siblings,
-                # so the entry just goes and the next insert there restores it.
-                del parent.starts[leaf.edge[:k]]
+        del leaf.parent.children[leaf.edge]
         self.num_tokens -= len(leaf.edge)
 
     def clear(self) -> None:

@@ -20,11 +20,14 @@ def test_radix_tree_matches_blocks_and_evicts_least_recently_used():
     assert cache.insert(list(range(10)), _kv(10)) == 10  # two full blocks and a 2-token tail
     assert cache.num_tokens == 10
     hit = cache.match(list(range(9)) + [99])
-    assert hit.tokens == 9  # the whole blocks, then the part of the tail the prompt shares
+    assert hit.tokens == 8  # the whole blocks; the prompt diverges inside the tail
     k, _ = PrefixCache.gather(hit)
-    assert k.shape == (2, 1, 9, 3) and k[0, 0, :, 0].tolist() == list(range(9))
-    assert cache.match([0, 1, 2, 3, 4, 4, 7, 7]).tokens == 5  # diverges inside the second block
+    assert k.shape == (2, 1, 8, 3) and k[0, 0, :, 0].tolist() == list(range(8))
+    assert cache.match([0, 1, 2, 3, 4, 4, 7, 7]).tokens == 4  # diverges inside the second block
     assert cache.match(list(range(10)), limit=7).tokens == 7  # never more than the limit
+    hit = cache.match(list(range(12)), limit=9)
+    k, _ = PrefixCache.gather(hit)
+    assert hit.tokens == 9 and k[0, 0, :, 0].tolist() == list(range(9))  # the tail, up to the limit
     other = [50 + i for i in range(12)]
     assert cache.insert(other, _kv(12)) == 12
     assert cache.num_tokens <= 16  # evicted down to capacity
@@ -39,16 +42,18 @@ def test_longer_tail_replaces_the_shorter_one_and_blocks_grow_past_it():
     assert cache.insert([1, 2, 3, 4], _kv(4)) == 0  # already held
     assert cache.insert([1, 2, 3, 4, 5, 6, 7], _kv(7)) == 3  # tail 5 → tail 5 6 7, the KV recomputed once
     assert cache.num_tokens == 7
-    assert cache.insert([1, 2, 3, 4, 5, 6], _kv(6)) == 0  # the longer tail starts with it
+    assert cache.insert([1, 2, 3, 4, 5, 6], _kv(6)) == 2  # a tail of its own: a prompt may hold just this one
+    assert cache.num_tokens == 9
     # A turn's history grows by a model turn and an observation: everything before it is reused.
     history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert cache.match(history, limit=len(history) - 1).tokens == 7
     assert cache.insert(history, _kv(10, fill=100.0)) == 6
-    assert cache.num_tokens == 10  # the 3-token tail went into a whole block, which holds its KV
+    assert cache.num_tokens == 10  # both tails went into a whole block, which holds their KV
     hit = cache.match(history + [11])
     k, _ = PrefixCache.gather(hit)
     assert hit.tokens == 10 and k[0, 0, 4:, 0].tolist() == [104.0 + i for i in range(6)]
-    assert cache.match([1, 2, 3, 4, 5, 6, 7, 0]).tokens == 7  # part of the block that replaced the tail
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 0]).tokens == 4  # diverges inside the block that replaced them
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0], limit=7).tokens == 7
 
 
 def test_block_size_one_caches_every_token():
