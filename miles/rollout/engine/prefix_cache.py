@@ -4,13 +4,14 @@ A block's keys and values depend on every token before it (causal attention, abs
 positions), so a node is keyed by its own token ids under its parent: the path from the root
 spells the exact prefix the KV was computed for. Prefixes are stored as chains of `block_size`
 blocks ending, where their length is not a multiple of it, in one shorter tail block (always a
-leaf). A request reuses the longest chain of blocks its prompt holds whole; the last one may be
-used only up to the request's limit (at least one prompt token is always computed). Tails matter
-for multi-turn rollouts, where each turn's prompt is the last turn's prompt plus its output plus a
-short observation: whole blocks alone would lose up to `block_size - 1` tokens of history per turn.
-A tail is shared like any block, only by prompts that hold all of it, never by one that diverges
-inside it: reusing the first k tokens of another prompt's block would make how much of a prompt
-comes from the cache (and so its logprobs, to the last bit) depend on which request came first.
+leaf). A request reuses the longest chain of blocks, tails included, that its prompt holds whole
+within its limit (at least one prompt token is always computed). Tails matter for multi-turn
+rollouts, where each turn's prompt is the last turn's prompt plus its output plus a short
+observation: whole blocks alone would lose up to `block_size - 1` tokens of history per turn.
+A block is used whole or not at all. Reusing the first k tokens of a block would let the copies of
+one prompt, or prompts that diverge inside a block, take different paths (cached prefix or a
+full prefill) depending on which request came first, and their logprobs would then differ in the
+last bits from run to run.
 
 Entries are copied in and out (`insert` clones, `gather` concatenates), so nothing in the running
 batch ever points into the tree and eviction needs no reference counts: least recently used leaves
@@ -38,13 +39,12 @@ class _Node:
 
 
 class Match:
-    """Cached blocks a prompt starts with, root first; `tokens` of them are usable (the last block may
-    be used only in part)."""
+    """Cached blocks a prompt starts with, root first, holding `tokens` tokens in all."""
 
-    __slots__ = ("nodes", "tokens", "last")
+    __slots__ = ("nodes", "tokens")
 
-    def __init__(self, nodes: list[_Node], tokens: int, last: int):
-        self.nodes, self.tokens, self.last = nodes, tokens, last  # last: tokens used of nodes[-1]
+    def __init__(self, nodes: list[_Node], tokens: int):
+        self.nodes, self.tokens = nodes, tokens
 
 
 class PrefixCache:
@@ -69,26 +69,20 @@ class PrefixCache:
             child.last_used = now
             nodes.append(child)
             node, pos = child, pos + B
-        last = B
-        # One more block the prompt holds whole (a tail, or a full block past the limit), up to the limit.
-        for e in range(min(B, len(ids) - pos), 0, -1):
+        # Then a tail block, if the prompt holds one whole within the limit.
+        for e in range(min(B - 1, n - pos), 0, -1):
             child = node.children.get(tuple(ids[pos:pos + e]))
             if child is not None:
-                if n > pos:
-                    child.last_used = now
-                    nodes.append(child)
-                    last = min(e, n - pos)
-                    pos += last
+                child.last_used = now
+                nodes.append(child)
+                pos += e
                 break
-        return Match(nodes, pos, last)
+        return Match(nodes, pos)
 
     @staticmethod
     def gather(match: Match) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenated KV of a match: keys, values each (layers, kv_heads, match.tokens, head_dim)."""
-        *whole, last = match.nodes
-        keys = [n.keys for n in whole] + [last.keys[:, :, :match.last]]
-        values = [n.values for n in whole] + [last.values[:, :, :match.last]]
-        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        return torch.cat([n.keys for n in match.nodes], dim=2), torch.cat([n.values for n in match.nodes], dim=2)
 
     def insert(self, ids, kv_fn) -> int:
         """Add what the cache lacks of `ids` (whole blocks, then the tail); returns tokens added.

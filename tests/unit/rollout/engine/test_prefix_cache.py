@@ -24,10 +24,11 @@ def test_radix_tree_matches_blocks_and_evicts_least_recently_used():
     k, _ = PrefixCache.gather(hit)
     assert k.shape == (2, 1, 8, 3) and k[0, 0, :, 0].tolist() == list(range(8))
     assert cache.match([0, 1, 2, 3, 4, 4, 7, 7]).tokens == 4  # diverges inside the second block
-    assert cache.match(list(range(10)), limit=7).tokens == 7  # never more than the limit
-    hit = cache.match(list(range(12)), limit=9)
+    assert cache.match(list(range(10)), limit=7).tokens == 4  # never more than the limit; blocks whole
+    assert cache.match(list(range(10)), limit=9).tokens == 8  # a copy of the prompt cannot take all of its tail
+    hit = cache.match(list(range(12)), limit=11)
     k, _ = PrefixCache.gather(hit)
-    assert hit.tokens == 9 and k[0, 0, :, 0].tolist() == list(range(9))  # the tail, up to the limit
+    assert hit.tokens == 10 and k[0, 0, :, 0].tolist() == list(range(10))  # a longer prompt takes it
     other = [50 + i for i in range(12)]
     assert cache.insert(other, _kv(12)) == 12
     assert cache.num_tokens <= 16  # evicted down to capacity
@@ -53,7 +54,7 @@ def test_longer_tail_replaces_the_shorter_one_and_blocks_grow_past_it():
     k, _ = PrefixCache.gather(hit)
     assert hit.tokens == 10 and k[0, 0, 4:, 0].tolist() == [104.0 + i for i in range(6)]
     assert cache.match([1, 2, 3, 4, 5, 6, 7, 0]).tokens == 4  # diverges inside the block that replaced them
-    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0], limit=7).tokens == 7
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0], limit=7).tokens == 4
 
 
 def test_block_size_one_caches_every_token():
