@@ -460,13 +460,14 @@ class Engine:
         for i, ids in enumerate(uniq):
             if i in full:
                 continue
-            n = min(shared_len[i], len(ids) - 1) // B * B
-            before = len(self.prefix_cache.match(ids, limit=n)) * B
-            if n > before and ids[:n] not in todo:
+            n = min(shared_len[i], len(ids) - 1)
+            before = self.prefix_cache.match(ids, limit=n).tokens
+            # Worth its own forward only when it saves at least a block's worth of recomputation.
+            if n - before >= B and ids[:n] not in todo:
                 todo[ids[:n]] = i
         if not todo:
             return {}
-        charged = {i: len(self.prefix_cache.match(uniq[i], limit=len(uniq[i]) - 1)) * B for i in todo.values()}
+        charged = {i: self.prefix_cache.match(uniq[i], limit=len(uniq[i]) - 1).tokens for i in todo.values()}
         self._prefill_forward(list(todo))
         return charged
 
@@ -477,7 +478,7 @@ class Engine:
         or None). Caller holds model_lock."""
         # At least one token is always computed: its logits choose the first output token.
         hits = [self.prefix_cache.match(ids, limit=0 if i in full else len(ids) - 1) for i, ids in enumerate(prompts)]
-        cached = [len(h) * self.prefix_cache.block_size for h in hits]
+        cached = [h.tokens for h in hits]
         suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
         R, M, S = len(prompts), max(cached), max(suffix)
         ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded

@@ -1,9 +1,17 @@
 """Prefix cache: a radix tree over token ids whose nodes each hold the KV of one block of tokens.
 
 A block's keys and values depend on every token before it (causal attention, absolute RoPE
-positions), so a node is keyed by its own `block_size` token ids under its parent: the path from the
-root spells the exact prefix the KV was computed for. Only full blocks are cached; a request reuses
-the longest chain of cached blocks that its prompt starts with and computes the rest.
+positions), so a node is keyed by its own token ids under its parent: the path from the root
+spells the exact prefix the KV was computed for. Prefixes are stored as chains of `block_size`
+blocks ending, where their length is not a multiple of it, in one shorter tail block (always a
+leaf). A request reuses the longest chain of blocks, tails included, that its prompt holds whole
+within its limit (at least one prompt token is always computed). Tails matter for multi-turn
+rollouts, where each turn's prompt is the last turn's prompt plus its output plus a short
+observation: whole blocks alone would lose up to `block_size - 1` tokens of history per turn.
+A block is used whole or not at all. Reusing the first k tokens of a block would let the copies of
+one prompt, or prompts that diverge inside a block, take different paths (cached prefix or a
+full prefill) depending on which request came first, and their logprobs would then differ in the
+last bits from run to run.
 
 Entries are copied in and out (`insert` clones, `gather` concatenates), so nothing in the running
 batch ever points into the tree and eviction needs no reference counts: least recently used leaves
@@ -22,12 +30,21 @@ class _Node:
     __slots__ = ("children", "keys", "values", "parent", "edge", "last_used")
 
     def __init__(self, parent: "_Node | None", edge: tuple[int, ...], keys=None, values=None):
-        self.children: dict[tuple[int, ...], _Node] = {}
+        self.children: dict[tuple[int, ...], _Node] = {}  # by edge: block_size tokens, or fewer for a tail
         self.parent = parent
         self.edge = edge
-        self.keys = keys  # (layers, kv_heads, block, head_dim)
+        self.keys = keys  # (layers, kv_heads, len(edge), head_dim)
         self.values = values
         self.last_used = 0
+
+
+class Match:
+    """Cached blocks a prompt starts with, root first, holding `tokens` tokens in all."""
+
+    __slots__ = ("nodes", "tokens")
+
+    def __init__(self, nodes: list[_Node], tokens: int):
+        self.nodes, self.tokens = nodes, tokens
 
 
 class PrefixCache:
@@ -38,32 +55,37 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self._root = _Node(None, ())
         self._clock = itertools.count(1)
-        self.num_blocks = 0
+        self.num_tokens = 0
 
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def match(self, ids, limit: int | None = None) -> list[_Node]:
-        """The cached blocks `ids` starts with, at most `limit` tokens' worth, root first."""
+    def match(self, ids, limit: int | None = None) -> Match:
+        """The cached prefix `ids` starts with, at most `limit` tokens of it."""
         B = self.block_size
         n = len(ids) if limit is None else min(limit, len(ids))
-        node, out, now = self._root, [], next(self._clock)
-        for start in range(0, n - n % B, B):
-            node = node.children.get(tuple(ids[start:start + B]))
-            if node is None:
+        node, nodes, now, pos = self._root, [], next(self._clock), 0
+        while pos + B <= n:
+            child = node.children.get(tuple(ids[pos:pos + B]))
+            if child is None:
                 break
-            node.last_used = now
-            out.append(node)
-        return out
+            child.last_used = now
+            nodes.append(child)
+            node, pos = child, pos + B
+        # Then a tail block, if the prompt holds one whole within the limit.
+        for e in range(min(B - 1, n - pos), 0, -1):
+            child = node.children.get(tuple(ids[pos:pos + e]))
+            if child is not None:
+                child.last_used = now
+                nodes.append(child)
+                pos += e
+                break
+        return Match(nodes, pos)
 
     @staticmethod
-    def gather(nodes: list[_Node]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated KV of a chain of blocks: keys, values each (layers, kv_heads, tokens, head_dim)."""
-        return torch.cat([n.keys for n in nodes], dim=2), torch.cat([n.values for n in nodes], dim=2)
+    def gather(match: Match) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated KV of a match: keys, values each (layers, kv_heads, match.tokens, head_dim)."""
+        return torch.cat([n.keys for n in match.nodes], dim=2), torch.cat([n.values for n in match.nodes], dim=2)
 
-    def insert(self, ids, kv_fn, start_blocks: int = 0) -> int:
-        """Add the full blocks of `ids` that are missing; returns how many blocks were added.
+    def insert(self, ids, kv_fn) -> int:
+        """Add what the cache lacks of `ids` (whole blocks, then the tail); returns tokens added.
 
         kv_fn(a, b) returns (keys, values) for token positions [a, b), each (layers, kv_heads, b - a,
         head_dim); it is called once, for the span that is not cached yet, so a caller holding a big
@@ -80,36 +102,48 @@ class PrefixCache:
                 break
             child.last_used = now
             node, i = child, i + 1
-        if i == nfull:
+        tail = tuple(ids[nfull * B:])
+        if i == nfull and (not tail or tail in node.children):
             return 0
-        keys, values = kv_fn(i * B, nfull * B)
-        for j in range(i, nfull):
-            a = (j - i) * B
-            edge = tuple(ids[j * B:(j + 1) * B])
-            child = _Node(node, edge, keys[:, :, a:a + B].clone(), values[:, :, a:a + B].clone())
-            child.last_used = now
-            node.children[edge] = child
-            node = child
-        self.num_blocks += nfull - i
+        keys, values = kv_fn(i * B, len(ids))
+        for j in range(i, nfull + (1 if tail else 0)):
+            a, b = (j - i) * B, min((j - i + 1) * B, len(ids) - i * B)
+            node = self._add(node, tuple(ids[j * B:j * B + b - a]), keys[:, :, a:b].clone(),
+                             values[:, :, a:b].clone(), now)
+        added = len(ids) - i * B
+        self.num_tokens += added
         self._evict()
-        return nfull - i
+        return added
+
+    def _add(self, parent: _Node, edge: tuple[int, ...], keys, values, now: int) -> _Node:
+        for k in range(1, len(edge)):
+            old = parent.children.get(edge[:k])
+            if old is not None:
+                self._remove(old)  # a shorter tail of the same tokens: the new block holds its KV too
+        child = _Node(parent, edge, keys, values)
+        child.last_used = now
+        parent.children[edge] = child
+        return child
+
+    def _remove(self, leaf: _Node) -> None:
+        del leaf.parent.children[leaf.edge]
+        self.num_tokens -= len(leaf.edge)
 
     def clear(self) -> None:
         self._root = _Node(None, ())
-        self.num_blocks = 0
+        self.num_tokens = 0
 
     def _evict(self) -> None:
         if self.num_tokens <= self.max_tokens:
             return
         # Evict down to 90% so a full cache does not pay a tree walk on every insert.
-        target = int(self.max_tokens * 0.9) // self.block_size
+        target = int(self.max_tokens * 0.9)
         leaves = [n for n in self._walk() if not n.children]
         leaves.sort(key=lambda n: n.last_used)
-        while self.num_blocks > target and leaves:
+        while self.num_tokens > target and leaves:
             leaf = leaves.pop(0)
             parent = leaf.parent
-            del parent.children[leaf.edge]
-            self.num_blocks -= 1
+            self._remove(leaf)
             if parent is not self._root and not parent.children:
                 # The parent became a leaf: keep the list ordered by recency.
                 k = next((i for i, n in enumerate(leaves) if n.last_used > parent.last_used), len(leaves))

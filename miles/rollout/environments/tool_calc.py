@@ -2,7 +2,8 @@
 
 The model may call the tool with a turn of the form `calc <expression>` and is shown the result as
 a tool turn; any other turn is its final answer, scored 1.0 when it equals the reference exactly.
-Only numbers, + - * // % and parentheses are evaluated (a parsed AST, never `eval`).
+Only numbers, + - * // % and parentheses are evaluated (a parsed AST, never `eval`); zero-padded
+numbers (`07+38`, the fixed-width problem layout) are read as decimal.
 Non-goal: a general tool-call format (JSON function calling); this is the smallest tool that makes
 tool use worth learning for a tiny model.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 
 from miles.rollout.environments.base import StepResult
 
 TOOL_PREFIX = "calc "
+_LEADING_ZEROS = re.compile(r"\b0+(?=\d)")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod}
 
@@ -24,7 +27,8 @@ def evaluate(expression: str) -> str:
     if len(expression) > 64:
         return "error: expression too long"
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        # Python reads `07` as a syntax error (octal literals need 0o); the problems write it for 7.
+        tree = ast.parse(_LEADING_ZEROS.sub("", expression.strip()), mode="eval")
         return str(_value(tree.body))
     except (SyntaxError, ValueError, ZeroDivisionError) as e:
         return f"error: {e.__class__.__name__}"

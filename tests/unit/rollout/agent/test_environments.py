@@ -63,6 +63,8 @@ def test_calculator_evaluates_arithmetic_only():
     assert evaluate("__import__('os').system('id')").startswith("error")
     assert evaluate("2**100000").startswith("error") and evaluate("1//0").startswith("error")
     assert evaluate("9" * 70) == "error: expression too long"
+    # The fixed-width layout pads operands with zeros; Python alone would call 07 a syntax error.
+    assert evaluate("07+38") == "45" and evaluate("100-007") == "93" and evaluate("0+00") == "0"
 
 
 def test_calculator_episode_tool_call_then_answer():

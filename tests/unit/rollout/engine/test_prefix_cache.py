@@ -15,20 +15,52 @@ def _kv(n, fill=0.0):
     return lambda a, b: (torch.arange(a, b, dtype=torch.float32).view(1, 1, -1, 1).expand(2, 1, -1, 3) + fill,) * 2
 
 
-def test_radix_tree_matches_whole_blocks_and_evicts_least_recently_used():
+def test_radix_tree_matches_blocks_and_evicts_least_recently_used():
     cache = PrefixCache(block_size=4, max_tokens=16)
-    assert cache.insert(list(range(10)), _kv(10)) == 2  # two full blocks, the partial one is dropped
+    assert cache.insert(list(range(10)), _kv(10)) == 10  # two full blocks and a 2-token tail
+    assert cache.num_tokens == 10
     hit = cache.match(list(range(9)) + [99])
-    assert len(hit) == 2
+    assert hit.tokens == 8  # the whole blocks; the prompt diverges inside the tail
     k, _ = PrefixCache.gather(hit)
     assert k.shape == (2, 1, 8, 3) and k[0, 0, :, 0].tolist() == list(range(8))
-    assert len(cache.match([0, 1, 2, 3, 7, 7, 7, 7])) == 1  # diverges inside the second block
-    assert len(cache.match(list(range(10)), limit=7)) == 1  # never more than the limit
+    assert cache.match([0, 1, 2, 3, 4, 4, 7, 7]).tokens == 4  # diverges inside the second block
+    assert cache.match(list(range(10)), limit=7).tokens == 4  # never more than the limit; blocks whole
+    assert cache.match(list(range(10)), limit=9).tokens == 8  # a copy of the prompt cannot take all of its tail
+    hit = cache.match(list(range(12)), limit=11)
+    k, _ = PrefixCache.gather(hit)
+    assert hit.tokens == 10 and k[0, 0, :, 0].tolist() == list(range(10))  # a longer prompt takes it
     other = [50 + i for i in range(12)]
-    assert cache.insert(other, _kv(12)) == 3
+    assert cache.insert(other, _kv(12)) == 12
     assert cache.num_tokens <= 16  # evicted down to capacity
-    assert len(cache.match(other)) == 3  # the newest entry survives
-    assert len(cache.match(list(range(8)))) < 2  # the older one lost its tail first
+    assert cache.match(other).tokens == 12  # the newest entry survives
+    assert cache.match(list(range(8))).tokens < 8  # the older one lost its tail first
+
+
+def test_longer_tail_replaces_the_shorter_one_and_blocks_grow_past_it():
+    cache = PrefixCache(block_size=4, max_tokens=100)
+    assert cache.insert([1, 2, 3, 4, 5], _kv(5)) == 5
+    assert cache.insert([1, 2, 3, 4, 5], _kv(5)) == 0  # nothing new
+    assert cache.insert([1, 2, 3, 4], _kv(4)) == 0  # already held
+    assert cache.insert([1, 2, 3, 4, 5, 6, 7], _kv(7)) == 3  # tail 5 → tail 5 6 7, the KV recomputed once
+    assert cache.num_tokens == 7
+    assert cache.insert([1, 2, 3, 4, 5, 6], _kv(6)) == 2  # a tail of its own: a prompt may hold just this one
+    assert cache.num_tokens == 9
+    # A turn's history grows by a model turn and an observation: everything before it is reused.
+    history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert cache.match(history, limit=len(history) - 1).tokens == 7
+    assert cache.insert(history, _kv(10, fill=100.0)) == 6
+    assert cache.num_tokens == 10  # both tails went into a whole block, which holds their KV
+    hit = cache.match(history + [11])
+    k, _ = PrefixCache.gather(hit)
+    assert hit.tokens == 10 and k[0, 0, 4:, 0].tolist() == [104.0 + i for i in range(6)]
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 0]).tokens == 4  # diverges inside the block that replaced them
+    assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0], limit=7).tokens == 4
+
+
+def test_block_size_one_caches_every_token():
+    cache = PrefixCache(block_size=1, max_tokens=100)
+    assert cache.insert([5, 6, 7], _kv(3)) == 3
+    assert cache.match([5, 6, 8]).tokens == 2
 
 
 def _gen(client, ids, n=12, logprob=True):
