@@ -18,7 +18,7 @@ warm start of the example's model (or --sft-model, an existing one), then GRPO w
 steps as it takes to train the same number of samples; eval accuracy gain of each (same held-out
 prompts, greedy) and `gain_gap` = sync gain − fully_async gain (done when <= 0.05).
 
-    miles bench async [--steps 8] [--prompts-per-step 8] [--max-new-tokens 192] [--pacing]
+    miles bench async [--steps 8] [--prompts-per-step 8] [--max-new-tokens 192] [--inflight-groups N] [--pacing]
     miles bench async --learn [--learn-steps 40] [--sft-steps 600] [--preset small-qwen3] [--sft-model DIR]
 """
 
@@ -46,9 +46,9 @@ def schedules(args) -> dict[str, dict[str, str]]:
     disagg = {"placement.mode": "disaggregated", "rollout.engine_num_threads": half, "trainer.num_threads": half}
     # One step's worth in flight and one ready: enough to keep the engine's batch full without
     # letting groups wait so long in the buffer that they go stale.
+    inflight = str(args.inflight_groups or args.prompts_per_step)
     overlap = {**disagg, "buffer.max_staleness": str(args.max_staleness),
-               "buffer.max_inflight_groups": str(args.prompts_per_step),
-               "buffer.capacity": str(args.prompts_per_step)}
+               "buffer.max_inflight_groups": inflight, "buffer.capacity": inflight}
     runs = {
         "sync_colocated": {"placement.mode": "colocated", "rollout.engine_num_threads": str(ncores),
                            "trainer.num_threads": str(ncores)},
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--inflight-groups", type=int, default=0,
+                   help="buffer.max_inflight_groups and buffer.capacity of the overlapped runs (default: one step's)")
     p.add_argument("--pacing", action="store_true", help="also run fully_async with buffer.pacing on")
     p.add_argument("--only", default="", help="comma-separated schedules (default: all)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
