@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed pushes per transport (the median is reported)")
     ap.add_argument("--steps", type=int, default=2, help="AdamW steps before the disk-delta update")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--load-format", default="flattened_small", choices=["flattened_small", "flattened_bucket"],
+                    help="broadcast wire format (see miles/sync/transports/broadcast.py)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     bucket_bytes = a.bucket_mb << 20
@@ -171,7 +173,8 @@ def main(argv=None) -> int:
         version = 0
         try:
             results: dict[str, list[float]] = {"broadcast": [], "raw": [], "p2p": [], "colocated": [], "memcpy": []}
-            transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300),
+            transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300,
+                                                     load_format=a.load_format),
                           "p2p": get_transport("p2p", admin_token=token, timeout_s=300, buffer_bytes=bucket_bytes),
                           "colocated": get_transport("colocated", admin_token=token, timeout_s=300,
                                                      buffer_bytes=bucket_bytes)}
