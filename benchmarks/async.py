@@ -32,13 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-# A reward an untrained model earns about half the time, so every group carries a learning signal
-# and the trainer does real work on every sample (exact-match on a random model is always 0).
-REWARD_MODULE = '''
-def text_parity(response, label):
-    return float(len(response) % 2)
-'''
-
 
 def schedules(args) -> dict[str, dict[str, str]]:
     ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
@@ -147,10 +140,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-async-"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_async_reward.py").write_text(REWARD_MODULE)
-    # Ray workers inherit PYTHONPATH from this process, so the rollout actor can import the reward.
-    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(out), os.environ.get("PYTHONPATH")) if x)
-    sys.path.insert(0, str(out))
     import ray
 
     from miles.config import load_config
@@ -175,7 +164,7 @@ def main(argv=None) -> int:
             "rollout.prompts_per_step": str(args.prompts_per_step),
             "rollout.n_samples_per_prompt": str(args.samples_per_prompt),
             "rollout.max_new_tokens": str(args.max_new_tokens), "rollout.response_lengths": "long_tail",
-            "rollout.reward": "bench_async_reward:text_parity", "buffer.filter": "nonzero_std",
+            "rollout.reward": "text_parity", "buffer.filter": "nonzero_std",
             "eval.every_steps": "0", "eval.num_prompts": "8", "eval.max_new_tokens": "4",
             # Packed micro-batches: training cost follows the tokens trained, not the longest sample.
             "trainer.lr": "1e-4", "trainer.pack_sequences": "true", "trainer.max_tokens_per_micro_batch": "4096",

@@ -30,10 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REWARD_MODULE = '''
-def text_parity(response, label):
-    return float(len(response) % 2)
-'''
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "arithmetic"
 FAILURE_REASONS = ("engine_failure", "timeout", "aborted")
@@ -60,10 +56,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-faults-"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_faults_reward.py").write_text(REWARD_MODULE)
-    # Ray workers inherit PYTHONPATH from this process, so the rollout actor can import the reward.
-    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(out), os.environ.get("PYTHONPATH")) if x)
-    sys.path.insert(0, str(out))
     import ray
 
     from miles.config import load_config
@@ -76,7 +68,7 @@ def main(argv=None) -> int:
         "model.path": str(model), "run.output_dir": str(out / "runs"), "run.name": "faults",
         "loop.schedule": "fully_async", "loop.num_steps": str(args.steps), "loop.save_every": "0",
         "rollout.num_engines": str(args.engines), "rollout.prompts_per_step": "8",
-        "rollout.n_samples_per_prompt": "4", "rollout.reward": "bench_faults_reward:text_parity",
+        "rollout.n_samples_per_prompt": "4", "rollout.reward": "text_parity",
         "buffer.max_inflight_groups": "16", "buffer.capacity": "16", "buffer.max_staleness": "2",
         "trainer.micro_batch_size": "64", "trainer.algorithm.tis_mode": "truncate",
         "eval.every_steps": "0", "eval.num_prompts": "16", "sync.bucket_size_mb": "64",

@@ -19,7 +19,13 @@ def exact_match(response: str, label: str | None) -> float:
     return float(label is not None and response.strip() == label.strip())
 
 
-REWARDS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_match}
+def text_parity(response: str, label: str | None) -> float:
+    """1.0 when the response has an odd number of characters: a synthetic reward that even an
+    untrained model earns about half the time, so every group carries signal (throughput benchmarks)."""
+    return float(len(response) % 2)
+
+
+REWARDS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_match, "text_parity": text_parity}
 
 
 def get_reward_fn(name: str) -> Callable[[str, str | None], float]:
