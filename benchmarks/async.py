@@ -7,8 +7,9 @@ where a synchronous step waits on its slowest sample. Compared:
   sync disaggregated half the cores each, still taking turns
   one_step_off       half the cores each, generation of step k+1 overlaps training of step k
   fully_async        half the cores each, engines never wait; max_staleness bounds the lag
-Throughput is trained samples per second of loop time (steps 1..N-1; the last step also runs the
-final evaluation). `ratio` = fully_async / the faster sync setup. With --pacing the fully-async run
+Throughput is trained samples per second of loop time in the steady state: steps after the first
+--warmup-steps (which fill the pipeline and warm the engines up) up to N-1 (the last step also runs
+the final evaluation). `ratio` = fully_async / the faster sync setup. With --pacing the fully-async run
 is repeated with buffer.pacing on, and for both runs the mean response length of the groups dropped
 as stale is reported beside the mean of all groups (which prompts each mode throws away).
 Last line: one JSON object.
@@ -18,7 +19,7 @@ warm start of the example's model (or --sft-model, an existing one), then GRPO w
 steps as it takes to train the same number of samples; eval accuracy gain of each (same held-out
 prompts, greedy) and `gain_gap` = sync gain − fully_async gain (done when <= 0.05).
 
-    miles bench async [--steps 8] [--prompts-per-step 8] [--max-new-tokens 192] [--inflight-groups N] [--pacing]
+    miles bench async [--steps 12] [--warmup-steps 1] [--prompts-per-step 8] [--max-new-tokens 192] [--inflight-groups N] [--pacing]
     miles bench async --learn [--learn-steps 40] [--sft-steps 600] [--preset small-qwen3] [--sft-model DIR]
 """
 
@@ -54,10 +55,10 @@ def schedules(args) -> dict[str, dict[str, str]]:
     return runs
 
 
-def figures(run_dir: Path) -> dict:
+def figures(run_dir: Path, warmup_steps: int = 0) -> dict:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if r["step"] > 0]
-    timed = steps[:-1] or steps
+    timed = steps[warmup_steps:-1] or steps
     samples = sum(r.get("buffer/samples_trained", 0) for r in timed)
     seconds = sum(r["perf/step_s"] for r in timed)
     stale = [r["buffer/staleness_mean"] for r in steps if "buffer/staleness_mean" in r]
@@ -118,7 +119,9 @@ def learn(args, out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench async", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="first steps left out of the throughput (pipeline fill, engine warm-up)")
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=192)
@@ -135,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--sft-model", default="", help="reuse this SFT checkpoint instead of training one")
     p.add_argument("--eval-prompts", type=int, default=256)
     args = p.parse_args(argv)
+    if not args.learn and args.steps < args.warmup_steps + 2:
+        p.error(f"--steps {args.steps} leaves no timed step after {args.warmup_steps} warm-up step(s) and the "
+                f"final one; use --steps {args.warmup_steps + 3} or more")
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -174,7 +180,7 @@ def main(argv=None) -> int:
     for name in names:
         cfg = load_config(RunConfig, None, {**base, **runs[name], "run.name": name})
         summary = run_train(cfg)
-        results[name] = figures(Path(summary["run_dir"]))
+        results[name] = figures(Path(summary["run_dir"]), args.warmup_steps)
         results[name]["ledger"] = summary["ledger"]
         print(f"[bench async] {name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     ray.shutdown()
@@ -191,7 +197,8 @@ def main(argv=None) -> int:
             "ratio": fa["samples_per_s"] / best_sync if fa and best_sync else None,
             "one_step_off_ratio": rate("one_step_off") / best_sync if rate("one_step_off") and best_sync else None,
             "mean_staleness": fa.get("mean_staleness"), "dropped_stale": fa.get("dropped_stale"),
-            "max_staleness": args.max_staleness, "steps": args.steps, "prompts_per_step": args.prompts_per_step,
+            "max_staleness": args.max_staleness, "steps": args.steps, "warmup_steps": args.warmup_steps,
+            "prompts_per_step": args.prompts_per_step,
             "samples_per_prompt": args.samples_per_prompt, "max_new_tokens": args.max_new_tokens,
             "runs": results, "wall_s": time.perf_counter() - t0}
     print(json.dumps(line), flush=True)

@@ -465,8 +465,11 @@ class RolloutManager:
             self._next_engine += 1
         ids = self._encode(prompt.text)
         rids: list[str] = []
-        work = asyncio.gather(*(self._counted(self._generate_sample(client, url, ids, prompt, k, rids))
-                                for k in range(self.cfg.n_samples_per_prompt)))
+        if self.generate_fn is None:
+            work = self._generate_samples(client, url, ids, prompt, rids)
+        else:
+            work = asyncio.gather(*(self._counted(self._generate_sample(client, url, ids, prompt, k, rids))
+                                    for k in range(self.cfg.n_samples_per_prompt)))
         t0 = time.perf_counter()
         try:
             if self.cfg.group_timeout_s > 0:
@@ -512,50 +515,65 @@ class RolloutManager:
         # Short and concurrent: a hung engine must not hold the group's slot much past its timeout.
         await asyncio.gather(*(one(r) for r in rids))
 
-    async def _generate_sample(self, client, url, prompt_ids, prompt, k: int, rids: list[str]):
-        """One sample, resumed from its prefix after aborts when partial rollout is on."""
+    async def _generate_samples(self, client, url, prompt_ids, prompt, rids: list[str]):
+        """The group's samples in one batched request; with partial rollout, the aborted ones resume
+        from their generated prefixes, again together."""
         import dataclasses
 
         from miles.buffer.types import Sample, SampleStatus
-        from miles.rollout.generate import generate
+        from miles.rollout.generate import generate_many
 
-        params = self._sampling_params(prompt.index, k)
-        if self.generate_fn is not None:
-            rids.append(f"p{prompt.index}-{k}-{self._step}-{time.monotonic_ns()}")
-            return await self.generate_fn(self._generate_context(client, url), prompt, params, rids[-1])
-        response, logprobs, versions, text = [], [], [], ""
-        segment = 0
-        while True:
+        n = self.cfg.n_samples_per_prompt
+        params = [self._sampling_params(prompt.index, k) for k in range(n)]
+        response: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        versions: list[list[int]] = [[] for _ in range(n)]
+        last: list = [None] * n
+        todo, segment = list(range(n)), 0
+        while todo:
             # The engine reports the version of a segment's last token; the version it held when the
             # request went out bounds the first token's from below, so staleness is never understated.
             known = self.buffer.weight_version
-            rid = f"p{prompt.index}-{k}-{self._step}-{time.monotonic_ns()}-{segment}"
-            rids.append(rid)
-            budget = params.max_new_tokens - len(response)
-            seg_params = dataclasses.replace(params, max_new_tokens=budget,
-                                             seed=None if params.seed is None else params.seed + segment)
-            s = await generate(client, url, prompt_ids + response, seg_params, rid=rid, label=prompt.label,
-                               prompt_index=prompt.index, return_routed_experts=self.cfg.return_routed_experts)
-            response += s.response_ids
-            logprobs += s.rollout_logprobs
-            versions.append(min(known, s.oldest_weight_version))
-            text = s.response_text
-            resumable = (s.status is SampleStatus.ABORTED and self.cfg.partial_rollout
-                         and segment < self.cfg.max_resumes and len(response) < params.max_new_tokens
-                         and not self._stopping.is_set())
-            if not resumable:
-                break
-            segment += 1
-        if segment:
-            text = self.tokenizer.decode(response, skip_special_tokens=True)
-        status = s.status
-        if status is SampleStatus.ABORTED and len(response) >= params.max_new_tokens:
-            status = SampleStatus.TRUNCATED
-        # The last segment's request held the whole prefix, so its routing covers every earlier segment.
-        return Sample(prompt_ids=list(prompt_ids), response_ids=response, rollout_logprobs=logprobs,
-                      loss_mask=[1] * len(response), status=status, weight_versions=versions,
-                      response_text=text, label=prompt.label, prompt_index=prompt.index,
-                      routed_experts=s.routed_experts)
+            seg_rids = [f"p{prompt.index}-{k}-{self._step}-{time.monotonic_ns()}-{segment}" for k in todo]
+            rids.extend(seg_rids)
+            seg_params = [dataclasses.replace(params[k], max_new_tokens=params[k].max_new_tokens - len(response[k]),
+                                              seed=None if params[k].seed is None else params[k].seed + segment)
+                          for k in todo]
+            outs = await generate_many(client, url, [prompt_ids + response[k] for k in todo], seg_params,
+                                       rids=seg_rids, label=prompt.label, prompt_index=prompt.index,
+                                       return_routed_experts=self.cfg.return_routed_experts)
+            resume = []
+            for k, s in zip(todo, outs):
+                response[k] += s.response_ids
+                logprobs[k] += s.rollout_logprobs
+                versions[k].append(min(known, s.oldest_weight_version))
+                last[k] = s
+                if (s.status is SampleStatus.ABORTED and self.cfg.partial_rollout and segment < self.cfg.max_resumes
+                        and len(response[k]) < params[k].max_new_tokens and not self._stopping.is_set()):
+                    resume.append(k)
+                else:
+                    self._samples_done += 1  # only the event loop's thread writes it
+            todo, segment = resume, segment + 1
+        samples = []
+        for k in range(n):
+            s = last[k]
+            text = s.response_text if len(versions[k]) == 1 else self.tokenizer.decode(response[k],
+                                                                                        skip_special_tokens=True)
+            status = s.status
+            if status is SampleStatus.ABORTED and len(response[k]) >= params[k].max_new_tokens:
+                status = SampleStatus.TRUNCATED
+            # The last segment's request held the whole prefix, so its routing covers every earlier segment.
+            samples.append(Sample(prompt_ids=list(prompt_ids), response_ids=response[k], rollout_logprobs=logprobs[k],
+                                  loss_mask=[1] * len(response[k]), status=status, weight_versions=versions[k],
+                                  response_text=text, label=prompt.label, prompt_index=prompt.index,
+                                  routed_experts=s.routed_experts))
+        return samples
+
+    async def _generate_sample(self, client, url, prompt_ids, prompt, k: int, rids: list[str]):
+        """One sample from the configured custom generate function."""
+        params = self._sampling_params(prompt.index, k)
+        rids.append(f"p{prompt.index}-{k}-{self._step}-{time.monotonic_ns()}")
+        return await self.generate_fn(self._generate_context(client, url), prompt, params, rids[-1])
 
     def _take_stats(self, elapsed: float | None) -> dict[str, float]:
         stats, self._stats = self._stats, _SampleStats()

@@ -55,14 +55,14 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens here once closed
 
 
-def manager(model_dir, urls, rollout=None, buffer=None):
+def manager(model_dir, urls, rollout=None, buffer=None, router_url=None):
     from miles.buffer.data_buffer import BufferConfig
     from miles.rollout.manager import EvalConfig, RolloutConfig, RolloutManager
 
     rcfg = RolloutConfig(**{"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, **(rollout or {})})
     bcfg = BufferConfig(**{"filter": "none", "max_inflight_groups": 3, "max_retries": 1, **(buffer or {})})
     return RolloutManager(rcfg, EvalConfig(num_prompts=1), model_dir, urls, seed=0, buffer_cfg=bcfg,
-                          admin_token=TOKEN)
+                          admin_token=TOKEN, router_url=router_url)
 
 
 def wait_until_running(url: str, timeout: float = 20.0) -> None:
@@ -129,3 +129,31 @@ def test_partial_rollout_resumes_aborted_samples_with_per_segment_versions(tiny_
         assert s.status.value != "aborted"
         assert len(s.response_ids) == len(s.rollout_logprobs) == len(s.loss_mask)
     assert retried_before_stop == 0  # resumed, not retried (stopping the producer aborts for good)
+
+
+def test_a_group_is_one_batched_request_equal_to_its_samples_sent_alone(tiny_model_dir, engine):
+    import asyncio
+
+    from miles.rollout.generate import generate
+    from miles.rollout.router import RouterConfig, start_router_thread
+
+    router = start_router_thread(RouterConfig(), [engine.url])
+    try:
+        m = manager(tiny_model_dir, [engine.url], rollout={"n_samples_per_prompt": 4, "max_new_tokens": 12},
+                    router_url=router.url)
+        m.generate_batch()
+        groups, _ = m.collect(2, timeout=60)
+        assert router.router.counters.requests == 2  # one per group, not one per sample
+    finally:
+        router.stop()
+
+    async def alone(prompt_ids, params):
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await generate(c, engine.url, prompt_ids, params)
+
+    for g in groups:
+        assert len(g.samples) == 4
+        for k, s in enumerate(g.samples):  # in order, each with its own seeded sampling parameters
+            single = asyncio.run(alone(s.prompt_ids, m._sampling_params(g.prompt_index, k)))
+            assert s.response_ids == single.response_ids
+            assert s.rollout_logprobs == pytest.approx(single.rollout_logprobs, abs=1e-4)
