@@ -69,6 +69,7 @@ class WeightReceiver:
         self._serving: str | None = None  # the own p2p buffer the parameters live in, if any
         self._write_next: dict[str, str] = {}  # p2p buffer committed from -> buffer to write the next version to
         self._poisoned: str | None = None  # why the pending version can no longer be committed
+        self._nonfinite: set[str] = set()  # tensors of the bucket being received found to hold NaN/Inf
         self._lock = threading.Lock()  # one update at a time: collectives must not interleave
         self._p2p_buffers: dict[str, torch.Tensor] = {}  # path -> mapping of buffers this engine owns
         # Mappings of senders' buffers (colocated), most recent last: mapping anew for every bucket
@@ -137,7 +138,7 @@ class WeightReceiver:
                 self._groups.pop(group_name, None)
                 raise self._fail(f"receiving from group {group_name!r} failed ({exc}); re-initialise the "
                                  "group with /init_weights_update_group") from None
-            err = self._validate(received)
+            err = self._validate(received, screened=load_format == "flattened_small")
             if err is not None:
                 raise self._fail(err)
             self._stage(received, owned=True)
@@ -373,6 +374,7 @@ class WeightReceiver:
         opts.rootRank = 0
         opts.timeout = self.timeout
         out: dict[str, torch.Tensor] = {}
+        self._nonfinite = set()
         if load_format == "flattened_bucket":
             nbytes = [_numel(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
             flat = torch.empty(sum(nbytes), dtype=torch.uint8)
@@ -395,18 +397,24 @@ class WeightReceiver:
 
             sizes = [_numel(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
             small = [(spec, n) for spec, n in zip(specs, sizes) if n < SPLIT_BYTES]
+            large = [(spec, n) for spec, n in zip(specs, sizes) if n >= SPLIT_BYTES]
+            # Every receive is queued at once (gloo completes them in order), so each tensor is
+            # screened for NaN/Inf while the ones after it are still arriving.
+            flat = torch.empty(sum(n for _, n in small), dtype=torch.uint8) if small else None
+            bufs = [self._buffer(n) for _, n in large]
+            works = ([group.pg.broadcast([flat], opts)] if small else []) + \
+                [group.pg.broadcast([b], opts) for b in bufs]
             if small:
-                flat = torch.empty(sum(n for _, n in small), dtype=torch.uint8)
-                group.pg.broadcast([flat], opts).wait()
+                works.pop(0).wait()
                 offset = 0
                 for (name, dtype, shape), n in small:
                     out[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
                     offset += n
-            for (name, dtype, shape), n in zip(specs, sizes):
-                if n >= SPLIT_BYTES:
-                    buf = self._buffer(n)
-                    group.pg.broadcast([buf], opts).wait()
-                    out[name] = buf.view(dtype).reshape(shape)
+                    self._screen(name, out[name])
+            for ((name, dtype, shape), _), buf, work in zip(large, bufs, works):
+                work.wait()
+                out[name] = buf.view(dtype).reshape(shape)
+                self._screen(name, out[name])
             out = {name: out[name] for name, _, _ in specs}
         elif load_format is None:
             for name, dtype, shape in specs:
@@ -429,19 +437,24 @@ class WeightReceiver:
             specs.append((name, dtype, tuple(shape)))
         return specs
 
-    def _validate(self, received: dict[str, torch.Tensor]) -> str | None:
+    def _validate(self, received: dict[str, torch.Tensor], screened: bool = False) -> str | None:
+        """Why `received` cannot be staged, or None. `screened`: _screen already ran on every tensor
+        (as it arrived) and recorded any NaN or Inf in self._nonfinite."""
         meta = self.engine.param_meta
+        nonfinite, self._nonfinite = self._nonfinite, set()
         for name, t in received.items():
             if name not in meta:
                 return f"tensor {name!r} is not a parameter of the served model"
             shape, _ = meta[name]
             if tuple(t.shape) != shape:
                 return f"tensor {name!r} has shape {list(t.shape)} but the model expects {list(shape)}"
-            # The sum is a fast screen (a NaN or Inf makes it non-finite); only then is the exact,
-            # several times slower, element-wise check paid, to tell a real NaN from a sum overflow.
-            if t.is_floating_point() and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
+            if name in nonfinite or (not screened and not _finite(t)):
                 return f"tensor {name!r} contains NaN or Inf"
         return None
+
+    def _screen(self, name: str, t: torch.Tensor) -> None:
+        if not _finite(t):
+            self._nonfinite.add(name)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """A (nbytes,) uint8 receive buffer: memory the last commit displaced if it fits, else fresh."""
@@ -465,6 +478,12 @@ class WeightReceiver:
         self._delta_pending = None
         self._poisoned = reason
         return WeightUpdateError(reason + "; staged weights were discarded")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    # The sum is a fast screen (a NaN or Inf makes it non-finite); only then is the exact, several
+    # times slower, element-wise check paid, to tell a real NaN from a sum overflow.
+    return not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _parse_dtype(name) -> torch.dtype | None:

@@ -145,9 +145,11 @@ class BroadcastTransport:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-            for m in messages:
-                if m.numel():
-                    self._pg.broadcast([m], opts).wait()
+            # All queued at once: gloo runs them in order, so no message waits for the one before it
+            # to be acknowledged.
+            works = [self._pg.broadcast([m], opts) for m in messages if m.numel()]
+            for w in works:
+                w.wait()
 
         self._fresh = False
         try:

@@ -188,3 +188,41 @@ def test_wrong_admin_token_fails_fast_naming_the_engine(engine_proc):
     with pytest.raises(TransportError, match="connect"):
         transport.send_bucket([("model.norm.weight", torch.ones(128))])
     transport.close()
+
+
+@pytest.mark.parametrize("where", ["small", "large"])
+def test_non_finite_tensor_is_refused_by_name_in_either_message_kind(default_group, engine_thread, base_model_dir,
+                                                                     admin_token, monkeypatch, where):
+    """Tensors are screened for NaN/Inf as they arrive: in the flat message of small tensors and in
+    the per-tensor messages of large ones (the engine runs in this process, so a smaller split
+    makes the tiny model's matrices 'large')."""
+    import miles.sync.transports.broadcast as bc
+
+    monkeypatch.setattr(bc, "SPLIT_BYTES", 4096)
+    url = engine_thread.url
+    sd = _perturbed_model(base_model_dir, seed=2).state_dict()
+    name = "model.norm.weight" if where == "small" else "model.layers.1.mlp.up_proj.weight"
+    bad = sd[name].clone()
+    bad.view(-1)[7] = float("inf")
+    bucket = [(n, bad if n == name else sd[n]) for n in
+              ("model.layers.0.mlp.up_proj.weight", "model.norm.weight", "model.layers.1.mlp.up_proj.weight",
+               "model.layers.1.input_layernorm.weight")]
+    version = _version(url)
+    before = engine_thread.engine.model.state_dict()[name].clone()
+    transport = BroadcastTransport(admin_token=admin_token, timeout_s=60)
+    transport.connect([url])
+    try:
+        with pytest.raises(TransportError, match="NaN or Inf") as err:
+            transport.send_bucket(bucket)
+        assert name in str(err.value)
+        with pytest.raises(TransportError, match="not committing"):
+            transport.commit(version + 1)
+        assert _version(url) == version
+        assert torch.equal(engine_thread.engine.model.state_dict()[name], before)
+        # Still in step: the same bucket without the Inf goes through.
+        transport.send_bucket([(n, sd[n]) for n, _ in bucket])
+        transport.commit(version + 1)
+    finally:
+        transport.close()
+    assert _version(url) == version + 1
+    assert torch.equal(engine_thread.engine.model.state_dict()[name], sd[name])
