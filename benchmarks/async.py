@@ -9,7 +9,9 @@ where a synchronous step waits on its slowest sample. Compared:
   fully_async        half the cores each, engines never wait; max_staleness bounds the lag
 Throughput is trained samples per second of loop time in the steady state: steps after the first
 --warmup-steps (which fill the pipeline and warm the engines up) up to N-1 (the last step also runs
-the final evaluation). `ratio` = fully_async / the faster sync setup. With --pacing the fully-async run
+the final evaluation). Every schedule runs --rounds times in alternating order (A B C D, D C B A, ...)
+and its figure pools its rounds, so drift in the machine's speed weighs on all of them alike.
+`ratio` = fully_async / the faster sync setup. With --pacing the fully-async run
 is repeated with buffer.pacing on, and for both runs the mean response length of the groups dropped
 as stale is reported beside the mean of all groups (which prompts each mode throws away).
 Last line: one JSON object.
@@ -19,7 +21,7 @@ warm start of the example's model (or --sft-model, an existing one), then GRPO w
 steps as it takes to train the same number of samples; eval accuracy gain of each (same held-out
 prompts, greedy) and `gain_gap` = sync gain − fully_async gain (done when <= 0.05).
 
-    miles bench async [--steps 12] [--warmup-steps 1] [--prompts-per-step 8] [--max-new-tokens 192] [--inflight-groups N] [--pacing]
+    miles bench async [--steps 12] [--warmup-steps 1] [--rounds 2] [--prompts-per-step 8] [--max-new-tokens 192] [--inflight-groups N] [--pacing]
     miles bench async --learn [--learn-steps 40] [--sft-steps 600] [--preset small-qwen3] [--sft-model DIR]
 """
 
@@ -73,6 +75,20 @@ def figures(run_dir: Path, warmup_steps: int = 0) -> dict:
     return out
 
 
+def pooled(rounds: list[dict]) -> dict:
+    """One schedule's figures over its rounds: samples per second of all timed loop time together."""
+    samples, seconds = sum(r["samples"] for r in rounds), sum(r["loop_s"] for r in rounds)
+    mean = lambda k: sum(r[k] for r in rounds) / len(rounds)  # noqa: E731
+    out = {"samples_per_s": samples / seconds, "samples": samples, "loop_s": seconds,
+           "mean_staleness": mean("mean_staleness"), "dropped_stale": sum(r["dropped_stale"] for r in rounds),
+           "response_len_mean": mean("response_len_mean"), "train_s_mean": mean("train_s_mean"),
+           "rounds_samples_per_s": [r["samples_per_s"] for r in rounds], "ledgers": [r["ledger"] for r in rounds]}
+    stale = [r["stale_response_len_mean"] for r in rounds if "stale_response_len_mean" in r]
+    if stale:
+        out["stale_response_len_mean"] = sum(stale) / len(stale)
+    return out
+
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "arithmetic"
 
 
@@ -120,6 +136,8 @@ def learn(args, out: Path) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench async", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of every schedule, in alternating order (A B C D D C B A); figures pool them")
     p.add_argument("--warmup-steps", type=int, default=1,
                    help="first steps left out of the throughput (pipeline fill, engine warm-up)")
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -138,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--sft-model", default="", help="reuse this SFT checkpoint instead of training one")
     p.add_argument("--eval-prompts", type=int, default=256)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not args.learn and args.steps < args.warmup_steps + 2:
         p.error(f"--steps {args.steps} leaves no timed step after {args.warmup_steps} warm-up step(s) and the "
                 f"final one; use --steps {args.warmup_steps + 3} or more")
@@ -176,14 +196,19 @@ def main(argv=None) -> int:
             "trainer.lr": "1e-4", "trainer.pack_sequences": "true", "trainer.max_tokens_per_micro_batch": "4096",
             "sync.bucket_size_mb": "64",
             "metrics.progress": "plain"}
-    results = {}
-    for name in names:
-        cfg = load_config(RunConfig, None, {**base, **runs[name], "run.name": name})
-        summary = run_train(cfg)
-        results[name] = figures(Path(summary["run_dir"]), args.warmup_steps)
-        results[name]["ledger"] = summary["ledger"]
-        print(f"[bench async] {name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
+    per_round: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        # A B C D, then D C B A: a machine that speeds up or slows down during the benchmark
+        # weighs on every schedule alike.
+        for name in names if r % 2 == 0 else names[::-1]:
+            cfg = load_config(RunConfig, None, {**base, **runs[name], "run.name": f"{name}-r{r}"})
+            summary = run_train(cfg)
+            fig = figures(Path(summary["run_dir"]), args.warmup_steps)
+            fig["ledger"] = summary["ledger"]
+            per_round[name].append(fig)
+            print(f"[bench async] {name} round {r}: {json.dumps(fig)}", file=sys.stderr, flush=True)
     ray.shutdown()
+    results = {n: pooled(rs) for n, rs in per_round.items()}
 
     def rate(n):
         return results[n]["samples_per_s"] if n in results else None
@@ -198,6 +223,7 @@ def main(argv=None) -> int:
             "one_step_off_ratio": rate("one_step_off") / best_sync if rate("one_step_off") and best_sync else None,
             "mean_staleness": fa.get("mean_staleness"), "dropped_stale": fa.get("dropped_stale"),
             "max_staleness": args.max_staleness, "steps": args.steps, "warmup_steps": args.warmup_steps,
+            "rounds": args.rounds,
             "prompts_per_step": args.prompts_per_step,
             "samples_per_prompt": args.samples_per_prompt, "max_new_tokens": args.max_new_tokens,
             "runs": results, "wall_s": time.perf_counter() - t0}
