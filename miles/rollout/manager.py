@@ -14,6 +14,7 @@ Non-goals here: the router and health monitoring (separate parts).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Literal
 
 from miles.rollout.agent import AgentConfig
 from miles.rollout.data_source import TaskConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +64,9 @@ class RolloutConfig:
     """Reward function by name or module:function."""
     request_timeout_s: float = 300.0
     """Give up on one /generate after this many seconds."""
+    batch_requests: bool = True
+    """Send a group's samples as one batched /generate (SGLang's list form). Set false when
+    engine_urls name a server that takes one prompt per request, such as the Rust sglang-router."""
     group_timeout_s: float = 0.0
     """Give up on a whole group after this many seconds (0 = never); buffer.on_failure decides its fate."""
     partial_rollout: bool = False
@@ -192,6 +198,7 @@ class RolloutManager:
         # Generation goes through the router when there is one: it spreads load and retries a request
         # whose engine died before answering on a live engine.
         self.router_url = router_url
+        self._failures_seen: set[str] = set()
         self.tokenizer = load_tokenizer(model_path)
         self.reward_fn = get_reward_fn(cfg.reward)
         from miles.rollout.agent import get_generate_fn
@@ -479,7 +486,11 @@ class RolloutManager:
         except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
             await self._abort_rids(client, url, rids)
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.TIMEOUT)
-        except (httpx.HTTPError, GenerationError, OSError):
+        except (httpx.HTTPError, GenerationError, OSError) as exc:
+            why = str(exc)[:400]
+            if why not in self._failures_seen:  # each distinct cause once, not once per group
+                self._failures_seen.add(why)
+                log.warning("a group of prompt %d failed and goes to buffer.on_failure: %s", prompt.index, why)
             await self._abort_rids(client, url, rids)
             if self.router_url:
                 await self._wait_for_engines(client)
@@ -516,12 +527,12 @@ class RolloutManager:
         await asyncio.gather(*(one(r) for r in rids))
 
     async def _generate_samples(self, client, url, prompt_ids, prompt, rids: list[str]):
-        """The group's samples in one batched request; with partial rollout, the aborted ones resume
-        from their generated prefixes, again together."""
+        """The group's samples in one batched request (or one request each, with batch_requests off);
+        with partial rollout, the aborted ones resume from their generated prefixes, again together."""
         import dataclasses
 
         from miles.buffer.types import Sample, SampleStatus
-        from miles.rollout.generate import generate_many
+        from miles.rollout.generate import GenerationError, generate, generate_many
 
         n = self.cfg.n_samples_per_prompt
         params = [self._sampling_params(prompt.index, k) for k in range(n)]
@@ -539,9 +550,22 @@ class RolloutManager:
             seg_params = [dataclasses.replace(params[k], max_new_tokens=params[k].max_new_tokens - len(response[k]),
                                               seed=None if params[k].seed is None else params[k].seed + segment)
                           for k in todo]
-            outs = await generate_many(client, url, [prompt_ids + response[k] for k in todo], seg_params,
-                                       rids=seg_rids, label=prompt.label, prompt_index=prompt.index,
-                                       return_routed_experts=self.cfg.return_routed_experts)
+            prompts = [prompt_ids + response[k] for k in todo]
+            routed = self.cfg.return_routed_experts
+            if self.cfg.batch_requests:
+                try:
+                    outs = await generate_many(client, url, prompts, seg_params, rids=seg_rids, label=prompt.label,
+                                               prompt_index=prompt.index, return_routed_experts=routed)
+                except GenerationError as exc:
+                    if " 422:" not in str(exc):
+                        raise
+                    raise GenerationError(f"{exc} (a server that takes one prompt per request, such as the Rust "
+                                          "sglang-router, refuses batched requests: set "
+                                          "rollout.batch_requests = false)") from None
+            else:
+                outs = await asyncio.gather(*(
+                    generate(client, url, ids, sp, rid=rid, label=prompt.label, prompt_index=prompt.index,
+                             return_routed_experts=routed) for ids, sp, rid in zip(prompts, seg_params, seg_rids)))
             resume = []
             for k, s in zip(todo, outs):
                 response[k] += s.response_ids
