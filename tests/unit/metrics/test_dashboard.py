@@ -39,7 +39,9 @@ def test_report_serve_shows_a_finished_run_until_interrupted(run_dir):
                           "latest": {"step": 1, "eval/accuracy": 0.5, "rollout/reward_mean": 0.5, "perf/step_s": 2.0}}
         assert b"miles run <code>finished</code>" in urllib.request.urlopen(url, timeout=10).read()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0  # generous: a loaded CI machine exits slowly
+        # communicate, not wait: a child blocked writing to a full stderr pipe would never exit.
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
