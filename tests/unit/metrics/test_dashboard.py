@@ -28,8 +28,11 @@ def run_dir(tmp_path):
 
 
 def test_report_serve_shows_a_finished_run_until_interrupted(run_dir):
+    # As from a terminal, where Ctrl-C reaches the process: a shell's background job (CI scripts
+    # started with `&`) inherits SIGINT ignored, and so would this child.
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "report", str(run_dir), "--serve", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert "dashboard for" in line, line + proc.stderr.read()
