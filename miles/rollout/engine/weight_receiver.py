@@ -69,7 +69,6 @@ class WeightReceiver:
         self._serving: str | None = None  # the own p2p buffer the parameters live in, if any
         self._write_next: dict[str, str] = {}  # p2p buffer committed from -> buffer to write the next version to
         self._poisoned: str | None = None  # why the pending version can no longer be committed
-        self._nonfinite: set[str] = set()  # tensors of the bucket being received found to hold NaN/Inf
         self._lock = threading.Lock()  # one update at a time: collectives must not interleave
         self._p2p_buffers: dict[str, torch.Tensor] = {}  # path -> mapping of buffers this engine owns
         # Mappings of senders' buffers (colocated), most recent last: mapping anew for every bucket
@@ -131,14 +130,14 @@ class WeightReceiver:
             specs = self._specs(names, dtypes, shapes)
 
             try:
-                received = self._broadcast(group, specs, load_format)
+                received, nonfinite = self._broadcast(group, specs, load_format)
             except WeightUpdateError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a dead or late peer; the group is unusable now
                 self._groups.pop(group_name, None)
                 raise self._fail(f"receiving from group {group_name!r} failed ({exc}); re-initialise the "
                                  "group with /init_weights_update_group") from None
-            err = self._validate(received, screened=load_format == "flattened_small")
+            err = self._validate(received, nonfinite)
             if err is not None:
                 raise self._fail(err)
             self._stage(received, owned=True)
@@ -367,14 +366,17 @@ class WeightReceiver:
     def staged_names(self) -> list[str]:
         return list(self._staging)
 
-    def _broadcast(self, group: _Group, specs, load_format: str | None) -> dict[str, torch.Tensor]:
+    def _broadcast(self, group: _Group, specs, load_format: str | None
+                   ) -> tuple[dict[str, torch.Tensor], set[str] | None]:
+        """The received tensors, and the names among them holding NaN/Inf when the format screens
+        them on arrival (flattened_small; None otherwise)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
         out: dict[str, torch.Tensor] = {}
-        self._nonfinite = set()
+        nonfinite: set[str] | None = None  # screened names holding NaN/Inf; None: not screened yet
         if load_format == "flattened_bucket":
             nbytes = [_numel(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
             flat = torch.empty(sum(nbytes), dtype=torch.uint8)
@@ -404,17 +406,20 @@ class WeightReceiver:
             bufs = [self._buffer(n) for _, n in large]
             works = ([group.pg.broadcast([flat], opts)] if small else []) + \
                 [group.pg.broadcast([b], opts) for b in bufs]
+            nonfinite = set()
             if small:
                 works.pop(0).wait()
                 offset = 0
                 for (name, dtype, shape), n in small:
                     out[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
                     offset += n
-                    self._screen(name, out[name])
+                    if not _finite(out[name]):
+                        nonfinite.add(name)
             for ((name, dtype, shape), _), buf, work in zip(large, bufs, works):
                 work.wait()
                 out[name] = buf.view(dtype).reshape(shape)
-                self._screen(name, out[name])
+                if not _finite(out[name]):
+                    nonfinite.add(name)
             out = {name: out[name] for name, _, _ in specs}
         elif load_format is None:
             for name, dtype, shape in specs:
@@ -424,7 +429,7 @@ class WeightReceiver:
         else:
             raise self._fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket', "
                              "'flattened_small' or null")
-        return out
+        return out, nonfinite
 
     def _specs(self, names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         specs = []
@@ -437,24 +442,19 @@ class WeightReceiver:
             specs.append((name, dtype, tuple(shape)))
         return specs
 
-    def _validate(self, received: dict[str, torch.Tensor], screened: bool = False) -> str | None:
-        """Why `received` cannot be staged, or None. `screened`: _screen already ran on every tensor
-        (as it arrived) and recorded any NaN or Inf in self._nonfinite."""
+    def _validate(self, received: dict[str, torch.Tensor], nonfinite: set[str] | None = None) -> str | None:
+        """Why `received` cannot be staged, or None. `nonfinite`: the names found holding NaN/Inf when
+        every tensor was already screened as it arrived; None screens them here."""
         meta = self.engine.param_meta
-        nonfinite, self._nonfinite = self._nonfinite, set()
         for name, t in received.items():
             if name not in meta:
                 return f"tensor {name!r} is not a parameter of the served model"
             shape, _ = meta[name]
             if tuple(t.shape) != shape:
                 return f"tensor {name!r} has shape {list(t.shape)} but the model expects {list(shape)}"
-            if name in nonfinite or (not screened and not _finite(t)):
+            if (not _finite(t)) if nonfinite is None else name in nonfinite:
                 return f"tensor {name!r} contains NaN or Inf"
         return None
-
-    def _screen(self, name: str, t: torch.Tensor) -> None:
-        if not _finite(t):
-            self._nonfinite.add(name)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """A (nbytes,) uint8 receive buffer: memory the last commit displaced if it fits, else fresh."""
