@@ -1,8 +1,13 @@
 """Turn TOML tables and `--section.key value` overrides into typed, nested dataclasses.
 
 Every leaf is checked against its field's annotation; an unknown key or a value of the wrong type
-fails at load time with the dotted key and what to write instead. Non-goal: schema inheritance or
-includes; a run is one TOML file plus overrides.
+fails at load time with the dotted key and what to write instead.
+
+A section whose keys depend on a choice made inside it (the algorithm's own knobs, a transport's own
+settings) is a *variant section*: its dataclass defines a classmethod `variant(data) -> type` that
+returns the dataclass to build for that table (a subclass, usually the chosen entry's `Config`), so
+`trainer.algorithm.gamma` is a key only when the chosen algorithm has it. Non-goal: schema inheritance
+or includes; a run is one TOML file plus overrides.
 """
 
 from __future__ import annotations
@@ -104,7 +109,23 @@ def coerce(value: Any, tp, key: str, from_cli: bool = False) -> Any:
     raise ConfigError(f"{key}: unsupported setting type {tp!r}")
 
 
+def section_class(cls, data: dict[str, Any], key: str = "") -> type:
+    """The dataclass a table is built as: `cls`, or the variant `cls.variant(data)` chooses."""
+    variant = getattr(cls, "variant", None)
+    if variant is None:
+        return cls
+    try:
+        chosen = variant(data)
+    except ValueError as e:  # an unknown or unloadable name, said by the registry
+        raise ConfigError(f"{key or 'config'}: {e}") from None
+    if not (isinstance(chosen, type) and issubclass(chosen, cls)):
+        raise ConfigError(f"{key or 'config'}: the chosen variant's config {chosen!r} must be a dataclass "
+                          f"subclassing {cls.__name__}")
+    return chosen
+
+
 def build(cls, data: dict[str, Any], prefix: str = "") -> Any:
+    cls = section_class(cls, data, prefix)
     fields = _field_types(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -112,6 +133,11 @@ def build(cls, data: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"unknown key {_join(prefix, unknown[0])!r} in {where}; "
                           f"valid keys there: {', '.join(sorted(fields))}")
     kwargs = {name: coerce(value, fields[name], _join(prefix, name)) for name, value in data.items()}
+    for name, tp in fields.items():
+        # An absent variant section is still built through its hook, so the default choice gets its own config.
+        inner, _ = _unwrap_optional(tp)
+        if name not in kwargs and dataclasses.is_dataclass(inner) and hasattr(inner, "variant"):
+            kwargs[name] = build(inner, {}, _join(prefix, name))
     return cls(**kwargs)
 
 
@@ -155,7 +181,8 @@ def _apply_override(cls, data: dict[str, Any], dotted: str, raw: str) -> None:
     parts = dotted.split(".")
     node, node_cls = data, cls
     for depth, part in enumerate(parts):
-        fields = _field_types(node_cls)
+        # Overrides are applied in order, so `--trainer.algorithm.name ppo` before `--...gamma` works.
+        fields = _field_types(section_class(node_cls, node, ".".join(parts[:depth])))
         path = ".".join(parts[: depth + 1])
         if part not in fields:
             raise ConfigError(f"unknown key {path!r}; valid keys there: {', '.join(sorted(fields))}")
