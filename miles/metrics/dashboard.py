@@ -8,15 +8,21 @@ Non-goals: authentication (it binds to loopback by default) and interactive char
 
     GET /                   the page (polls /api/status every 2 s)
     GET /api/status         {"run", "step", "total_steps", "latest": {...}, "version"}
-    GET /plots/<name>.png   one of report.PLOTS
+    GET /plots/<name>.png   one of plots.PLOTS
 """
 
 from __future__ import annotations
 
+import html
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from miles.metrics.plots import PLOTS, render_png
+from miles.metrics.run_data import load_run
+from miles.metrics.sink import read_metrics
+from miles.net import bind, url_of
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>miles · {run}</title>
@@ -77,6 +83,8 @@ SHOWN = ["rollout/reward_mean", "eval/accuracy", "rollout/samples_per_s", "perf/
 
 
 class Dashboard:
+    """The dashboard of one run directory; `start()` serves it on a daemon thread, `stop()` ends it."""
+
     def __init__(self, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0):
         self.run_dir = Path(run_dir)
         self.host, self.port = host, port
@@ -84,20 +92,27 @@ class Dashboard:
         self._thread: threading.Thread | None = None
         self._draw_lock = threading.Lock()
         self._cache: dict[str, tuple[str, bytes]] = {}
+        self._url = ""
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/"
+        """The page's address; known (with the port picked for port 0) once started."""
+        return self._url
 
     def start(self) -> "Dashboard":
-        handler = _handler_for(self)
         try:
-            self._server = ThreadingHTTPServer((self.host, self.port), handler)
+            sock = bind(self.host, self.port)
         except OSError as e:
             raise OSError(f"dashboard cannot listen on {self.host}:{self.port} ({e}); choose another "
                           f"metrics.dashboard_port or 0 for any free port") from None
+        # The server takes the socket bound above (IPv6 too) instead of binding its own.
+        self._server = ThreadingHTTPServer(sock.getsockname()[:2], _handler_for(self), bind_and_activate=False)
+        self._server.socket.close()
+        self._server.socket = sock
+        self._server.server_activate()
         self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
+        self.port = sock.getsockname()[1]
+        self._url = url_of(sock, self.host) + "/"
         self._thread = threading.Thread(target=self._server.serve_forever, name="miles-dashboard", daemon=True)
         self._thread.start()
         return self
@@ -118,14 +133,10 @@ class Dashboard:
         return f"{st.st_size}-{st.st_mtime_ns}"
 
     def page(self) -> bytes:
-        from miles.metrics.report import PLOTS
-
         images = "\n".join(f'<img data-plot="{p}" alt="{p} plot">' for p in PLOTS)
-        return PAGE.format(run=_escape(self.run_dir.name), images=images, shown=json.dumps(SHOWN)).encode()
+        return PAGE.format(run=html.escape(self.run_dir.name), images=images, shown=json.dumps(SHOWN)).encode()
 
     def status(self) -> dict:
-        from miles.metrics.sink import read_metrics
-
         version = self.version()
         try:
             records = read_metrics(self.run_dir / "metrics.jsonl")
@@ -143,8 +154,6 @@ class Dashboard:
         return {"run": self.run_dir.name, "step": step, "total_steps": total, "latest": latest, "version": version}
 
     def plot(self, name: str) -> bytes:
-        from miles.metrics.report import load_run, render_png
-
         version = self.version()
         hit = self._cache.get(name)
         if hit and hit[0] == version:
@@ -159,15 +168,7 @@ class Dashboard:
             return png
 
 
-def _escape(s: str) -> str:
-    import html
-
-    return html.escape(s)
-
-
 def _handler_for(dash: Dashboard):
-    from miles.metrics.report import PLOTS
-
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from miles.metrics.dashboard import Dashboard
-from miles.metrics.report import PLOTS
+from miles.metrics.plots import PLOTS
 from miles.metrics.sink import JsonlSink
 from miles.metrics.timers import derive
 

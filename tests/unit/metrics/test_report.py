@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from miles.metrics.report import PLOTS, main
+from miles.metrics.plots import PLOTS, render_png
+from miles.metrics.report import main
+from miles.metrics.run_data import load_run
 from miles.metrics.sink import JsonlSink
 from miles.metrics.timers import derive
 
@@ -107,8 +109,6 @@ def test_bad_run_directories_get_a_clear_message(tmp_path, capsys):
 
 @pytest.mark.parametrize("plot", PLOTS)
 def test_plots_of_a_run_without_those_metrics_still_render(tmp_path, plot):
-    from miles.metrics.report import load_run, render_png
-
     run = tmp_path / "bare"
     run.mkdir()
     JsonlSink(run / "metrics.jsonl").write(0, {"eval/accuracy": 0.3})
