@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     from miles.models.loading import load_model, load_tokenizer
     from miles.models.presets import build_tiny_model
-    from miles.rollout.sandbox import check_available
+    from miles.rollout.environments.sandbox import check_available
 
     check_available()  # refuse up front, before building anything, when commands could not be confined
     torch.set_num_threads(1)

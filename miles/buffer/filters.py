@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from miles.buffer.types import Group
+from miles.registry import Registry
 
 
 class GroupFilter(Protocol):
@@ -25,14 +26,12 @@ def keep_all(group: Group) -> bool:
     return True
 
 
-FILTERS: dict[str, Callable[[Group], bool]] = {"nonzero_std": nonzero_std, "none": keep_all}
+FILTERS: Registry[Callable[[Group], bool]] = Registry(
+    "group filter", arity=1, hint=" (a function (Group) -> bool; True keeps the group)")
+FILTERS.register("nonzero_std", nonzero_std)
+FILTERS.register("none", keep_all)
 
 
 def get_filter(spec: str) -> GroupFilter:
-    """A filter by registry name or `module:function`; a bad spec raises ValueError naming the fix."""
-    from miles.registry import resolve
-
-    fn = resolve(spec, FILTERS, "group filter")
-    if not callable(fn):
-        raise ValueError(f"group filter {spec!r} is not callable; it must be a function (Group) -> bool")
-    return fn
+    """A filter by registry name or `module:function`; a bad spec raises RegistryError naming the fix."""
+    return FILTERS.get(spec)

@@ -17,11 +17,14 @@ Non-goals: parallel tool calls within a turn, streaming, environment-side tokeni
 from __future__ import annotations
 
 import asyncio
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from miles.buffer.types import Sample, SampleStatus
+from miles.config import ConfigError
+from miles.registry import Registry
+from miles.rollout.environments import check_environment, get_environment
+from miles.rollout.generate import GenerationError, generate, routed_experts_of
 
 _SEND_ATTEMPTS = 3
 
@@ -42,14 +45,10 @@ class AgentConfig:
     """Chat role of the environment's replies."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if self.max_turns < 1 or self.max_response_tokens < 1:
             raise ConfigError("rollout.agent.max_turns and rollout.agent.max_response_tokens must be >= 1")
         if self.episode_timeout_s <= 0:
             raise ConfigError("rollout.agent.episode_timeout_s must be > 0")
-        from miles.rollout.environments.base import check_environment
-
         try:
             check_environment(self.environment)
         except ValueError as e:
@@ -76,8 +75,6 @@ class GenerateFn(Protocol):
 
 async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     """One /generate call on the encoded prompt; scored by the run's reward function."""
-    from miles.rollout.generate import generate
-
     s = await generate(ctx.client, ctx.url, ctx.encode(prompt.text), params, rid=rid, label=prompt.label,
                        prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
     s.reward = float(ctx.reward_fn(s.response_text, s.label))
@@ -86,32 +83,21 @@ async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
 
 async def multi_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     """An episode against a fresh environment; the reward is the environment's."""
-    from miles.rollout.environments.base import get_environment
-
     env = get_environment(ctx.agent.environment)()
     return await run_episode(ctx.client, ctx.url, ctx.tokenizer, env, prompt, params, ctx.agent, rid,
                              return_routed_experts=ctx.return_routed_experts)
 
 
-GENERATE_FNS: dict[str, Callable] = {"single_turn": single_turn, "agent": multi_turn}
+GENERATE_FNS: Registry[GenerateFn] = Registry(
+    "generate function", arity=4, coroutine=True,
+    hint=" (an `async def` taking (ctx, prompt, params, rid) and returning a Sample)")
+GENERATE_FNS.register("single_turn", single_turn)
+GENERATE_FNS.register("agent", multi_turn)
 
 
-def get_generate_fn(name: str) -> Callable:
-    """The generate function for `name`, checked against GenerateFn; ValueError names the fix."""
-    from miles.registry import resolve
-
-    if name in GENERATE_FNS:
-        return GENERATE_FNS[name]
-    fn = resolve(name, GENERATE_FNS, "generate function")
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"generate function {name!r} must be an `async def` taking (ctx, prompt, params, rid) "
-                         "and returning a Sample")
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) != 4:
-        raise ValueError(f"generate function {name!r} must take (ctx, prompt, params, rid); it takes "
-                         f"{len(params)} required arguments")
-    return fn
+def get_generate_fn(spec: str) -> GenerateFn:
+    """The generate function `spec` names (registry name or `module:function`); RegistryError names the fix."""
+    return GENERATE_FNS.get(spec)
 
 
 class ChatFormat:
@@ -197,8 +183,6 @@ class _Trajectory:
 
 
 async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatFormat, traj: _Trajectory) -> None:
-    from miles.rollout.generate import routed_experts_of
-
     for turn in range(cfg.max_turns):
         budget = cfg.max_response_tokens - len(traj.ids)
         if budget <= 0:
@@ -236,15 +220,13 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
 
 async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id, rid, turn,
                          return_routed_experts: bool = False) -> dict:
-    from miles.rollout.generate import GenerationError
+    import httpx  # heavy: the agent config is loaded by `miles train` before any rollout runs
 
     sp = params.to_json()
     sp["max_new_tokens"] = max_new_tokens
     sp["stop_token_ids"] = [end_id]
     if params.seed is not None:
         sp["sampling_seed"] = (params.seed + 7919 * turn) & 0x7FFFFFFF
-    import httpx
-
     body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
     if return_routed_experts:
         body["return_routed_experts"] = True

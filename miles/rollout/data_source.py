@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from miles.rollout.tasks import TASKS
+
 
 @dataclass
 class TaskConfig:
@@ -44,27 +46,11 @@ class Prompt:
     label: str
 
 
-def _arithmetic(cfg: TaskConfig, split: str, seed: int):
-    from miles.rollout.tasks.arithmetic import ArithmeticTask
-
-    return ArithmeticTask(digits=cfg.digits, ops=cfg.ops, split=split, seed=seed, eval_fraction=cfg.eval_fraction,
-                          fixed_width=cfg.fixed_width)
-
-
-def _terminal(cfg: TaskConfig, split: str, seed: int):
-    from miles.rollout.environments.terminal import TerminalTaskSource
-
-    return TerminalTaskSource(split=split, seed=seed)
-
-
-TASKS = {"arithmetic": _arithmetic, "terminal": _terminal}
-
-
 class PromptSource:
     """Draws prompts of one split in a fixed order determined by the seed."""
 
     def __init__(self, cfg: TaskConfig, split: str, seed: int):
-        self.task = TASKS[cfg.name](cfg, split, seed)
+        self.task = TASKS.get(cfg.name)(cfg, split, seed)
         self.position = 0
 
     def take(self, n: int) -> list[Prompt]:

@@ -1,13 +1,15 @@
 """Reward functions and their registry.
 
 A reward function takes the response text and the prompt's reference label and returns a float.
-User functions can be given as `module:function` and are checked when the run is configured.
+It is chosen by name from REWARDS or given as `module:function`, checked (callable, two required
+arguments) when the run is configured.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Protocol
+
+from miles.registry import Registry
 
 
 class RewardFn(Protocol):
@@ -25,19 +27,12 @@ def text_parity(response: str, label: str | None) -> float:
     return float(len(response) % 2)
 
 
-REWARDS: dict[str, Callable[[str, str | None], float]] = {"exact_match": exact_match, "text_parity": text_parity}
+REWARDS: Registry[Callable[[str, str | None], float]] = Registry(
+    "reward", arity=2, hint=" (a function (response, label) -> float)")
+REWARDS.register("exact_match", exact_match)
+REWARDS.register("text_parity", text_parity)
 
 
-def get_reward_fn(name: str) -> Callable[[str, str | None], float]:
-    from miles.registry import resolve
-
-    if name in REWARDS:
-        return REWARDS[name]
-    fn = resolve(name, REWARDS, "reward")
-    if not callable(fn):
-        raise ValueError(f"reward {name!r} is not callable")
-    params = [p for p in inspect.signature(fn).parameters.values()
-              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) != 2:
-        raise ValueError(f"reward {name!r} must take (response, label); it takes {len(params)} required arguments")
-    return fn
+def get_reward_fn(spec: str) -> RewardFn:
+    """The reward function `spec` names (registry name or `module:function`); RegistryError names the fix."""
+    return REWARDS.get(spec)

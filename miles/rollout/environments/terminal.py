@@ -1,11 +1,14 @@
 """Small terminal tasks: create or inspect files with shell commands, checked by a verifier.
 
-Each episode gets its own sandbox (rollout/sandbox.py) seeded with the task's files. Every model
+Each episode gets its own sandbox (environments/sandbox.py) seeded with the task's files. Every model
 turn is one shell command; the environment answers with its (truncated) output. The turn `done`
 (or running out of commands) ends the episode: the task's verifier runs in the same sandbox and the
 reward is 1.0 when it exits 0. The verifier is a command string held here, not a file the agent
 could rewrite. Non-goals: long-lived shells (each command starts fresh in the same directory),
 interactive programs, network access.
+
+The tasks live here, with the environment that reads their files and verifiers; `task_source` is
+their prompt source, registered in rollout/tasks as `terminal`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from miles.rollout.environments.base import StepResult
+from miles.rollout.environments.contract import StepResult
+from miles.rollout.environments.sandbox import Sandbox, SandboxError
+from miles.rollout.tasks.contract import Problem
 
 DONE = "done"
 
@@ -61,9 +66,7 @@ class TerminalTaskSource:
         self.rng = random.Random(f"terminal:{seed}:{split}")
         self.order: list[TerminalTask] = []
 
-    def take(self, n: int):
-        from miles.rollout.tasks.arithmetic import Problem
-
+    def take(self, n: int) -> list[Problem]:
         out = []
         for _ in range(n):
             if not self.order:
@@ -74,7 +77,14 @@ class TerminalTaskSource:
         return out
 
 
+def task_source(cfg, split: str, seed: int) -> TerminalTaskSource:
+    """The `terminal` prompt source (rollout.task.name = "terminal"); the task config has no knobs for it."""
+    return TerminalTaskSource(split=split, seed=seed)
+
+
 class TerminalEnv:
+    """One terminal episode: a fresh sandbox with the task's files, one shell command per turn."""
+
     def __init__(self, max_commands: int = 4, sandbox_config=None):
         self.max_commands = max_commands
         self.sandbox_config = sandbox_config
@@ -84,8 +94,6 @@ class TerminalEnv:
         self.transcript: list = []  # CommandResults, for reports and tests
 
     def reset(self, task) -> str:
-        from miles.rollout.sandbox import Sandbox
-
         if task.label not in BY_NAME:
             raise ValueError(f"terminal task {task.label!r} is unknown: the prompt's label must be one of "
                              f"{sorted(BY_NAME)}")
@@ -101,8 +109,6 @@ class TerminalEnv:
             raise RuntimeError("TerminalEnv.step before reset: call reset(task) first")
         command = action.strip()
         if command and command != DONE:
-            from miles.rollout.sandbox import SandboxError
-
             self.commands += 1
             try:
                 result = self.sandbox.run(command)

@@ -14,7 +14,7 @@ import ast
 import operator
 import re
 
-from miles.rollout.environments.base import StepResult
+from miles.rollout.environments.contract import StepResult
 
 TOOL_PREFIX = "calc "
 _LEADING_ZEROS = re.compile(r"\b0+(?=\d)")
@@ -48,6 +48,8 @@ def _value(node) -> int:
 
 
 class CalculatorEnv:
+    """One arithmetic episode: up to `max_tool_calls` calculator turns, then the final answer."""
+
     def __init__(self, max_tool_calls: int = 2):
         self.max_tool_calls = max_tool_calls
         self.label: str | None = None

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+from miles.rollout.tasks.contract import Problem
 
 
 def _split_of(a: int, op: str, b: int, eval_fraction: float) -> str:
@@ -63,6 +58,12 @@ class ArithmeticTask:
 
     def take(self, n: int) -> list[Problem]:
         return [self.draw() for _ in range(n)]
+
+
+def task_source(cfg, split: str, seed: int) -> ArithmeticTask:
+    """The `arithmetic` prompt source from the run's task config (rollout.task)."""
+    return ArithmeticTask(digits=cfg.digits, ops=cfg.ops, split=split, seed=seed, eval_fraction=cfg.eval_fraction,
+                          fixed_width=cfg.fixed_width)
 
 
 def demonstration(problem: Problem) -> str:

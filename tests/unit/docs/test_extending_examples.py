@@ -43,7 +43,7 @@ def test_reward_example_loads_and_gives_partial_credit(examples):
 
 def test_environment_example_passes_the_protocol_check_and_plays_an_episode(examples):
     from miles.rollout.data_source import Prompt
-    from miles.rollout.environments.base import check_environment, get_environment
+    from miles.rollout.environments import check_environment, get_environment
 
     check_environment("my_envs:second_chance")
     env = get_environment("my_envs:second_chance")()

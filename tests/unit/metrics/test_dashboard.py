@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from miles.metrics.dashboard import Dashboard
+from miles.metrics.report import main
 from miles.metrics.sink import JsonlSink
 
 
@@ -60,8 +61,6 @@ def test_a_busy_port_is_refused_with_the_fix(run_dir):
 
 
 def test_unknown_paths_get_a_hint_and_bad_run_dirs_are_refused(run_dir, tmp_path, capsys):
-    from miles.metrics.report import main
-
     dash = Dashboard(run_dir).start()
     try:
         with pytest.raises(urllib.error.HTTPError) as e:

@@ -12,7 +12,7 @@ import pytest
 from miles.buffer.types import SampleStatus
 from miles.rollout.agent import AgentConfig, ChatFormat, run_episode
 from miles.rollout.data_source import Prompt
-from miles.rollout.environments.base import StepResult
+from miles.rollout.environments.contract import StepResult
 from miles.rollout.generate import SamplingParams
 
 # Observations chosen to merge with neighbouring text when re-tokenized ("lo"+"w", digits, spaces).

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.rollout.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailable, check_available, processes_of
+import miles.rollout.environments.sandbox as sandbox_mod
+from miles.rollout.environments.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailable, check_available, processes_of
 
 try:
     check_available()
@@ -145,8 +146,6 @@ def test_close_removes_the_directory(tmp_path):
 
 
 def test_refuses_rather_than_running_unconfined(monkeypatch):
-    import miles.rollout.sandbox as sandbox_mod
-
     monkeypatch.setattr(sandbox_mod, "_probe_result", None)
     monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 1000)
     with pytest.raises(SandboxUnavailable, match="needs root.*refusing to run terminal tasks unconfined"):

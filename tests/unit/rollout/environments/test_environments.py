@@ -1,15 +1,16 @@
-"""Environments and generate functions: the registries, their load-time checks, and the built-ins."""
+"""Environments: the registry, its load-time checks, and the built-ins (calculator, terminal)."""
 
 from __future__ import annotations
 
 import pytest
 
 from miles.config import ConfigError
-from miles.rollout.agent import AgentConfig, get_generate_fn, multi_turn, single_turn
+from miles.rollout.agent import AgentConfig
 from miles.rollout.data_source import Prompt
-from miles.rollout.environments.base import check_environment, get_environment
+from miles.rollout.environments import check_environment, get_environment
+from miles.rollout.environments.sandbox import SandboxUnavailable, check_available
+from miles.rollout.environments.terminal import TASKS, TerminalEnv, TerminalTaskSource
 from miles.rollout.environments.tool_calc import CalculatorEnv, demonstration, evaluate
-from miles.rollout.sandbox import SandboxUnavailable, check_available
 
 
 def not_an_env():
@@ -20,34 +21,14 @@ def needs_args(x):
     return x
 
 
-def sync_generate(ctx, prompt, params, rid):
-    return None
-
-
-async def three_args(ctx, prompt, params):
-    return None
-
-
-async def custom_generate(ctx, prompt, params, rid):
-    return None
-
-
-def test_generate_functions_by_name_or_path_are_checked_against_the_protocol():
-    assert get_generate_fn("single_turn") is single_turn and get_generate_fn("agent") is multi_turn
-    assert get_generate_fn(f"{__name__}:custom_generate") is custom_generate
-    with pytest.raises(ValueError, match="choose one of .*agent.*single_turn"):
-        get_generate_fn("multi")
-    with pytest.raises(ValueError, match="cannot be loaded"):
-        get_generate_fn("no.such.module:fn")
-    with pytest.raises(ValueError, match="must be an `async def`"):
-        get_generate_fn(f"{__name__}:sync_generate")
-    with pytest.raises(ValueError, match=r"must take \(ctx, prompt, params, rid\); it takes 3"):
-        get_generate_fn(f"{__name__}:three_args")
+def calculator():
+    return CalculatorEnv(max_tool_calls=1)
 
 
 def test_environments_by_name_or_path_are_checked_against_the_protocol():
     check_environment("tool_calc")
-    check_environment("tests.unit.rollout.agent.test_tito:scripted_env")
+    check_environment(f"{__name__}:calculator")  # a user's factory function
+    check_environment("miles.rollout.environments.tool_calc:CalculatorEnv")  # a class works as its own factory
     with pytest.raises(ValueError, match="choose one of .*terminal.*tool_calc"):
         get_environment("calculator")
     with pytest.raises(ValueError, match=r"lacks \['reset', 'step', 'close'\]"):
@@ -87,8 +68,6 @@ def test_terminal_tasks_are_solved_by_their_reference_and_failed_otherwise():
         check_available()
     except SandboxUnavailable as e:
         pytest.skip(f"no sandbox here: {e}")
-    from miles.rollout.environments.terminal import TASKS, TerminalEnv, TerminalTaskSource
-
     env = TerminalEnv(max_commands=3)
     for t in TASKS:
         env.reset(Prompt(index=0, text=t.instruction, label=t.name))
@@ -110,8 +89,6 @@ def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
         check_available()
     except SandboxUnavailable as e:
         pytest.skip(f"no sandbox here: {e}")
-    from miles.rollout.environments.terminal import TerminalEnv
-
     env = TerminalEnv(max_commands=2)
     env.reset(Prompt(index=0, text="", label="hello_file"))
     garbled = env.step("ls\x00")

@@ -21,6 +21,7 @@ Non-goals: seccomp syscall filtering, containers/images, persistent processes ac
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -30,6 +31,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from miles.config import ConfigError
 
 # Inside the namespaces the working directory is bind-mounted here; /var/tmp itself is a private tmpfs.
 INNER_WORKDIR = "/var/tmp/work"
@@ -77,8 +80,6 @@ class SandboxConfig:
     """Stop a command once it has printed this many times max_output_bytes (it is only wasting time)."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if min(self.cpu_time_s, self.memory_mb, self.max_file_mb, self.max_processes, self.max_output_bytes) < 1:
             raise ConfigError("sandbox limits (cpu_time_s, memory_mb, max_file_mb, max_processes, "
                               "max_output_bytes) must all be >= 1")
@@ -214,8 +215,6 @@ class Sandbox:
             return self._run(command, self.config.wall_timeout_s if timeout_s is None else timeout_s)
 
     def _limits(self):
-        import resource
-
         c = self.config
 
         def apply():
