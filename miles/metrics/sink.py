@@ -9,11 +9,16 @@ Non-goal: aggregation across steps (plots and the report do that from metrics.js
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
+
+from miles.config import ConfigError
+from miles.metrics.tensorboard_sink import TensorBoardSink
+from miles.metrics.wandb_sink import WandbSink
 
 
 @dataclass
@@ -36,10 +41,6 @@ class MetricsConfig:
     """Dashboard port (0 = any free port; the URL is printed at start)."""
 
     def validate(self) -> None:
-        import importlib.util
-
-        from miles.config import ConfigError
-
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("metrics.tensorboard = true needs the tensorboard package: "
                               "pip install 'miles[tensorboard]' or set metrics.tensorboard = false")
@@ -103,12 +104,8 @@ def open_sinks(cfg: MetricsConfig, run_dir: str | Path, run_name: str = "run", c
     run_dir = Path(run_dir)
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl")]
     if cfg.tensorboard:
-        from miles.metrics.tensorboard_sink import TensorBoardSink
-
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if cfg.wandb != "off":
-        from miles.metrics.wandb_sink import WandbSink
-
         sinks.append(WandbSink(run_dir, cfg.wandb, cfg.wandb_project, cfg.wandb_entity, run_name, config))
     return Sinks(sinks)
 

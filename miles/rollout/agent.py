@@ -220,7 +220,7 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
 
 async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id, rid, turn,
                          return_routed_experts: bool = False) -> dict:
-    import httpx  # heavy: the agent config is loaded by `miles train` before any rollout runs
+    import httpx  # not at the top: AgentConfig is part of the run config, which loads without httpx
 
     sp = params.to_json()
     sp["max_new_tokens"] = max_new_tokens

@@ -31,6 +31,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from miles.buffer.types import Sample, SampleStatus
+from miles.net import bind, url_of
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -295,21 +296,17 @@ class RunningSessionServer:
 def start_session_server(engine_url: str, tokenizer_path: str, host: str = "127.0.0.1", port: int = 0,
                          **store_kwargs) -> RunningSessionServer:
     """Serve the session endpoint on a daemon thread in front of `engine_url`; returns once it answers."""
-    import socket
-
     import httpx
     import uvicorn
 
     from miles.models.loading import load_tokenizer
 
     store = SessionStore(engine_url, load_tokenizer(tokenizer_path), **store_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = bind(host, port)
     server = uvicorn.Server(uvicorn.Config(build_app(store), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-sessions", daemon=True)
     thread.start()
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    url = url_of(sock, host)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
