@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from miles.registry import Registry, RegistryError
+from miles.registry import Registry, RegistryError, protocol_methods
 from miles.rollout.environments.contract import Environment, StepResult
 
 __all__ = ["ENVIRONMENTS", "Environment", "StepResult", "check_environment", "get_environment"]
@@ -48,7 +48,7 @@ def check_environment(spec: str) -> None:
     except TypeError as e:
         raise RegistryError(f"environment {spec!r} must be callable with no arguments: {e}") from None
     if not isinstance(env, Environment):
-        missing = [m for m in ("reset", "step", "close") if not callable(getattr(env, m, None))]
+        missing = [m for m in protocol_methods(Environment) if not callable(getattr(env, m, None))]
         raise RegistryError(f"environment {spec!r} returned {type(env).__name__}, which lacks {missing}: "
                             "implement reset(task) -> str, step(action) -> StepResult and close()")
     env.close()
