@@ -14,7 +14,7 @@ from miles.orchestration.ray_cluster import RayConfig
 from miles.rollout.manager import EvalConfig, RolloutConfig
 from miles.rollout.router import RouterConfig
 from miles.sync.prepare import SyncConfig
-from miles.trainer.backends.fsdp import TrainerConfig
+from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig
 
 

@@ -376,7 +376,7 @@ def run_sft(cfg) -> dict:
                     order = list(range(len(data)))
                     rng.shuffle(order)
                 batch.append(data[order.pop()])
-            m = trainer.train_step(batch, kind="sft")
+            m = trainer.train_step(batch, algorithm="sft")
             if progress.live or step % max(1, cfg.sft.steps // 20) == 0 or step == cfg.sft.steps:
                 progress.update(step, nll=m["sft/nll"])
         progress.close()

@@ -10,22 +10,6 @@ The helpers below (train, push weights, end a step) are shared by the overlapped
 from __future__ import annotations
 
 
-def groups_to_sequences(groups, algorithm):
-    """Per-sample advantages within each group; drop groups with no signal (all rewards equal)."""
-    from miles.trainer.types import TrainSequence
-
-    seqs, dropped = [], 0
-    for g in groups:
-        if len(set(g.rewards)) == 1:
-            dropped += 1
-            continue
-        for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
-            seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
-                                      loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv,
-                                      routed_experts=s.routed_experts))
-    return seqs, dropped
-
-
 def run_sync_loop(ctx) -> None:
     cfg, rollout, trainer, progress = ctx.cfg, ctx.rollout, ctx.trainer, ctx.progress
     from miles.metrics.timers import StepTimer
@@ -54,19 +38,17 @@ def run_sync_loop(ctx) -> None:
 def train_on(ctx, step: int, groups, metrics: dict, timer) -> None:
     """One optimizer step on these groups; the trainer's policy version becomes `step`."""
     from miles.metrics.timers import staleness_counts
-    from miles.trainer.algorithms import get_algorithm
 
     metrics.update(staleness_counts(groups, ctx.policy_version))
-    seqs, dropped = groups_to_sequences(groups, get_algorithm(ctx.cfg.trainer.algorithm))
-    metrics["buffer/groups_discarded_zero_std"] = dropped
-    metrics["buffer/groups_trained"] = len(groups) - dropped
-    metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups) if seqs else 0
+    # The buffer's filter already dropped what should not train: every group here is trained.
+    metrics["buffer/groups_trained"] = len(groups)
+    metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups)
     ctx.progress.phase("train")
     if ctx.faults is not None:
         ctx.faults.before_train(step, ctx.trainer)
     with timer.span("train"), ctx.weights_lock():
-        if seqs:
-            metrics.update(ctx.trainer.train_step(seqs))
+        if groups:
+            metrics.update(ctx.trainer.train_groups(groups))
         ctx.policy_version = step
 
 
