@@ -68,9 +68,9 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
-    from miles.trainer import batching
-    from miles.trainer.batching import prepare_global_batch, sequences_from_groups
+    from miles.trainer.backends import fsdp
     from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.batching import prepare_global_batch, sequences_from_groups
     from miles.trainer.config import TrainerConfig
 
     cfg = build(TrainerConfig, {"lr": args.lr, "routing_replay": replay, "algorithm": {"name": "grpo"}})
@@ -79,13 +79,13 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
     counts = {"pairs": 0, "differ": 0}
     handles = experts_input_mismatch(trainer, counts)
     # The trainer builds each micro-batch right before its forward; note its engine routing there.
-    build_mb = batching.build_micro_batch
+    build_mb = fsdp.build_micro_batch
 
     def noting(*a, **kw):
         mb = build_mb(*a, **kw)
         counts["routed"] = mb.routed
         return mb
-    batching.build_micro_batch = noting
+    fsdp.build_micro_batch = noting
     prompts = [[3 + p, 17 + 5 * p, 9, 40 + p] for p in range(args.prompts)]
     steps = []
     try:
@@ -115,7 +115,7 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
             with torch.no_grad():
                 server.engine.apply_weights(dict(trainer.full_named_tensors()), step + 1)
     finally:
-        batching.build_micro_batch = build_mb
+        fsdp.build_micro_batch = build_mb
         for h in handles:
             h.remove()
         server.stop()

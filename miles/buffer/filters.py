@@ -2,7 +2,8 @@
 
 A filter is any callable `(Group) -> bool` (True = keep), chosen by name from FILTERS or given as
 `module:function`. Rejected groups are discarded with reason `filtered`, never retried: a filter
-judges the group's content, and generating the same prompt again would mostly repeat it.
+judges the group's content, and generating the same prompt again would mostly repeat it. The filter
+is the only place groups are dropped between the buffer and the trainer, so the ledger is exact.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from miles.buffer.types import Group
+from miles.registry import Registry
 
 
 class GroupFilter(Protocol):
@@ -17,7 +19,7 @@ class GroupFilter(Protocol):
 
 
 def nonzero_std(group: Group) -> bool:
-    """Keep groups whose rewards differ: with all rewards equal every advantage is zero."""
+    """Keep groups whose rewards differ: with all rewards equal every group-relative advantage is zero."""
     return len(set(group.rewards)) > 1
 
 
@@ -25,14 +27,12 @@ def keep_all(group: Group) -> bool:
     return True
 
 
-FILTERS: dict[str, Callable[[Group], bool]] = {"nonzero_std": nonzero_std, "none": keep_all}
+FILTERS: Registry[Callable[[Group], bool]] = Registry("group filter", arity=1,
+                                                       hint=" (a function (Group) -> bool, True = keep)")
+FILTERS.register("nonzero_std", nonzero_std)
+FILTERS.register("none", keep_all)
 
 
 def get_filter(spec: str) -> GroupFilter:
     """A filter by registry name or `module:function`; a bad spec raises ValueError naming the fix."""
-    from miles.registry import resolve
-
-    fn = resolve(spec, FILTERS, "group filter")
-    if not callable(fn):
-        raise ValueError(f"group filter {spec!r} is not callable; it must be a function (Group) -> bool")
-    return fn
+    return FILTERS.get(spec)

@@ -133,7 +133,7 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
             off += L
     routed = None
     if moe_shape is not None:
-        from miles.trainer.r3 import routed_tensor
+        from miles.trainer.r3 import routed_tensor  # r3 imports torch; the orchestrator imports this module
 
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     if pack:

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miles.trainer.algorithms.base import Algorithm, LossInputs, kl_estimate, kl_reward_penalty
+from miles.trainer.algorithms.base import Algorithm, LossInputs, kl_estimate, kl_reward_penalty, token_weights
 from miles.trainer.algorithms.ppo import gae, value_loss
 from miles.trainer.algorithms.tis import corrected_inputs, tis_metrics, tis_sums
 
 if TYPE_CHECKING:
     from miles.trainer.batching import MicroBatch
+    from miles.trainer.types import BatchTotals, TrainSequence
 
 
 @dataclass
@@ -31,6 +32,16 @@ class ForwardOutputs:
     entropy: torch.Tensor | None = None        # when algorithm.needs_entropy
     ref_logprobs: torch.Tensor | None = None   # when algorithm.needs_reference
     values: torch.Tensor | None = None         # critic, with gradient, when algorithm.needs_critic
+
+
+def sequence_weights(algorithm: Algorithm, seqs: list["TrainSequence"], totals: "BatchTotals",
+                     dp_size: int) -> list[float]:
+    """Each sequence's per-token weight under the algorithm's aggregation over the global batch."""
+    const = algorithm.cfg.loss_constant or totals.max_response_len
+    weights = token_weights(algorithm.loss_agg, [s.num_loss_tokens for s in seqs], totals.loss_tokens,
+                            totals.num_seqs, const)
+    # Gradients are averaged over data-parallel replicas; scale each replica's sum back up.
+    return [w * dp_size for w in weights]
 
 
 def micro_batch_loss(algorithm: Algorithm, mb: "MicroBatch", out: ForwardOutputs, sums: dict[str, float],

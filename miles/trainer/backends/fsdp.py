@@ -14,29 +14,42 @@ Tensor/expert parallel layouts come from transformers' distributed config (train
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
 
-from miles.trainer.algorithms.base import AlgorithmConfig, get_algorithm, token_weights
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+from miles.models.loading import load_model, load_tokenizer
+from miles.models.moe import moe_shape, routers
+from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
+from miles.trainer.batching import build_micro_batch, plan_micro_batches
+from miles.trainer.checkpoint import load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
-from miles.trainer.loss import ForwardOutputs, micro_batch_loss, step_metrics
+from miles.trainer.forward import forward_logprobs
+from miles.trainer.lora import adapter_tensors, apply_lora, merged_tensors
+from miles.trainer.loss import ForwardOutputs, micro_batch_loss, sequence_weights, step_metrics
+from miles.trainer.offload import OptimizerSet
+from miles.trainer.parallel import load_parallel_model
+from miles.trainer.r3 import check_sequences, routing_replay
+from miles.trainer.reference import ReferenceModel
+from miles.trainer.types import BatchTotals, TrainSequence
 
 
 class FSDPTrainer:
     def __init__(self, cfg: TrainerConfig, model_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int, seed: int = 0, temperature: float = 1.0):
-        import torch
-        import torch.distributed as dist
-
-        from miles.models.loading import load_tokenizer
-
         torch.set_num_threads(cfg.num_threads)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if not dist.is_initialized():
-            import datetime
-
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -46,19 +59,13 @@ class FSDPTrainer:
         self.pad_id = load_tokenizer(model_path).pad_token_id or 0
         self.algorithm = get_algorithm(cfg.algorithm)
         self.model, self.dp_size = self._build_policy()
-        from miles.models.moe import moe_shape, routers
-
         self.routers = routers(self.model)  # empty for dense models
         self.moe_shape = moe_shape(self.model.config) if self.routers else None
         params = [p for p in self.model.parameters() if p.requires_grad]
-        from miles.trainer.offload import OptimizerSet
-
         self.optim = OptimizerSet(params, cfg, lr_lambda(cfg), rank)
         self._algorithms = {None: self.algorithm}
         self.reference = None
         if self.algorithm.needs_reference:
-            from miles.trainer.reference import ReferenceModel
-
             self.reference = ReferenceModel(model_path)
         self.critic = self.critic_optim = None
         if self.algorithm.needs_critic:
@@ -66,23 +73,14 @@ class FSDPTrainer:
 
     # -- construction ---------------------------------------------------------------------------
     def _build_policy(self):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from miles.models.loading import load_model
-
         cfg = self.cfg
         if cfg.tensor_parallel_size > 1 or cfg.expert_parallel_size > 1:
-            from miles.trainer.parallel import load_parallel_model
-
             model, dp = load_parallel_model(self.model_path, cfg.tensor_parallel_size, cfg.expert_parallel_size,
                                             self.world_size)
             model.train()
             return model, dp
         model = load_model(self.model_path, "float32")
         if cfg.lora.rank:
-            from miles.trainer.lora import apply_lora
-
             model = apply_lora(model, cfg.lora)
         if self.world_size > 1:
             # One rank has nothing to shard: FSDP's hooks and DTensor dispatch would be pure cost.
@@ -94,11 +92,6 @@ class FSDPTrainer:
         return model, self.world_size
 
     def _build_critic(self):
-        import torch
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForTokenClassification
-
         critic = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, dtype=torch.float32,
                                                                  attn_implementation="sdpa")
         torch.nn.init.zeros_(critic.score.weight)  # start from V = 0 rather than random values
@@ -127,25 +120,14 @@ class FSDPTrainer:
 
     def compute_gradients(self, seqs, totals, algorithm: str | None = None) -> dict[str, float]:
         """Accumulate this rank's share of the step's gradient into .grad (collective); no step."""
-        import torch
-        import torch.distributed as dist
-
-        from miles.trainer.batching import build_micro_batch, plan_micro_batches
-        from miles.trainer.types import BatchTotals
 
         if isinstance(totals, int):
             totals = BatchTotals(loss_tokens=totals, num_seqs=len(seqs), max_response_len=0)
         algo = self._algorithm(algorithm)
         cfg = self.cfg
         if algo.on_rollouts and cfg.routing_replay:
-            from miles.trainer.r3 import check_sequences
-
             check_sequences(seqs)
-        const = algo.cfg.loss_constant or totals.max_response_len
-        weights = token_weights(algo.loss_agg, [s.num_loss_tokens for s in seqs], totals.loss_tokens,
-                                totals.num_seqs, const)
-        # Gradients are averaged over data-parallel replicas; scale each replica's sum back up.
-        weights = [w * self.dp_size for w in weights]
+        weights = sequence_weights(algo, seqs, totals, self.dp_size)
         plan = plan_micro_batches([len(s.tokens) for s in seqs], cfg.max_tokens_per_micro_batch,
                                   cfg.micro_batch_size, cfg.pack_sequences)
         # Every rank must run the same number of forward/backward passes (FSDP collectives).
@@ -185,9 +167,6 @@ class FSDPTrainer:
 
     def _micro_step(self, mb, algorithm, sums: dict, real: bool) -> None:
         """Run the forward passes the algorithm asks for, then backward on the loss loss.py composes."""
-        from miles.trainer.forward import forward_logprobs
-        from miles.trainer.r3 import routing_replay
-
         t_fwd = time.perf_counter()
         temperature = self.temperature if algorithm.on_rollouts else 1.0
         # Mismatch is counted on real micro-batches only; a placeholder carries no routed experts.
@@ -235,7 +214,6 @@ class FSDPTrainer:
         if not self.cfg.lora.rank:
             yield from named
             return
-        from miles.trainer.lora import adapter_tensors, merged_tensors
 
         if merged is None:
             merged = self.cfg.lora.sync == "merged"
@@ -255,10 +233,6 @@ class FSDPTrainer:
     def save_hf(self, out_dir: str) -> str | None:
         """Export a Hugging Face checkpoint directory (loadable by from_pretrained). Collective.
         LoRA runs export the merged model."""
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from miles.models.loading import load_tokenizer
 
         state = {n: t.clone() for n, t in self.full_named_tensors(merged=True) if t is not None}
         if self.rank != 0:
@@ -277,8 +251,6 @@ class FSDPTrainer:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(self.model_path).save_pretrained(tmp)
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         tmp.rename(out)  # a checkpoint directory appears whole or not at all
         return str(out)
@@ -286,13 +258,9 @@ class FSDPTrainer:
     # -- resumable state ------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
         """Distributed checkpoint of everything the next step depends on. Collective."""
-        from miles.trainer.checkpoint import save_trainer_state
-
         save_trainer_state(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from miles.trainer.checkpoint import load_trainer_state
-
         load_trainer_state(self, path)
 
 
@@ -302,9 +270,6 @@ def clip_grad_norm(params, max_norm: float) -> float:
     Under tensor/expert parallelism gradients are DTensors on different meshes and placements next
     to plain tensors, which torch's clip_grad_norm_ cannot mix; each kind is measured on its own
     and the squares summed."""
-    import math
-
-    import torch
 
     groups: dict[object, list] = {}
     for p in params:
@@ -337,6 +302,4 @@ def _decoder_layers(model):
 
 
 def _placeholder(pad_id: int):
-    from miles.trainer.types import TrainSequence
-
     return TrainSequence(tokens=[pad_id, pad_id], prompt_len=1, loss_mask=[0], old_logprobs=[0.0])
