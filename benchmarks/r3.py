@@ -64,13 +64,14 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
     from miles.buffer.types import Group
     from miles.config.loader import build
     from miles.orchestration.actors import free_port
-    from miles.orchestration.sync_loop import groups_to_sequences
-    from miles.orchestration.trainer_group import prepare_global_batch
+    from miles.buffer.filters import nonzero_std
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
-    from miles.trainer import batching
-    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+    from miles.trainer.backends import fsdp
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.batching import prepare_global_batch, sequences_from_groups
+    from miles.trainer.config import TrainerConfig
 
     cfg = build(TrainerConfig, {"lr": args.lr, "routing_replay": replay, "algorithm": {"name": "grpo"}})
     trainer = FSDPTrainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port(), seed=0)
@@ -78,13 +79,13 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
     counts = {"pairs": 0, "differ": 0}
     handles = experts_input_mismatch(trainer, counts)
     # The trainer builds each micro-batch right before its forward; note its engine routing there.
-    build_mb = batching.build_micro_batch
+    build_mb = fsdp.build_micro_batch
 
     def noting(*a, **kw):
         mb = build_mb(*a, **kw)
         counts["routed"] = mb.routed
         return mb
-    batching.build_micro_batch = noting
+    fsdp.build_micro_batch = noting
     prompts = [[3 + p, 17 + 5 * p, 9, 40 + p] for p in range(args.prompts)]
     steps = []
     try:
@@ -100,7 +101,8 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
             for s in samples:
                 s.reward = digit_share(s.response_text)
             groups = [Group(samples[i:i + args.samples]) for i in range(0, len(samples), args.samples)]
-            seqs, _ = groups_to_sequences(groups, trainer.algorithm)
+            # As the run's default buffer filter does: groups with equal rewards carry no signal.
+            seqs = sequences_from_groups([g for g in groups if nonzero_std(g)], trainer.algorithm)
             if not seqs:
                 continue
             counts.update(pairs=0, differ=0)
@@ -113,7 +115,7 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
             with torch.no_grad():
                 server.engine.apply_weights(dict(trainer.full_named_tensors()), step + 1)
     finally:
-        batching.build_micro_batch = build_mb
+        fsdp.build_micro_batch = build_mb
         for h in handles:
             h.remove()
         server.stop()

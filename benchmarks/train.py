@@ -76,7 +76,8 @@ def _two_rank_worker(rank: int, model_path: str, port: int, args, out_path: str)
 
     torch.set_num_threads(1)
     from miles.orchestration.trainer_group import split_for_ranks
-    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.config import TrainerConfig
     from miles.trainer.types import BatchTotals
 
     trainer = FSDPTrainer(TrainerConfig(num_ranks=2, lr=1e-5), model_path, rank, 2, "127.0.0.1", port)
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from miles.models.presets import build_tiny_model
     from miles.orchestration.actors import free_port
-    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.config import TrainerConfig
     from miles.trainer.types import BatchTotals
 
     tmp = tempfile.mkdtemp(prefix="miles-bench-train-")

@@ -30,6 +30,7 @@ from miles.buffer.filters import get_filter
 from miles.buffer.ledger import Ledger
 from miles.buffer.staleness import staleness
 from miles.buffer.types import Group, Reason, Sample, SampleStatus, Verdict
+from miles.config.loader import ConfigError
 
 
 @dataclass
@@ -52,8 +53,6 @@ class BufferConfig:
     """Stop admitting prompts while the oldest in-flight group would exceed max_staleness."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if self.capacity < 1 or self.max_inflight_groups < 1:
             raise ConfigError("buffer.capacity and buffer.max_inflight_groups must be >= 1")
         if self.max_staleness < 0 or self.max_retries < 0:

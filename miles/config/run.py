@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from miles.config.checks import check_run
 from miles.metrics.sink import MetricsConfig
 from miles.buffer.data_buffer import BufferConfig
 from miles.orchestration.faults import FaultConfig
@@ -14,7 +15,7 @@ from miles.orchestration.ray_cluster import RayConfig
 from miles.rollout.manager import EvalConfig, RolloutConfig
 from miles.rollout.router import RouterConfig
 from miles.sync.prepare import SyncConfig
-from miles.trainer.backends.fsdp import TrainerConfig
+from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig
 
 
@@ -80,12 +81,4 @@ class RunConfig:
     """Metric sinks, progress display and the live dashboard."""
 
     def validate(self) -> None:
-        from miles.orchestration.health import check_run as check_fleet
-        from miles.orchestration.loop import check_run
-        from miles.sync.prepare import check_run as check_sync
-        from miles.trainer.r3 import check_run as check_r3
-
         check_run(self)
-        check_sync(self)
-        check_r3(self)
-        check_fleet(self)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import time
 
+from miles.metrics.timers import StepTimer
+from miles.orchestration.context import TrainContext
+from miles.orchestration.steps import end_step, push_weights, train_on
 
-def run_fully_async_loop(ctx) -> None:
-    from miles.metrics.timers import StepTimer
-    from miles.orchestration.sync_loop import end_step, push_weights, train_on
 
+def run_fully_async_loop(ctx: TrainContext) -> None:
     cfg, rollout = ctx.cfg, ctx.rollout
     ctx.call(rollout.start_producer)
     try:

@@ -13,25 +13,24 @@ slower side; generation waits for nothing. Needs the disaggregated placement.
 
 from __future__ import annotations
 
+from miles.metrics.timers import StepTimer
+from miles.orchestration.context import TrainContext
+from miles.orchestration.steps import end_step, push_weights, train_on
 
-def run_one_step_off_loop(ctx) -> None:
-    import ray
 
-    from miles.metrics.timers import StepTimer
-    from miles.orchestration.sync_loop import end_step, push_weights, train_on
-
-    cfg, rollout = ctx.cfg, ctx.rollout
-    pending = rollout.generate_batch.remote()
-    for step in range(ctx.start_step + 1, cfg.loop.num_steps + 1):
+def run_one_step_off_loop(ctx: TrainContext) -> None:
+    rollout, num_steps = ctx.rollout, ctx.cfg.loop.num_steps
+    pending = ctx.submit(rollout.generate_batch)
+    for step in range(ctx.start_step + 1, num_steps + 1):
         timer = StepTimer()
         ctx.progress.phase("wait for data")
         with timer.span("wait_data"):
-            metrics = ray.get(pending)
+            metrics = pending()
             groups, buffer_metrics = ctx.call(rollout.collect)
         metrics.update(buffer_metrics)
         t_gen = metrics.get("rollout/time_s", 0.0)
-        if step < cfg.loop.num_steps:
-            pending = rollout.generate_batch.remote()  # step k+1's batch, overlapping this train step
+        if step < num_steps:
+            pending = ctx.submit(rollout.generate_batch)  # step k+1's batch, overlapping this train step
         train_on(ctx, step, groups, metrics, timer)
         push_weights(ctx, step, metrics, timer)
         timer.add("perf/rollout_s", t_gen)

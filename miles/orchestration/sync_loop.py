@@ -1,37 +1,25 @@
 """The synchronous schedule: generate → train → sync weights → evaluate → save, step after step.
 
-Engines sit idle while the trainer works and vice versa; every sample of step k is generated
-under weight version k-1, the trainer's version when it trains them, so training is on-policy.
-In the colocated placement the two sides also hand the shared cores to each other: engines release
-their memory for the train step and take it back before the weights arrive.
-The helpers below (train, push weights, end a step) are shared by the overlapped schedules.
+    engines: [gen 1]               [gen 2]               [gen 3]
+    trainer:        [train 1][sync 1]     [train 2][sync 2]     ...
+
+Who waits: the trainer waits for the whole batch; the engines wait for the push. Every sample of
+step k is generated under weight version k-1, the trainer's version when it trains on it, so
+training is on-policy. In the colocated placement the two sides also hand the shared cores to each
+other: engines release their memory for the train step and take it back before the weights arrive.
 """
 
 from __future__ import annotations
 
-
-def groups_to_sequences(groups, algorithm):
-    """Per-sample advantages within each group; drop groups with no signal (all rewards equal)."""
-    from miles.trainer.types import TrainSequence
-
-    seqs, dropped = [], 0
-    for g in groups:
-        if len(set(g.rewards)) == 1:
-            dropped += 1
-            continue
-        for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
-            seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
-                                      loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv,
-                                      routed_experts=s.routed_experts))
-    return seqs, dropped
+from miles.metrics.timers import StepTimer
+from miles.orchestration.context import TrainContext
+from miles.orchestration.steps import end_step, push_weights, train_on
 
 
-def run_sync_loop(ctx) -> None:
-    cfg, rollout, trainer, progress = ctx.cfg, ctx.rollout, ctx.trainer, ctx.progress
-    from miles.metrics.timers import StepTimer
-
-    colocated = cfg.placement.mode == "colocated"
-    for step in range(ctx.start_step + 1, cfg.loop.num_steps + 1):
+def run_sync_loop(ctx: TrainContext) -> None:
+    rollout, progress = ctx.rollout, ctx.progress
+    colocated = ctx.cfg.placement.mode == "colocated"
+    for step in range(ctx.start_step + 1, ctx.cfg.loop.num_steps + 1):
         timer = StepTimer()
         # On a terminal the progress line polls the manager for samples done so far (samples/s live).
         progress.phase("rollout", poll=lambda: ctx.call(rollout.live_stats))
@@ -48,67 +36,3 @@ def run_sync_loop(ctx) -> None:
         # Sync schedule: the trainer waits for the whole collection before it can start.
         timer.add("perf/wait_data_s", timer.spans["perf/rollout_s"])
         end_step(ctx, step, metrics, timer)
-
-
-# -- the parts every schedule shares ----------------------------------------------------------------
-def train_on(ctx, step: int, groups, metrics: dict, timer) -> None:
-    """One optimizer step on these groups; the trainer's policy version becomes `step`."""
-    from miles.metrics.timers import staleness_counts
-    from miles.trainer.algorithms import get_algorithm
-
-    metrics.update(staleness_counts(groups, ctx.policy_version))
-    seqs, dropped = groups_to_sequences(groups, get_algorithm(ctx.cfg.trainer.algorithm))
-    metrics["buffer/groups_discarded_zero_std"] = dropped
-    metrics["buffer/groups_trained"] = len(groups) - dropped
-    metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups) if seqs else 0
-    ctx.progress.phase("train")
-    if ctx.faults is not None:
-        ctx.faults.before_train(step, ctx.trainer)
-    with timer.span("train"), ctx.weights_lock():
-        if seqs:
-            metrics.update(ctx.trainer.train_step(seqs))
-        ctx.policy_version = step
-
-
-def push_weights(ctx, step: int, metrics: dict, timer) -> None:
-    """Push weights on the configured cadence and tell the rollout side the new versions."""
-    ctx.progress.phase("sync")
-    loop = ctx.cfg.loop
-    # In the sync schedule the engines are idle during a push, so there is nothing to pause.
-    pause = loop.pause_mode if loop.schedule != "sync" and loop.pause_mode != "none" else None
-    with timer.span("sync"):
-        if step % loop.update_weights_interval == 0:
-            if pause:
-                ctx.call(ctx.rollout.pause_engines, pause)
-            try:
-                metrics.update(ctx.sync_weights(step))
-            finally:
-                if pause:
-                    ctx.call(ctx.rollout.continue_engines)
-            ctx.weight_version = step
-            ctx.call(ctx.rollout.set_versions, step, step)
-        else:
-            ctx.call(ctx.rollout.set_versions, step)
-
-
-def end_step(ctx, step: int, metrics: dict, timer) -> None:
-    """Evaluate and save when due, then write the step's record and show progress."""
-    cfg, progress = ctx.cfg, ctx.progress
-    if ctx.fleet is not None:
-        ctx.fleet.raise_if_failed()  # an engine that could not be replaced ends the run here, named
-    if ctx.eval_due(step):
-        progress.phase("eval")
-        with timer.span("eval"):
-            metrics.update(ctx.call(ctx.rollout.evaluate))
-    if cfg.loop.save_every and step % cfg.loop.save_every == 0:
-        progress.phase("save")
-        ctx.save(step)
-    metrics = timer.finish(metrics)
-    ctx.sink.write(step, metrics)
-    ctx.record(step, metrics)
-    shown = {"reward": metrics.get("rollout/reward_mean", float("nan"))}
-    if "eval/accuracy" in metrics:
-        shown["eval_acc"] = metrics["eval/accuracy"]
-    if "rollout/samples_per_s" in metrics:
-        shown["samples/s"] = metrics["rollout/samples_per_s"]
-    progress.update(step, **shown, step_s=metrics["perf/step_s"])

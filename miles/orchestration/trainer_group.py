@@ -1,23 +1,15 @@
 """TrainerGroup: the trainer ranks as Ray actors, driven together.
 
-Applies the algorithm's batch-wide advantage pass (e.g. REINFORCE++ whitening) on the whole global
-batch, counts the batch's totals once (so loss normalisation does not depend on the split), splits
+Hands rollout groups to the trainer side (trainer/batching.py computes the algorithm's advantages
+and the global batch's totals once, so loss normalisation does not depend on the split), splits
 the batch across data-parallel ranks, and runs collective calls (train step, weight sync, export,
 checkpoints) on every rank.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-
-def prepare_global_batch(seqs, algorithm):
-    """The batch-wide advantage pass and the global totals of one step."""
-    from miles.trainer.types import BatchTotals
-
-    advs = algorithm.batch_advantages([s.advantage for s in seqs])
-    seqs = [dataclasses.replace(s, advantage=a) for s, a in zip(seqs, advs)]
-    return seqs, BatchTotals.of(seqs)
+from miles.trainer.algorithms.base import AlgorithmConfig, get_algorithm
+from miles.trainer.batching import prepare_global_batch, sequences_from_groups
 
 
 def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
@@ -33,7 +25,6 @@ class TrainerGroup:
         import ray
 
         from miles.orchestration.actors import TrainerShell, free_port, remote
-        from miles.trainer.algorithms import get_algorithm
 
         n = trainer_cfg.num_ranks
         port = free_port()
@@ -67,16 +58,18 @@ class TrainerGroup:
         self.failed = False
         return ray.get(refs)
 
-    def train_step(self, seqs, kind: str = "rl") -> dict[str, float]:
-        n = len(self.actors)
-        if kind == "rl":
-            seqs, totals = prepare_global_batch(seqs, self.algorithm)
-        else:
-            from miles.trainer.types import BatchTotals
+    def train_groups(self, groups) -> dict[str, float]:
+        """One optimizer step on rollout groups, with the configured algorithm's advantages."""
+        return self.train_step(sequences_from_groups(groups, self.algorithm))
 
-            totals = BatchTotals.of(seqs)
+    def train_step(self, seqs, algorithm: str | None = None) -> dict[str, float]:
+        """One optimizer step on sequences carrying per-sample advantages; `algorithm` names another
+        algorithm's loss for this step (e.g. "sft" on demonstrations), None = the configured one."""
+        n = len(self.actors)
+        algo = self.algorithm if algorithm is None else get_algorithm(AlgorithmConfig(name=algorithm))
+        seqs, totals = prepare_global_batch(seqs, algo)
         tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
-        return self._all("train_step", split_for_ranks(seqs, n, tp), [totals] * n, [kind] * n)[0]
+        return self._all("train_step", split_for_ranks(seqs, n, tp), [totals] * n, [algorithm] * n)[0]
 
     def connect_engines(self, urls: list[str]) -> None:
         self._all("connect_engines", [urls] * len(self.actors))

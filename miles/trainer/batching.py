@@ -1,4 +1,9 @@
-"""Micro-batches by token budget, padded or packed, with per-token training targets.
+"""The global batch of a step and its micro-batches, padded or packed, with per-token training targets.
+
+Rollout groups become training sequences here: the algorithm's per-group advantages, then its
+batch-wide pass over the whole global batch, then the batch's totals (so the loss does not depend
+on how the batch is split). Every group handed over is trained: dropping groups is the buffer
+filter's job, where the ledger counts it.
 
 A micro-batch is either padded rows (one sequence per row, cost = rows × longest row) or one packed
 row (sequences end to end, cost = total length). Packed sequences never attend to each other: each
@@ -8,13 +13,38 @@ Non-goal: splitting one sequence over micro-batches (a sequence over budget gets
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from miles.trainer.algorithms.base import Algorithm
+from miles.trainer.types import BatchTotals, TrainSequence
 
 if TYPE_CHECKING:
     import torch
 
-    from miles.trainer.types import TrainSequence
+    from miles.buffer.types import Group
+
+
+def sequences_from_groups(groups: list["Group"], algorithm: Algorithm) -> list[TrainSequence]:
+    """One sequence per sample, with the algorithm's advantages within its group.
+
+    A group whose rewards are all equal gets zero advantages from the group-relative algorithms: it
+    adds no gradient to their policy loss but is still trained (and counted as trained)."""
+    seqs = []
+    for g in groups:
+        for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
+            seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
+                                      loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv,
+                                      routed_experts=s.routed_experts))
+    return seqs
+
+
+def prepare_global_batch(seqs: list[TrainSequence], algorithm: Algorithm) -> tuple[list[TrainSequence], BatchTotals]:
+    """The algorithm's batch-wide advantage pass and the global totals of one step."""
+    advs = algorithm.batch_advantages([s.advantage for s in seqs])
+    seqs = [dataclasses.replace(s, advantage=a) for s, a in zip(seqs, advs)]
+    return seqs, BatchTotals.of(seqs)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, pack: bool) -> list[list[int]]:
@@ -59,7 +89,7 @@ class MicroBatch:
     routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
 
 
-def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: bool, pad_id: int,
+def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: bool, pad_id: int,
                       moe_shape: tuple[int, int] | None = None) -> MicroBatch:
     """Tensors of one micro-batch. Response token j of a sequence starting at offset o sits at
     o + prompt_len + j and is predicted at the position before it. With `moe_shape` (MoE layers,
@@ -103,7 +133,7 @@ def build_micro_batch(seqs: list["TrainSequence"], weights: list[float], pack: b
             off += L
     routed = None
     if moe_shape is not None:
-        from miles.trainer.r3 import routed_tensor
+        from miles.trainer.r3 import routed_tensor  # r3 imports torch; the orchestrator imports this module
 
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     if pack:

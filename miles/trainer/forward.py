@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from miles.trainer.algorithms.base import entropy_from_logits
+
 
 def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad to the longest sequence. Returns input_ids and attention_mask, both (B, T)."""
@@ -36,8 +38,6 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
     """Next-token logprobs (B, T-1) and, if asked, the per-token entropy (B, T-1) of the same
     tempered distribution. Packed rows pass position_ids and no attention_mask; the model then
     keeps each packed sequence's attention to itself."""
-    import torch
-
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits  # (B, T, V)
     logits = logits[:, :-1].float()
@@ -47,7 +47,5 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
     logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        from miles.trainer.algorithms.base import entropy_from_logits
-
         entropy = entropy_from_logits(logits)
     return logp, entropy

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from miles.config.loader import ConfigError
+
 _PREFIX = "base_model.model."
 
 
@@ -27,8 +29,6 @@ class LoraConfig:
     """Weight sync sends merged full weights (any engine) or the adapter tensors only."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
             raise ConfigError("trainer.lora.rank >= 0, trainer.lora.alpha > 0 and 0 <= trainer.lora.dropout < 1")
         if self.sync not in ("merged", "adapter"):

@@ -20,7 +20,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from miles.models.moe import decode_routed_experts, hook_routers
+from miles.config.loader import ConfigError
+from miles.models.moe import decode_routed_experts, hook_routers, moe_shape
 
 
 def routed_tensor(seqs, offsets: list[tuple[int, int]], shape: tuple[int, int], rows: int, width: int):
@@ -88,8 +89,6 @@ def _replay(model_routers, routed, replay, sums):
 def check_run(run) -> None:
     """Config-load refusals (called from RunConfig.validate): replay without recorded experts,
     recorded experts on a dense model, a router that would strip them."""
-    from miles.config import ConfigError
-
     capture, replay = run.rollout.return_routed_experts, run.trainer.routing_replay
     if replay and not capture:
         raise ConfigError("trainer.routing_replay replays the experts the engines recorded: set "
@@ -97,8 +96,6 @@ def check_run(run) -> None:
     if not capture:
         return
     from transformers import AutoConfig
-
-    from miles.models.moe import moe_shape
 
     config = AutoConfig.from_pretrained(run.model.path)
     if moe_shape(config) is None:

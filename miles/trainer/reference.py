@@ -8,11 +8,14 @@ Non-goal: a reference on its own actor/devices (needed only for models too big t
 
 from __future__ import annotations
 
+import torch
+
+from miles.models.loading import load_model
+from miles.trainer.forward import forward_logprobs
+
 
 class ReferenceModel:
     def __init__(self, model_path: str):
-        from miles.models.loading import load_model
-
         self.model = load_model(model_path, "float32").eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -20,10 +23,6 @@ class ReferenceModel:
 
     def logprobs(self, input_ids, attention_mask, position_ids, temperature: float):
         """Next-token logprobs (B, T-1) on the inputs' device; no gradient."""
-        import torch
-
-        from miles.trainer.forward import forward_logprobs
-
         device = input_ids.device
         with torch.no_grad():
             if device.type != "cpu":
@@ -37,8 +36,6 @@ class ReferenceModel:
 
     def load(self, named_tensors, version: int) -> None:
         """Take the policy's full weights (an iterator of (HF name, tensor); consumed to the end)."""
-        import torch
-
         state = {n: t for n, t in named_tensors if t is not None}
         with torch.no_grad():
             own = self.model.state_dict()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from miles.config.loader import ConfigError
+from miles.trainer.types import TrainSequence
+
 
 @dataclass
 class SFTConfig:
@@ -19,16 +22,12 @@ class SFTConfig:
     """Where the warm-started Hugging Face checkpoint is written."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if self.steps < 0 or self.batch_size < 1 or self.num_examples < 1 or self.lr <= 0:
             raise ConfigError("sft.steps >= 0, sft.batch_size >= 1, sft.num_examples >= 1 and sft.lr > 0 are required")
 
 
 def demonstration_sequences(prompts, tokenizer, encode):
     """One TrainSequence per prompt: prompt ids + answer ids + EOS, loss on answer and EOS."""
-    from miles.trainer.types import TrainSequence
-
     seqs = []
     for p in prompts:
         prompt_ids = encode(p.text)

@@ -14,7 +14,7 @@ def test_a_hung_collective_fails_within_its_timeout_with_a_clear_message(tiny_mo
     from miles.config.loader import build
     from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
     from miles.sync.prepare import SyncConfig
-    from miles.trainer.backends.fsdp import TrainerConfig
+    from miles.trainer.config import TrainerConfig
     from miles.trainer.types import TrainSequence
 
     timeout_s = 4.0

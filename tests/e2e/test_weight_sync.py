@@ -15,7 +15,7 @@ def test_engine_matches_trainer_after_update(tiny_model_dir, tmp_path, ray_clust
     from miles.orchestration.trainer_group import TrainerGroup
     from miles.rollout.engine.config import EngineConfig
     from miles.sync.prepare import SyncConfig
-    from miles.trainer.backends.fsdp import TrainerConfig
+    from miles.trainer.config import TrainerConfig
     from miles.trainer.forward import token_logprobs
     from miles.trainer.types import TrainSequence
 
@@ -31,7 +31,7 @@ def test_engine_matches_trainer_after_update(tiny_model_dir, tmp_path, ray_clust
                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
         seqs = [TrainSequence(tokens=prompt + [5, 6, 0], prompt_len=len(prompt), loss_mask=[1, 1, 1],
                               old_logprobs=[])] * 4
-        trainer.train_step(seqs, kind="sft")
+        trainer.train_step(seqs, algorithm="sft")
         stats = trainer.sync_weights(7)
         assert stats["sync/buckets"] >= 2
         after = httpx.post(f"{url}/generate", json={"input_ids": prompt, "return_logprob": True,

@@ -1,8 +1,9 @@
-"""The per-token policy-loss core every algorithm builds on.
+"""The per-token policy-loss core every algorithm builds on, the algorithm contract and its registry.
 
 An algorithm supplies per-sample advantages from a group's rewards and a per-token loss from
-`LossInputs`. Everything shared lives here: the clipped surrogate (with dual-clip), KL to a
-reference policy (as a loss term or a reward penalty), the entropy bonus, and aggregation.
+`LossInputs`, and declares what the trainer must produce for it (a reference model, a critic,
+entropy, off-policy correction). Shared here: the base config every algorithm's `Config` extends,
+the clipped surrogate (with dual-clip), KL estimators, and aggregation; trainer/loss.py composes them.
 
 Aggregation is expressed as a weight per token that depends only on the sequence it belongs to and
 on counts over the *global* batch (loss tokens, sequences, a constant), never on how samples were
@@ -12,8 +13,12 @@ Non-goal: multi-epoch PPO minibatching (one optimizer step per rollout batch).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Protocol
+
+from miles.config.loader import ConfigError
+from miles.registry import Registry, RegistryError
 
 if TYPE_CHECKING:
     import torch
@@ -23,14 +28,15 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 
 @dataclass
 class AlgorithmConfig:
+    """What the shared loss core composes; each algorithm's own knobs live in its nested `Config`."""
+
     name: str = "grpo"
-    """Algorithm by name: grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo."""
+    """Algorithm by name (grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo, sft) or
+    a `module:function` factory taking this config and returning an Algorithm."""
     clip_eps_low: float | None = None
     """Lower clip range of the importance ratio (None = the algorithm's default, 0.2 for most)."""
     clip_eps_high: float | None = None
     """Upper clip range of the ratio (None = the algorithm's default; DAPO's clip-higher is 0.28)."""
-    std_normalize: bool = True
-    """GRPO: divide group-centred rewards by the group's standard deviation."""
     dual_clip_c: float = 0.0
     """Dual-clip bound c > 1 for negative advantages: the loss per token is at most c·|A| (0 = off)."""
     kl_coef: float = 0.0
@@ -46,14 +52,6 @@ class AlgorithmConfig:
     loss_constant: int = 0
     """seq_mean_token_sum_norm (Dr.GRPO) divides each sequence's token sum by this (0 = the longest
     response in the global batch)."""
-    gamma: float = 1.0
-    """PPO: discount factor of GAE."""
-    gae_lambda: float = 0.95
-    """PPO: GAE lambda."""
-    value_clip: float = 0.2
-    """PPO: clip range of the value update around the rollout-time value (0 = off)."""
-    critic_lr: float = 1e-4
-    """PPO: AdamW learning rate of the value model."""
     tis_mode: Literal["off", "truncate", "mask"] = "off"
     """Off-policy correction (algorithms/tis.py): off; truncate = weight tokens by π_train/π_rollout
     clipped to [tis_clip_low, tis_clip_high]; mask = that weight inside the band, 0 outside."""
@@ -62,9 +60,24 @@ class AlgorithmConfig:
     tis_clip_high: float = 2.0
     """Upper bound of the importance weight (truncate) or of the kept band (mask)."""
 
-    def validate(self) -> None:
-        from miles.config import ConfigError
+    @classmethod
+    def variant(cls, data: dict[str, Any]) -> type["AlgorithmConfig"]:
+        """The config class of the algorithm the table names (its own `Config`, else this base).
+        An unknown name builds the base, so that `validate` refuses it naming the key."""
+        try:
+            algorithm = ALGORITHMS.get(data.get("name", cls.name))
+        except RegistryError:
+            return AlgorithmConfig
+        return getattr(algorithm, "Config", AlgorithmConfig)
 
+    def validate(self) -> None:
+        try:
+            ALGORITHMS.get(self.name)
+        except RegistryError as e:
+            if ":" in self.name:  # a user's module:function that does not load or fit
+                raise ConfigError(f"trainer.algorithm.name: {e}") from None
+            raise ConfigError(f"trainer.algorithm.name {self.name!r} is unknown: choose one of {ALGORITHMS.names()} "
+                              f"or give module:function{ALGORITHMS.hint}") from None
         for key in ("clip_eps_low", "clip_eps_high"):
             v = getattr(self, key)
             if v is not None and v < 0:
@@ -82,8 +95,6 @@ class AlgorithmConfig:
                               "seq_mean_token_sum_norm")
         if not 0 <= self.tis_clip_low < self.tis_clip_high:
             raise ConfigError("trainer.algorithm: need 0 <= tis_clip_low < tis_clip_high (e.g. 0 and 2)")
-        if not (0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1) or self.critic_lr <= 0:
-            raise ConfigError("trainer.algorithm: need 0 < gamma <= 1, 0 <= gae_lambda <= 1 and critic_lr > 0")
 
 
 @dataclass
@@ -104,8 +115,24 @@ class LossInputs:
 
 
 class Algorithm(Protocol):
-    default_loss_agg: ClassVar[str]
+    """What the trainer's loss composition reads from an algorithm (AlgorithmBase has the defaults)."""
+
+    cfg: AlgorithmConfig
     needs_critic: ClassVar[bool]
+    on_rollouts: ClassVar[bool]
+    metric_prefix: ClassVar[str]
+
+    @property
+    def loss_agg(self) -> str: ...
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+    @property
+    def needs_entropy(self) -> bool: ...
+
+    @property
+    def corrects_off_policy(self) -> bool: ...
 
     def advantages(self, rewards: list[float]) -> list[float]:
         """Per-sample advantages of one group (PPO: the raw rewards; GAE runs in the trainer)."""
@@ -118,13 +145,21 @@ class Algorithm(Protocol):
 
 
 class AlgorithmBase:
-    """Defaults shared by the algorithms: token-mean aggregation, no critic, clipped surrogate."""
+    """Defaults shared by the algorithms: token-mean aggregation, no critic, clipped surrogate;
+    a reference model, entropy and off-policy correction exactly when the config asks for them."""
 
+    Config: ClassVar[type[AlgorithmConfig]] = AlgorithmConfig
     default_loss_agg: ClassVar[str] = "token_mean"
     needs_critic: ClassVar[bool] = False
+    on_rollouts: ClassVar[bool] = True
+    """Trains on sampled rollouts: logprobs at the rollout temperature, compared with the engine's."""
+    metric_prefix: ClassVar[str] = "train"
     default_clip: ClassVar[tuple[float, float]] = (0.2, 0.2)
 
     def __init__(self, cfg: AlgorithmConfig):
+        if not isinstance(cfg, self.Config):
+            # A bare base config (built in code rather than loaded): this algorithm's own knobs at their defaults.
+            cfg = self.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(AlgorithmConfig)})
         self.cfg = cfg
         lo, hi = self.default_clip
         self.clip_low = lo if cfg.clip_eps_low is None else cfg.clip_eps_low
@@ -134,6 +169,18 @@ class AlgorithmBase:
     def loss_agg(self) -> str:
         return self.cfg.loss_agg or self.default_loss_agg
 
+    @property
+    def needs_reference(self) -> bool:
+        return self.cfg.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.cfg.entropy_coef > 0
+
+    @property
+    def corrects_off_policy(self) -> bool:
+        return self.cfg.tis_mode != "off"
+
     def batch_advantages(self, advantages: list[float]) -> list[float]:
         return advantages
 
@@ -141,6 +188,28 @@ class AlgorithmBase:
         loss, clipped = clipped_surrogate(x.logprobs, x.old_logprobs, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)
         return loss, {"clipfrac": clipped}
+
+
+AlgorithmFactory = Callable[[AlgorithmConfig], Algorithm]
+
+# A new algorithm is one file plus one line here; entries load on first use.
+ALGORITHMS: Registry[AlgorithmFactory] = Registry(
+    "algorithm", protocol=Algorithm, arity=1,
+    hint=" (a class or function taking the algorithm config and returning an Algorithm)")
+ALGORITHMS.register("grpo", "miles.trainer.algorithms.grpo:GRPO")
+ALGORITHMS.register("dr_grpo", "miles.trainer.algorithms.dr_grpo:DrGRPO")
+ALGORITHMS.register("dapo", "miles.trainer.algorithms.dapo:DAPO")
+ALGORITHMS.register("gspo", "miles.trainer.algorithms.gspo:GSPO")
+ALGORITHMS.register("reinforce_pp", "miles.trainer.algorithms.reinforce_pp:ReinforcePP")
+ALGORITHMS.register("reinforce_pp_baseline", "miles.trainer.algorithms.reinforce_pp:ReinforcePPBaseline")
+ALGORITHMS.register("rloo", "miles.trainer.algorithms.rloo:RLOO")
+ALGORITHMS.register("ppo", "miles.trainer.algorithms.ppo:PPO")
+ALGORITHMS.register("sft", "miles.trainer.algorithms.sft:SFT")
+
+
+def get_algorithm(cfg: AlgorithmConfig) -> Algorithm:
+    """The algorithm `cfg.name` names (a registry name or a user's `module:function`), built with `cfg`."""
+    return ALGORITHMS.get(cfg.name)(cfg)
 
 
 def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float,

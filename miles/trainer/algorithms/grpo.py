@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
-from miles.trainer.algorithms.base import AlgorithmBase
+from miles.trainer.algorithms.base import AlgorithmBase, AlgorithmConfig
 
 
 class GRPO(AlgorithmBase):
+    @dataclass
+    class Config(AlgorithmConfig):
+        std_normalize: bool = True
+        """Divide group-centred rewards by the group's standard deviation."""
+
+    cfg: Config
+
     def advantages(self, rewards: list[float]) -> list[float]:
         mean = statistics.fmean(rewards)
         centred = [r - mean for r in rewards]

@@ -1,4 +1,6 @@
-"""Supervised fine-tuning loss: negative log-likelihood of the demonstration tokens, token mean."""
+"""Supervised fine-tuning as an algorithm: the token loss is the negative log-likelihood of the
+demonstration tokens (token mean), on data rather than sampled rollouts (temperature 1, no
+rollout logprobs to compare with). Its metrics are reported under `sft/`."""
 
 from __future__ import annotations
 
@@ -6,6 +8,9 @@ from miles.trainer.algorithms.base import AlgorithmBase, LossInputs
 
 
 class SFT(AlgorithmBase):
+    on_rollouts = False
+    metric_prefix = "sft"
+
     def advantages(self, rewards: list[float]) -> list[float]:
         return [0.0] * len(rewards)
 

@@ -60,7 +60,7 @@ def test_resolved_config_round_trips_through_json(tmp_path, model_dir):
     ("[rolout]\n", {}, "unknown key 'rolout'"),
     ("", {"rollout.n_samples_per_prompt": "eight"}, "rollout.n_samples_per_prompt: expected an integer"),
     ("[rollout]\ntemperature = \"hot\"\n", {}, "rollout.temperature: expected a number"),
-    ("", {"loop.schedule": "eventually"}, "loop.schedule: 'eventually' is not one of 'sync'"),
+    ("", {"loop.schedule": "eventually"}, "loop.schedule: unknown schedule 'eventually': choose one of ['fully_async'"),
     ("", {"rollout.temperature": "0"}, "rollout.temperature must be > 0"),
     ("", {"sync.transport": "pigeon"}, "sync.transport 'pigeon' is unknown"),
     ("", {"trainer.algorithm.name": "magic"}, "trainer.algorithm.name 'magic' is unknown"),

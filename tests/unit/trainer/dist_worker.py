@@ -44,8 +44,10 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
 
     torch.set_num_threads(1)
     from miles.config.loader import build
-    from miles.orchestration.trainer_group import prepare_global_batch, split_for_ranks
-    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+    from miles.orchestration.trainer_group import split_for_ranks
+    from miles.trainer.batching import prepare_global_batch
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.config import TrainerConfig
 
     results = {}
     for case in spec["cases"]:

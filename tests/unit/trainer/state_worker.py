@@ -16,7 +16,7 @@ def batch(seed: int):
 
 
 def step(trainer, seed: int):
-    from miles.orchestration.trainer_group import prepare_global_batch
+    from miles.trainer.batching import prepare_global_batch
 
     seqs, totals = prepare_global_batch(batch(seed), trainer.algorithm)
     return trainer.train_step(seqs, totals)
@@ -32,7 +32,8 @@ def main() -> None:
     torch.set_num_threads(1)
     from miles.config.loader import build
     from miles.orchestration.actors import free_port
-    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.config import TrainerConfig
 
     model, out = sys.argv[1], Path(sys.argv[2])
     port = free_port()

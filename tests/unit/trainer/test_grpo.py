@@ -7,6 +7,7 @@ import torch
 
 from miles.trainer.algorithms import get_algorithm
 from miles.trainer.algorithms.base import AlgorithmConfig, LossInputs
+from miles.trainer.algorithms.grpo import GRPO
 
 
 def test_group_normalised_advantages():
@@ -14,7 +15,7 @@ def test_group_normalised_advantages():
     adv = grpo.advantages([1.0, 0.0, 0.0, 1.0])
     # mean 0.5, population std 0.5 → ±1
     assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
-    assert get_algorithm(AlgorithmConfig(std_normalize=False)).advantages([3.0, 1.0]) == [1.0, -1.0]
+    assert get_algorithm(GRPO.Config(std_normalize=False)).advantages([3.0, 1.0]) == [1.0, -1.0]
     assert grpo.advantages([0.5, 0.5]) == [0.0, 0.0]
 
 

@@ -56,7 +56,8 @@ def sequences(samples) -> list:
 
 def trainer_for(model_dir: str, **kw):
     from miles.config.loader import build
-    from miles.trainer.backends.fsdp import FSDPTrainer, TrainerConfig
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.config import TrainerConfig
 
     return FSDPTrainer(build(TrainerConfig, kw), model_dir, 0, 1, "127.0.0.1", free_port())
 
@@ -191,12 +192,11 @@ def test_a_reply_without_the_asked_for_routed_experts_fails_the_sample():
 def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequences(tiny_moe_model_dir):
     from miles.buffer.data_buffer import BufferConfig
     from miles.models.moe import decode_routed_experts
-    from miles.orchestration.sync_loop import groups_to_sequences
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.manager import EvalConfig, RolloutConfig, RolloutManager
-    from miles.trainer.algorithms import get_algorithm
-    from miles.trainer.algorithms.base import AlgorithmConfig
+    from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
+    from miles.trainer.batching import sequences_from_groups
 
     server = start_server_thread(EngineConfig(model_path=tiny_moe_model_dir, dtype="bfloat16"))
     try:
@@ -212,11 +212,11 @@ def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequen
     assert len(samples) == 6
     for s in samples:
         assert decode_routed_experts(s.routed_experts, 4, 2).shape[0] == len(s.prompt_ids) + len(s.response_ids) - 1
-    for g in groups:  # give every group a learning signal so none is dropped
+    for g in groups:  # give every group a learning signal
         for i, s in enumerate(g.samples):
             s.reward = float(i)
-    seqs, dropped = groups_to_sequences(groups, get_algorithm(AlgorithmConfig()))
-    assert dropped == 0 and [q.routed_experts for q in seqs] == [s.routed_experts for s in samples]
+    seqs = sequences_from_groups(groups, get_algorithm(AlgorithmConfig()))
+    assert len(seqs) == 6 and [q.routed_experts for q in seqs] == [s.routed_experts for s in samples]
 
 
 def test_replay_refuses_sequences_without_routed_experts(gloo, tiny_moe_model_dir, moe_bf16_samples):

@@ -1,0 +1,129 @@
+"""TrainContext: what a schedule drives — the run's config, its components, and the two versions.
+
+A schedule (sync_loop, one_step_off, async_loop) only calls methods here and on the components it
+holds; Ray appears in exactly two places (`call`, `submit`), so a schedule can be run in-process
+against plain objects (tests/unit/orchestration/test_loops.py does).
+
+Versions: `policy_version` counts the trainer's optimizer steps; `weight_version` is the newest one
+pushed to the engines. They differ between a train step and its push, and by up to
+`loop.update_weights_interval - 1` steps when pushes are spaced out.
+Non-goals: starting or stopping components (driver.py does both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from miles.config.run import RunConfig
+from miles.metrics.progress import Progress
+from miles.metrics.sink import Sink
+from miles.trainer.checkpoint import commit, latest_checkpoint, staging_path
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from miles.orchestration.faults import FaultInjector
+    from miles.orchestration.health import EngineFleet
+    from miles.orchestration.trainer_group import TrainerGroup
+
+
+def log(msg: str) -> None:
+    print(f"[miles] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class TrainContext:
+    cfg: RunConfig
+    run_dir: Path
+    rollout: ActorHandle          # the RolloutManager actor (reached through `call` / `submit`)
+    trainer: TrainerGroup
+    sink: Sink
+    progress: Progress
+    fleet: EngineFleet | None = None      # replaces dead engines while the loop runs (None: external engines)
+    faults: FaultInjector | None = None   # set when the config asks for faults
+    policy_version: int = 0     # optimizer steps the trainer has taken
+    weight_version: int = 0     # the newest version pushed to the engines
+    start_step: int = 0         # the step a resumed run continues after
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    _memory_warned: bool = False
+
+    # -- the two places a schedule meets Ray -------------------------------------------------------
+    def call(self, method, *args) -> Any:
+        """Run an actor method and wait for its result."""
+        import ray
+
+        return ray.get(method.remote(*args))
+
+    def submit(self, method, *args) -> Callable[[], Any]:
+        """Start an actor method now; the returned function waits for and returns its result."""
+        import ray
+
+        ref = method.remote(*args)
+        return lambda: ray.get(ref)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def weights_lock(self):
+        """Held while the trainer's weights move (train step, push), so an engine brought up meanwhile is
+        pushed weights that match the version it is told."""
+        return self.fleet.weights_lock if self.fleet is not None else contextlib.nullcontext()
+
+    def sync_weights(self, version: int) -> dict:
+        """Push the trainer's weights to every serving engine as `version` (engines that die meanwhile
+        are replaced and the push goes to the rest)."""
+        if self.faults is not None:
+            self.faults.before_push()
+        if self.fleet is None:
+            return self.trainer.sync_weights(version)
+        with self.fleet.weights_lock:
+            return self.fleet.push(lambda: self.trainer.sync_weights(version))
+
+    def engine_memory(self, action: str) -> None:
+        """Colocated turn-taking on the engine side (release before training, resume after)."""
+        if not self.call(self.rollout.engine_memory, action) and not self._memory_warned:
+            self._memory_warned = True
+            log("colocated: the engines do not offer /release_memory_occupation; they keep their memory "
+                "while the trainer works")
+
+    # -- evaluation, records, checkpoints ---------------------------------------------------------
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return step == self.cfg.loop.num_steps or (every > 0 and step % every == 0)
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append((step, metrics))
+
+    def save(self, step: int) -> str:
+        self.save_state(step)
+        return self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
+
+    def save_state(self, step: int) -> str:
+        """Resumable checkpoint (trainer state, buffer and prompt position, versions), made visible
+        by one rename once every part is written."""
+        final = self.run_dir / "checkpoints" / f"state_{step}"
+        staging = staging_path(final)
+        self.trainer.save_checkpoint(str(staging))
+        (staging / "rollout.json").write_text(json.dumps(self.call(self.rollout.buffer_state_dict)))
+        meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version}
+        return str(commit(staging, final, meta))
+
+    def restore(self) -> None:
+        """Continue from the run directory's latest resumable checkpoint: trainer state, buffer and
+        prompt position, then the engines get the saved weights before they generate again."""
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            raise SystemExit(f"miles: {self.run_dir} has no resumable checkpoint (checkpoints/latest); "
+                             "runs save one at every loop.save_every steps and at the end")
+        meta = json.loads((ckpt / "meta.json").read_text())
+        self.trainer.load_checkpoint(str(ckpt))
+        self.call(self.rollout.load_buffer_state_dict, json.loads((ckpt / "rollout.json").read_text()))
+        self.start_step, self.policy_version = meta["step"], meta["policy_version"]
+        self.sync_weights(meta["policy_version"])
+        self.weight_version = meta["policy_version"]
+        self.call(self.rollout.set_versions, self.policy_version, self.weight_version)
+        log(f"resumed from {ckpt} at step {self.start_step}")
+

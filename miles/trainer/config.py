@@ -1,0 +1,112 @@
+"""The trainer's config: ranks, optimizer and LR schedule, micro-batching, parallel layouts, offload,
+the algorithm (a variant section: its keys follow `trainer.algorithm.name`) and LoRA.
+
+Loading it imports no torch. Non-goal: backend internals (see trainer/backends/).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from miles.config.loader import ConfigError
+from miles.trainer.algorithms.base import ALGORITHMS, AlgorithmConfig
+from miles.trainer.lora import LoraConfig
+
+
+@dataclass
+class TrainerConfig:
+    num_ranks: int = 1
+    """Ranks (processes) of the trainer; data-parallel size is num_ranks / tensor_parallel_size."""
+    lr: float = 1e-4
+    """AdamW peak learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the learning rate after warm-up: constant, or linear/cosine decay over lr_decay_steps."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_decay_steps: int = 0
+    """Optimizer steps over which linear/cosine schedules decay to min_lr_ratio × lr."""
+    min_lr_ratio: float = 0.0
+    """Floor of a decaying schedule, as a fraction of lr."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    micro_batch_size: int = 64
+    """Most sequences per padded micro-batch on one rank; gradients accumulate across micro-batches."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of one micro-batch (padded: rows × longest row; packed: total length). 0 = none."""
+    pack_sequences: bool = False
+    """Pack sequences end to end into one row per micro-batch (no attention across sequences)."""
+    ref_update_every: int = 0
+    """Refresh the reference model from the policy every this many steps (0 = keep the initial one)."""
+    routing_replay: bool = False
+    """Rollout Routing Replay (R3, MoE models): the policy forward routes each token to the experts the
+    engine chose (needs rollout.return_routed_experts); gate weights still come from the trainer's router."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks per model replica (DTensor, transformers' TP plan)."""
+    expert_parallel_size: int = 1
+    """Expert-parallel ranks per model replica for MoE models (DTensor, transformers' EP plan)."""
+    offload_optimizer: Literal["none", "cpu", "disk"] = "none"
+    """Keep optimizer state off the accelerator between steps: in CPU memory or in files on disk."""
+    offload_dir: str = ""
+    """Folder for disk offload (empty = a temporary folder per rank)."""
+    offload_bucket_mb: int = 64
+    """Optimizer state streamed back per bucket of parameters of about this size around the step."""
+    num_threads: int = 1
+    """torch threads per trainer process (keep at 1 when processes share few cores)."""
+    collective_timeout_s: float = 600.0
+    """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
+    instead of hanging on a dead or stalled rank."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The RL algorithm and its knobs."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0 = full fine-tuning)."""
+
+    def validate(self) -> None:
+        if self.num_ranks < 1:
+            raise ConfigError("trainer.num_ranks must be >= 1")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("trainer.collective_timeout_s must be > 0")
+        if self.lr <= 0:
+            raise ConfigError("trainer.lr must be > 0")
+        if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
+            raise ConfigError("trainer.micro_batch_size must be >= 1 and trainer.max_tokens_per_micro_batch >= 0")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ConfigError("trainer.lr_schedule must be constant, linear or cosine")
+        if self.lr_schedule != "constant" and self.lr_decay_steps < 1:
+            raise ConfigError(f"trainer.lr_schedule = {self.lr_schedule!r} needs trainer.lr_decay_steps >= 1")
+        if self.lr_warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.ref_update_every < 0:
+            raise ConfigError("trainer.lr_warmup_steps >= 0, 0 <= trainer.min_lr_ratio <= 1 and "
+                              "trainer.ref_update_every >= 0 are required")
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp < 1 or ep < 1 or self.num_ranks % max(tp, ep):
+            raise ConfigError(f"trainer.num_ranks ({self.num_ranks}) must be a multiple of "
+                              f"tensor_parallel_size ({tp}) and expert_parallel_size ({ep})")
+        if self.offload_optimizer not in ("none", "cpu", "disk") or self.offload_bucket_mb < 1:
+            raise ConfigError("trainer.offload_optimizer must be none, cpu or disk, and offload_bucket_mb >= 1")
+        self.algorithm.validate()  # the name first: the critic check below looks the algorithm up
+        if getattr(ALGORITHMS.get(self.algorithm.name), "needs_critic", False) and self.pack_sequences:
+            raise ConfigError("PPO's GAE runs along unpacked rows: set trainer.pack_sequences = false "
+                              "with trainer.algorithm.name = 'ppo'")
+        if self.lora.rank and (tp > 1 or ep > 1):
+            raise ConfigError("LoRA with tensor/expert parallelism is not supported: set trainer.lora.rank = 0 "
+                              "or tensor_parallel_size = expert_parallel_size = 1")
+
+
+def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:
+    """Multiplier of the peak lr at optimizer step `s` (0-based)."""
+    def f(s: int) -> float:
+        if s < cfg.lr_warmup_steps:
+            return (s + 1) / (cfg.lr_warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        p = min(1.0, (s - cfg.lr_warmup_steps) / cfg.lr_decay_steps)
+        shape = 1.0 - p if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+    return f
