@@ -8,20 +8,16 @@ for. Every refusal names the keys to change.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from miles.config.loader import ConfigError
 
-if TYPE_CHECKING:
-    from miles.config.run import RunConfig
 
-
-def check_run(run: RunConfig) -> None:
+def check_run(run) -> None:
+    """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
     for check in (check_schedule, check_sync, check_routing_replay, check_fleet):
         check(run)
 
 
-def check_schedule(run: RunConfig) -> None:
+def check_schedule(run) -> None:
     """The schedule against the placement, the staleness bound and the buffer's capacity."""
     schedule, mode = run.loop.schedule, run.placement.mode
     if schedule != "sync" and mode == "colocated":
@@ -43,19 +39,19 @@ def check_schedule(run: RunConfig) -> None:
         raise ConfigError("buffer.capacity must be >= 1")
 
 
-def check_sync(run: RunConfig) -> None:
+def check_sync(run) -> None:
     from miles.sync.prepare import check_run as check
 
     check(run)
 
 
-def check_routing_replay(run: RunConfig) -> None:
+def check_routing_replay(run) -> None:
     from miles.trainer.r3 import check_run as check
 
     check(run)
 
 
-def check_fleet(run: RunConfig) -> None:
+def check_fleet(run) -> None:
     from miles.orchestration.health import check_run as check
 
     check(run)
