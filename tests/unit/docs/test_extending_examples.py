@@ -21,7 +21,7 @@ def example_files(page: str) -> dict[str, str]:
 @pytest.fixture()
 def examples(tmp_path, monkeypatch):
     files = example_files("extending.md")
-    assert set(files) == {"my_rewards.py", "my_envs.py", "my_generate.py"}
+    assert set(files) == {"my_rewards.py", "my_envs.py", "my_generate.py", "my_algorithms.py"}
     for name, code in files.items():
         (tmp_path / name).write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -104,3 +104,18 @@ def test_quickstart_commands_use_settings_that_exist(tiny_model_dir):
             overrides = parse_overrides(extra)
             overrides["model.path"] = tiny_model_dir  # the docs' path does not exist until step 2 runs
             load_config(RunConfig, root / args.config, overrides)
+
+
+def test_algorithm_example_is_picked_up_from_a_run_config_with_its_own_knob(examples, tiny_model_dir):
+    from miles.config import ConfigError, load_config
+    from miles.config.run import RunConfig
+    from miles.trainer.algorithms import get_algorithm
+
+    cfg = load_config(RunConfig, None, {"model.path": tiny_model_dir,
+                                        "trainer.algorithm.name": "my_algorithms:RankAdvantage",
+                                        "trainer.algorithm.scale": "0.5"})
+    algorithm = get_algorithm(cfg.trainer.algorithm)
+    assert algorithm.advantages([0.0, 1.0, 1.0, 3.0]) == [-0.5, 0.0, 0.0, 0.5]
+    assert algorithm.advantages([2.0, -7.0]) == [0.5, -0.5]
+    with pytest.raises(ConfigError, match="unknown key 'trainer.algorithm.scale'"):
+        load_config(RunConfig, None, {"model.path": tiny_model_dir, "trainer.algorithm.scale": "0.5"})
