@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.config import ConfigError
 from miles.registry import Registry
-from miles.rollout.environments import check_environment, get_environment
+from miles.rollout.environments import build_environment, check_environment
+from miles.rollout.environments.sandbox import SandboxConfig
 from miles.rollout.generate import GenerationError, generate, routed_experts_of
 
 _SEND_ATTEMPTS = 3
@@ -43,6 +44,10 @@ class AgentConfig:
     """Token that ends a model turn in the chat template; generation of a turn stops at it."""
     observation_role: str = "tool"
     """Chat role of the environment's replies."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the environment's factory, every episode (e.g. {max_commands = 6} for terminal)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the sandbox, for environments that run commands in one (terminal)."""
 
     def validate(self) -> None:
         if self.max_turns < 1 or self.max_response_tokens < 1:
@@ -50,7 +55,7 @@ class AgentConfig:
         if self.episode_timeout_s <= 0:
             raise ConfigError("rollout.agent.episode_timeout_s must be > 0")
         try:
-            check_environment(self.environment)
+            check_environment(self.environment, self.env_args, self.sandbox)
         except ValueError as e:
             raise ConfigError(f"rollout.agent.environment: {e}") from None
 
@@ -83,7 +88,7 @@ async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
 
 async def multi_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     """An episode against a fresh environment; the reward is the environment's."""
-    env = get_environment(ctx.agent.environment)()
+    env = build_environment(ctx.agent.environment, ctx.agent.env_args, ctx.agent.sandbox)
     return await run_episode(ctx.client, ctx.url, ctx.tokenizer, env, prompt, params, ctx.agent, rid,
                              return_routed_experts=ctx.return_routed_experts)
 

@@ -12,20 +12,25 @@ source under rollout/tasks/. Every prompt source, either kind, is chosen from th
 rollout/tasks.
 
 Environments are chosen by name from ENVIRONMENTS or given as `module:function`, where the function
-takes no arguments and returns a fresh environment (a class with a no-argument constructor works
-too); it is checked against the contract when the run is configured. Built-ins are registered as
+needs no arguments and returns a fresh environment (a class with a no-argument constructor works
+too); it is checked against the contract when the run is configured. The run config reaches it
+through `rollout.agent.env_args` (keyword arguments for every episode's factory call) and
+`rollout.agent.sandbox` (passed as `sandbox_config=` to a factory that takes that parameter). Built-ins are registered as
 `module:attr` strings, so naming one imports only that one. Non-goals: batched/vectorised
 environments, environment-side tokenization.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from typing import Any, Callable
 
 from miles.registry import Registry, RegistryError, protocol_methods
 from miles.rollout.environments.contract import Environment, StepResult
+from miles.rollout.environments.sandbox import SandboxConfig
 
-__all__ = ["ENVIRONMENTS", "Environment", "StepResult", "check_environment", "get_environment"]
+__all__ = ["ENVIRONMENTS", "Environment", "StepResult", "build_environment", "check_environment",
+           "get_environment"]
 
 ENVIRONMENTS: Registry[Callable[[], Environment]] = Registry(
     "environment", protocol=Environment, arity=0,
@@ -40,13 +45,32 @@ def get_environment(spec: str) -> Callable[[], Environment]:
     return ENVIRONMENTS.get(spec)
 
 
-def check_environment(spec: str) -> None:
-    """Load `spec`, build one instance and check it has reset/step/close; RegistryError otherwise."""
+def build_environment(spec: str, env_args: dict[str, Any] | None = None,
+                      sandbox: SandboxConfig | None = None) -> Environment:
+    """A fresh environment for one episode: the factory called with `env_args`, plus `sandbox_config`
+    when the factory takes it."""
     factory = get_environment(spec)
+    kwargs = dict(env_args or {})
+    if sandbox is not None and "sandbox_config" not in kwargs and _takes(factory, "sandbox_config"):
+        kwargs["sandbox_config"] = sandbox
+    return factory(**kwargs)
+
+
+def _takes(fn: Callable, name: str) -> bool:
     try:
-        env = factory()
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def check_environment(spec: str, env_args: dict[str, Any] | None = None, sandbox: SandboxConfig | None = None) -> None:
+    """Build one instance as a run would and check it has reset/step/close; RegistryError otherwise."""
+    try:
+        env = build_environment(spec, env_args, sandbox)
     except TypeError as e:
-        raise RegistryError(f"environment {spec!r} must be callable with no arguments: {e}") from None
+        raise RegistryError(f"environment {spec!r} cannot be built with rollout.agent.env_args "
+                            f"{dict(env_args or {})}: {e}") from None
     if not isinstance(env, Environment):
         missing = [m for m in protocol_methods(Environment) if not callable(getattr(env, m, None))]
         raise RegistryError(f"environment {spec!r} returned {type(env).__name__}, which lacks {missing}: "

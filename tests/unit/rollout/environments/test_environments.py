@@ -100,3 +100,23 @@ def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
     workdir = env.sandbox.workdir
     env.close()
     assert not workdir.exists()
+
+
+def test_env_args_and_sandbox_limits_reach_the_environment_from_the_run_config(tiny_model_dir):
+    from miles.config import ConfigError, load_config
+    from miles.config.run import RunConfig
+    from miles.rollout.environments import build_environment
+
+    cfg = load_config(RunConfig, None, {"model.path": tiny_model_dir, "rollout.generate_fn": "agent",
+                                        "rollout.agent.environment": "terminal",
+                                        "rollout.agent.sandbox.wall_timeout_s": "3.5"})
+    agent = cfg.rollout.agent
+    agent.env_args = {"max_commands": 2}
+    env = build_environment(agent.environment, agent.env_args, agent.sandbox)
+    assert env.max_commands == 2 and env.sandbox_config.wall_timeout_s == 3.5
+    env.close()
+    with pytest.raises(ConfigError, match=r"rollout.agent.sandbox.wall_timeout_s|sandbox.wall_timeout_s must be > 0"):
+        load_config(RunConfig, None, {"model.path": tiny_model_dir, "rollout.agent.sandbox.wall_timeout_s": "0"})
+    with pytest.raises(ConfigError, match="cannot be built with rollout.agent.env_args"):
+        cfg.rollout.agent.env_args = {"no_such_knob": 1}
+        cfg.rollout.agent.validate()
