@@ -1,16 +1,24 @@
-"""`miles` command line. Heavy imports happen inside each command, so `--help` is instant."""
+"""`miles` command line.
+
+Loading a run config is light (no torch, Ray or FastAPI), so it is imported here; each command's
+own machinery (the driver, the engine server, model presets) imports torch or Ray and is imported
+inside the command that runs it, so `--help` stays instant.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
+from pathlib import Path
+
+from miles.config import ConfigError, load_config, parse_overrides
+from miles.config.run import RunConfig
 
 
 def _load(path: str | None, extra: list[str]):
-    from miles.config import ConfigError, load_config, parse_overrides
-    from miles.config.run import RunConfig
-
     try:
         return load_config(RunConfig, path, parse_overrides(extra))
     except ConfigError as e:
@@ -33,8 +41,6 @@ def cmd_train(args, extra) -> int:
     from miles.orchestration.driver import run_train
 
     if args.resume:
-        from pathlib import Path
-
         saved = Path(args.resume) / "config.json"
         if not saved.is_file():
             sys.exit(f"miles train: --resume {args.resume}: no config.json there; pass a run directory "
@@ -71,17 +77,12 @@ def cmd_serve(args, extra) -> int:
 def _delegate(module: str, attr: str = "main"):
     """A subcommand whose options are parsed by its own module (imported only when it runs)."""
     def run(args, extra) -> int:
-        import importlib
-
         return getattr(importlib.import_module(module), attr)(extra) or 0
     return run
 
 
 def cmd_bench(args, extra) -> int:
     """Benchmarks live in benchmarks/<name>.py at the repository root, each with main(argv)."""
-    import importlib.util
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent / "benchmarks"
     names = sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_")) if root.is_dir() else []
     path = root / f"{args.name}.py"

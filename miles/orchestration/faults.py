@@ -22,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from miles.config.loader import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -45,8 +47,6 @@ class FaultConfig:
     """Seed for which engine each fault hits and which replies are dropped."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if min(self.kill_engine_every_s, self.stall_engine_every_s, self.first_fault_after_s,
                self.delay_weight_sync_s) < 0 or self.max_engine_faults < 0 or self.kill_trainer_at_step < 0:
             raise ConfigError("fault.* intervals, delays and counts must be >= 0")
