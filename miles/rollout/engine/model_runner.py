@@ -36,7 +36,7 @@ from miles.rollout.engine import kv_cache
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.prefix_cache import PrefixCache
-from miles.rollout.engine.sampler import SamplingParams, sample
+from miles.rollout.engine.sampler import sample
 from miles.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 
 

@@ -38,7 +38,7 @@ def test_rows_keep_their_kv_through_merge_growth_and_compaction(hf_model):
     alone_b = _real_kv(kv, 2)
 
     # A decode step writes one new column for every row into the layers' spare capacity.
-    for i, layer in enumerate(kv.cache.layers):
+    for i in range(len(kv.cache.layers)):
         new = torch.full((3, 2, 1, 4), float(i))
         kv.cache.update(new, new, i)
     kv.mask = torch.cat([kv.mask, torch.ones((3, 1), dtype=torch.long)], dim=1)
