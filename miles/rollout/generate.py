@@ -6,30 +6,10 @@ of them). Token ids are sent and received as ids (TITO); the text is only used f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from miles.buffer.types import Sample, SampleStatus
+from miles.rollout.engine.sampler import SamplingParams
 
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 16
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def to_json(self) -> dict:
-        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-               "max_new_tokens": self.max_new_tokens}
-        if self.seed is not None:
-            out["sampling_seed"] = self.seed
-        if self.ignore_eos:
-            out["ignore_eos"] = True
-        return out
 
 
 class GenerationError(RuntimeError):

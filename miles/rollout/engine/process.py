@@ -59,9 +59,6 @@ class EngineProcess:
         raise RuntimeError(f"engine process did not become healthy within {timeout_s}s "
                            f"(exit code {self.proc.returncode}); its output:\n{''.join(self.output[-50:])}")
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def stop(self, timeout_s: float = 15.0) -> None:
         terminate(self.proc, timeout_s)
 

@@ -145,7 +145,7 @@ def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling
     return SamplingParams(
         temperature=0.0 if temperature < GREEDY_EPS else temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         max_new_tokens=max_new_tokens, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-        ignore_eos=_bool(d.get("ignore_eos", False), f("ignore_eos")), sampling_seed=seed,
+        ignore_eos=_bool(d.get("ignore_eos", False), f("ignore_eos")), seed=seed,
         skip_special_tokens=_bool(d.get("skip_special_tokens", True), f("skip_special_tokens")),
         no_stop_trim=_bool(d.get("no_stop_trim", False), f("no_stop_trim")))
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
-import socket
 import sys
 import threading
 import time
@@ -25,8 +23,11 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from miles.config import ConfigError
+from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.sampler import SamplingParams
 from miles.rollout.engine.types import MEMORY_TAGS, PAUSE_MODES, InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -46,17 +47,12 @@ def build_app(engine) -> FastAPI:
         return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
 
     def require_admin(request: Request) -> None:
-        token = engine.config.admin_token
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not bearer_ok(request.headers.get("authorization"), engine.config.admin_token):
             raise _Unauthorized()
 
     @app.exception_handler(_Unauthorized)
     async def _unauthorized(_request, _exc):
-        return JSONResponse({"error": "admin endpoint: send header 'Authorization: Bearer <admin token>'"},
-                            status_code=401)
+        return JSONResponse({"error": UNAUTHORIZED}, status_code=401)
 
     async def body_of(request: Request) -> dict:
         return protocol.parse_json(await request.body())
@@ -88,8 +84,6 @@ def build_app(engine) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
-        from miles.rollout.engine.sampler import SamplingParams
-
         if engine.paused or engine.released:
             return JSONResponse({"error": "generation is paused or memory is released; call "
                                  "/continue_generation or /resume_memory_occupation"}, status_code=503)
@@ -266,19 +260,6 @@ class RunningServer:
         self.engine.stop()
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
-def _url(sock: socket.socket, host: str) -> str:
-    port = sock.getsockname()[1]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _uvicorn_server(engine, log_level: str = "warning"):
     import uvicorn
 
@@ -292,15 +273,15 @@ def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -
     """Load the engine, serve it on a daemon thread, and return once /health answers."""
     import httpx
 
-    from miles.rollout.engine.engine import Engine
+    from miles.rollout.engine.engine import Engine  # torch: only once an engine is built, never at --help
 
     engine = Engine(config)
-    sock = _bind(config.host, config.port)
+    sock = bind(config.host, config.port)
     server = _uvicorn_server(engine)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-engine-http",
                               daemon=True)
     thread.start()
-    url = _url(sock, config.host)
+    url = url_of(sock, config.host)
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
@@ -342,8 +323,6 @@ def parse_args(argv=None) -> tuple[EngineConfig, str]:
                        prefix_cache=not a.no_prefix_cache, prefix_block_size=a.prefix_block_size,
                        prefix_cache_mb=a.prefix_cache_mb, offload_dir=a.offload_dir,
                        reuse_weight_memory=not a.no_reuse_weight_memory)
-    from miles.config import ConfigError
-
     try:
         cfg.validate()
     except ConfigError as e:
@@ -358,10 +337,10 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=log_level.upper())
     engine = Engine(config)
-    sock = _bind(config.host, config.port)
+    sock = bind(config.host, config.port)
     server = _uvicorn_server(engine, log_level)
     # Parents that started us with --port 0 read the URL from this line.
-    print(f"miles engine serving {config.model_path} at {_url(sock, config.host)}", flush=True)
+    print(f"miles engine serving {config.model_path} at {url_of(sock, config.host)}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -1,10 +1,13 @@
-"""Sampler truncation and the pre-truncation logprob convention, on hand-made logits."""
+"""Sampler truncation and the pre-truncation logprob convention, on hand-made logits; the one
+SamplingParams on the wire (client to_json -> engine parse)."""
 
 from __future__ import annotations
 
 import torch
 
+from miles.rollout.engine.protocol import parse_sampling_params
 from miles.rollout.engine.sampler import SamplingParams, sample
+from miles.rollout.generate import SamplingParams as ClientSamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])  # (1, V)
 
@@ -44,3 +47,21 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     batch = LOGITS.repeat(3, 1)
     crowded = [int(sample(batch, [p, p, p], [None, g2, None], torch.Generator())[0][1]) for _ in range(30)]
     assert alone == crowded
+
+
+def test_clients_send_the_same_sampling_params_body_as_before():
+    # Positional order temperature, top_p, top_k, max_new_tokens, as rollout code builds them.
+    p = ClientSamplingParams(0.7, 0.9, 5, 32, seed=3, ignore_eos=True)
+    assert p.to_json() == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 32,
+                           "sampling_seed": 3, "ignore_eos": True}
+    assert list(p.to_json()) == ["temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed", "ignore_eos"]
+    assert ClientSamplingParams(max_new_tokens=8).to_json() == {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                                                "max_new_tokens": 8}
+
+
+def test_what_a_client_sends_is_what_the_engine_samples_with():
+    every = SamplingParams(temperature=0.5, top_p=0.8, top_k=7, max_new_tokens=12, seed=9, ignore_eos=True,
+                           min_p=0.1, stop=("\n\n", "END"), stop_token_ids=(4, 2), skip_special_tokens=False,
+                           no_stop_trim=True)
+    assert parse_sampling_params(every.to_json(), default_max_new_tokens=128) == every
+    assert parse_sampling_params(SamplingParams(max_new_tokens=5).to_json(), 128) == SamplingParams(max_new_tokens=5)

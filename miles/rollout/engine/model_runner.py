@@ -1,0 +1,415 @@
+"""The model runner: the torch work on the running batch, and the model it runs.
+
+It holds the model, its lock and weight version, the prefix cache and the running batch (its rows
+and their KV, kv_cache.py), and does what the scheduler asks, on the scheduler's thread:
+  * prefill: compute admitted prompts (each from the longest cached prefix it starts with; identical
+    prompts once; prefixes shared by several prompts once, ahead of them), sample each one's first
+    token and merge the rows into the batch;
+  * decode: one forward of shape (B, 1) over every row, then one sampled token per row;
+  * retire, compact, retract: offer finished or retracted rows' KV to the prefix cache and drop them
+    from the batch tensors.
+Every forward, the sampling after it and every prefix-cache read or write hold `model_lock`; a
+weight update (`load_weights`) holds it too, so weights only change between two steps.
+
+Routed experts (MoE models, `return_routed_experts`): every forward that serves such a request
+records each router's top-k ids (models/moe.py), and the row collects those of its own tokens: the
+prefill's for its prompt, one per decode step after. Such a row computes its whole prompt rather than
+reading cached KV, because the cache keeps KV but not the routing that produced it; its KV is still
+offered to the cache for requests that do not ask.
+
+Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
+(kv_cache.py), releasing memory (memory.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from miles.models.loading import load_model, load_tokenizer
+from miles.models.moe import encode_routed_experts, hook_routers, routers
+from miles.rollout.engine import kv_cache
+from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.kv_cache import BatchKV
+from miles.rollout.engine.prefix_cache import PrefixCache
+from miles.rollout.engine.sampler import sample
+from miles.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
+
+
+@dataclass
+class Row:
+    """A request from submission to result; it may leave the running batch and come back (retract)."""
+
+    req: GenerateRequest
+    future: Future
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    weight_version: int | None = None  # version of the weights that produced the latest token
+    weight_versions: list[int] = field(default_factory=list)  # every version that produced a token, in order
+    cached_tokens: int | None = None  # prompt tokens whose KV came from the cache, set at first admission
+    answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
+    kv_version: int | None = None  # weight version its KV was computed under; None once mixed
+    routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
+
+    @classmethod
+    def of(cls, req: GenerateRequest, future: Future) -> Row:
+        seed = req.params.seed
+        return cls(req, future, None if seed is None else torch.Generator().manual_seed(seed))
+
+    def prefill_ids(self) -> tuple[int, ...]:
+        # After a retract the generated tokens are part of what must be prefilled again.
+        return self.req.input_ids + tuple(self.output_ids)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model = load_model(config.model_path, dtype=config.dtype).eval()
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.context_length = config.context_length or self.model.config.max_position_embeddings
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # Names and shapes are fixed for the engine's life; weight updates are validated against them.
+        self.param_meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            n: (tuple(t.shape), t.dtype) for n, t in self.model.state_dict().items()}
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
+        kv_cache.check_layout(self.model.config)
+        self.routers = routers(self.model)  # empty for dense models
+        self.prefix_cache = PrefixCache(config.prefix_block_size,
+                                        kv_cache.tokens_in(config.prefix_cache_mb, self.model)
+                                        if config.prefix_cache else 0)
+        self.weight_version = 0
+        self.model_lock = threading.Lock()
+        self._generator = torch.Generator().manual_seed(config.seed)  # for rows without their own seed
+        # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
+        self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
+                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0}
+        # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
+        self.rows: list[Row] = []
+        self.dead = 0  # finished rows still in the batch tensors (see compact)
+        self.kv = BatchKV()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows) - self.dead
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def prefill(self, rows: list[Row]) -> None:
+        """Compute `rows`' prompts, sample their first tokens and append them to the running batch."""
+        # Identical prompts are prefilled once; `lead[i]` is the unique prompt row i copies.
+        uniq: list[tuple[int, ...]] = []
+        where: dict[tuple[int, ...], int] = {}
+        lead = []
+        for r in rows:
+            ids = r.prefill_ids()
+            if ids not in where:
+                where[ids] = len(uniq)
+                uniq.append(ids)
+            lead.append(where[ids])
+        routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
+        with self.model_lock, torch.inference_mode():
+            version = self.weight_version
+            computed_by = self._prefill_shared_prefixes(uniq, routed_uniq)
+            cache, mask, logits, cached, routed = self._prefill_forward(uniq, routed_uniq)
+            for i, before in computed_by.items():
+                cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
+            if len(uniq) < len(rows):
+                idx = torch.tensor(lead)
+                logits, mask = logits[idx], mask[idx]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            tokens, logprobs = self._sample(logits, rows)
+        for r, j in zip(rows, lead):
+            if r.req.return_routed_experts:
+                # Its whole prompt was computed (no cache read), right-aligned in the (R, S) suffix block.
+                r.routed = [routed[j, routed.shape[1] - len(uniq[j]):]]
+        first_of = {}
+        for r, j in zip(rows, lead):
+            if r.cached_tokens is None:
+                # A copy of another row's prompt computed none of its own KV.
+                r.cached_tokens = cached[j] if j not in first_of else len(r.req.input_ids)
+                self.stats["prompt_tokens"] += len(r.req.input_ids)
+                self.stats["cached_tokens"] += r.cached_tokens
+            first_of.setdefault(j, r)
+            r.kv_version = version
+        lens = torch.tensor([len(uniq[j]) for j in lead])  # (R,)
+        self.kv.merge(cache, mask, lens, tokens)
+        self.rows = self.rows + rows
+        self._record(rows, tokens, logprobs, version)
+        self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], self.num_running)
+
+    def decode(self) -> None:
+        """One token for every row of the running batch."""
+        kv = self.kv
+        mask = torch.cat([kv.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], dim=1)  # (B, L+1)
+        with self.model_lock, torch.inference_mode():
+            version = self.weight_version
+            # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
+            pos = kv.next_pos.clamp(max=self.context_length - 1)[:, None]  # (B, 1)
+            capture = any(r.req.return_routed_experts and r.finish is None for r in self.rows)
+            logits, routed = self._forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
+                                           capture=capture)
+            tokens, logprobs = self._sample(logits, self.rows)
+        if routed is not None:
+            for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
+                if row.req.return_routed_experts and row.finish is None:
+                    row.routed.append(r)
+        for row in self.rows:
+            if row.kv_version != version and row.finish is None:
+                row.kv_version = None  # its KV now spans two weight versions: never cache it
+        kv.mask = mask
+        kv.next_pos = kv.next_pos + 1
+        kv.last_tokens = tokens
+        self._record(self.rows, tokens, logprobs, version)
+        self.stats["decode_forwards"] += 1
+
+    def abort(self, rids: set[str]) -> None:
+        """Finish running rows `rids` as aborted (the scheduler then retires them)."""
+        for row in self.rows:
+            if row.req.rid in rids and row.finish is None:
+                row.finish = FinishReason("abort", message="aborted")
+
+    def retire_finished(self) -> list[Row]:
+        """Rows that finished since the last call, marked answered (the caller answers them); their KV
+        goes to the prefix cache. They stay in the batch tensors until `compact` drops them."""
+        newly = [i for i, r in enumerate(self.rows) if r.finish is not None and not r.answered]
+        if not newly:
+            return []
+        self._cache_rows([i for i in newly if self.rows[i].output_ids])
+        for i in newly:
+            self.rows[i].answered = True
+        self.dead += len(newly)
+        return [self.rows[i] for i in newly]
+
+    def compact(self, force: bool = False) -> None:
+        """Drop retired rows from the batch tensors.
+
+        Removing a row copies the whole batch's KV, so retired rows stay (their outputs ignored) until
+        they are a quarter of the batch, or until `force` (new rows are about to be merged, which
+        copies the batch anyway); a finished row's answer, its slot in max_batch_size and its
+        prefix-cache entry never wait for that.
+        """
+        if not self.dead or (not force and self.dead * 4 < len(self.rows)):
+            return
+        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+        self.dead = 0
+        if not keep:
+            self.reset()
+            return
+        self.kv.select(keep)
+        self.rows = [self.rows[i] for i in keep]
+
+    def retract(self) -> list[Row]:
+        """Take every running row out of the batch (to be queued again); its KV survives in the prefix
+        cache, so coming back re-prefills little."""
+        live = [i for i, r in enumerate(self.rows) if r.finish is None]
+        self._cache_rows(live)
+        rows = [self.rows[i] for i in live]
+        self.reset()
+        self.stats["retracted_reqs"] += len(rows)
+        return rows
+
+    def reset(self) -> None:
+        """Forget the running batch (its rows must be answered or requeued by the caller)."""
+        self.dead = 0
+        self.rows = []
+        self.kv.reset()
+
+    def result(self, row: Row, finish: FinishReason) -> GenerateResult:
+        p = row.req.params
+        text = self.tokenizer.decode(row.output_ids, skip_special_tokens=p.skip_special_tokens)
+        if finish.type == "stop" and isinstance(finish.matched, str) and not p.no_stop_trim:
+            text = text[: text.find(finish.matched)] if finish.matched in text else text
+        return GenerateResult(
+            rid=row.req.rid, text=text, prompt_tokens=len(row.req.input_ids), output_ids=list(row.output_ids),
+            output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
+            weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
+            cached_tokens=row.cached_tokens or 0, weight_versions=tuple(row.weight_versions),
+            routed_experts=_routed_experts(row) if row.req.return_routed_experts else None)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: int | None,
+                     adopt: frozenset[str] | set[str]) -> tuple[int, list[torch.Tensor]]:
+        """Install `tensors` (see Engine.apply_weights); caller holds model_lock."""
+        with torch.no_grad():
+            state = self.model.state_dict()  # shares storage with the parameters; tied weights share too
+            params = dict(self.model.named_parameters(remove_duplicate=False))  # tied names: one Parameter
+            displaced = []
+            for name, t in tensors.items():
+                p = params.get(name)
+                if (name in adopt and p is not None and t.dtype == p.dtype and t.shape == p.shape
+                        and t.is_contiguous() and p.data.is_contiguous()):
+                    displaced.append(p.data)
+                    p.data = t
+                else:
+                    state[name].copy_(t)
+            self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
+            # KV computed by old weights is never reused by a request that starts under new ones.
+            self.prefix_cache.clear()
+            return self.weight_version, displaced
+
+    def covers_parameters(self, names) -> bool:
+        """Whether `names` reach every parameter (tied ones through any of their names)."""
+        names = set(names)
+        reached = {id(p) for n, p in self.model.named_parameters(remove_duplicate=False) if n in names}
+        return all(id(p) in reached for p in self.model.parameters())
+
+    def points_into(self, buf: torch.Tensor) -> bool:
+        """Whether any parameter or buffer of the model lives in `buf`'s memory."""
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        return any(lo <= t.data_ptr() < hi for t in self.model.state_dict().values() if t.numel())
+
+    # ---- inside a step ----------------------------------------------------------------------
+
+    def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False):
+        """Last-position logits (B, V), and with `capture` the routed expert ids (B, S, MoE layers, top_k)."""
+        kwargs = {self._cache_kwarg: cache}
+        ids: list[torch.Tensor] = []
+        with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])):
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                             logits_to_keep=logits_to_keep, **kwargs)
+        routed = None
+        if capture:
+            B, S = input_ids.shape
+            routed = torch.stack(ids, dim=1).to(torch.int32).view(B, S, len(ids), -1)  # each was (B*S, top_k)
+        return out.logits[:, -1, :], routed
+
+    def _prefill_shared_prefixes(self, uniq: list[tuple[int, ...]], full: set[int] = frozenset()) -> dict[int, int]:
+        """Prefill, once, the whole blocks that several admitted prompts start with and the cache lacks
+        (a system prompt shared by different questions, the first turns of parallel episodes), so
+        the main prefill finds them cached. Returns {prompt index: its cache hit before} for the one
+        prompt charged with computing each shared prefix. Prompts in `full` read no cache, so they are
+        left out. Caller holds model_lock."""
+        B = self.prefix_cache.block_size
+        if len(uniq) < 2 or self.prefix_cache.max_tokens == 0:
+            return {}
+        order = sorted(range(len(uniq)), key=lambda i: uniq[i])
+        shared_len = [0] * len(uniq)
+        for a, b in zip(order, order[1:]):  # in sorted order the longest common prefix is a neighbour's
+            n = _common_prefix_len(uniq[a], uniq[b])
+            shared_len[a], shared_len[b] = max(shared_len[a], n), max(shared_len[b], n)
+        todo: dict[tuple[int, ...], int] = {}
+        for i, ids in enumerate(uniq):
+            if i in full:
+                continue
+            n = min(shared_len[i], len(ids) - 1)
+            before = self.prefix_cache.match(ids, limit=n).tokens
+            # Worth its own forward only when it saves at least a block's worth of recomputation.
+            if n - before >= B and ids[:n] not in todo:
+                todo[ids[:n]] = i
+        if not todo:
+            return {}
+        charged = {i: self.prefix_cache.match(uniq[i], limit=len(uniq[i]) - 1).tokens for i in todo.values()}
+        self._prefill_forward(list(todo))
+        return charged
+
+    def _prefill_forward(self, prompts: list[tuple[int, ...]], full: set[int] = frozenset()):
+        """One forward over `prompts`, each starting from its cached prefix (prompts in `full`: from
+        nothing, recording routed experts); inserts the new KV into the prefix cache. Returns (cache,
+        mask (R, M + S), last-position logits (R, V), cached lengths, routed ids (R, S, layers, top_k)
+        or None). Caller holds model_lock."""
+        # At least one token is always computed: its logits choose the first output token.
+        hits = [self.prefix_cache.match(ids, limit=0 if i in full else len(ids) - 1) for i, ids in enumerate(prompts)]
+        cached = [h.tokens for h in hits]
+        suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
+        R, M, S = len(prompts), max(cached), max(suffix)
+        ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded
+        pos = torch.zeros((R, S), dtype=torch.long)
+        mask = torch.zeros((R, M + S), dtype=torch.long)  # [pad | cached prefix | pad | suffix]
+        for i, ids in enumerate(prompts):
+            c, n = cached[i], suffix[i]
+            ids_t[i, S - n:] = torch.tensor(ids[c:])
+            pos[i, S - n:] = torch.arange(c, len(ids))
+            mask[i, M - c:M] = 1
+            mask[i, M + S - n:] = 1
+        cache = kv_cache.new_cache(self.model.config)
+        if M:
+            kv_cache.load_prefixes(cache, hits, cached, M)
+        logits, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=1, capture=bool(full))
+        self.stats["prefill_forwards"] += 1
+        for i, ids in enumerate(prompts):
+            self.prefix_cache.insert(ids, lambda a, b, i=i: kv_cache.row_kv(cache, mask, i, a, b))
+        return cache, mask, logits, cached, routed
+
+    def _sample(self, logits: torch.Tensor, rows: list[Row]):
+        return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
+
+    def _record(self, rows: list[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> None:
+        for row, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            if row.finish is not None:
+                continue
+            row.weight_version = version
+            if not row.weight_versions or row.weight_versions[-1] != version:
+                row.weight_versions.append(version)
+            row.output_ids.append(t)
+            row.logprobs.append(lp)
+            self.stats["generated_tokens"] += 1
+            row.finish = self._check_finish(row, t)
+
+    def _check_finish(self, row: Row, token: int) -> FinishReason | None:
+        p = row.req.params
+        n = len(row.output_ids)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return FinishReason("stop", matched=token)
+        if token in p.stop_token_ids:
+            return FinishReason("stop", matched=token)
+        if p.stop:
+            # Tokens can be partial characters, so decode a window wide enough for the longest stop string.
+            window = max(len(s) for s in p.stop) + 8
+            tail = self.tokenizer.decode(row.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    return FinishReason("stop", matched=s)
+        if n >= p.max_new_tokens:
+            return FinishReason("length", length=n)
+        if len(row.req.input_ids) + n >= self.context_length:
+            return FinishReason("length", length=n)
+        return None
+
+    def _cache_rows(self, indices: list[int]) -> None:
+        """Offer the prompt + completion KV of running rows to the prefix cache."""
+        if self.prefix_cache.max_tokens == 0:
+            return
+        with self.model_lock, torch.inference_mode():
+            for i in indices:
+                row = self.rows[i]
+                if row.kv_version != self.weight_version:
+                    continue
+                # The last sampled token was never fed to the model, so it has no KV yet.
+                ids = row.prefill_ids()[:-1]
+                self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b))
+
+
+def _routed_experts(row: Row) -> str:
+    # Empty when it finished before its prompt was computed (aborted in the queue, max_new_tokens=0).
+    return encode_routed_experts(torch.cat(row.routed)) if row.routed else ""
+
+
+def _common_prefix_len(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
