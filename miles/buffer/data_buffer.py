@@ -237,14 +237,6 @@ class DataBuffer:
         with self._cond:
             self._closed = False
 
-    @property
-    def num_ready(self) -> int:
-        return len(self._ready)
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
-
     def metrics(self, reset: bool = True) -> dict[str, float]:
         """Ledger counters plus staleness of the groups collected since the last call."""
         with self._cond:

@@ -13,7 +13,3 @@ from miles.buffer.types import Group
 def staleness(group: Group, policy_version: int) -> int:
     """Current policy version − the oldest weight version among every sample and turn of the group."""
     return policy_version - group.oldest_weight_version
-
-
-def is_stale(group: Group, policy_version: int, max_staleness: int) -> bool:
-    return staleness(group, policy_version) > max_staleness

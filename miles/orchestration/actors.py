@@ -53,9 +53,9 @@ class TrainerShell:
         self.sync_cfg, self.rank, self.admin_token = sync_cfg, rank, admin_token
         self.transport = None
 
-    def train_step(self, seqs, global_loss_tokens: int, kind: str = "rl"):
+    def train_step(self, seqs, totals, algorithm: str | None = None):
         try:
-            return self.trainer.train_step(seqs, global_loss_tokens, kind)
+            return self.trainer.train_step(seqs, totals, algorithm)
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise

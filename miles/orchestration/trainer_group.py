@@ -8,7 +8,7 @@ checkpoints) on every rank.
 
 from __future__ import annotations
 
-from miles.trainer.algorithms.base import AlgorithmConfig, get_algorithm
+from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.batching import prepare_global_batch, sequences_from_groups
 
 

@@ -17,16 +17,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.buffer.types import Group
 from miles.trainer.algorithms.base import Algorithm
 from miles.trainer.types import BatchTotals, TrainSequence
 
 if TYPE_CHECKING:
     import torch
 
-    from miles.buffer.types import Group
 
-
-def sequences_from_groups(groups: list["Group"], algorithm: Algorithm) -> list[TrainSequence]:
+def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[TrainSequence]:
     """One sequence per sample, with the algorithm's advantages within its group.
 
     A group whose rewards are all equal gets zero advantages from the group-relative algorithms: it

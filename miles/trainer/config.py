@@ -17,6 +17,8 @@ from miles.trainer.lora import LoraConfig
 
 @dataclass
 class TrainerConfig:
+    """The trainer section of a run config (`[trainer]`); `[trainer.algorithm]` and `[trainer.lora]` nest in it."""
+
     num_ranks: int = 1
     """Ranks (processes) of the trainer; data-parallel size is num_ranks / tensor_parallel_size."""
     lr: float = 1e-4

@@ -11,17 +11,6 @@ import torch
 from miles.trainer.algorithms.base import entropy_from_logits
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest sequence. Returns input_ids and attention_mask, both (B, T)."""
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
     """Logprob of each next token: out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1]). (B, T-1)"""

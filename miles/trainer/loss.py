@@ -11,17 +11,14 @@ all-reduce. Non-goal: running models or stepping optimizers (the backend's job).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from miles.trainer.algorithms.base import Algorithm, LossInputs, kl_estimate, kl_reward_penalty, token_weights
 from miles.trainer.algorithms.ppo import gae, value_loss
 from miles.trainer.algorithms.tis import corrected_inputs, tis_metrics, tis_sums
-
-if TYPE_CHECKING:
-    from miles.trainer.batching import MicroBatch
-    from miles.trainer.types import BatchTotals, TrainSequence
+from miles.trainer.batching import MicroBatch
+from miles.trainer.types import BatchTotals, TrainSequence
 
 
 @dataclass
@@ -34,7 +31,7 @@ class ForwardOutputs:
     values: torch.Tensor | None = None         # critic, with gradient, when algorithm.needs_critic
 
 
-def sequence_weights(algorithm: Algorithm, seqs: list["TrainSequence"], totals: "BatchTotals",
+def sequence_weights(algorithm: Algorithm, seqs: list[TrainSequence], totals: BatchTotals,
                      dp_size: int) -> list[float]:
     """Each sequence's per-token weight under the algorithm's aggregation over the global batch."""
     const = algorithm.cfg.loss_constant or totals.max_response_len
@@ -44,7 +41,7 @@ def sequence_weights(algorithm: Algorithm, seqs: list["TrainSequence"], totals: 
     return [w * dp_size for w in weights]
 
 
-def micro_batch_loss(algorithm: Algorithm, mb: "MicroBatch", out: ForwardOutputs, sums: dict[str, float],
+def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, sums: dict[str, float],
                      dp_size: int, real: bool) -> torch.Tensor:
     """The scalar to backpropagate for one micro-batch (policy and, with a critic, value loss).
 
@@ -107,7 +104,7 @@ def step_metrics(algorithm: Algorithm, red: dict[str, float]) -> dict[str, float
     return out
 
 
-def _critic_and_gae(algorithm: Algorithm, mb: "MicroBatch", x: LossInputs, values: torch.Tensor,
+def _critic_and_gae(algorithm: Algorithm, mb: MicroBatch, x: LossInputs, values: torch.Tensor,
                     sums: dict[str, float]) -> torch.Tensor:
     """PPO: GAE advantages over the critic's values into `x`, and the critic's weighted loss."""
     acfg = algorithm.cfg

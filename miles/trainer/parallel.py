@@ -10,14 +10,14 @@ Non-goal: pipeline parallelism.
 
 from __future__ import annotations
 
+from miles.models.loading import check_model_path
+
 
 def load_parallel_model(model_path: str, tp: int, ep: int, world_size: int):
     """The model laid out over `world_size` ranks. Returns (model, data-parallel size)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
-
-    from miles.models.loading import check_model_path
 
     check_model_path(model_path)
     width = max(tp, ep)  # ranks that hold one replica between them
