@@ -41,7 +41,7 @@ class TrainContext:
     weight_version: int = 0     # the newest version pushed to the engines
     start_step: int = 0         # the step a resumed run continues after
     history: list = field(default_factory=list)
-    fleet: object = None        # health.EngineFleet: replaces dead engines while the loop runs
+    fleet: object = None        # fleet.EngineFleet: replaces dead engines while the loop runs
     faults: object = None       # faults.FaultInjector, when the config asks for faults
     _memory_warned: bool = False
 
@@ -132,25 +132,25 @@ def _engine_starter(cfg, cores, admin_token: str):
     """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool's cores.
 
     Slot -1 is a standby engine, not yet given a slot."""
+    import dataclasses
     import itertools
 
     from miles.orchestration.actors import EngineShell, remote
     from miles.rollout.engine.config import EngineConfig
 
-    r = cfg.rollout
     cls = remote(EngineShell)
     standby_seeds = itertools.count(cfg.run.seed + 10_000)
 
     def launch(slot: int):
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
-        ecfg = EngineConfig(model_path=cfg.model.path, dtype=r.engine_dtype, max_batch_size=r.engine_max_batch_size,
-                            num_threads=r.engine_num_threads, seed=seed, admin_token=admin_token)
+        ecfg = EngineConfig(**{**dataclasses.asdict(cfg.rollout.engine), "model_path": cfg.model.path, "seed": seed,
+                                "admin_token": admin_token})
         return cls.remote(ecfg, cores)
 
     def handle(actor):
         import ray
 
-        from miles.orchestration.health import EngineHandle
+        from miles.orchestration.fleet import EngineHandle
 
         url, pid = ray.get([actor.url.remote(), actor.pid.remote()])
         return EngineHandle(url, pid, lambda: ray.kill(actor))
@@ -171,7 +171,7 @@ def _start_fleet(cfg, pools, admin_token: str, holder: dict):
 
     import ray
 
-    from miles.orchestration.health import EngineFleet
+    from miles.orchestration.fleet import EngineFleet
     from miles.rollout.router import start_router_thread
 
     start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token)
@@ -179,7 +179,8 @@ def _start_fleet(cfg, pools, admin_token: str, holder: dict):
     started = start_many(cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0))
     holder["engines"] = started
     engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
-    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=admin_token), [e.url for e in engines])
+    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=admin_token), [e.url for e in engines],
+                                 cfg.health)
     holder["router"] = router
 
     def bring_up(url: str) -> None:

@@ -68,7 +68,7 @@ class InjectedFault:
 
 
 class FaultInjector:
-    """Drives the configured faults against a fleet (health.EngineFleet) and a trainer group."""
+    """Drives the configured faults against a fleet (fleet.EngineFleet) and a trainer group."""
 
     def __init__(self, cfg: FaultConfig, fleet=None):
         self.cfg, self.fleet = cfg, fleet

@@ -32,7 +32,8 @@ class TrainerGroup:
                  cores=None, admin_token: str | None = None):
         import ray
 
-        from miles.orchestration.actors import TrainerShell, free_port, remote
+        from miles.net import free_port
+        from miles.orchestration.actors import TrainerShell, remote
         from miles.trainer.algorithms import get_algorithm
 
         n = trainer_cfg.num_ranks
