@@ -132,20 +132,16 @@ def _engine_starter(cfg, cores, admin_token: str):
     """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool's cores.
 
     Slot -1 is a standby engine, not yet given a slot."""
-    import dataclasses
     import itertools
 
     from miles.orchestration.actors import EngineShell, remote
-    from miles.rollout.engine.config import EngineConfig
 
     cls = remote(EngineShell)
     standby_seeds = itertools.count(cfg.run.seed + 10_000)
 
     def launch(slot: int):
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
-        ecfg = EngineConfig(**{**dataclasses.asdict(cfg.rollout.engine), "model_path": cfg.model.path, "seed": seed,
-                                "admin_token": admin_token})
-        return cls.remote(ecfg, cores)
+        return cls.remote(cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
 
     def handle(actor):
         import ray

@@ -8,6 +8,7 @@ Non-goals: the router's and the fleet's settings (router/config.py, liveness.py)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +33,11 @@ class RolloutEngineConfig(EngineConfig):
         super().validate()
         if self.dtype not in ENGINE_DTYPES:
             raise ConfigError(f"rollout.engine.dtype must be one of {', '.join(ENGINE_DTYPES)}")
+
+    def for_run(self, model_path: str, seed: int, admin_token: str | None) -> EngineConfig:
+        """The config of one engine the run starts: these settings plus what only the run knows."""
+        return EngineConfig(**{**dataclasses.asdict(self), "model_path": model_path, "seed": seed,
+                               "admin_token": admin_token})
 
 
 @dataclass

@@ -7,12 +7,17 @@ checkpoints can refer to. Non-goal: streaming large datasets from disk (a later 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+from miles.config import ConfigError
+from miles.registry import Registry, RegistryError
 
 
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source by name: arithmetic, or terminal (shell tasks for the terminal environment)."""
+    """Prompt source by name: arithmetic, terminal (shell tasks for the terminal environment), or a
+    module:function taking (TaskConfig, split, seed) and returning an object with take(n)."""
     digits: int = 2
     """arithmetic: operand digits."""
     ops: str = "+-"
@@ -25,10 +30,10 @@ class TaskConfig:
     """Wrap each prompt as a user message with the tokenizer's chat template."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
-        if self.name not in TASKS:
-            raise ConfigError(f"rollout.task.name {self.name!r} is unknown: choose one of {sorted(TASKS)}")
+        try:
+            TASKS.get(self.name)
+        except RegistryError as e:
+            raise ConfigError(f"rollout.task.name: {e}") from None
         if not 1 <= self.digits <= 9:
             raise ConfigError("rollout.task.digits must be in 1..9")
         if not self.ops or set(self.ops) - {"+", "-"}:
@@ -57,14 +62,17 @@ def _terminal(cfg: TaskConfig, split: str, seed: int):
     return TerminalTaskSource(split=split, seed=seed)
 
 
-TASKS = {"arithmetic": _arithmetic, "terminal": _terminal}
+TASKS: Registry[Callable] = Registry("prompt source", arity=3)
+"""Prompt sources by name: each takes (TaskConfig, split, seed) and returns an object with take(n)."""
+TASKS.register("arithmetic", _arithmetic)
+TASKS.register("terminal", _terminal)
 
 
 class PromptSource:
     """Draws prompts of one split in a fixed order determined by the seed."""
 
     def __init__(self, cfg: TaskConfig, split: str, seed: int):
-        self.task = TASKS[cfg.name](cfg, split, seed)
+        self.task = TASKS.get(cfg.name)(cfg, split, seed)
         self.position = 0
 
     def take(self, n: int) -> list[Prompt]:
