@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,9 +64,6 @@ class EngineHandle:
     stop: Callable[[], None]  # ends the process and releases what holds it (actor, ...)
 
     def kill(self) -> None:
-        import os
-        import signal
-
         try:
             # SIGKILL also ends a SIGSTOPped process, which a polite shutdown would wait on forever.
             os.kill(self.pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ from typing import Callable
 
 from miles.config import ConfigError
 from miles.registry import Registry, RegistryError
+from miles.rollout.tasks.arithmetic import ArithmeticTask
 
 
 @dataclass
@@ -50,13 +51,12 @@ class Prompt:
 
 
 def _arithmetic(cfg: TaskConfig, split: str, seed: int):
-    from miles.rollout.tasks.arithmetic import ArithmeticTask
-
     return ArithmeticTask(digits=cfg.digits, ops=cfg.ops, split=split, seed=seed, eval_fraction=cfg.eval_fraction,
                           fixed_width=cfg.fixed_width)
 
 
 def _terminal(cfg: TaskConfig, split: str, seed: int):
+    # Loaded when chosen: loading a run config must not import the environments.
     from miles.rollout.environments.terminal import TerminalTaskSource
 
     return TerminalTaskSource(split=split, seed=seed)

@@ -11,6 +11,8 @@ import asyncio
 import time
 from typing import Literal
 
+import httpx
+
 from miles.net import bearer_headers
 
 
@@ -28,8 +30,6 @@ class EngineAdmin:
 
     def memory(self, action: Literal["release", "resume"]) -> bool:
         """Ask every engine to release (or take back) its memory; False when they do not offer it."""
-        import httpx
-
         ok = True
         for url in self.urls:
             r = httpx.post(f"{url}/{action}_memory_occupation", json={}, headers=self.headers, timeout=120)
@@ -41,8 +41,6 @@ class EngineAdmin:
 
     def call(self, endpoint: str, body: dict) -> None:
         """POST `body` to `endpoint` of every engine (pause_generation, continue_generation, ...)."""
-        import httpx
-
         for url in list(self.urls):
             try:
                 r = httpx.post(f"{url}/{endpoint}", json=body, headers=self.headers, timeout=120)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import httpx
+
 
 def async_client(timeout_s: float):
     """An httpx.AsyncClient sized for a whole step's requests in flight at once."""
-    import httpx
-
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     return httpx.AsyncClient(timeout=timeout_s, limits=limits)
 

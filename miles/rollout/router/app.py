@@ -47,9 +47,7 @@ def build_app(router: Router):
             yield
         finally:
             task.cancel()
-            if router._client is not None:
-                await router._client.close()
-                router._client = None
+            await router.close()
 
     app = FastAPI(title="miles router", lifespan=lifespan)
 

@@ -76,7 +76,7 @@ class Router:
         self._turn = itertools.count()  # round-robin among engines tied on outstanding requests
         self._sticky: OrderedDict[str, str] = OrderedDict()  # routing key -> worker url, LRU-bounded
         self.counters = _Counters()
-        self._client = None  # httpx.AsyncClient, created on the serving event loop
+        self._client: Upstream | None = None  # created on the serving event loop
         # Fault injection (orchestration/faults.py): when it returns True an engine's reply is dropped.
         self.response_fault = None
 
@@ -144,6 +144,12 @@ class Router:
                 log.warning("router: re-admitted %s at weight version %s", w.url, weight_version)
 
     # ---- I/O ----------------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the connections to the engines (the serving event loop is ending)."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     def client(self) -> Upstream:
         if self._client is None:
