@@ -39,14 +39,14 @@ from pathlib import Path
 def schedules(args) -> dict[str, dict[str, str]]:
     ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
     half = str(max(1, ncores // 2))
-    disagg = {"placement.mode": "disaggregated", "rollout.engine_num_threads": half, "trainer.num_threads": half}
+    disagg = {"placement.mode": "disaggregated", "rollout.engine.num_threads": half, "trainer.num_threads": half}
     # One step's worth in flight and one ready: enough to keep the engine's batch full without
     # letting groups wait so long in the buffer that they go stale.
     inflight = str(args.inflight_groups or args.prompts_per_step)
     overlap = {**disagg, "buffer.max_staleness": str(args.max_staleness),
                "buffer.max_inflight_groups": inflight, "buffer.capacity": inflight}
     runs = {
-        "sync_colocated": {"placement.mode": "colocated", "rollout.engine_num_threads": str(ncores),
+        "sync_colocated": {"placement.mode": "colocated", "rollout.engine.num_threads": str(ncores),
                            "trainer.num_threads": str(ncores)},
         "sync_disaggregated": disagg,
         "one_step_off": {**overlap, "loop.schedule": "one_step_off"},

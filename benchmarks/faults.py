@@ -73,7 +73,6 @@ def main(argv=None) -> int:
         "trainer.micro_batch_size": "64", "trainer.algorithm.tis_mode": "truncate",
         "eval.every_steps": "0", "eval.num_prompts": "16", "sync.bucket_size_mb": "64",
         "health.interval_s": "0.5", "health.timeout_s": "5", "health.standby_engines": str(args.standby),
-        "router.health_check_interval_s": "0.5",
         "fault.kill_engine_every_s": str(args.every), "fault.first_fault_after_s": str(args.first_after),
         "fault.max_engine_faults": str(args.kills), "metrics.progress": "plain",
     }

@@ -63,7 +63,7 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
 
     from miles.buffer.types import Group
     from miles.config.loader import build
-    from miles.orchestration.actors import free_port
+    from miles.net import free_port
     from miles.buffer.filters import nonzero_std
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from miles.models.presets import build_tiny_model
-    from miles.orchestration.actors import free_port
+    from miles.net import free_port
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         # Run as a script of its own so the spawned ranks can import this module by path.
         import torch.multiprocessing as mp
 
-        from miles.orchestration.actors import free_port
+        from miles.net import free_port
 
         mp.spawn(_two_rank_worker, args=(args.two_rank_worker[0], free_port(), args, args.two_rank_worker[1]),
                  nprocs=2)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from miles.models.presets import build_tiny_model
-    from miles.orchestration.actors import free_port
+    from miles.net import free_port
     from miles.trainer.backends.fsdp import FSDPTrainer
     from miles.trainer.config import TrainerConfig
     from miles.trainer.types import BatchTotals

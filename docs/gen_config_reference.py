@@ -41,14 +41,19 @@ class MissingDocstring(ValueError):
 
 
 def field_docs(cls) -> dict[str, str]:
-    """{field name: docstring} read from the class source: a string statement right below a field."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """{field name: docstring} read from the class source: a string statement right below a field.
+
+    A subclass config (a variant section, or a section extending a component's config) inherits the
+    docstrings of its bases' fields and may override them.
+    """
     docs = {}
-    for stmt, nxt in zip(body, body[1:] + [None]):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

@@ -11,5 +11,5 @@ OUT=${OUT:-runs/moe_r3}
 "$MILES" init-model --preset tiny-qwen3-moe --out "$OUT/base"
 "$MILES" sft examples/arithmetic/sft.toml --model.path "$OUT/base" --sft.out "$OUT/sft-model" --sft.steps 300
 "$MILES" train examples/arithmetic/grpo.toml --model.path "$OUT/sft-model" --run.output_dir "$OUT" \
-    --loop.num_steps 20 --eval.every_steps 10 --rollout.engine_dtype bfloat16 --sync.dtype bfloat16 \
+    --loop.num_steps 20 --eval.every_steps 10 --rollout.engine.dtype bfloat16 --sync.dtype bfloat16 \
     --rollout.return_routed_experts true --trainer.routing_replay true "$@"

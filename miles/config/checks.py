@@ -52,6 +52,6 @@ def check_routing_replay(run) -> None:
 
 
 def check_fleet(run) -> None:
-    from miles.orchestration.health import check_run as check
+    from miles.orchestration.fleet import check_run as check
 
     check(run)

@@ -8,12 +8,12 @@ from miles.config.checks import check_run
 from miles.metrics.sink import MetricsConfig
 from miles.buffer.data_buffer import BufferConfig
 from miles.orchestration.faults import FaultConfig
-from miles.orchestration.health import HealthConfig
 from miles.orchestration.loop import LoopConfig
 from miles.orchestration.placement import PlacementConfig
 from miles.orchestration.ray_cluster import RayConfig
-from miles.rollout.manager import EvalConfig, RolloutConfig
-from miles.rollout.router import RouterConfig
+from miles.rollout.config import EvalConfig, RolloutConfig
+from miles.rollout.liveness import HealthConfig
+from miles.rollout.router.config import RouterConfig
 from miles.sync.prepare import SyncConfig
 from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig
@@ -64,7 +64,8 @@ class RunConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     """The router in front of the engines (miles train runs the built-in one)."""
     health: HealthConfig = field(default_factory=HealthConfig)
-    """Engine health probes, replacement of dead or stalled engines, standby engines."""
+    """Engine liveness (the router's quarantine and the fleet's probes), replacement of dead or stalled
+    engines, standby engines."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection: kill or stall engines, drop replies, delay weight sync, kill a trainer rank."""
     buffer: BufferConfig = field(default_factory=BufferConfig)

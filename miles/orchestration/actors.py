@@ -6,22 +6,13 @@ All actors ask Ray for no logical CPUs: cores are assigned by placement, not by 
 
 from __future__ import annotations
 
-import socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from miles.orchestration.placement import pin_current_process
+from miles.rollout.engine.server import start_server_thread
 
 class EngineShell:
     """One built-in engine serving the engine HTTP API from inside a Ray actor's process."""
 
     def __init__(self, engine_config, cores=None):
-        from miles.orchestration.placement import pin_current_process
-        from miles.rollout.engine.server import start_server_thread
-
         self.server = start_server_thread(engine_config)
         # Pinned once serving: start-up (imports, loading) may use any idle core, which matters when a
         # replacement starts while its pool's cores are busy generating.
@@ -44,7 +35,6 @@ class TrainerShell:
 
     def __init__(self, trainer_cfg, sync_cfg, model_path: str, rank: int, world_size: int, master_port: int,
                  seed: int, temperature: float, cores=None, admin_token: str | None = None):
-        from miles.orchestration.placement import pin_current_process
         from miles.trainer.backends.fsdp import FSDPTrainer
 
         pin_current_process(cores)

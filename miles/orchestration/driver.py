@@ -27,13 +27,12 @@ from miles.models.loading import load_tokenizer
 from miles.orchestration.actors import EngineShell, remote
 from miles.orchestration.context import TrainContext, log
 from miles.orchestration.faults import FaultInjector
-from miles.orchestration.health import EngineFleet, EngineHandle
+from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.loop import SCHEDULES
 from miles.orchestration.placement import CorePools, core_pools
 from miles.orchestration.ray_cluster import ensure_ray
 from miles.orchestration.trainer_group import TrainerGroup
 from miles.rollout.data_source import PromptSource
-from miles.rollout.engine.config import EngineConfig
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.trainer.sft import demonstration_sequences
@@ -59,15 +58,12 @@ def _engine_starter(cfg: RunConfig, cores, admin_token: str):
     Slot -1 is a standby engine, not yet given a slot."""
     import ray
 
-    r = cfg.rollout
     cls = remote(EngineShell)
     standby_seeds = itertools.count(cfg.run.seed + 10_000)
 
     def launch(slot: int):
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
-        ecfg = EngineConfig(model_path=cfg.model.path, dtype=r.engine_dtype, max_batch_size=r.engine_max_batch_size,
-                            num_threads=r.engine_num_threads, seed=seed, admin_token=admin_token)
-        return cls.remote(ecfg, cores)
+        return cls.remote(cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
 
     def handle(actor) -> EngineHandle:
         url, pid = ray.get([actor.url.remote(), actor.pid.remote()])
@@ -96,7 +92,8 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str, stac
     unadopted = stack.enter_context(contextlib.ExitStack())  # stops the engines until the fleet owns them
     for e in started:
         unadopted.callback(e.stop)
-    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=admin_token), [e.url for e in engines])
+    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=admin_token), [e.url for e in engines],
+                                 cfg.health)
     stack.callback(router.stop)
 
     def bring_up(url: str) -> None:

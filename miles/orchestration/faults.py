@@ -7,7 +7,7 @@
     --fault.kill_trainer_at_step 3    SIGKILL the last trainer rank as step 3's training starts
 
 Engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
-health monitor (health.py) must find and replace each. Every injected fault is recorded with its
+health monitor (fleet.py) must find and replace each. Every injected fault is recorded with its
 wall-clock time, so recovery can be measured from the moment of the fault, not of its detection.
 Non-goals: network partitions, disk faults, faults on other hosts.
 """
@@ -68,7 +68,7 @@ class InjectedFault:
 
 
 class FaultInjector:
-    """Drives the configured faults against a fleet (health.EngineFleet) and a trainer group."""
+    """Drives the configured faults against a fleet (fleet.EngineFleet) and a trainer group."""
 
     def __init__(self, cfg: FaultConfig, fleet=None):
         self.cfg, self.fleet = cfg, fleet

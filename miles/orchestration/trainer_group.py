@@ -24,7 +24,8 @@ class TrainerGroup:
                  cores=None, admin_token: str | None = None):
         import ray
 
-        from miles.orchestration.actors import TrainerShell, free_port, remote
+        from miles.net import free_port
+        from miles.orchestration.actors import TrainerShell, remote
 
         n = trainer_cfg.num_ranks
         port = free_port()

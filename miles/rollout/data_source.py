@@ -7,14 +7,16 @@ checkpoints can refer to. Non-goal: streaming large datasets from disk (a later 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
+from miles.config import ConfigError
+from miles.registry import RegistryError
 from miles.rollout.tasks import TASKS
 
 
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source by name: arithmetic, or terminal (shell tasks for the terminal environment)."""
+    """Prompt source by name: arithmetic, terminal (shell tasks for the terminal environment), or a
+    module:function taking (TaskConfig, split, seed) and returning an object with take(n)."""
     digits: int = 2
     """arithmetic: operand digits."""
     ops: str = "+-"
@@ -27,10 +29,10 @@ class TaskConfig:
     """Wrap each prompt as a user message with the tokenizer's chat template."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
-        if self.name not in TASKS:
-            raise ConfigError(f"rollout.task.name {self.name!r} is unknown: choose one of {sorted(TASKS)}")
+        try:
+            TASKS.get(self.name)
+        except RegistryError as e:
+            raise ConfigError(f"rollout.task.name: {e}") from None
         if not 1 <= self.digits <= 9:
             raise ConfigError("rollout.task.digits must be in 1..9")
         if not self.ops or set(self.ops) - {"+", "-"}:

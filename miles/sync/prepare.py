@@ -26,7 +26,7 @@ class SyncConfig:
     """Bucket size in MiB (update_weight_buffer_size); each full bucket is one transfer."""
     dtype: str | None = None
     """Cast weights to this dtype for the engine (e.g. bfloat16). None: the built-in engines' dtype
-    (rollout.engine_dtype), or the trainer's own dtype for engines given by rollout.engine_urls."""
+    (rollout.engine.dtype), or the trainer's own dtype for engines given by rollout.engine_urls."""
     converter: str = "auto"
     """Name/layout converter: auto (by model_type), hf (names as they are), or a module:function path."""
     verify_first_update: bool = True
@@ -82,10 +82,10 @@ def check_run(run) -> None:
     """Cross-section refusals of the weight sync (called from RunConfig.validate)."""
     from miles.config import ConfigError
 
-    if run.sync.dtype is None and not run.rollout.engine_urls and run.rollout.engine_dtype != "float32":
+    if run.sync.dtype is None and not run.rollout.engine_urls and run.rollout.engine.dtype != "float32":
         # Engines hold what they were loaded as; shipping fp32 would double the bytes and make the
         # verification compare fp32 checksums with the engine's bf16 tensors.
-        run.sync.dtype = run.rollout.engine_dtype
+        run.sync.dtype = run.rollout.engine.dtype
 
     if run.sync.transport != "disk_delta":
         return

@@ -57,7 +57,8 @@ def dead_url() -> str:
 
 def manager(model_dir, urls, rollout=None, buffer=None, router_url=None):
     from miles.buffer.data_buffer import BufferConfig
-    from miles.rollout.manager import EvalConfig, RolloutConfig, RolloutManager
+    from miles.rollout.config import EvalConfig, RolloutConfig
+    from miles.rollout.manager import RolloutManager
 
     rcfg = RolloutConfig(**{"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, **(rollout or {})})
     bcfg = BufferConfig(**{"filter": "none", "max_inflight_groups": 3, "max_retries": 1, **(buffer or {})})
@@ -154,6 +155,6 @@ def test_a_group_is_one_batched_request_equal_to_its_samples_sent_alone(tiny_mod
     for g in groups:
         assert len(g.samples) == 4
         for k, s in enumerate(g.samples):  # in order, each with its own seeded sampling parameters
-            single = asyncio.run(alone(s.prompt_ids, m._sampling_params(g.prompt_index, k)))
+            single = asyncio.run(alone(s.prompt_ids, m.groups.sampling_params(g.prompt_index, k)))
             assert s.response_ids == single.response_ids
             assert s.rollout_logprobs == pytest.approx(single.rollout_logprobs, abs=1e-4)

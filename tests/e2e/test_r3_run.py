@@ -19,7 +19,7 @@ def test_moe_grpo_run_with_routing_replay_reports_mismatch(tiny_moe_model_dir, t
         "loop.num_steps": "2", "eval.every_steps": "0", "eval.num_prompts": "8", "eval.max_new_tokens": "4",
         "rollout.prompts_per_step": "4", "rollout.n_samples_per_prompt": "4", "rollout.max_new_tokens": "8",
         "rollout.temperature": "1.5", "rollout.reward": "tests.e2e.test_resume:digit_fraction",
-        "rollout.engine_dtype": "bfloat16", "sync.dtype": "bfloat16",
+        "rollout.engine.dtype": "bfloat16", "sync.dtype": "bfloat16",
         "rollout.return_routed_experts": "true", "trainer.routing_replay": "true"})
     run_train(cfg)
     records = [json.loads(line) for line in (tmp_path / "r3" / "metrics.jsonl").read_text().splitlines()]

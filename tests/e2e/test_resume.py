@@ -28,7 +28,7 @@ def config(model_dir, out_dir, name, steps, **over):
             "trainer.lr_warmup_steps": "1", "trainer.lr_decay_steps": "4", "rollout.temperature": "1.5",
             # One sequence per engine forward: logprobs then do not depend on which requests
             # happened to share a batch, so two runs can agree bit for bit.
-            "rollout.engine_max_batch_size": "1",
+            "rollout.engine.max_batch_size": "1",
             "rollout.reward": "tests.e2e.test_resume:digit_fraction"}
     base.update(over)
     return load_config(RunConfig, None, base)

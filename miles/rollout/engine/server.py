@@ -12,7 +12,6 @@ Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -24,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from miles.config import ConfigError
+from miles.config.flags import load_server_config
 from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
@@ -296,38 +296,34 @@ def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -
         time.sleep(0.05)
 
 
+_SERVE_USAGE = """usage: miles serve --model DIR [--port P] [--host H] [--admin-token T] [--KEY VALUE ...]
+
+Serve a model with the built-in miles engine (SGLang-compatible HTTP API).
+Every engine setting is a flag, with dashes or underscores: --dtype bfloat16, --max-batch-size 64,
+--prefix-cache false (--port=P works too). --port 0 picks a free port and prints the URL;
+--no-prefix-cache and --no-reuse-weight-memory turn those off; --log-level sets Python logging."""
+
+
 def parse_args(argv=None) -> tuple[EngineConfig, str]:
-    p = argparse.ArgumentParser(prog="miles serve", description="Serve a model with the built-in miles engine "
-                                "(SGLang-compatible HTTP API).")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or hub id")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--admin-token", default=None, help="require this bearer token on admin endpoints")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads for this engine")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--default-max-new-tokens", type=int, default=128)
-    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse KV across requests")
-    p.add_argument("--prefix-block-size", type=int, default=8, help="tokens per prefix-cache block")
-    p.add_argument("--prefix-cache-mb", type=float, default=512.0, help="memory the prefix cache may hold")
-    p.add_argument("--offload-dir", default=None, help="where released weights are parked")
-    p.add_argument("--no-reuse-weight-memory", action="store_true",
-                   help="free the memory a weight update displaces instead of receiving the next one into it")
-    p.add_argument("--log-level", default="warning")
-    a = p.parse_args(argv)
-    cfg = EngineConfig(model_path=a.model, host=a.host, port=a.port, dtype=a.dtype, admin_token=a.admin_token,
-                       max_batch_size=a.max_batch_size, context_length=a.context_length,
-                       num_threads=a.num_threads, seed=a.seed, default_max_new_tokens=a.default_max_new_tokens,
-                       prefix_cache=not a.no_prefix_cache, prefix_block_size=a.prefix_block_size,
-                       prefix_cache_mb=a.prefix_cache_mb, offload_dir=a.offload_dir,
-                       reuse_weight_memory=not a.no_reuse_weight_memory)
-    try:
-        cfg.validate()
-    except ConfigError as e:
-        p.error(str(e))
-    return cfg, a.log_level
+    """`miles serve` flags, read by the same dotted-key loader as `miles train` (keys of EngineConfig)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    log_level = "warning"
+    for i, tok in enumerate(argv):  # not an engine setting: taken out before the config is built
+        if tok.startswith("--log-level=") or tok.startswith("--log_level="):
+            log_level, argv = tok.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            break
+        if tok in ("--log-level", "--log_level") and i + 1 < len(argv):
+            log_level, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+            break
+    if not any(t in ("-h", "--help") for t in argv) and not any(
+            t.split("=", 1)[0] in ("--model", "--model-path", "--model_path") for t in argv):
+        print("miles serve: error: --model DIR is required (a Hugging Face checkpoint directory or hub id)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    cfg = load_server_config(EngineConfig, argv, prog="miles serve", usage=_SERVE_USAGE, aliases={"model": "model_path"},
+                             switches={"no_prefix_cache": ("prefix_cache", "false"),
+                                       "no_reuse_weight_memory": ("reuse_weight_memory", "false")})
+    return cfg, log_level
 
 
 def main(argv=None) -> int:

@@ -53,7 +53,7 @@ def test_engine_urls_must_be_urls(tiny_model_dir):
 
 
 def test_weights_ship_in_the_engines_dtype_unless_told(tiny_model_dir):
-    assert _load(tiny_model_dir, **{"rollout.engine_dtype": "bfloat16"}).sync.dtype == "bfloat16"
+    assert _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16"}).sync.dtype == "bfloat16"
     assert _load(tiny_model_dir).sync.dtype is None  # fp32 engines: the trainer's fp32 as it is
-    cfg = _load(tiny_model_dir, **{"rollout.engine_dtype": "bfloat16", "sync.dtype": "float16"})
+    cfg = _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16", "sync.dtype": "float16"})
     assert cfg.sync.dtype == "float16"

@@ -31,7 +31,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     from miles.config.loader import build
-    from miles.orchestration.actors import free_port
+    from miles.net import free_port
     from miles.trainer.backends.fsdp import FSDPTrainer
     from miles.trainer.config import TrainerConfig
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.orchestration.actors import free_port
+from miles.net import free_port
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 ALGO = {"name": "dr_grpo", "kl_coef": 0.0}

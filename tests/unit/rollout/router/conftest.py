@@ -25,9 +25,9 @@ def engines(tiny_model_dir):
 
 @pytest.fixture(scope="package")
 def router(engines):
+    from miles.rollout.liveness import HealthConfig
     from miles.rollout.router import RouterConfig, start_router_thread
 
-    r = start_router_thread(RouterConfig(health_check_interval_s=0.2, failure_threshold=2),
-                            [e.url for e in engines])
+    r = start_router_thread(RouterConfig(), [e.url for e in engines], HealthConfig(interval_s=0.2, failure_threshold=2))
     yield r
     r.stop()

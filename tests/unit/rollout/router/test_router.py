@@ -119,13 +119,14 @@ def test_engine_errors_pass_through_unchanged(router):
 
 
 def test_no_reachable_engine_gives_503_naming_the_cause():
+    from miles.rollout.liveness import HealthConfig
     from miles.rollout.router import RouterConfig, start_router_thread
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     s.close()
-    r = start_router_thread(RouterConfig(health_check_interval_s=60), [dead])
+    r = start_router_thread(RouterConfig(), [dead], HealthConfig(interval_s=60))
     try:
         resp = httpx.post(r.url + "/generate", json={"input_ids": [1]})
         assert resp.status_code == 503
@@ -153,9 +154,10 @@ def test_worker_membership_needs_the_token_and_a_valid_url(engines):
 
 
 def test_readmission_waits_for_the_current_weight_version():
+    from miles.rollout.liveness import HealthConfig
     from miles.rollout.router import Router, RouterConfig
 
-    router = Router(RouterConfig(failure_threshold=2), ["http://a:1", "http://b:1"])
+    router = Router(RouterConfig(), ["http://a:1", "http://b:1"], HealthConfig(failure_threshold=2))
     a, b = router.workers["http://a:1"], router.workers["http://b:1"]
     router.record_health(a, 3)
     router.record_health(b, 3)

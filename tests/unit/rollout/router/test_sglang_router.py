@@ -62,7 +62,8 @@ def test_rollout_behind_the_sglang_router_needs_one_prompt_per_request(tiny_mode
     """The Rust router takes one prompt per /generate: with rollout.batch_requests (the default) a
     group fails with a warning that names the setting; with it off the same group is generated."""
     from miles.buffer.data_buffer import BufferConfig
-    from miles.rollout.manager import EvalConfig, RolloutConfig, RolloutManager
+    from miles.rollout.config import EvalConfig, RolloutConfig
+    from miles.rollout.manager import RolloutManager
 
     url, _ = sglang_router
 
@@ -71,7 +72,7 @@ def test_rollout_behind_the_sglang_router_needs_one_prompt_per_request(tiny_mode
         return RolloutManager(cfg, EvalConfig(num_prompts=1), tiny_model_dir, [url], seed=0,
                               buffer_cfg=BufferConfig(filter="none", on_failure="drop"))
 
-    with caplog.at_level("WARNING", logger="miles.rollout.manager"):
+    with caplog.at_level("WARNING", logger="miles.rollout.group"):
         m = manager(True)
         m.generate_batch()
     assert m.buffer.ledger.events["discarded_engine_failure"] == 1, dict(m.buffer.ledger.events)

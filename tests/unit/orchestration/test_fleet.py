@@ -21,7 +21,8 @@ def fleet(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.orchestration.health import EngineFleet, EngineHandle, HealthConfig
+    from miles.orchestration.fleet import EngineFleet, EngineHandle
+    from miles.rollout.liveness import HealthConfig
     from miles.rollout.engine.process import EngineProcess
     from miles.rollout.router import RouterConfig, start_router_thread
     from miles.sync.prepare import SyncConfig
@@ -45,8 +46,7 @@ def fleet(tiny_model_dir):
     main = WeightUpdater(sync_cfg, TOKEN, base_path=tiny_model_dir)
     main.connect([e.url for e in engines])
     main.push(iter(weights.items()), 1)  # the fleet's weight version is 1
-    router = start_router_thread(RouterConfig(admin_token=TOKEN, health_check_interval_s=0.2),
-                                 [e.url for e in engines])
+    router = start_router_thread(RouterConfig(admin_token=TOKEN), [e.url for e in engines], HealthConfig(interval_s=0.2))
     pushed: list[str] = []
 
     def bring_up(url: str) -> None:

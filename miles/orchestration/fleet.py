@@ -16,6 +16,8 @@ engine's in-flight requests on live engines, and groups that still fail go back 
 Who waits on whom: replacement and the loop's train/push share `weights_lock`, so a new engine is
 brought up against weights that match the version it is told (never a half-trained state), and
 the main transport is never reconnected during a push.
+When an engine counts as dead is the run's one liveness section (`health`, miles/rollout/liveness.py),
+which the router reads too: it quarantines at the same threshold the fleet replaces at.
 Non-goals: engines on other hosts (a slot is a set of this machine's cores), trainer failures
 (collective timeouts end the step; `miles train --resume` continues).
 """
@@ -24,48 +26,22 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from miles.config import ConfigError
+from miles.net import bearer_headers
+from miles.rollout.liveness import HealthConfig
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class HealthConfig:
-    enabled: bool = True
-    """Probe the engines and replace those that die or stall (needs the router, which `miles train` starts)."""
-    interval_s: float = 1.0
-    """Seconds between two probe rounds of every serving engine."""
-    timeout_s: float = 5.0
-    """A /health_generate probe slower than this is a miss, unless /health still answers within it
-    (a busy engine); a stalled engine answers neither."""
-    failure_threshold: int = 2
-    """Consecutive misses after which an engine is declared dead and replaced."""
-    restart: bool = True
-    """Start a replacement in the dead engine's slot; false only removes it from the fleet."""
-    standby_engines: int = 0
-    """Engines started ahead of need, idle, so a replacement skips process start-up (seconds)."""
-    max_replacements: int = 100
-    """Most replacements in one run; past that a failing engine is only removed (a crash loop stops)."""
-    admit_timeout_s: float = 120.0
-    """Longest a new engine may take from start to router admission before the run fails."""
-
-    def validate(self) -> None:
-        from miles.config import ConfigError
-
-        if self.interval_s <= 0 or self.timeout_s <= 0 or self.admit_timeout_s <= 0:
-            raise ConfigError("health.interval_s, health.timeout_s and health.admit_timeout_s must be > 0")
-        if self.failure_threshold < 1 or self.standby_engines < 0 or self.max_replacements < 0:
-            raise ConfigError("health.failure_threshold >= 1, health.standby_engines >= 0 and "
-                              "health.max_replacements >= 0 are required")
 
 
 def check_run(run) -> None:
     """Refusals that join the fleet with the router and the faults (called from RunConfig.validate)."""
-    from miles.config import ConfigError
-
     if run.router.kind != "miles":
         raise ConfigError(f"router.kind = {run.router.kind!r}: `miles train` runs the built-in router, which the "
                           "health monitor drives to replace engines; set router.kind = 'miles' (the sglang "
@@ -88,9 +64,6 @@ class EngineHandle:
     stop: Callable[[], None]  # ends the process and releases what holds it (actor, ...)
 
     def kill(self) -> None:
-        import os
-        import signal
-
         try:
             # SIGKILL also ends a SIGSTOPped process, which a polite shutdown would wait on forever.
             os.kill(self.pid, signal.SIGKILL)
@@ -158,8 +131,7 @@ class EngineFleet:
     def __post_init__(self):
         import httpx
 
-        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=5.0))
+        self._http = httpx.Client(headers=bearer_headers(self.admin_token), timeout=httpx.Timeout(30.0, connect=5.0))
         self._lock = threading.Lock()          # slots, standbys, replacement records
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None

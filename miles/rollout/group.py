@@ -1,0 +1,197 @@
+"""Per-group generation: all samples of one prompt, generated, scored and returned as one Group.
+
+Requests for the n samples of one prompt go to the same engine (or through the router as one
+batched request), so a prefix cache there can share the prompt. A sample the engine aborts can
+resume from its generated prefix (partial rollout): the prefix is sent back as token ids and each
+segment records the weight version it ran under. A group that times out or whose engine fails comes
+back with `failure` set; buffer.on_failure decides its fate.
+Non-goals: which prompts are drawn and when (manager.py, producer.py), admin calls (engine_admin.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import threading
+import time
+
+import httpx
+
+from miles.buffer.types import Group, Reason, Sample, SampleStatus
+from miles.rollout.agent import GenerateContext
+from miles.rollout.config import RolloutConfig
+from miles.rollout.engine_admin import EngineAdmin
+from miles.rollout.generate import GenerationError, SamplingParams, generate, generate_many
+from miles.rollout.stats import SampleStats
+
+log = logging.getLogger(__name__)
+
+
+def long_tail_length(max_new_tokens: int, key: int) -> int:
+    """A Pareto(1.2)-distributed length in [max_new_tokens/16, max_new_tokens], fixed by `key`.
+
+    Most samples are short and a few are long, the shape that leaves synchronous batches waiting on
+    their slowest member.
+    """
+    lo = max(1, max_new_tokens // 16)
+    return min(max_new_tokens, int(lo * random.Random(key).paretovariate(1.2)))
+
+
+class GroupGenerator:
+    """Generates groups for the manager's batches, the producer and (through `encode`, `context`)
+    evaluation. `stopping` set means the run is winding down: no sample is resumed, no failed group
+    waits for the router."""
+
+    def __init__(self, cfg: RolloutConfig, seed: int, tokenizer, reward_fn, generate_fn, buffer, admin: EngineAdmin,
+                 stopping: threading.Event):
+        self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
+        self.reward_fn = reward_fn
+        # A plugged-in generate function scores its own samples; None keeps the built-in path below.
+        self.generate_fn = generate_fn
+        self.buffer, self.admin, self.stopping = buffer, admin, stopping
+        self.stats = SampleStats()
+        self.samples_done = 0  # samples finished in the current batch, for the live progress line
+        self._lock = threading.Lock()
+        self._next_engine = 0
+        self._failures_seen: set[str] = set()
+
+    def encode(self, text: str) -> list[int]:
+        if self.cfg.task.apply_chat_template:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                           add_generation_prompt=True, tokenize=True))
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def take_stats(self, elapsed: float | None) -> dict[str, float]:
+        stats, self.stats = self.stats, SampleStats()
+        return stats.metrics(elapsed)
+
+    def context(self, client, url: str) -> GenerateContext:
+        return GenerateContext(client, url, self.tokenizer, self.encode, self.reward_fn, self.cfg.agent,
+                               self.cfg.return_routed_experts)
+
+    def sampling_params(self, prompt_index: int, k: int) -> SamplingParams:
+        cfg = self.cfg
+        # A seed per sample makes a run reproducible regardless of batching inside the engine.
+        seed = hash((self.seed, prompt_index, k)) & 0x7FFFFFFF
+        length = cfg.max_new_tokens
+        if cfg.response_lengths == "long_tail":
+            length = long_tail_length(cfg.max_new_tokens, seed)
+        return SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, length, seed=seed,
+                              ignore_eos=cfg.response_lengths == "long_tail")
+
+    async def generate_group(self, client, prompt) -> Group:
+        """All samples of one prompt, scored; a Group with `failure` set if generation gave up."""
+        with self._lock:
+            url = self.admin.router_url or self.admin.urls[self._next_engine % len(self.admin.urls)]
+            self._next_engine += 1
+        ids = self.encode(prompt.text)
+        rids: list[str] = []
+        if self.generate_fn is None:
+            work = self._generate_samples(client, url, ids, prompt, rids)
+        else:
+            work = asyncio.gather(*(self._counted(self._generate_sample(client, url, prompt, k, rids))
+                                    for k in range(self.cfg.n_samples_per_prompt)))
+        t0 = time.perf_counter()
+        try:
+            if self.cfg.group_timeout_s > 0:
+                samples = await asyncio.wait_for(work, self.cfg.group_timeout_s)
+            else:
+                samples = await work
+        except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
+            await self.admin.abort_rids(client, url, rids)
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.TIMEOUT)
+        except (httpx.HTTPError, GenerationError, OSError) as exc:
+            why = str(exc)[:400]
+            if why not in self._failures_seen:  # each distinct cause once, not once per group
+                self._failures_seen.add(why)
+                log.warning("a group of prompt %d failed and goes to buffer.on_failure: %s", prompt.index, why)
+            await self.admin.abort_rids(client, url, rids)
+            if self.admin.router_url:
+                await self.admin.wait_for_router(client, self.cfg.request_timeout_s, self.stopping)
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.ENGINE_FAILURE)
+        if any(s.status is SampleStatus.ABORTED for s in samples):
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
+        t_reward = time.perf_counter()
+        for s in samples if self.generate_fn is None else ():
+            s.reward = float(self.reward_fn(s.response_text, s.label))
+        group = Group(samples=samples, prompt_index=prompt.index)
+        self.stats.add(group, time.perf_counter() - t0, reward_s=time.perf_counter() - t_reward)
+        return group
+
+    async def _counted(self, sample_coro):
+        sample = await sample_coro
+        self.samples_done += 1  # only the event loop's thread writes it
+        return sample
+
+    async def _generate_samples(self, client, url, prompt_ids, prompt, rids: list[str]) -> list[Sample]:
+        """The group's samples in one batched request (or one request each, with batch_requests off);
+        with partial rollout, the aborted ones resume from their generated prefixes, again together."""
+        n = self.cfg.n_samples_per_prompt
+        params = [self.sampling_params(prompt.index, k) for k in range(n)]
+        response: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        versions: list[list[int]] = [[] for _ in range(n)]
+        last: list = [None] * n
+        todo, segment = list(range(n)), 0
+        while todo:
+            # The engine reports the version of a segment's last token; the version it held when the
+            # request went out bounds the first token's from below, so staleness is never understated.
+            known = self.buffer.weight_version
+            seg_rids = [f"p{prompt.index}-{k}-{time.monotonic_ns()}-{segment}" for k in todo]
+            rids.extend(seg_rids)
+            seg_params = [dataclasses.replace(params[k], max_new_tokens=params[k].max_new_tokens - len(response[k]),
+                                              seed=None if params[k].seed is None else params[k].seed + segment)
+                          for k in todo]
+            prompts = [prompt_ids + response[k] for k in todo]
+            outs = await self._request(client, url, prompts, seg_params, seg_rids, prompt)
+            resume = []
+            for k, s in zip(todo, outs):
+                response[k] += s.response_ids
+                logprobs[k] += s.rollout_logprobs
+                versions[k].append(min(known, s.oldest_weight_version))
+                last[k] = s
+                if (s.status is SampleStatus.ABORTED and self.cfg.partial_rollout and segment < self.cfg.max_resumes
+                        and len(response[k]) < params[k].max_new_tokens and not self.stopping.is_set()):
+                    resume.append(k)
+                else:
+                    self.samples_done += 1  # only the event loop's thread writes it
+            todo, segment = resume, segment + 1
+        samples = []
+        for k in range(n):
+            s = last[k]
+            text = s.response_text if len(versions[k]) == 1 else self.tokenizer.decode(response[k],
+                                                                                        skip_special_tokens=True)
+            status = s.status
+            if status is SampleStatus.ABORTED and len(response[k]) >= params[k].max_new_tokens:
+                status = SampleStatus.TRUNCATED
+            # The last segment's request held the whole prefix, so its routing covers every earlier segment.
+            samples.append(Sample(prompt_ids=list(prompt_ids), response_ids=response[k], rollout_logprobs=logprobs[k],
+                                  loss_mask=[1] * len(response[k]), status=status, weight_versions=versions[k],
+                                  response_text=text, label=prompt.label, prompt_index=prompt.index,
+                                  routed_experts=s.routed_experts))
+        return samples
+
+    async def _request(self, client, url, prompts, params, rids, prompt) -> list[Sample]:
+        """One segment: every prompt in one batched /generate, or one request each."""
+        routed = self.cfg.return_routed_experts
+        if not self.cfg.batch_requests:
+            return await asyncio.gather(*(
+                generate(client, url, ids, sp, rid=rid, label=prompt.label, prompt_index=prompt.index,
+                         return_routed_experts=routed) for ids, sp, rid in zip(prompts, params, rids)))
+        try:
+            return await generate_many(client, url, prompts, params, rids=rids, label=prompt.label,
+                                       prompt_index=prompt.index, return_routed_experts=routed)
+        except GenerationError as exc:
+            if " 422:" not in str(exc):
+                raise
+            raise GenerationError(f"{exc} (a server that takes one prompt per request, such as the Rust "
+                                  "sglang-router, refuses batched requests: set "
+                                  "rollout.batch_requests = false)") from None
+
+    async def _generate_sample(self, client, url, prompt, k: int, rids: list[str]) -> Sample:
+        """One sample from the configured custom generate function."""
+        params = self.sampling_params(prompt.index, k)
+        rids.append(f"p{prompt.index}-{k}-{time.monotonic_ns()}")
+        return await self.generate_fn(self.context(client, url), prompt, params, rids[-1])

@@ -1,0 +1,266 @@
+"""The router as a server: the HTTP app in front of a `Router`, run on a thread of this process
+(`start_router_thread`, as `miles train` does), in a child process (`RouterProcess`), or in the
+foreground (`miles router`, `python -m miles.rollout.router`).
+
+The app speaks the engines' SGLang HTTP API: /generate and /v1/* go to one engine chosen by the
+policy; /abort_request and /flush_cache go to every engine; /add_worker and /remove_worker change
+the set at run time (as in sglang-router) and need the admin token when one is set.
+Non-goals: the routing decisions themselves (policy.py).
+
+    miles router --port 30000 --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route functions' annotations, and
+# `Request` is imported inside build_app so that loading a run config never imports FastAPI.
+import asyncio
+import logging
+import re
+import subprocess
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from miles.config import ConfigError
+from miles.config.flags import load_server_config
+from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
+from miles.rollout.engine.process import terminate
+from miles.rollout.liveness import HealthConfig
+from miles.rollout.router.config import RouterConfig, check_url
+from miles.rollout.router.policy import Router
+
+# Paths that act on every engine at once rather than on one chosen engine.
+_BROADCAST_PATHS = ("/abort_request", "/flush_cache")
+
+
+def build_app(router: Router):
+    """The FastAPI app serving `router`; its lifespan runs the liveness checks."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        await router.check_all()
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.close()
+
+    app = FastAPI(title="miles router", lifespan=lifespan)
+
+    def admin(request: Request) -> JSONResponse | None:
+        if not bearer_ok(request.headers.get("authorization"), router.config.admin_token):
+            return JSONResponse({"error": UNAUTHORIZED}, status_code=401)
+        return None
+
+    async def forward(request: Request, path: str):
+        key = request.headers.get(router.config.routing_key_header)
+        status, body, ctype = await router.proxy(request.method, path, await request.body(),
+                                                 request.headers.get("content-type"), key)
+        return Response(content=body, status_code=status, media_type=ctype)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await forward(request, "/generate")
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST"])
+    async def openai(request: Request, rest: str):
+        return await forward(request, "/v1/" + rest)
+
+    @app.get("/health")
+    async def health():
+        active = sum(not w.quarantined for w in router.workers.values())
+        if not active:
+            return JSONResponse({"status": "no active engine", "workers": len(router.workers)}, status_code=503)
+        return {"status": "ok", "active_workers": active}
+
+    for path in ("/health_generate", "/get_model_info", "/get_server_info"):
+        async def one_engine(request: Request, path=path):
+            return await forward(request, path)
+        app.add_api_route(path, one_engine, methods=["GET"])
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": router.current_version()}
+
+    @app.get("/get_load")
+    async def get_load():
+        return {"workers": [w.public() for w in router.workers.values()]}
+
+    @app.get("/list_workers")
+    async def list_workers():
+        return {"urls": list(router.workers), "workers": [w.public() for w in router.workers.values()]}
+
+    @app.post("/add_worker")
+    async def add_worker(request: Request, url: str):
+        if (denied := admin(request)) is not None:
+            return denied
+        try:
+            w = router.add(url)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        await router.check(w)
+        return {"success": True, "worker": w.public()}
+
+    @app.post("/remove_worker")
+    async def remove_worker(request: Request, url: str):
+        if (denied := admin(request)) is not None:
+            return denied
+        if not router.remove(url):
+            return JSONResponse({"error": f"url: {url!r} is not a worker; see /list_workers"}, status_code=404)
+        return {"success": True}
+
+    for path in _BROADCAST_PATHS:
+        async def to_all(request: Request, path=path):
+            body = await request.body()
+            if path == "/flush_cache" and (denied := admin(request)) is not None:
+                return denied
+            results = await router.broadcast(path, body)
+            ok = all(r["status"] == 200 for r in results)
+            return JSONResponse({"success": ok, "workers": results}, status_code=200 if ok else 502)
+        app.add_api_route(path, to_all, methods=["POST"])
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(router.prometheus_text(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+@dataclass
+class RunningRouter:
+    """A built-in router served by uvicorn on a daemon thread of this process."""
+
+    url: str
+    router: Router
+    _server: object
+    _thread: threading.Thread
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+def start_router_thread(config: RouterConfig, worker_urls: list[str], health: HealthConfig | None = None,
+                        startup_timeout_s: float = 30.0) -> RunningRouter:
+    """Serve a built-in router on a daemon thread of this process; returns once it answers."""
+    import httpx
+    import uvicorn
+
+    router = Router(config, worker_urls, health)
+    sock = bind(config.host, config.port)
+    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-router", daemon=True)
+    thread.start()
+    url = url_of(sock, config.host)
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline and thread.is_alive():
+        try:
+            httpx.get(url + "/list_workers", timeout=2)
+            return RunningRouter(url, router, server, thread)
+        except httpx.TransportError:
+            time.sleep(0.05)
+    server.should_exit = True
+    raise RuntimeError(f"router at {url} did not start within {startup_timeout_s}s")
+
+
+class RouterProcess:
+    """The built-in router in a child process (`python -m miles.rollout.router`); `.url`, `.stop()`."""
+
+    def __init__(self, worker_urls: list[str], *, extra_args: list[str] | None = None,
+                 startup_timeout_s: float = 60.0):
+        import httpx
+
+        cmd = [sys.executable, "-m", "miles.rollout.router", "--port", "0", "--worker-urls", *worker_urls,
+               *(extra_args or [])]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        self.url: str | None = None
+        found = threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stdout:
+                self.output.append(line)
+                m = re.search(r"miles router serving .* at (http://\S+)", line)
+                if m and self.url is None:
+                    self.url = m.group(1)
+                    found.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + startup_timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if found.wait(0.1):
+                try:
+                    httpx.get(self.url + "/list_workers", timeout=2)
+                    return
+                except httpx.TransportError:
+                    pass
+        self.stop()
+        raise RuntimeError(f"router process did not start within {startup_timeout_s}s; its output:\n"
+                           f"{''.join(self.output[-50:])}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        terminate(self.proc, timeout_s)
+
+    def __enter__(self) -> "RouterProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class RouterServeConfig:
+    """What `miles router` reads from its flags."""
+
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """The router itself (`--router.KEY`; `--host`, `--port`, `--admin-token` are short for its keys)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """When an engine is quarantined (`--health.KEY`)."""
+    worker_urls: list[str] = field(default_factory=list)
+    """Engine URLs, e.g. http://127.0.0.1:30001 (`--worker-urls A B`)."""
+    log_level: str = "warning"
+    """Python logging level of the router process."""
+
+    def validate(self) -> None:
+        try:
+            for url in self.worker_urls:
+                check_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"worker_urls: {exc}") from None
+
+
+# The flags `miles router` has always taken, as keys of RouterServeConfig.
+_ALIASES = {**{k: f"router.{k}" for k in ("host", "port", "admin_token", "routing_key_header", "max_retries",
+                                          "request_timeout_s", "kind")},
+            "health_check_interval_s": "health.interval_s", "health_check_timeout_s": "health.timeout_s",
+            "failure_threshold": "health.failure_threshold"}
+_USAGE = """usage: miles router [--host H] [--port P] [--worker-urls URL ...] [--admin-token T] [--KEY VALUE ...]
+
+Serve the built-in miles router in front of engines that speak the SGLang HTTP API.
+Every key of the router and health sections is a flag: --router.max_retries 3, --health.interval_s 0.5
+(--port=P works too). --port defaults to 30000; 0 picks a free one and prints the URL."""
+
+
+def parse_args(argv=None) -> RouterServeConfig:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return load_server_config(RouterServeConfig, argv, prog="miles router", usage=_USAGE,
+                              defaults={"router.port": "30000"}, aliases=_ALIASES, lists=("worker_urls",))
+
+
+def main(argv=None) -> int:
+    import uvicorn
+
+    cfg = parse_args(argv)
+    config, urls = cfg.router, cfg.worker_urls
+    logging.basicConfig(level=cfg.log_level.upper())
+    sock = bind(config.host, config.port)
+    print(f"miles router serving {len(urls)} engines at {url_of(sock, config.host)}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(build_app(Router(config, urls, cfg.health)), log_level=cfg.log_level,
+                                           lifespan="on"))
+    server.run(sockets=[sock])
+    return 0

@@ -1,0 +1,52 @@
+"""The router's own settings: which router, where it listens, how requests stick and are retried.
+
+How engines are judged alive lives in the one liveness section (miles/rollout/liveness.py), shared
+with the engine fleet. Non-goal: anything that needs FastAPI (config loading must stay light).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles.config import ConfigError
+
+ROUTER_KINDS = ("miles", "sglang")
+
+
+@dataclass
+class RouterConfig:
+    kind: str = "miles"
+    """Which router fronts the engines: "miles" (built in) or "sglang" (the Rust sglang-router package)."""
+    host: str = "127.0.0.1"
+    """Interface the router binds to; loopback unless clients on other hosts must reach it."""
+    port: int = 0
+    """HTTP port; 0 picks a free one."""
+    routing_key_header: str = "X-Routing-Key"
+    """Requests carrying this header stick to the engine that served the same key before."""
+    max_retries: int = 2
+    """Other engines a request is retried on when its engine fails before answering."""
+    request_timeout_s: float = 600.0
+    """Longest a proxied request may take; a timed-out request is answered 504 and not retried."""
+    admin_token: str | None = None
+    """When set, /add_worker, /remove_worker and broadcasts need `Authorization: Bearer <token>`;
+    it is also sent to the engines on broadcasts."""
+
+    def validate(self) -> None:
+        if self.kind not in ROUTER_KINDS:
+            raise ConfigError(f"router.kind: {self.kind!r} is not a router; use one of {list(ROUTER_KINDS)}")
+        if self.max_retries < 0:
+            raise ConfigError("router.max_retries must be >= 0")
+
+    def check_features(self, *, return_routed_experts: bool = False) -> None:
+        """Refuse a router that would silently drop what a feature of this run needs."""
+        if self.kind == "sglang" and return_routed_experts:
+            raise ConfigError(
+                "router.kind = 'sglang' drops routed experts from /generate responses, which routing "
+                "replay (R3) needs: set router.kind = 'miles' or turn off return_routed_experts")
+
+
+def check_url(url: str) -> str:
+    """An engine URL without its trailing slash; ValueError names the expected form."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"url: {url!r} is not an engine URL; send http://host:port")
+    return url.rstrip("/")

@@ -1,0 +1,48 @@
+"""Per-group generation's pure parts: seeded sampling parameters, long-tail lengths and statistics."""
+
+from __future__ import annotations
+
+import threading
+
+from miles.buffer.types import Group, Sample, SampleStatus
+from miles.rollout.config import RolloutConfig
+from miles.rollout.engine_admin import EngineAdmin
+from miles.rollout.group import GroupGenerator, long_tail_length
+from miles.rollout.stats import SampleStats
+
+
+def _generator(**cfg) -> GroupGenerator:
+    return GroupGenerator(RolloutConfig(**cfg), seed=3, tokenizer=None, reward_fn=None, generate_fn=None, buffer=None,
+                          admin=EngineAdmin(["http://127.0.0.1:1"]), stopping=threading.Event())
+
+
+def test_each_sample_has_its_own_reproducible_seed():
+    a, b = _generator(), _generator()
+    seeds = {a.sampling_params(p, k).seed for p in range(4) for k in range(4)}
+    assert len(seeds) == 16
+    assert a.sampling_params(2, 1) == b.sampling_params(2, 1)
+    assert _generator().sampling_params(0, 0).max_new_tokens == RolloutConfig().max_new_tokens
+
+
+def test_long_tail_lengths_are_bounded_fixed_by_key_and_ignore_eos():
+    lengths = [long_tail_length(256, key) for key in range(500)]
+    assert all(16 <= n <= 256 for n in lengths)
+    assert lengths == [long_tail_length(256, key) for key in range(500)]
+    assert sorted(lengths)[250] < 64 < max(lengths)  # most short, a few long
+    p = _generator(response_lengths="long_tail", max_new_tokens=256).sampling_params(0, 0)
+    assert p.ignore_eos and p.max_new_tokens <= 256
+
+
+def test_stats_report_per_sample_and_per_group_figures():
+    def sample(reward, n, status=SampleStatus.COMPLETED):
+        return Sample(prompt_ids=[1], response_ids=[2] * n, rollout_logprobs=[0.0] * n, loss_mask=[1] * n, status=status,
+                      reward=reward)
+
+    stats = SampleStats()
+    stats.add(Group(samples=[sample(1.0, 4), sample(0.0, 2, SampleStatus.TRUNCATED)]), seconds=2.0)
+    stats.add(Group(samples=[sample(1.0, 3), sample(1.0, 3)]), seconds=5.0)
+    m = stats.metrics(elapsed=4.0)
+    assert m["rollout/samples"] == 4 and m["rollout/reward_mean"] == 0.75
+    assert m["rollout/response_len_mean"] == 3 and m["rollout/truncated_frac"] == 0.25
+    assert m["rollout/zero_std_group_frac"] == 0.5 and m["rollout/group_time_max_s"] == 5.0
+    assert m["rollout/tokens_per_s"] == 3.0
