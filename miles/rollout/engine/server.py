@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from miles.config import ConfigError
 from miles.config.flags import load_server_config
 from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
 from miles.rollout.engine import protocol
