@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miles.sync.transports import TRANSPORTS, BroadcastTransport, TransportError, get_transport
+from miles.sync.transports import TRANSPORTS, TransportError, get_transport
+from miles.sync.transports.broadcast import BroadcastTransport
 
 PROMPTS = ["47+38=", "The trainer computes", "999+1="]
 N_NEW = 16
@@ -94,7 +95,7 @@ def _version(url: str) -> int:
 
 
 def test_registry_names_the_choices():
-    assert TRANSPORTS["broadcast"] is BroadcastTransport
+    assert TRANSPORTS.get("broadcast") is BroadcastTransport
     assert isinstance(get_transport("broadcast"), BroadcastTransport)
     with pytest.raises(ValueError, match="broadcast"):
         get_transport("carrier-pigeon")
