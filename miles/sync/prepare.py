@@ -71,10 +71,7 @@ class SyncConfig:
     def validate(self) -> None:
         if self.bucket_size_mb < 1:
             raise ConfigError("sync.bucket_size_mb must be >= 1")
-        try:
-            transport_config(self.transport)
-        except RegistryError as exc:
-            raise ConfigError(f"sync.transport: {exc}") from None
+        transport_config(self.transport)
         if self.timeout_s <= 0:
             raise ConfigError("sync.timeout_s must be > 0")
         if self.converter not in ("auto", "hf"):
@@ -85,11 +82,17 @@ class SyncConfig:
 
 
 def transport_config(name: str) -> type[SyncConfig]:
-    """The Config class of the transport `name` (a registered name or module:Class)."""
-    config = getattr(TRANSPORTS.get(name), "Config", None)
+    """The Config class of the transport `name` (a registered name or module:Class); ConfigError if none."""
+    if name not in TRANSPORTS and ":" not in name:
+        raise ConfigError(f"sync.transport {name!r} is unknown: choose one of {TRANSPORTS.names()} or give "
+                          "module:Class (see miles/sync/transports/base.py)")
+    try:
+        config = getattr(TRANSPORTS.get(name), "Config", None)
+    except RegistryError as exc:
+        raise ConfigError(f"sync.transport: {exc}") from None
     if not (isinstance(config, type) and issubclass(config, SyncConfig)):
-        raise RegistryError(f"weight transport {name!r} needs a `Config` class attribute: SyncConfig itself or "
-                            "a dataclass subclassing it (miles.sync.prepare.SyncConfig)")
+        raise ConfigError(f"sync.transport {name!r} needs a `Config` class attribute: SyncConfig itself or "
+                          "a dataclass subclassing it (miles.sync.prepare.SyncConfig)")
     return config
 
 

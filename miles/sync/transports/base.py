@@ -22,8 +22,6 @@ from miles.rollout.engine.types import InvalidRequest
 if TYPE_CHECKING:
     import torch
 
-    from miles.sync.prepare import SyncConfig
-
 
 class TransportError(RuntimeError):
     """A transfer or commit failed on at least one engine; the message names the engines."""
@@ -36,8 +34,9 @@ class WeightUpdateError(InvalidRequest):
 class Transport(Protocol):
     """A transport class (its instances are the trainer's Sender)."""
 
-    Config: ClassVar[type[SyncConfig]]
-    """The run config's `sync` table when this transport is chosen (SyncConfig or a subclass)."""
+    Config: ClassVar[type]
+    """The run config's `sync` table when this transport is chosen: miles.sync.prepare.SyncConfig or a
+    dataclass subclassing it (with the transport's own settings)."""
     Receiver: ClassVar[type[TransportReceiver] | None]
     """The engine's end (routes + state); None when it rides on another transport's routes."""
     supports_colocation: ClassVar[bool]
@@ -47,9 +46,9 @@ class Transport(Protocol):
     supports_pd_disaggregation: ClassVar[bool]
     """Whether it can update prefill/decode-disaggregated engines."""
 
-    def from_config(self, cfg: SyncConfig, admin_token: str | None, base_path: str) -> Transport:
-        """(A classmethod.) The sender for a run: `cfg` is this transport's Config, `base_path` the
-        run's starting checkpoint."""
+    def from_config(self, cfg: Any, admin_token: str | None, base_path: str) -> Transport:
+        """(A classmethod.) The sender for a run: `cfg` is this transport's Config (a SyncConfig),
+        `base_path` the run's starting checkpoint."""
 
     def connect(self, engine_urls: list[str]) -> None:
         """Set up the channel to every engine (e.g. join a process group); once per engine set."""
