@@ -74,7 +74,6 @@ _GRACE_S = 2.0
 class BroadcastTransport:
     """The sender: rank 0 of the group, the trainer's source of every bucket."""
 
-    name = "broadcast"
     Config = SyncConfig  # no settings of its own
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 

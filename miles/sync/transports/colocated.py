@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 class ColocatedTransport:
     """The sender: owns the shared-memory buffer each bucket is copied into once."""
 
-    name = "colocated"
     Config = SyncConfig  # the buffer starts at sync.bucket_size_mb
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 

@@ -225,7 +225,6 @@ class DiskDeltaConfig(SyncConfig):
 class DiskDeltaTransport:
     """The sender: writes each version's delta against the previous one, then applies it in two phases."""
 
-    name = "disk_delta"
     Config = DiskDeltaConfig
     # Colocated engines share the trainer's machine (nothing to save on the wire); a LoRA run and
     # prefill/decode-disaggregated engines do not hold the full base weights the delta patches.

@@ -70,7 +70,6 @@ class P2PConfig(SyncConfig):
 class P2PTransport:
     """The sender: writes into every engine's lent buffer, or sends over a private group per engine."""
 
-    name = "p2p"
     Config = P2PConfig
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 
