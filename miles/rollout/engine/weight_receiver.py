@@ -40,6 +40,9 @@ __all__ = ["WeightReceiver", "WeightUpdateError"]
 
 
 class WeightReceiver:
+    """One per engine: staging, the atomic commit, the weights checker; and, in `parts`, the Receiver
+    of every transport registered in TRANSPORTS (by name), built around this receiver."""
+
     def __init__(self, engine, timeout_s: float = 120.0):
         self.engine = engine
         self.timeout = datetime.timedelta(seconds=timeout_s)

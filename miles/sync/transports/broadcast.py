@@ -35,9 +35,8 @@ import datetime
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from miles.rollout.engine import protocol
 from miles.sync import verify
