@@ -9,6 +9,8 @@ for. Every refusal names the keys to change.
 from __future__ import annotations
 
 from miles.config.loader import ConfigError
+from miles.models.moe import moe_shape
+from miles.sync.transports import TRANSPORTS
 
 
 def check_run(run) -> None:
@@ -40,18 +42,50 @@ def check_schedule(run) -> None:
 
 
 def check_sync(run) -> None:
-    from miles.sync.prepare import check_run as check
-
-    check(run)
+    """The weight transport against the placement, LoRA and prefill/decode disaggregation."""
+    name = run.sync.transport
+    transport = TRANSPORTS.get(name)
+    if run.placement.mode == "colocated" and not transport.supports_colocation:
+        raise ConfigError(f"sync.transport = {name!r} cannot run colocated (engines and trainer share the "
+                          "machine, there is nothing to save on the wire): set sync.transport = 'colocated' or "
+                          "placement.mode = 'disaggregated'")
+    if run.trainer.lora.rank and not transport.supports_lora:
+        raise ConfigError(f"sync.transport = {name!r} cannot ship LoRA runs (the delta is against full base "
+                          "weights): set sync.transport = 'broadcast' or 'p2p', or trainer.lora.rank = 0")
+    if run.rollout.pd_disaggregation and not transport.supports_pd_disaggregation:
+        raise ConfigError(f"sync.transport = {name!r} cannot update prefill/decode-disaggregated engines: "
+                          "set sync.transport = 'broadcast' or 'p2p', or turn off prefill/decode disaggregation")
 
 
 def check_routing_replay(run) -> None:
-    from miles.trainer.r3 import check_run as check
+    """R3: replay without recorded experts, recorded experts on a dense model, a router that strips them."""
+    capture, replay = run.rollout.return_routed_experts, run.trainer.routing_replay
+    if replay and not capture:
+        raise ConfigError("trainer.routing_replay replays the experts the engines recorded: set "
+                          "rollout.return_routed_experts = true as well")
+    if not capture:
+        return
+    # transformers only when the run asks for experts: reading the model's config is the one way to know.
+    from transformers import AutoConfig
 
-    check(run)
+    config = AutoConfig.from_pretrained(run.model.path)
+    if moe_shape(config) is None:
+        raise ConfigError(f"rollout.return_routed_experts / trainer.routing_replay need a mixture-of-experts model, "
+                          f"but model.path {run.model.path!r} is a dense {config.model_type!r} model: set both to "
+                          "false, or train an MoE checkpoint (e.g. `miles init-model --preset tiny-qwen3-moe`)")
+    run.router.check_features(return_routed_experts=True)
 
 
 def check_fleet(run) -> None:
-    from miles.orchestration.fleet import check_run as check
-
-    check(run)
+    """The engine fleet against the router and the injected faults."""
+    if run.router.kind != "miles":
+        raise ConfigError(f"router.kind = {run.router.kind!r}: `miles train` runs the built-in router, which the "
+                          "health monitor drives to replace engines; set router.kind = 'miles' (the sglang "
+                          "router is for `miles router`-style serving)")
+    engine_faults = run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
+    if engine_faults and run.rollout.engine_urls:
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s act on engines the run starts; with "
+                          "rollout.engine_urls the engines are someone else's: unset one of the two")
+    if engine_faults and not (run.health.enabled and run.health.restart):
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s need health.enabled = true and "
+                          "health.restart = true, or nothing would replace the engines they break")

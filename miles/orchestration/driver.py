@@ -35,6 +35,7 @@ from miles.orchestration.trainer_group import TrainerGroup
 from miles.rollout.data_source import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
+from miles.sync.prepare import wire_dtype
 from miles.trainer.sft import demonstration_sequences
 
 
@@ -157,7 +158,8 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[
         fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring)
         urls = fleet.serving_urls()
         log(f"engines ready: {', '.join(urls)}; router at {router.url}")
-    trainer = TrainerGroup(cfg.trainer, cfg.sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
+    sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
+    trainer = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
                            pools.trainer if pools else None, admin_token)
     stack.callback(trainer.close)
     trainer.connect_engines(urls)

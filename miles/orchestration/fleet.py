@@ -33,26 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from miles.config import ConfigError
 from miles.net import bearer_headers
 from miles.rollout.liveness import HealthConfig
 
 log = logging.getLogger(__name__)
-
-
-def check_run(run) -> None:
-    """Refusals that join the fleet with the router and the faults (called from RunConfig.validate)."""
-    if run.router.kind != "miles":
-        raise ConfigError(f"router.kind = {run.router.kind!r}: `miles train` runs the built-in router, which the "
-                          "health monitor drives to replace engines; set router.kind = 'miles' (the sglang "
-                          "router is for `miles router`-style serving)")
-    engine_faults = run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
-    if engine_faults and run.rollout.engine_urls:
-        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s act on engines the run starts; with "
-                          "rollout.engine_urls the engines are someone else's: unset one of the two")
-    if engine_faults and not (run.health.enabled and run.health.restart):
-        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s need health.enabled = true and "
-                          "health.restart = true, or nothing would replace the engines they break")
 
 
 @dataclass

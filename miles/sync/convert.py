@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterable, Iterator
 
+from miles.registry import Registry
+
 Converter = Callable[[Iterable[tuple[str, object]]], Iterator]
 
 
@@ -67,26 +69,16 @@ def fuse_qkv(named):
         raise ValueError(f"fuse_qkv: layers {sorted(pending)} lack one of q_proj/k_proj/v_proj")
 
 
-CONVERTERS: dict[str, Converter] = {"hf": hf, "moe_experts_together": moe_experts_together, "fuse_qkv": fuse_qkv}
+CONVERTERS: Registry[Converter] = Registry("weight converter", arity=1, hint=" (or 'auto': by the model's type)")
+CONVERTERS.register("hf", hf)
+CONVERTERS.register("moe_experts_together", moe_experts_together)
+CONVERTERS.register("fuse_qkv", fuse_qkv)
 # Architectures whose engine layout differs from plain HF names (model_type -> converter name).
 BY_MODEL_TYPE: dict[str, str] = {"qwen3_moe": "moe_experts_together", "mixtral": "moe_experts_together"}
 
 
 def get_converter(name: str, model_type: str | None = None) -> Converter:
-    """By name, by `module:function`, or ("auto") by the model's type."""
+    """By name, by `module:function`, or ("auto") by the model's type; RegistryError (a ValueError) if none."""
     if name == "auto":
-        return CONVERTERS[BY_MODEL_TYPE.get(model_type or "", "hf")]
-    if name in CONVERTERS:
-        return CONVERTERS[name]
-    if ":" in name:
-        import importlib
-
-        module, _, fn = name.partition(":")
-        try:
-            conv = getattr(importlib.import_module(module), fn)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load converter {name!r} ({exc})") from None
-        if not callable(conv):
-            raise ValueError(f"converter {name!r} is not callable")
-        return conv
-    raise ValueError(f"unknown converter {name!r}: choose one of {sorted(CONVERTERS)}, 'auto' or module:function")
+        return CONVERTERS.get(BY_MODEL_TYPE.get(model_type or "", "hf"))
+    return CONVERTERS.get(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Callable
 
+from miles.net import bearer_headers
 from miles.sync.transports.base import TransportError
 
 
@@ -17,8 +18,7 @@ class EngineClient:
     def __init__(self, admin_token: str | None = None, timeout_s: float = 120.0):
         import httpx
 
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10))
+        self._http = httpx.Client(headers=bearer_headers(admin_token), timeout=httpx.Timeout(timeout_s, connect=10))
         self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="miles-sync-http")
 
     def get(self, url: str, path: str) -> dict:

@@ -11,17 +11,28 @@ new weights all at once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
+
+from miles.config.loader import ConfigError
+from miles.models.loading import torch_dtype
+from miles.registry import RegistryError
+from miles.sync import verify
+from miles.sync.convert import get_converter
+from miles.sync.transports import TRANSPORTS
 
 MiB = 1 << 20
 
 
 @dataclass
 class SyncConfig:
+    """The `sync` table. Settings every transport shares live here; a transport's own settings live in
+    its Config (a subclass, in its file), which this table becomes when `transport` names it."""
+
     transport: str = "broadcast"
-    """How buckets reach the engines: broadcast, p2p, disk_delta or colocated."""
+    """How buckets reach the engines: broadcast, p2p, disk_delta, colocated, or a module:Class path."""
     bucket_size_mb: int = 512
     """Bucket size in MiB (update_weight_buffer_size); each full bucket is one transfer."""
     dtype: str | None = None
@@ -33,73 +44,65 @@ class SyncConfig:
     """Noise-fill every engine before the run's first update, then compare it with the trainer tensor by tensor."""
     verify_checksums: bool = True
     """After every later update, compare one xxh3-128 checksum per bucket between trainer and engines."""
-    p2p_mode: str = "auto"
-    """p2p channel: auto (shared memory on this host, point-to-point sends across hosts), shm or tcp."""
-    delta_dir: str = ""
-    """disk_delta: directory every engine host can read, where each version's delta is written."""
-    delta_local_dir: str = ""
-    """disk_delta: each host's local dir for its copy of the base checkpoint (default: delta_dir/local)."""
     timeout_s: float = 120.0
     """How long one transfer or engine call may take before the update fails."""
 
-    def validate(self) -> None:
-        from miles.config import ConfigError
+    @classmethod
+    def variant(cls, data: dict) -> type[SyncConfig]:
+        """The chosen transport's Config: its own keys (e.g. sync.delta_dir) are valid only with it."""
+        name = data.get("transport", cls.transport)
+        if not isinstance(name, str):
+            return cls  # the loader refuses the value with the key's expected type
+        return transport_config(name)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of one bucket: what a transport's shared-memory buffers are sized to at first."""
+        return self.bucket_size_mb * MiB
+
+    def resolved(self) -> SyncConfig:
+        """This config as its transport's Config; settings only that transport has take their defaults
+        (a plain SyncConfig(transport=...) built in code, not through load_config)."""
+        cls = transport_config(self.transport)
+        if isinstance(self, cls):
+            return self
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def validate(self) -> None:
         if self.bucket_size_mb < 1:
             raise ConfigError("sync.bucket_size_mb must be >= 1")
-        from miles.sync.transports import TRANSPORTS
-
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"sync.transport {self.transport!r} is unknown: choose one of {sorted(TRANSPORTS)}")
-        if self.p2p_mode not in ("auto", "shm", "tcp"):
-            raise ConfigError(f"sync.p2p_mode {self.p2p_mode!r}: choose auto, shm or tcp")
-        if self.transport == "disk_delta" and not self.delta_dir:
-            raise ConfigError("sync.transport = 'disk_delta' needs sync.delta_dir: a directory every engine host "
-                              "can read (e.g. --sync.delta_dir /shared/run/deltas)")
+        transport_config(self.transport)
         if self.timeout_s <= 0:
             raise ConfigError("sync.timeout_s must be > 0")
         if self.converter not in ("auto", "hf"):
-            from miles.sync.convert import get_converter
-
             try:
                 get_converter(self.converter)
             except ValueError as exc:
                 raise ConfigError(f"sync.converter: {exc}") from None
 
-    def transport_kwargs(self, admin_token: str | None, base_path: str = "") -> dict:
-        """Keyword config for the chosen transport (see get_transport)."""
-        common = {"admin_token": admin_token, "timeout_s": self.timeout_s}
-        if self.transport == "p2p":
-            return {**common, "mode": self.p2p_mode, "buffer_bytes": self.bucket_size_mb * MiB}
-        if self.transport == "colocated":
-            return {**common, "buffer_bytes": self.bucket_size_mb * MiB}
-        if self.transport == "disk_delta":
-            return {**common, "delta_dir": self.delta_dir, "base_path": base_path, "local_dir": self.delta_local_dir}
-        return common
+
+def transport_config(name: str) -> type[SyncConfig]:
+    """The Config class of the transport `name` (a registered name or module:Class); ConfigError if none."""
+    if name not in TRANSPORTS and ":" not in name:
+        raise ConfigError(f"sync.transport {name!r} is unknown: choose one of {TRANSPORTS.names()} or give "
+                          "module:Class (see miles/sync/transports/base.py)")
+    try:
+        config = getattr(TRANSPORTS.get(name), "Config", None)
+    except RegistryError as exc:
+        raise ConfigError(f"sync.transport: {exc}") from None
+    if not (isinstance(config, type) and issubclass(config, SyncConfig)):
+        raise ConfigError(f"sync.transport {name!r} needs a `Config` class attribute: SyncConfig itself or "
+                          "a dataclass subclassing it (miles.sync.prepare.SyncConfig)")
+    return config
 
 
-def check_run(run) -> None:
-    """Cross-section refusals of the weight sync (called from RunConfig.validate)."""
-    from miles.config import ConfigError
-
+def wire_dtype(run) -> str | None:
+    """The dtype weights travel in: sync.dtype, else the built-in engines' own dtype when it is not fp32
+    (engines hold what they were loaded as; shipping fp32 to bf16 engines would double the bytes and
+    make verification compare fp32 checksums with bf16 tensors), else the trainer's dtype (None)."""
     if run.sync.dtype is None and not run.rollout.engine_urls and run.rollout.engine.dtype != "float32":
-        # Engines hold what they were loaded as; shipping fp32 would double the bytes and make the
-        # verification compare fp32 checksums with the engine's bf16 tensors.
-        run.sync.dtype = run.rollout.engine.dtype
-
-    if run.sync.transport != "disk_delta":
-        return
-    if getattr(run.placement, "mode", "disaggregated") == "colocated":
-        raise ConfigError("sync.transport = 'disk_delta' cannot run colocated (engines and trainer share the "
-                          "machine, there is nothing to save on the wire): set sync.transport = 'colocated' or "
-                          "placement.mode = 'disaggregated'")
-    lora = getattr(run.trainer, "lora", None)
-    if getattr(lora, "rank", 0):
-        raise ConfigError("sync.transport = 'disk_delta' cannot ship LoRA runs (the delta is against full base "
-                          "weights): set sync.transport = 'broadcast' or 'p2p', or trainer.lora.rank = 0")
-    if run.rollout.pd_disaggregation:
-        raise ConfigError("sync.transport = 'disk_delta' cannot update prefill/decode-disaggregated engines: "
-                          "set sync.transport = 'broadcast' or 'p2p', or turn off prefill/decode disaggregation")
+        return run.rollout.engine.dtype
+    return run.sync.dtype
 
 
 Group = list  # [(engine name, tensor), ...] that must land in one bucket
@@ -127,8 +130,6 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
                  record: "Record | None" = None) -> dict[str, float]:
     """Convert, cast and send every tensor in buckets, then commit `version`. Returns sync/* metrics.
     With `record`, also fills in per-tensor and per-bucket checksums (for verification)."""
-    from miles.models.loading import torch_dtype
-
     cast = torch_dtype(dtype) if dtype else None
     t0 = time.perf_counter()
     n_buckets = n_bytes = 0
@@ -170,8 +171,6 @@ class Record:
         self.digests: list[str] = []
 
     def add(self, bucket) -> None:
-        from miles.sync import verify
-
         self.buckets.append([[n, verify.dtype_name(t)] for n, t in bucket])
         self.digests.append(verify.bucket_checksum(t for _, t in bucket))
         if self.per_tensor:

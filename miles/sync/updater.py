@@ -15,7 +15,11 @@ import logging
 import os
 import time
 
+from miles.sync import verify
+from miles.sync.convert import get_converter
+from miles.sync.engine_client import EngineClient
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
+from miles.sync.transports import TRANSPORTS, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -23,19 +27,15 @@ log = logging.getLogger(__name__)
 class WeightUpdater:
     def __init__(self, cfg: SyncConfig, admin_token: str | None = None, base_path: str = "",
                  noise_seed: int = 0):
-        from miles.sync.convert import get_converter
-        from miles.sync.transports import get_transport
-
+        cfg = cfg.resolved()
         self.cfg, self.admin_token, self.noise_seed = cfg, admin_token, noise_seed
-        self.transport = get_transport(cfg.transport, **cfg.transport_kwargs(admin_token, base_path))
+        self.transport = TRANSPORTS.get(cfg.transport).from_config(cfg, admin_token, base_path)
         self.converter = get_converter(cfg.converter, _model_type(base_path))
         self.engine_urls: list[str] = []
         self._client = None
         self._updates = 0
 
     def connect(self, engine_urls: list[str]) -> None:
-        from miles.sync.engine_client import EngineClient
-
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.transport.connect(self.engine_urls)
         if self._client is not None:  # a reconnect to a changed set of engines
@@ -43,8 +43,6 @@ class WeightUpdater:
         self._client = EngineClient(self.admin_token, self.cfg.timeout_s)
 
     def push(self, named, version: int) -> dict[str, float]:
-        from miles.sync import verify
-
         if self._client is None:
             raise RuntimeError("push before connect: the trainer has no route to the engines")
         full_check = self._updates == 0 and self.cfg.verify_first_update
@@ -82,8 +80,6 @@ class WeightUpdater:
 
     def _pause(self) -> list[str]:
         """Pause in place every engine that is generating; returns the URLs it paused."""
-        from miles.sync.transports.base import TransportError
-
         paused = []
         for url in self.engine_urls:
             try:

@@ -153,3 +153,12 @@ def compare_buckets(client, urls: list[str], buckets: list[list[list[str]]], dig
 def _names(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN/Inf (what an engine refuses to stage)."""
+    import torch
+
+    # The sum is a fast screen (a NaN or Inf makes it non-finite); only then is the exact, several
+    # times slower, element-wise check paid, to tell a real NaN from a sum overflow.
+    return not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())

@@ -20,8 +20,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from miles.config.loader import ConfigError
-from miles.models.moe import decode_routed_experts, hook_routers, moe_shape
+from miles.models.moe import decode_routed_experts, hook_routers
 
 
 def routed_tensor(seqs, offsets: list[tuple[int, int]], shape: tuple[int, int], rows: int, width: int):
@@ -84,26 +83,3 @@ def _replay(model_routers, routed, replay, sums):
 
     with hook_routers(model_routers, on_router):
         yield
-
-
-def check_run(run) -> None:
-    """Config-load refusals (called from RunConfig.validate): replay without recorded experts,
-    recorded experts on a dense model, a router that would strip them."""
-    capture, replay = run.rollout.return_routed_experts, run.trainer.routing_replay
-    if replay and not capture:
-        raise ConfigError("trainer.routing_replay replays the experts the engines recorded: set "
-                          "rollout.return_routed_experts = true as well")
-    if not capture:
-        return
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(run.model.path)
-    if moe_shape(config) is None:
-        raise ConfigError(f"rollout.return_routed_experts / trainer.routing_replay need a mixture-of-experts model, "
-                          f"but model.path {run.model.path!r} is a dense {config.model_type!r} model: set both to "
-                          "false, or train an MoE checkpoint (e.g. `miles init-model --preset tiny-qwen3-moe`)")
-    # The run config has no router section of its own yet; a run that carries one (rollout.router or a
-    # top-level router) must not put a router in front of the engines that drops the routed experts.
-    for router in (getattr(run.rollout, "router", None), getattr(run, "router", None)):
-        if router is not None:
-            router.check_features(return_routed_experts=True)

@@ -28,13 +28,13 @@ from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.sampler import SamplingParams
 from miles.rollout.engine.types import MEMORY_TAGS, PAUSE_MODES, InvalidRequest
+from miles.rollout.engine.weight_api import build_weight_router
 
 log = logging.getLogger(__name__)
 
 
 def build_app(engine) -> FastAPI:
     app = FastAPI(title="miles engine")
-    receiver = engine.receiver
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_request, exc: InvalidRequest):
@@ -169,48 +169,8 @@ def build_app(engine) -> FastAPI:
         engine.flush_cache()
         return {"success": True, "message": "cache flushed"}
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        require_admin(request)
-        req = protocol.parse_init_group(await body_of(request))
-        # Joining blocks until every member arrives; keep the event loop free for /generate.
-        message = await asyncio.to_thread(receiver.init_group, req.master_address, req.master_port,
-                                          req.rank_offset, req.world_size, req.group_name, req.backend)
-        return {"success": True, "message": message}
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        require_admin(request)
-        body = await body_of(request)
-        receiver.destroy_group(body.get("group_name", "weight_update_group"))
-        return {"success": True, "message": "group destroyed"}
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        require_admin(request)
-        req = protocol.parse_update_weights(await body_of(request))
-
-        def work() -> dict:
-            if req.reset_staging:
-                receiver.reset_staging()
-            try:
-                receiver.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format)
-            except InvalidRequest:
-                if req.commit:  # this request closed its version (SGLang single-shot); it failed as a whole
-                    receiver.reset_staging()
-                raise
-            if not req.commit:
-                return {"success": True, "message": f"staged {len(req.names)} tensors"}
-            if req.abort_all_requests:
-                engine.abort()
-            version = receiver.commit(req.weight_version, flush_cache=req.flush_cache)
-            return {"success": True, "message": f"weights updated to version {version}",
-                    "weight_version": version}
-
-        return await asyncio.to_thread(work)
-
-    from miles.rollout.engine.weight_api import build_weight_router  # p2p, colocated, disk-delta, checker
-    app.include_router(build_weight_router(engine))
+    # Weight routes: the shared ones and each registered transport's (miles/sync/transports/<name>.py).
+    app.include_router(build_weight_router(engine, require_admin))
     return app
 
 

@@ -1,196 +1,128 @@
-"""The engine's weight endpoints beyond the distributed group (which server.py serves itself).
+"""The engine's weight routes: the ones every transport shares, and a mount point for each
+transport's own (built from its Receiver in miles/sync/transports/<name>.py).
 
-    POST /update_weights_from_tensor  {load_format: "shm", shm_path, names, dtypes, shapes, offsets,
-                                       commit, weight_version, reset_staging, flush_cache}
-         stage a bucket from a shared-memory buffer on this host (p2p, colocated); commit=true with no
-         names applies everything staged. With swap_buffers=true a whole version in an own p2p buffer
-         becomes the parameters' memory, and the reply's shm_path is where the next version must go.
-    POST /update_weights_from_disk    SGLang's {model_path} reloads a safetensors checkpoint; miles'
-         {load_format: "miles_delta", model_path: <version dir>, commit: false} patches the local copy
-         and stages it, {load_format: "miles_delta", commit: true, weight_version} applies it, and
-         {reset_staging: true} discards whatever is staged.
-    POST /init_delta_base             {base_path, local_dir, base_version}: local copy for disk deltas.
-    POST /p2p_open_buffer {nbytes} -> {shm_path};  POST /p2p_close_buffer {shm_path}
+Shared here:
+    POST /update_weights_from_disk    SGLang's {model_path} reloads a safetensors checkpoint; a
+         transport may add a load_format of its own (disk_delta: "miles_delta", {model_path: <version
+         dir>, commit: false} stages, {commit: true, weight_version} applies), and {reset_staging: true}
+         discards whatever is staged.
     POST /weights_checker             {action: snapshot | reset_tensors | compare | checksum}
-All of them are admin endpoints. A refused update leaves the engine on its previous weights.
+The transports add, among others: /init_weights_update_group, /update_weights_from_distributed
+(broadcast), /update_weights_from_tensor (colocated, p2p), /p2p_open_buffer (p2p), /init_delta_base
+(disk_delta). All of them are admin endpoints. A refused update leaves the engine on its previous weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+from typing import Callable
 
 from fastapi import APIRouter, HTTPException, Request
 
+from miles.net import UNAUTHORIZED, bearer_ok
 from miles.rollout.engine import protocol
 from miles.rollout.engine.types import InvalidRequest
 
-_TENSOR_FIELDS = {"load_format", "shm_path", "names", "dtypes", "shapes", "offsets", "commit", "weight_version",
-                  "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors", "swap_buffers"}
 _DISK_FIELDS = {"model_path", "load_format", "commit", "weight_version", "reset_staging", "flush_cache",
                 "abort_all_requests"}
 
 
-def build_weight_router(engine) -> APIRouter:
-    router = APIRouter()
-    receiver = engine.receiver
+class WeightRoutes:
+    """The engine's weight router, handed to each transport's Receiver to mount its routes on."""
 
-    async def admin_body(request: Request) -> dict:
-        token = engine.config.admin_token
-        if token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise HTTPException(401, "admin endpoint: send header 'Authorization: Bearer <admin token>'")
-        body = protocol.parse_json(await request.body())
-        if not isinstance(body, dict):
-            raise InvalidRequest("body: expected a JSON object")
-        return body
+    def __init__(self, engine, require_admin: Callable[[Request], None]):
+        self.router = APIRouter()
+        self.engine = engine
+        self.weights = engine.receiver
+        self.require_admin = require_admin  # the server's own admin check (SGLang's routes answer with it)
+        self.disk_formats: dict[str, Callable[[str], str]] = {}  # load_format -> stage(model_path) -> message
+        self.post("/update_weights_from_disk", self._from_disk, fields=_DISK_FIELDS)
+        self.post("/weights_checker", self._checker, fields={"action", "seed", "expected", "buckets"})
+        for part in self.weights.parts.values():
+            part.mount(self)
 
-    def finish(body: dict, staged_msg: str) -> dict:
+    def post(self, path: str, handler: Callable[[dict], dict], *, fields: set[str] | None = None,
+             thread: bool = True, sglang: bool = False) -> None:
+        """Serve `handler(body) -> reply` as an admin POST route, off the event loop unless thread=False.
+        fields: the body's allowed keys. sglang: SGLang's routes, refused as the server's other admin
+        routes are (their bodies are checked by protocol.parse_*)."""
+
+        async def route(request: Request):
+            if sglang:
+                self.require_admin(request)
+            elif not bearer_ok(request.headers.get("authorization"), self.engine.config.admin_token):
+                raise HTTPException(401, UNAUTHORIZED)
+            body = protocol.parse_json(await request.body())
+            if fields is not None:
+                protocol.no_unknown(body, fields)
+            return await asyncio.to_thread(handler, body) if thread else handler(body)
+
+        self.router.post(path)(route)
+
+    def finish(self, body: dict, staged_msg: str) -> dict:
         """Commit if asked (the staged version becomes the served one, all at once)."""
-        if not _flag(body, "commit", False):
+        if not self.flag(body, "commit", False):
             return {"success": True, "message": staged_msg}
-        if _flag(body, "abort_all_requests", False):
-            engine.abort()
-        version = receiver.commit(_version(body.get("weight_version")), flush_cache=_flag(body, "flush_cache", True),
-                                  swap_buffers=_flag(body, "swap_buffers", False))
+        if self.flag(body, "abort_all_requests", False):
+            self.engine.abort()
+        version = self.weights.commit(_version(body.get("weight_version")),
+                                      flush_cache=self.flag(body, "flush_cache", True),
+                                      swap_buffers=self.flag(body, "swap_buffers", False))
         reply = {"success": True, "message": f"weights updated to version {version}", "weight_version": version}
         if isinstance(body.get("shm_path"), str):
-            reply["shm_path"] = receiver.write_next(body["shm_path"])  # where the next version goes
+            reply["shm_path"] = self.weights.write_next(body["shm_path"])  # where the next version goes
         return reply
 
-    @router.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        body = await admin_body(request)
-        _known(body, _TENSOR_FIELDS)
-        if "serialized_named_tensors" in body:
-            raise InvalidRequest("serialized_named_tensors: pickled tensors are not accepted (unpickling runs "
-                                 "code); send load_format 'shm' with shm_path and the bucket layout")
-        fmt = body.get("load_format", "shm")
-        if fmt != "shm":
-            raise InvalidRequest(f"load_format: {fmt!r} is not supported; use 'shm'")
-        names = _list(body, "names")
+    @staticmethod
+    def flag(body: dict, key: str, default: bool) -> bool:
+        v = body.get(key, default)
+        if not isinstance(v, bool):
+            raise InvalidRequest(f"{key}: expected true or false")
+        return v
 
-        def work() -> dict:
-            if _flag(body, "reset_staging", False):
-                receiver.reset_staging()
-            if names:
-                path = body.get("shm_path")
-                if not isinstance(path, str):
-                    raise InvalidRequest("shm_path: send the path of the shared-memory buffer holding the bucket")
-                try:
-                    receiver.receive_shm(path, names, _list(body, "dtypes"), _list(body, "shapes"),
-                                         _list(body, "offsets"))
-                except InvalidRequest:
-                    if _flag(body, "commit", False):
-                        receiver.reset_staging()
-                    raise
-            return finish(body, f"staged {len(names)} tensors")
+    @staticmethod
+    def list(body: dict, key: str) -> list:
+        v = body.get(key, [])
+        if not isinstance(v, list):
+            raise InvalidRequest(f"{key}: expected a list")
+        return v
 
-        return await asyncio.to_thread(work)
-
-    @router.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body = await admin_body(request)
-        _known(body, _DISK_FIELDS)
+    def _from_disk(self, body: dict) -> dict:
         fmt = body.get("load_format")
         path = body.get("model_path")
         if path is not None and not isinstance(path, str):
             raise InvalidRequest("model_path: expected a directory path")
-
-        def work() -> dict:
-            if _flag(body, "reset_staging", False):
-                receiver.reset_staging()
-                if path is None and not _flag(body, "commit", False):
-                    return {"success": True, "message": "staging discarded"}
-            if fmt == "miles_delta":
-                msg = "nothing staged"
-                if path is not None:
-                    version = receiver.stage_delta(path)
-                    msg = f"delta to version {version} verified and staged"
-                return finish(body, msg)
-            if fmt not in (None, "auto", "safetensors"):
-                raise InvalidRequest(f"load_format: {fmt!r} is not supported; use 'miles_delta' or 'safetensors'")
-            if path is None:
-                raise InvalidRequest("model_path: send the checkpoint directory to load")
+        receiver = self.weights
+        if self.flag(body, "reset_staging", False):
             receiver.reset_staging()
-            try:
-                n = receiver.stage_checkpoint(path)
-            except InvalidRequest:
-                receiver.reset_staging()
-                raise
-            # SGLang's contract: a checkpoint load is applied at once.
-            return finish({**body, "commit": True}, f"loaded {n} tensors")
+            if path is None and not self.flag(body, "commit", False):
+                return {"success": True, "message": "staging discarded"}
+        if fmt in self.disk_formats:
+            return self.finish(body, "nothing staged" if path is None else self.disk_formats[fmt](path))
+        if fmt not in (None, "auto", "safetensors"):
+            choices = " or ".join(repr(f) for f in [*self.disk_formats, "safetensors"])
+            raise InvalidRequest(f"load_format: {fmt!r} is not supported; use {choices}")
+        if path is None:
+            raise InvalidRequest("model_path: send the checkpoint directory to load")
+        receiver.reset_staging()
+        try:
+            n = receiver.stage_checkpoint(path)
+        except InvalidRequest:
+            receiver.reset_staging()
+            raise
+        # SGLang's contract: a checkpoint load is applied at once.
+        return self.finish({**body, "commit": True}, f"loaded {n} tensors")
 
-        return await asyncio.to_thread(work)
-
-    @router.post("/init_delta_base")
-    async def init_delta_base(request: Request):
-        body = await admin_body(request)
-        _known(body, {"base_path", "local_dir", "base_version"})
-        base, local = body.get("base_path"), body.get("local_dir")
-        if not isinstance(base, str) or not isinstance(local, str):
-            raise InvalidRequest("base_path and local_dir: send the run's starting checkpoint and this host's dir")
-        base_version = body.get("base_version", 0)
-        if type(base_version) is not int or base_version < 0:
-            raise InvalidRequest("base_version: expected a non-negative integer")
-
-        def work():
-            from miles.sync.transports.disk_delta import DeltaError
-
-            try:
-                return receiver.init_delta_base(base, local, base_version)
-            except (DeltaError, OSError) as exc:
-                raise InvalidRequest(f"base_path: {exc}") from None
-
-        return {"success": True, "message": await asyncio.to_thread(work)}
-
-    @router.post("/p2p_open_buffer")
-    async def p2p_open_buffer(request: Request):
-        body = await admin_body(request)
-        _known(body, {"nbytes"})
-        nbytes = body.get("nbytes")
-        if type(nbytes) is not int or not 0 < nbytes <= 1 << 40:
-            raise InvalidRequest("nbytes: expected a positive integer (the largest bucket in bytes)")
-        return {"success": True, "shm_path": await asyncio.to_thread(receiver.open_p2p_buffer, nbytes)}
-
-    @router.post("/p2p_close_buffer")
-    async def p2p_close_buffer(request: Request):
-        body = await admin_body(request)
-        _known(body, {"shm_path"})
-        receiver.close_p2p_buffer(str(body.get("shm_path")))
-        return {"success": True}
-
-    @router.post("/weights_checker")
-    async def weights_checker(request: Request):
-        body = await admin_body(request)
-        _known(body, {"action", "seed", "expected", "buckets"})
+    def _checker(self, body: dict) -> dict:
         action = body.get("action")
         if not isinstance(action, str):
             raise InvalidRequest("action: send one of snapshot, reset_tensors, compare, checksum")
-        return await asyncio.to_thread(receiver.check, action, body)
-
-    return router
+        return self.weights.check(action, body)
 
 
-def _known(body: dict, fields: set[str]) -> None:
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise InvalidRequest(f"{unknown[0]}: unknown field; supported fields are {sorted(fields)}")
-
-
-def _flag(body: dict, key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"{key}: expected true or false")
-    return v
-
-
-def _list(body: dict, key: str) -> list:
-    v = body.get(key, [])
-    if not isinstance(v, list):
-        raise InvalidRequest(f"{key}: expected a list")
-    return v
+def build_weight_router(engine, require_admin: Callable[[Request], None]) -> APIRouter:
+    """Every weight route of the engine: the shared ones and each registered transport's."""
+    return WeightRoutes(engine, require_admin).router
 
 
 def _version(v) -> int | None:

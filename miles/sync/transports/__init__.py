@@ -4,28 +4,29 @@ broadcast: one collective per bucket from the trainer's source to every engine.
 p2p: each engine gets its own channel (shared memory on this host, point-to-point sends across hosts).
 disk_delta: only the changed bytes, via files every host patches its local copy with.
 colocated: engines on the trainer's machine read buckets from shared memory the trainer hands over.
+
+Each entry is one file holding its Sender, Receiver and Config; a user's transport is given as
+`sync.transport = "mypkg.mod:MyTransport"`. Entries load on first use, so choosing one imports only it.
 """
 
 from __future__ import annotations
 
-from miles.sync.transports.base import TransportError, WeightTransport
-from miles.sync.transports.broadcast import BroadcastTransport
-from miles.sync.transports.colocated import ColocatedTransport
-from miles.sync.transports.disk_delta import DiskDeltaTransport
-from miles.sync.transports.p2p import P2PTransport
+from miles.registry import Registry
+from miles.sync.transports.base import Transport, TransportError, TransportReceiver, WeightUpdateError
 
-TRANSPORTS: dict[str, type] = {"broadcast": BroadcastTransport, "p2p": P2PTransport,
-                               "disk_delta": DiskDeltaTransport, "colocated": ColocatedTransport}
-
-
-def get_transport(name: str, **kwargs) -> WeightTransport:
-    """Build the transport registered under `name` with its keyword config."""
-    try:
-        cls = TRANSPORTS[name]
-    except KeyError:
-        raise ValueError(f"unknown weight transport {name!r}: choose one of {sorted(TRANSPORTS)}") from None
-    return cls(**kwargs)
+TRANSPORTS: Registry[type[Transport]] = Registry(
+    "weight transport", protocol=Transport,
+    hint=" (a class with Config, Receiver, from_config, connect, send_bucket, commit and close; see "
+         "miles/sync/transports/base.py)")
+TRANSPORTS.register("broadcast", "miles.sync.transports.broadcast:BroadcastTransport")
+TRANSPORTS.register("p2p", "miles.sync.transports.p2p:P2PTransport")
+TRANSPORTS.register("disk_delta", "miles.sync.transports.disk_delta:DiskDeltaTransport")
+TRANSPORTS.register("colocated", "miles.sync.transports.colocated:ColocatedTransport")
 
 
-__all__ = ["TRANSPORTS", "BroadcastTransport", "ColocatedTransport", "DiskDeltaTransport", "P2PTransport",
-           "TransportError", "WeightTransport", "get_transport"]
+def get_transport(name: str, **kwargs) -> Transport:
+    """Build the sender of the transport registered under `name` (or `module:Class`) from keywords."""
+    return TRANSPORTS.get(name)(**kwargs)
+
+
+__all__ = ["TRANSPORTS", "Transport", "TransportError", "TransportReceiver", "WeightUpdateError", "get_transport"]

@@ -15,6 +15,16 @@ transport is marked out of step, so the next call says to reconnect instead of h
 
 The group is built directly on a TCPStore this process hosts (ProcessGroupGloo over a PrefixStore),
 never through init_process_group, so a trainer's default (FSDP) group is neither used nor disturbed.
+The engine's end (Receiver, SGLang's `update_weights_from_distributed` plus miles' staging):
+  * /init_weights_update_group joins a stand-alone gloo group whose rank 0 (the trainer's source)
+    hosts the TCPStore. The default process group is never created or touched, so an engine can share
+    a process with other torch.distributed users.
+  * /update_weights_from_distributed first completes the broadcast(s) - always, even when the
+    metadata is wrong, so every member of the collective stays in step - then validates names/shapes
+    against the model and stages the tensors (commit=true then applies the version). Wire formats:
+    "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes in order; "flattened_small"
+    as above (small tensors screened for NaN/Inf as they arrive); null = one broadcast per tensor in
+    its own dtype.
 Non-goals: NCCL/CUDA IPC (a GPU variant would swap the backend), multi-source fan-out (p2p.py).
 """
 
@@ -22,12 +32,17 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
+import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.rollout.engine import protocol
+from miles.sync import verify
 from miles.sync.engine_client import EngineClient
-from miles.sync.transports.base import TransportError
+from miles.sync.prepare import SyncConfig
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +71,10 @@ _GRACE_S = 2.0
 
 
 class BroadcastTransport:
-    name = "broadcast"
+    """The sender: rank 0 of the group, the trainer's source of every bucket."""
+
+    Config = SyncConfig  # no settings of its own
+    supports_colocation = supports_lora = supports_pd_disaggregation = True
 
     def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
                  admin_token: str | None = None, timeout_s: float = 120.0,
@@ -80,7 +98,11 @@ class BroadcastTransport:
         self._fresh = True  # no bucket sent since the last commit: the next request resets engine staging
         self._version_failed = False  # a bucket of the pending version failed: commit must refuse
 
-    # ---- WeightTransport ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> BroadcastTransport:
+        return cls(admin_token=admin_token, timeout_s=cfg.timeout_s)
+
+    # ---- Transport ----------------------------------------------------------------------
 
     def connect(self, engine_urls: list[str]) -> None:
         import torch.distributed as dist
@@ -226,3 +248,177 @@ class BroadcastTransport:
             errors.append(f"collective failed: {collective.exception()}")
         if errors:
             raise TransportError(f"weight sync failed while {what}: " + "; ".join(errors))
+
+
+# ---- engine side ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    pg: object  # torch.distributed.ProcessGroupGloo
+    store: object  # keeps the TCPStore client alive as long as the group
+    rank: int
+    world_size: int
+
+
+class BroadcastReceiver(TransportReceiver):
+    """The engine's end: join the trainer's group, receive each bucket's broadcast into staging."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self._groups: dict[str, _Group] = {}
+
+    def mount(self, api) -> None:
+        # SGLang's routes: their bodies are checked by protocol.parse_*, unauthorized as the server's.
+        api.post("/init_weights_update_group", self._init_route, sglang=True)
+        api.post("/destroy_weights_update_group", self._destroy_route, sglang=True, thread=False)
+        api.post("/update_weights_from_distributed", self._update_route, sglang=True)
+
+    def _init_route(self, body: dict) -> dict:
+        # Joining blocks until every member arrives (the caller runs this off the event loop).
+        req = protocol.parse_init_group(body)
+        message = self.init_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
+                                  req.group_name, req.backend)
+        return {"success": True, "message": message}
+
+    def _destroy_route(self, body: dict) -> dict:
+        self.destroy_group(body.get("group_name", "weight_update_group"))
+        return {"success": True, "message": "group destroyed"}
+
+    def _update_route(self, body: dict) -> dict:
+        req = protocol.parse_update_weights(body)
+        if req.reset_staging:
+            self.weights.reset_staging()
+        try:
+            self.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format)
+        except WeightUpdateError:
+            if req.commit:  # this request closed its version (SGLang single-shot); it failed as a whole
+                self.weights.reset_staging()
+            raise
+        if not req.commit:
+            return {"success": True, "message": f"staged {len(req.names)} tensors"}
+        if req.abort_all_requests:
+            self.weights.engine.abort()
+        version = self.weights.commit(req.weight_version, flush_cache=req.flush_cache)
+        return {"success": True, "message": f"weights updated to version {version}", "weight_version": version}
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str = "weight_update_group", backend: str = "gloo") -> str:
+        import torch.distributed as dist
+
+        if backend != "gloo":
+            raise WeightUpdateError(f"backend: the built-in engine runs on CPU and only supports 'gloo', "
+                                    f"got {backend!r}")
+        if not 1 <= rank_offset < world_size:
+            raise WeightUpdateError(f"rank_offset: {rank_offset} must be in [1, world_size={world_size}); "
+                                    "rank 0 is the trainer's source")
+        w = self.weights
+        with w.lock:
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=w.timeout)
+            # The prefix keeps several groups (or a re-initialised one) from colliding in one store.
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank_offset, world_size, w.timeout)
+            self._groups[group_name] = _Group(pg, store, rank_offset, world_size)
+            w.clear()
+        return f"joined {group_name!r} as rank {rank_offset} of {world_size}"
+
+    def destroy_group(self, group_name: str) -> None:
+        with self.weights.lock:
+            self._groups.pop(group_name, None)
+
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                group_name: str = "weight_update_group", load_format: str | None = None) -> None:
+        """Receive one bucket into staging; raises WeightUpdateError (staging discarded) on bad data."""
+        if not names:
+            return
+        w = self.weights
+        with w.lock:
+            group = self._groups.get(group_name)
+            if group is None:
+                raise WeightUpdateError(f"group_name: no weight-update group {group_name!r}; call "
+                                        "/init_weights_update_group first")
+            # Without dtypes and shapes the receive cannot be sized, so the sender's broadcast will
+            # time out: nothing better can be done than refusing at once.
+            if not len(names) == len(dtypes) == len(shapes):
+                raise w.fail(f"names, dtypes and shapes must have equal lengths, got "
+                             f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+            specs = w.specs(names, dtypes, shapes)
+            try:
+                received, nonfinite = self._broadcast(group, specs, load_format)
+            except WeightUpdateError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a dead or late peer; the group is unusable now
+                self._groups.pop(group_name, None)
+                raise w.fail(f"receiving from group {group_name!r} failed ({exc}); re-initialise the "
+                             "group with /init_weights_update_group") from None
+            err = w.validate(received, nonfinite)
+            if err is not None:
+                raise w.fail(err)
+            w.stage(received, owned=True)
+
+    def _broadcast(self, group: _Group, specs, load_format: str | None
+                   ) -> tuple[dict[str, "torch.Tensor"], set[str] | None]:
+        """The received tensors, and the names among them holding NaN/Inf when the format screens
+        them on arrival (flattened_small; None otherwise)."""
+        import torch
+        import torch.distributed as dist
+
+        w = self.weights
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = w.timeout
+        out: dict = {}
+        nonfinite: set[str] | None = None  # screened names holding NaN/Inf; None: not screened yet
+        if load_format == "flattened_bucket":
+            nbytes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
+            flat = torch.empty(sum(nbytes), dtype=torch.uint8)
+            if flat.numel():
+                group.pg.broadcast([flat], opts).wait()
+            offset = 0
+            for (name, dtype, shape), n in zip(specs, nbytes):
+                chunk = flat[offset:offset + n]
+                # The bucket buffer is fresh and held only by staging, so aligned chunks are staged as
+                # views (no copy); viewing bytes at a misaligned offset as a wider dtype is not allowed,
+                # so those few are re-based by a copy.
+                if offset % torch.empty((), dtype=dtype).element_size():
+                    chunk = chunk.clone()
+                out[name] = chunk.view(dtype).reshape(shape)
+                offset += n
+        elif load_format == "flattened_small":
+            # Tensors under SPLIT_BYTES arrive in one flat broadcast, in order; every larger one then
+            # arrives alone, straight into its own buffer, so the sender never copies it to flatten.
+            sizes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
+            small = [(spec, n) for spec, n in zip(specs, sizes) if n < SPLIT_BYTES]
+            large = [(spec, n) for spec, n in zip(specs, sizes) if n >= SPLIT_BYTES]
+            # Every receive is queued at once (gloo completes them in order), so each tensor is
+            # screened for NaN/Inf while the ones after it are still arriving.
+            flat = torch.empty(sum(n for _, n in small), dtype=torch.uint8) if small else None
+            bufs = [w.buffer(n) for _, n in large]
+            works = ([group.pg.broadcast([flat], opts)] if small else []) + \
+                [group.pg.broadcast([b], opts) for b in bufs]
+            nonfinite = set()
+            if small:
+                works.pop(0).wait()
+                offset = 0
+                for (name, dtype, shape), n in small:
+                    out[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
+                    offset += n
+                    if not verify.finite(out[name]):
+                        nonfinite.add(name)
+            for ((name, dtype, shape), _), buf, work in zip(large, bufs, works):
+                work.wait()
+                out[name] = buf.view(dtype).reshape(shape)
+                if not verify.finite(out[name]):
+                    nonfinite.add(name)
+            out = {name: out[name] for name, _, _ in specs}
+        elif load_format is None:
+            for name, dtype, shape in specs:
+                t = w.buffer(math.prod(shape) * torch.empty((), dtype=dtype).element_size()).view(dtype).reshape(shape)
+                group.pg.broadcast([t], opts).wait()
+                out[name] = t
+        else:
+            raise w.fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket', "
+                             "'flattened_small' or null")
+        return out, nonfinite
+
+
+BroadcastTransport.Receiver = BroadcastReceiver  # the engine's end, defined after the sender it answers

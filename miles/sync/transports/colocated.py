@@ -3,24 +3,33 @@
 Nothing is serialised: the trainer copies each bucket once into a shared-memory buffer it owns and
 hands the engines a handle (the buffer's path and each tensor's offset, dtype and shape); every
 engine maps the same pages and copies the bytes into its staging. Engines apply at commit, all at once.
+The engine's end (Receiver) serves SGLang's /update_weights_from_tensor with load_format "shm": it
+stages a bucket out of a shared-memory buffer on this host, the trainer's (copied out, since the
+trainer reuses it) or one the engine lent a p2p sender (staged in place, see p2p.py).
 Non-goals: zero-copy into the engine's parameters (the buffer is reused for the next bucket, so
 the engine must take its copy before the trainer moves on), CUDA IPC handles (a GPU build).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from miles.sync import shm
 from miles.sync.engine_client import EngineClient
-from miles.sync.transports.base import TransportError
+from miles.sync.prepare import SyncConfig
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.sync.transports.p2p import is_local
 
 if TYPE_CHECKING:
     import torch
 
 
 class ColocatedTransport:
-    name = "colocated"
+    """The sender: owns the shared-memory buffer each bucket is copied into once."""
+
+    Config = SyncConfig  # the buffer starts at sync.bucket_size_mb
+    supports_colocation = supports_lora = supports_pd_disaggregation = True
 
     def __init__(self, admin_token: str | None = None, timeout_s: float = 120.0, buffer_bytes: int = 64 << 20):
         self.admin_token, self.timeout_s, self.buffer_bytes = admin_token, timeout_s, buffer_bytes
@@ -31,9 +40,11 @@ class ColocatedTransport:
         self._fresh = True
         self._failed: str | None = None
 
-    def connect(self, engine_urls: list[str]) -> None:
-        from miles.sync.transports.p2p import is_local
+    @classmethod
+    def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> ColocatedTransport:
+        return cls(admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes)
 
+    def connect(self, engine_urls: list[str]) -> None:
         if not engine_urls:
             raise ValueError("connect: no engine URLs given")
         far = [u for u in engine_urls if not is_local(u)]
@@ -89,3 +100,92 @@ class ColocatedTransport:
         if self._client is not None:
             self._client.close()
         self._client = None
+
+
+# ---- engine side ----------------------------------------------------------------------------------
+
+_TENSOR_FIELDS = {"load_format", "shm_path", "names", "dtypes", "shapes", "offsets", "commit", "weight_version",
+                  "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors", "swap_buffers"}
+
+
+class ColocatedReceiver(TransportReceiver):
+    """The engine's end: stage buckets out of shared memory on this host (/update_weights_from_tensor)."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        # Mappings of senders' buffers, most recent last: mapping anew for every bucket would fault
+        # in every page again. Bounded, since a sender's unlinked buffer stays mapped here.
+        self._foreign: dict[str, "torch.Tensor"] = {}
+
+    def mount(self, api) -> None:
+        api.post("/update_weights_from_tensor", lambda body: self._route(api, body), fields=_TENSOR_FIELDS)
+
+    def _route(self, api, body: dict) -> dict:
+        if "serialized_named_tensors" in body:
+            raise WeightUpdateError("serialized_named_tensors: pickled tensors are not accepted (unpickling runs "
+                                    "code); send load_format 'shm' with shm_path and the bucket layout")
+        fmt = body.get("load_format", "shm")
+        if fmt != "shm":
+            raise WeightUpdateError(f"load_format: {fmt!r} is not supported; use 'shm'")
+        names = api.list(body, "names")
+        if api.flag(body, "reset_staging", False):
+            self.weights.reset_staging()
+        if names:
+            path = body.get("shm_path")
+            if not isinstance(path, str):
+                raise WeightUpdateError("shm_path: send the path of the shared-memory buffer holding the bucket")
+            try:
+                self.receive_shm(path, names, api.list(body, "dtypes"), api.list(body, "shapes"),
+                                 api.list(body, "offsets"))
+            except WeightUpdateError:
+                if api.flag(body, "commit", False):
+                    self.weights.reset_staging()
+                raise
+        return api.finish(body, f"staged {len(names)} tensors")
+
+    def receive_shm(self, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    offsets: list[int]) -> None:
+        """Stage one bucket from a shared-memory buffer (one this engine lent, or a sender's)."""
+        import torch
+
+        if not names:
+            return
+        w = self.weights
+        with w.lock:
+            if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+                raise w.fail(f"names, dtypes, shapes and offsets must have equal lengths, got {len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)}, {len(offsets)}")
+            specs = w.specs(names, dtypes, shapes)
+            if any(type(o) is not int or o < 0 for o in offsets):
+                raise w.fail("offsets: expected non-negative integers")
+            ends = [off + math.prod(s) * torch.empty((), dtype=dt).element_size()
+                    for off, (_, dt, s) in zip(offsets, specs)]
+            buf = w.lent(path)
+            own = buf is not None
+            try:
+                if buf is None:
+                    buf = self._foreign.pop(path, None)
+                    if buf is None or buf.numel() < max(ends):
+                        buf = shm.attach(path, max(ends))
+                    self._foreign[path] = buf
+                    while len(self._foreign) > 2:
+                        self._foreign.pop(next(iter(self._foreign)))
+                elif buf.numel() < max(ends):
+                    raise ValueError(f"the bucket needs {max(ends)} bytes but buffer {path} holds {buf.numel()}")
+            except ValueError as exc:
+                raise w.fail(f"shm_path: {exc}") from None
+            received = {}
+            for (name, dtype, shape), off, end in zip(specs, offsets, ends):
+                # A buffer this engine lent holds a whole version (each bucket at its own offset,
+                # rewritten only by the next version, after commit has copied it out), so it IS the
+                # staging; a buffer someone else owns is reused for their next bucket: copy out.
+                chunk = buf[off:end] if own else w.buffer(end - off).copy_(buf[off:end])
+                received[name] = chunk.view(dtype).reshape(shape)
+            del buf
+            err = w.validate(received)
+            if err is not None:
+                raise w.fail(err)
+            w.stage(received, owned=not own, lent=path if own else None)
+
+
+ColocatedTransport.Receiver = ColocatedReceiver  # the engine's end, defined after the sender it answers

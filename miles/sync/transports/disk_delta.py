@@ -21,6 +21,9 @@ a checksum mismatch or a delta built on another base version refuses the update 
 transport then discards staging everywhere, and every engine keeps serving the previous version.
 The trainer's reference copy (and each engine's local copy) advance only after a successful commit.
 
+The engine's end (Receiver): /init_delta_base makes the local copy; /update_weights_from_disk with
+load_format "miles_delta" patches it with one version's delta, verifies and stages the result.
+
 Memory: the trainer keeps one copy of the engine weights (the previous version) plus the pending
 version until commit. Refused with colocation, LoRA and prefill/decode disaggregation (config).
 Non-goals: restarting an engine mid-run from base + a chain of deltas; cross-host shard transfer
@@ -35,8 +38,10 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.config.loader import ConfigError
 from miles.sync.engine_client import EngineClient
-from miles.sync.transports.base import TransportError
+from miles.sync.prepare import SyncConfig
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
 
 if TYPE_CHECKING:
     import torch
@@ -199,8 +204,31 @@ class DeltaCopy:
 # ---- trainer side: the transport --------------------------------------------------------------
 
 
+@dataclass
+class DiskDeltaConfig(SyncConfig):
+    """The `sync` table when sync.transport = 'disk_delta'."""
+
+    transport: str = "disk_delta"
+    """How buckets reach the engines (see SyncConfig)."""
+    delta_dir: str = ""
+    """Directory every engine host can read, where each version's delta is written."""
+    delta_local_dir: str = ""
+    """Each host's local dir for its copy of the base checkpoint (default: delta_dir/local)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.delta_dir:
+            raise ConfigError("sync.transport = 'disk_delta' needs sync.delta_dir: a directory every engine host "
+                              "can read (e.g. --sync.delta_dir /shared/run/deltas)")
+
+
 class DiskDeltaTransport:
-    name = "disk_delta"
+    """The sender: writes each version's delta against the previous one, then applies it in two phases."""
+
+    Config = DiskDeltaConfig
+    # Colocated engines share the trainer's machine (nothing to save on the wire); a LoRA run and
+    # prefill/decode-disaggregated engines do not hold the full base weights the delta patches.
+    supports_colocation = supports_lora = supports_pd_disaggregation = False
 
     def __init__(self, delta_dir: str = "", base_path: str = "", local_dir: str = "", base_version: int = 0,
                  admin_token: str | None = None, timeout_s: float = 300.0, zstd_level: int = 3,
@@ -222,6 +250,11 @@ class DiskDeltaTransport:
         self._shards = 0
         self._failed: str | None = None
         self.last_stats: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg: DiskDeltaConfig, admin_token: str | None, base_path: str = "") -> DiskDeltaTransport:
+        return cls(delta_dir=cfg.delta_dir, base_path=base_path, local_dir=cfg.delta_local_dir,
+                   admin_token=admin_token, timeout_s=cfg.timeout_s)
 
     def connect(self, engine_urls: list[str]) -> None:
         if not engine_urls:
@@ -360,3 +393,66 @@ class DiskDeltaTransport:
     def _check(self) -> None:
         if self._client is None:
             raise TransportError("disk_delta transport is not connected: call connect(engine_urls) first")
+
+
+# ---- engine side ----------------------------------------------------------------------------------
+
+
+class DiskDeltaReceiver(TransportReceiver):
+    """The engine's end: the host's local copy, patched by each delta into staging."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self._copy: DeltaCopy | None = None  # the local copy of the base checkpoint, at its current version
+        self._pending: tuple[int, dict] | None = None  # (version, tensors) staged; the local copy at commit
+
+    def mount(self, api) -> None:
+        api.post("/init_delta_base", self._init_route, fields={"base_path", "local_dir", "base_version"})
+        api.disk_formats["miles_delta"] = self.stage_delta
+
+    def _init_route(self, body: dict) -> dict:
+        base, local = body.get("base_path"), body.get("local_dir")
+        if not isinstance(base, str) or not isinstance(local, str):
+            raise WeightUpdateError("base_path and local_dir: send the run's starting checkpoint and this host's dir")
+        base_version = body.get("base_version", 0)
+        if type(base_version) is not int or base_version < 0:
+            raise WeightUpdateError("base_version: expected a non-negative integer")
+        try:
+            return {"success": True, "message": self.init_base(base, local, base_version)}
+        except (DeltaError, OSError) as exc:
+            raise WeightUpdateError(f"base_path: {exc}") from None
+
+    def init_base(self, base_path: str, local_dir: str, base_version: int = 0) -> str:
+        """Copy the run's base checkpoint into this host's local dir (once) and load it as the local copy."""
+        copy = DeltaCopy.from_base(base_path, local_dir, base_version)
+        with self.weights.lock:
+            self._copy, self._pending = copy, None
+        return f"local copy of {base_path} at version {base_version} in {local_dir}"
+
+    def stage_delta(self, version_dir: str) -> str:
+        """Patch the local copy with one delta, verify every tensor, stage it; returns what was staged."""
+        w = self.weights
+        with w.lock:
+            if self._copy is None:
+                raise w.fail("no local base copy: call /init_delta_base before sending disk deltas")
+            try:
+                version, tensors = self._copy.patch(version_dir)
+            except DeltaError as exc:
+                raise w.fail(str(exc)) from None
+            err = w.validate(tensors)
+            if err is not None:
+                raise w.fail(err)
+            w.stage(tensors, owned=False)  # the local copy keeps these: copied at commit
+            self._pending = (version, tensors)
+            return f"delta to version {version} verified and staged"
+
+    def committed(self, adopted: str | None) -> None:
+        if self._pending is not None:
+            self._copy.advance(*self._pending)
+            self._pending = None
+
+    def discarded(self) -> None:
+        self._pending = None
+
+
+DiskDeltaTransport.Receiver = DiskDeltaReceiver  # the engine's end, defined after the sender it answers

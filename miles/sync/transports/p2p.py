@@ -14,17 +14,26 @@ channel, so one engine's transfer never waits on another's and nothing is relaye
   * an engine on another host gets a private two-rank gloo group and point-to-point sends over it
     (one BroadcastTransport of world size 2 per engine, all running at once).
 Engines apply the version at commit, all of it at once, as with every transport (base.py).
+The engine's end (Receiver) lends the buffers (/p2p_open_buffer, /p2p_close_buffer) and, at a
+swapping commit, moves the parameters into the buffer the version arrived in; the buckets themselves
+are staged through the colocated transport's /update_weights_from_tensor (the same shared-memory
+route), and tcp engines through the broadcast transport's routes.
 Non-goals: RDMA (a GPU build would register the receive buffers with the NIC instead).
 """
 
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
+from miles.config.loader import ConfigError
 from miles.sync import shm
 from miles.sync.engine_client import EngineClient
-from miles.sync.transports.base import TransportError
+from miles.sync.prepare import SyncConfig
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.sync.transports.broadcast import BroadcastTransport
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +41,6 @@ if TYPE_CHECKING:
 
 def is_local(url: str) -> bool:
     """Whether an engine URL points at this machine (so shared memory reaches it)."""
-    from urllib.parse import urlparse
-
     host = (urlparse(url).hostname or "").lower()
     if host in {"localhost", "127.0.0.1", "::1"} or host.startswith("127."):
         return True
@@ -45,8 +52,26 @@ def is_local(url: str) -> bool:
     return host in mine
 
 
+@dataclass
+class P2PConfig(SyncConfig):
+    """The `sync` table when sync.transport = 'p2p' (receive buffers start at sync.bucket_size_mb)."""
+
+    transport: str = "p2p"
+    """How buckets reach the engines (see SyncConfig)."""
+    p2p_mode: str = "auto"
+    """p2p channel: auto (shared memory on this host, point-to-point sends across hosts), shm or tcp."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.p2p_mode not in ("auto", "shm", "tcp"):
+            raise ConfigError(f"sync.p2p_mode {self.p2p_mode!r}: choose auto, shm or tcp")
+
+
 class P2PTransport:
-    name = "p2p"
+    """The sender: writes into every engine's lent buffer, or sends over a private group per engine."""
+
+    Config = P2PConfig
+    supports_colocation = supports_lora = supports_pd_disaggregation = True
 
     def __init__(self, mode: str = "auto", admin_token: str | None = None, timeout_s: float = 120.0,
                  buffer_bytes: int = 64 << 20, master_address: str = "127.0.0.1"):
@@ -65,9 +90,11 @@ class P2PTransport:
         self._cursor = 0  # where the next bucket of this version starts in every engine's buffer
         self._layout = _empty_layout()  # tensors written into the current buffers, not yet announced
 
-    def connect(self, engine_urls: list[str]) -> None:
-        from miles.sync.transports.broadcast import BroadcastTransport
+    @classmethod
+    def from_config(cls, cfg: P2PConfig, admin_token: str | None, base_path: str = "") -> P2PTransport:
+        return cls(mode=cfg.p2p_mode, admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes)
 
+    def connect(self, engine_urls: list[str]) -> None:
         if not engine_urls:
             raise ValueError("connect: no engine URLs given")
         self.close()
@@ -183,3 +210,77 @@ class P2PTransport:
 
 def _empty_layout() -> dict[str, list]:
     return {"names": [], "dtypes": [], "shapes": [], "offsets": []}
+
+
+# ---- engine side ----------------------------------------------------------------------------------
+
+
+class P2PReceiver(TransportReceiver):
+    """The engine's end: shared-memory buffers this engine owns and lends a p2p sender."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self._buffers: dict[str, "torch.Tensor"] = {}  # path -> mapping of buffers this engine owns
+        self._serving: str | None = None  # the lent buffer the parameters live in, if any
+        self._write_next: dict[str, str] = {}  # buffer committed from -> buffer to write the next version to
+
+    def mount(self, api) -> None:
+        api.post("/p2p_open_buffer", self._open_route, fields={"nbytes"})
+        api.post("/p2p_close_buffer", self._close_route, fields={"shm_path"}, thread=False)
+
+    def _open_route(self, body: dict) -> dict:
+        nbytes = body.get("nbytes")
+        if type(nbytes) is not int or not 0 < nbytes <= 1 << 40:
+            raise WeightUpdateError("nbytes: expected a positive integer (the largest bucket in bytes)")
+        return {"success": True, "shm_path": self.open_buffer(nbytes)}
+
+    def _close_route(self, body: dict) -> dict:
+        self.close_buffer(str(body.get("shm_path")))
+        return {"success": True}
+
+    def open_buffer(self, nbytes: int) -> str:
+        """Create a receive buffer this engine owns; a p2p sender writes a whole version straight into it."""
+        path, buf = shm.create(nbytes, tag="p2p", touch=True)
+        with self.weights.lock:
+            self._buffers[path] = buf
+        return path
+
+    def close_buffer(self, path: str) -> None:
+        with self.weights.lock:
+            # The buffer the parameters live in outlives its sender: only the engine's exit frees it.
+            if path != self._serving and self._buffers.pop(path, None) is not None:
+                shm.unlink(path)
+            nxt = self._write_next.pop(path, None)
+            if nxt is not None and nxt != self._serving and self._buffers.pop(nxt, None) is not None:
+                shm.unlink(nxt)
+
+    def lent(self, path: str):
+        return self._buffers.get(path)
+
+    def write_next(self, path: str) -> str | None:
+        return self._write_next.get(path)
+
+    def committed(self, adopted: str | None) -> None:
+        if adopted is not None and adopted in self._buffers:
+            self._write_next[adopted] = self._swap_serving(adopted)
+
+    def _swap_serving(self, source: str) -> str:
+        """The parameters now live in `source`; return the buffer the next version goes to: the one
+        they left if nothing points into it any more, else a fresh one of the same size."""
+        old, self._serving = self._serving, source
+        size = self._buffers[source].numel()
+        if old is not None and old != source and old in self._buffers:
+            buf = self._buffers[old]
+            if buf.numel() >= size and not self.weights.engine.points_into(buf):
+                return old
+        path, buf = shm.create(size, tag="p2p", touch=True)
+        self._buffers[path] = buf
+        return path
+
+    def close(self) -> None:
+        for path in self._buffers:
+            shm.unlink(path)  # mappings the parameters still use stay valid until they are freed
+        self._buffers.clear()
+
+
+P2PTransport.Receiver = P2PReceiver  # the engine's end, defined after the sender it answers

@@ -7,29 +7,24 @@ the perturbed model does.
 
 from __future__ import annotations
 
-import socket
 
 import httpx
 import pytest
 import torch
 import torch.distributed as dist
 
-from miles.sync.transports import TRANSPORTS, BroadcastTransport, TransportError, get_transport
+from miles.net import free_port
+from miles.sync.transports import TRANSPORTS, TransportError, get_transport
+from miles.sync.transports.broadcast import BroadcastTransport
 
 PROMPTS = ["47+38=", "The trainer computes", "999+1="]
 N_NEW = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def default_group():
     """The 'trainer' owns a default group; the transport must neither need nor disturb it."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -94,7 +89,7 @@ def _version(url: str) -> int:
 
 
 def test_registry_names_the_choices():
-    assert TRANSPORTS["broadcast"] is BroadcastTransport
+    assert TRANSPORTS.get("broadcast") is BroadcastTransport
     assert isinstance(get_transport("broadcast"), BroadcastTransport)
     with pytest.raises(ValueError, match="broadcast"):
         get_transport("carrier-pigeon")

@@ -7,6 +7,7 @@ import pytest
 from miles.config import ConfigError
 from miles.config.loader import load_config
 from miles.config.run import RunConfig
+from miles.sync.prepare import wire_dtype
 
 
 def _load(model_dir: str, **overrides: str) -> RunConfig:
@@ -53,7 +54,8 @@ def test_engine_urls_must_be_urls(tiny_model_dir):
 
 
 def test_weights_ship_in_the_engines_dtype_unless_told(tiny_model_dir):
-    assert _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16"}).sync.dtype == "bfloat16"
-    assert _load(tiny_model_dir).sync.dtype is None  # fp32 engines: the trainer's fp32 as it is
+    bf16 = _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16"})
+    assert wire_dtype(bf16) == "bfloat16" and bf16.sync.dtype is None  # derived, never written into the config
+    assert wire_dtype(_load(tiny_model_dir)) is None  # fp32 engines: the trainer's fp32 as it is
     cfg = _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16", "sync.dtype": "float16"})
-    assert cfg.sync.dtype == "float16"
+    assert wire_dtype(cfg) == "float16"

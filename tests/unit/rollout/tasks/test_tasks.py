@@ -29,7 +29,7 @@ def test_sources_are_seeded_and_arithmetic_splits_are_disjoint():
 
 
 def test_unknown_sources_are_refused_with_the_choices():
-    with pytest.raises(ConfigError, match=r"rollout.task.name 'nope' is unknown: choose one of \['arithmetic', 'terminal'\]"):
+    with pytest.raises(ConfigError, match=r"rollout.task.name: unknown task 'nope': choose one of \['arithmetic', 'terminal'\]"):
         TaskConfig(name="nope").validate()
     with pytest.raises(RegistryError, match="must take 3 required positional arguments"):
         TASKS.get("miles.rollout.tasks.arithmetic:demonstration")

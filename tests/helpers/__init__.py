@@ -1,0 +1,1 @@
+"""Helpers shared by tests (importable as `tests.helpers.<module>`), never tests themselves."""
