@@ -9,7 +9,6 @@ for. Every refusal names the keys to change.
 from __future__ import annotations
 
 from miles.config.loader import ConfigError
-from miles.models.moe import moe_shape
 from miles.sync.transports import TRANSPORTS
 
 
@@ -65,8 +64,11 @@ def check_routing_replay(run) -> None:
                           "rollout.return_routed_experts = true as well")
     if not capture:
         return
-    # transformers only when the run asks for experts: reading the model's config is the one way to know.
+    # Only when the run asks for experts: reading the model's config is the one way to know, and both
+    # transformers and the MoE helpers (torch) would slow every other config load.
     from transformers import AutoConfig
+
+    from miles.models.moe import moe_shape
 
     config = AutoConfig.from_pretrained(run.model.path)
     if moe_shape(config) is None:

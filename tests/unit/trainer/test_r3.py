@@ -175,8 +175,8 @@ def test_config_load_refuses_what_cannot_replay(tiny_model_dir, tiny_moe_model_d
         load(tiny_moe_model_dir, **{"trainer.routing_replay": "true"})
     with pytest.raises(ConfigError, match="dense 'qwen3' model: set both to false.*tiny-qwen3-moe"):
         load(tiny_model_dir, **on)
-    cfg.rollout.router = RouterConfig(kind="sglang")  # a run that puts the Rust sglang-router in front
-    with pytest.raises(ConfigError, match="set router.kind = 'miles'"):
+    cfg.router = RouterConfig(kind="sglang")  # a run that puts the Rust sglang-router in front
+    with pytest.raises(ConfigError, match="drops routed experts.*set router.kind = 'miles'"):
         cfg.validate()
 
 
