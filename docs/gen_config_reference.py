@@ -89,13 +89,13 @@ def default_text(f: dataclasses.Field) -> str:
     return f"`{value!r}`"
 
 
-def sections(cls, prefix: str = "", doc: str = ""):
-    """(dotted table name, its docstring, [(key, type, default, meaning)]) depth first."""
+def rows_of(cls, prefix: str, skip: set[str] = frozenset()):
+    """[(key, type, default, meaning)] of the leaf settings and [(class, dotted, doc)] of the sub-tables."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     rows, nested = [], []
     for f in dataclasses.fields(cls):
-        if not f.init:
+        if not f.init or f.name in skip:
             continue
         dotted = f"{prefix}.{f.name}" if prefix else f.name
         if f.name not in docs:
@@ -106,8 +106,24 @@ def sections(cls, prefix: str = "", doc: str = ""):
             nested.append((tp, dotted, docs[f.name]))
         else:
             rows.append((dotted, type_name(tp), default_text(f), docs[f.name]))
+    return rows, nested
+
+
+def sections(cls, prefix: str = "", doc: str = ""):
+    """(table title, its docstring, [(key, type, default, meaning)]) depth first. A variant section
+    (one whose keys follow a choice made in it) is followed by one table per choice that adds keys."""
+    rows, nested = rows_of(cls, prefix)
     if prefix:
-        yield prefix, doc, rows
+        yield f"`[{prefix}]`", doc, rows
+    by_class: dict[type, list[str]] = {}
+    for name, variant in getattr(cls, "variants", dict)().items():
+        if variant is not cls:
+            by_class.setdefault(variant, []).append(name)
+    for variant, names in by_class.items():
+        extra, _ = rows_of(variant, prefix, skip={f.name for f in dataclasses.fields(cls)})
+        if extra:
+            chosen = ", ".join(f"`{n}`" for n in names)
+            yield f"`[{prefix}]` with {chosen}", f"Further keys of `[{prefix}]` when {chosen} is chosen.", extra
     for tp, dotted, d in nested:
         yield from sections(tp, dotted, d)
 
@@ -116,8 +132,8 @@ def render() -> str:
     from miles.config.run import RunConfig
 
     out = [HEADER]
-    for name, doc, rows in sections(RunConfig):
-        out.append(f"## `[{name}]`\n")
+    for title, doc, rows in sections(RunConfig):
+        out.append(f"## {title}\n")
         if doc:
             out.append(f"{doc}\n")
         if not rows:

@@ -55,6 +55,11 @@ class SyncConfig:
             return cls  # the loader refuses the value with the key's expected type
         return transport_config(name)
 
+    @classmethod
+    def variants(cls) -> dict[str, type[SyncConfig]]:
+        """Every registered transport's Config (the configuration reference lists their own keys)."""
+        return {name: transport_config(name) for name in TRANSPORTS.names()}
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of one bucket: what a transport's shared-memory buffers are sized to at first."""

@@ -70,6 +70,11 @@ class AlgorithmConfig:
             return AlgorithmConfig
         return getattr(algorithm, "Config", AlgorithmConfig)
 
+    @classmethod
+    def variants(cls) -> dict[str, type["AlgorithmConfig"]]:
+        """Every registered algorithm's config (the configuration reference lists their own keys)."""
+        return {name: cls.variant({"name": name}) for name in ALGORITHMS.names()}
+
     def validate(self) -> None:
         try:
             ALGORITHMS.get(self.name)
