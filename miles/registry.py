@@ -126,11 +126,3 @@ class Registry(Generic[T]):
                 raise RegistryError(f"{self.kind} {spec!r} must take {self.arity} required positional "
                                     f"arguments; it takes {n}{self.hint}")
 
-
-def resolve(spec: str, registry: Any, kind: str, hint: str = "") -> Any:
-    """`registry[spec]` or the `module:attr` it names (plain dicts; prefer a `Registry`)."""
-    if spec in registry:
-        return registry[spec] if not isinstance(registry, Registry) else registry.get(spec)
-    if ":" not in spec:
-        raise RegistryError(f"unknown {kind} {spec!r}: choose one of {sorted(registry)} or give module:attr{hint}")
-    return load_attr(spec, kind)
