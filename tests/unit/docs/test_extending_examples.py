@@ -2,32 +2,22 @@
 as the page says; the commands in docs/quickstart.md use settings that exist."""
 
 import asyncio
-import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.docs_examples import importable_examples
+
 DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
-def example_files(page: str) -> dict[str, str]:
-    """{file name: code} of the blocks marked `<!-- file: NAME -->` in a docs page."""
-    text = (DOCS / page).read_text()
-    return dict(re.findall(r"<!-- file: (\S+) -->\n```python\n(.*?)```", text, flags=re.S))
-
-
 @pytest.fixture()
-def examples(tmp_path, monkeypatch):
-    files = example_files("extending.md")
-    assert set(files) == {"my_rewards.py", "my_envs.py", "my_generate.py", "my_algorithms.py"}
-    for name, code in files.items():
-        (tmp_path / name).write_text(code)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield
-    for name in files:
-        sys.modules.pop(name.removesuffix(".py"), None)
+def examples(tmp_path):
+    with importable_examples("extending.md", tmp_path) as files:
+        assert set(files) == {"my_rewards.py", "my_envs.py", "my_generate.py", "my_algorithms.py",
+                              "my_transports.py"}
+        yield
 
 
 def test_reward_example_loads_and_gives_partial_credit(examples):
