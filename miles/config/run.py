@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.config.checks import check_run
+from miles.config.loader import ConfigError
 from miles.metrics.sink import MetricsConfig
+from miles.models.loading import check_model_path
 from miles.buffer.data_buffer import BufferConfig
 from miles.orchestration.faults import FaultConfig
 from miles.orchestration.loop import LoopConfig
@@ -35,12 +37,8 @@ class ModelConfig:
     """Hugging Face checkpoint directory (or hub id) of the policy to train."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if not self.path:
             raise ConfigError("model.path is required: set it in the TOML [model] table or pass --model.path DIR")
-        from miles.models.loading import check_model_path
-
         try:
             check_model_path(self.path)
         except FileNotFoundError as e:

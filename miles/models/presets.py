@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles.rollout.tasks.arithmetic import ArithmeticTask, demonstration
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CHAT_TEMPLATE = (
@@ -56,8 +58,6 @@ PRESETS: dict[str, Preset] = {
 
 
 def _corpus(seed: int) -> list[str]:
-    from miles.rollout.tasks.arithmetic import ArithmeticTask, demonstration
-
     task = ArithmeticTask(digits=3, split="train", seed=seed)
     return [demonstration(p) for p in task.take(2000)] + _GENERAL_TEXT * 20
 

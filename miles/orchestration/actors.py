@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from miles.orchestration.placement import pin_current_process
 from miles.rollout.engine.server import start_server_thread
+from miles.sync.updater import WeightUpdater
 
 class EngineShell:
     """One built-in engine serving the engine HTTP API from inside a Ray actor's process."""
@@ -35,6 +36,7 @@ class TrainerShell:
 
     def __init__(self, trainer_cfg, sync_cfg, model_path: str, rank: int, world_size: int, master_port: int,
                  seed: int, temperature: float, cores=None, admin_token: str | None = None):
+        # torch loads here, in the rank's own process: the driver that imports this module never needs it.
         from miles.trainer.backends.fsdp import FSDPTrainer
 
         pin_current_process(cores)
@@ -63,8 +65,6 @@ class TrainerShell:
     def connect_engines(self, urls: list[str]) -> None:
         if self.rank != 0:
             return
-        from miles.sync.updater import WeightUpdater
-
         self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
         self.transport.connect(urls)
 
@@ -87,8 +87,6 @@ class TrainerShell:
         """Collective: bring new engines to `version` with a full push, noise-fill verified, over a
         transport of their own (the engines already serving are not paused or touched)."""
         import dataclasses
-
-        from miles.sync.updater import WeightUpdater
 
         named = self.trainer.full_named_tensors()
         updater = None

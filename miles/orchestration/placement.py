@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from miles.config.loader import ConfigError
+
 
 @dataclass
 class PlacementConfig:
@@ -26,8 +28,6 @@ class PlacementConfig:
     """Share of the cores given to the engine pool (the trainer gets the rest)."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if not 0 < self.engine_cpu_fraction < 1:
             raise ConfigError("placement.engine_cpu_fraction must be between 0 and 1")
 

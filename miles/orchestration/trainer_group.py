@@ -8,6 +8,8 @@ checkpoints) on every rank.
 
 from __future__ import annotations
 
+from miles.net import free_port
+from miles.orchestration.actors import CollectiveTimeout, TrainerShell, remote
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.batching import prepare_global_batch, sequences_from_groups
 
@@ -24,8 +26,6 @@ class TrainerGroup:
                  cores=None, admin_token: str | None = None):
         import ray
 
-        from miles.net import free_port
-        from miles.orchestration.actors import TrainerShell, remote
 
         n = trainer_cfg.num_ranks
         port = free_port()
@@ -123,8 +123,6 @@ class TrainerFailure(RuntimeError):
 
 
 def _first_line(exc: BaseException) -> str:
-    from miles.orchestration.actors import CollectiveTimeout
-
     # Ray wraps the rank's own exception; its cause carries the message worth showing.
     cause = getattr(exc, "cause", None)
     if isinstance(cause, CollectiveTimeout):

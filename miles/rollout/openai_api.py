@@ -31,7 +31,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from miles.buffer.types import Sample, SampleStatus
+from miles.models.loading import load_tokenizer
 from miles.net import bind, url_of
+from miles.rollout.agent import ChatFormat
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -94,8 +96,6 @@ class SessionStore:
 
     def __init__(self, engine_url: str, tokenizer, model_name: str = "miles", turn_end_token: str = "<|im_end|>",
                  default_max_tokens: int = 64):
-        from miles.rollout.agent import ChatFormat
-
         self.engine_url = engine_url.rstrip("/")
         self.tokenizer = tokenizer
         self.fmt = ChatFormat(tokenizer, turn_end_token)
@@ -299,7 +299,6 @@ def start_session_server(engine_url: str, tokenizer_path: str, host: str = "127.
     import httpx
     import uvicorn
 
-    from miles.models.loading import load_tokenizer
 
     store = SessionStore(engine_url, load_tokenizer(tokenizer_path), **store_kwargs)
     sock = bind(host, port)

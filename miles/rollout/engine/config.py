@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from miles.config.loader import ConfigError
+
 
 @dataclass
 class EngineConfig:
@@ -45,8 +47,6 @@ class EngineConfig:
     first-touch page faults, at the cost of a second copy of the weights held between updates."""
 
     def validate(self) -> None:
-        from miles.config import ConfigError
-
         if self.max_batch_size < 1:
             raise ConfigError("engine max_batch_size must be >= 1")
         if self.prefix_block_size < 1:

@@ -92,3 +92,16 @@ def test_bad_toml_and_bad_override_syntax(tmp_path):
         parse_overrides(["loop.num_steps", "3"])
     with pytest.raises(ConfigError, match="not found"):
         load_config(RunConfig, tmp_path / "nope.toml")
+
+
+def test_loading_a_run_config_imports_no_server_or_tensor_library(tmp_path, model_dir):
+    """`miles train --help`, config checks and tools that only read a config stay light."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom miles.config import load_config\nfrom miles.config.run import RunConfig\n"
+            f"load_config(RunConfig, None, {{'model.path': {model_dir!r}}})\n"
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'ray', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-600:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
