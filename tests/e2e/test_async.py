@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.e2e.test_train_run import small_config
+from tests.helpers.runs import small_config
 
 pytestmark = pytest.mark.e2e
 
