@@ -15,6 +15,9 @@ tokens, 0 on the rest, one logprob per model token and one weight version per mo
     GET    /sessions/{id}/trajectory             the recorded tokens
     DELETE /sessions/{id}                        forget the session (returns its trajectory)
 
+Served by `miles sessions --engine-url URL --tokenizer DIR` (main below), or in-process with
+start_session_server.
+
 Non-goals: streaming, tool-call JSON schemas (tools are plain messages), n > 1, the legacy
 /v1/completions route.
 """
@@ -315,3 +318,29 @@ def start_session_server(engine_url: str, tokenizer_path: str, host: str = "127.
             time.sleep(0.05)
     server.should_exit = True
     raise RuntimeError(f"session server at {url} did not start within 30s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`miles sessions`: the session API in front of an engine (or router) that is already serving,
+    until interrupted. Each harness run creates a session, drives it with the `openai` client and
+    reads the exact tokens back from its trajectory."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="miles sessions", description="Serve OpenAI-compatible chat sessions that "
+                                "record exact tokens, in front of an engine speaking the engine HTTP API.")
+    p.add_argument("--engine-url", required=True, help="the engine or router to generate with")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (the served model's checkpoint)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens when a request gives none")
+    a = p.parse_args(argv)
+    server = start_session_server(a.engine_url.rstrip("/"), a.tokenizer, a.host, a.port,
+                                  default_max_tokens=a.max_tokens)
+    print(f"miles sessions at {server.url}: POST {server.url}/sessions to start one", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0

@@ -88,3 +88,28 @@ def test_rewriting_history_is_refused_with_a_reason(sessions):
     gone = openai.OpenAI(base_url=sessions.base_url("missing"), api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="POST /sessions"):
         gone.chat.completions.create(model="miles", messages=first)
+
+
+def test_miles_sessions_command_serves_sessions_an_openai_client_can_drive(agent_engine_url, agent_model_dir):
+    """`miles sessions` is how a user reaches the session API: a harness drives it, the tokens come back."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "sessions", "--engine-url", agent_engine_url,
+                             "--tokenizer", agent_model_dir, "--max-tokens", "6"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("miles sessions at http://127.0.0.1:"), line
+        url = line.split()[3].rstrip(":")
+        created = httpx.post(f"{url}/sessions", json={"session_id": "cli-1"}, timeout=30).json()
+        client = openai.OpenAI(base_url=created["base_url"], api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="miles", messages=[{"role": "user", "content": "2+2?"}],
+                                               temperature=1.0, seed=1)
+        traj = httpx.get(f"{url}/sessions/cli-1/trajectory", timeout=30).json()
+        assert 1 <= sum(traj["loss_mask"]) <= 6  # --max-tokens applied to a request that gave none
+        assert reply.choices[0].message.content is not None and traj["weight_versions"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
