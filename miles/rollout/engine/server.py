@@ -145,19 +145,18 @@ def build_app(engine) -> FastAPI:
         engine.continue_generation()
         return {"success": True, "message": "generation continued"}
 
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request):
-        require_admin(request)
-        tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
-        await asyncio.to_thread(engine.release_memory, tags)
-        return {"success": True, "message": f"released {list(tags)}"}
+    def memory_route(name: str, act, done: str) -> None:
+        """POST /<name>: an admin call that applies `act` to the memory tags in the body."""
+        async def route(request: Request):
+            require_admin(request)
+            tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
+            await asyncio.to_thread(act, tags)
+            return {"success": True, "message": f"{done} {list(tags)}"}
 
-    @app.post("/resume_memory_occupation")
-    async def resume_memory_occupation(request: Request):
-        require_admin(request)
-        tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
-        await asyncio.to_thread(engine.resume_memory, tags)
-        return {"success": True, "message": f"resumed {list(tags)}"}
+        app.add_api_route(f"/{name}", route, methods=["POST"], name=name)
+
+    memory_route("release_memory_occupation", engine.release_memory, "released")
+    memory_route("resume_memory_occupation", engine.resume_memory, "resumed")
 
     @app.get("/metrics")
     async def metrics():
