@@ -1,14 +1,21 @@
-"""Network plumbing every miles server and client shares: listening sockets, free ports, and the one
-bearer-token check for admin routes.
+"""Network plumbing every miles server and client shares: listening sockets, free ports, the one
+bearer-token check for admin routes, and running a server on a daemon thread of this process
+until it answers (`ServerThread`, `serve_app`).
 
-Non-goals: routing and HTTP apps (each server builds its own FastAPI app); choosing which address a
-node advertises (placement does that).
+uvicorn and httpx are imported inside the functions that use them: loading a run config imports
+this module and must not pay for them.
+Non-goals: routing and HTTP apps (each server builds its own app); choosing which address a node
+advertises (placement does that); supervising or restarting servers (the engine fleet does that).
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import socket
+import threading
+import time
+from collections.abc import Callable
 
 UNAUTHORIZED = "admin endpoint: send header 'Authorization: Bearer <admin token>'"
 """The 401 body every admin route answers with when the token is missing or wrong."""
@@ -51,3 +58,56 @@ def bearer_ok(authorization: str | None, token: str | None) -> bool:
     if token is None:
         return True
     return hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
+
+
+def wait_until_answers(url: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
+    """Poll GET `url` until it answers with any HTTP status (True), or until `alive()` turns False or
+    timeout_s passes (False). A server is up once it answers at all; what it answers is its own business."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        try:
+            httpx.get(url, timeout=2)
+            return True
+        except httpx.TransportError:
+            time.sleep(0.05)
+    return False
+
+
+class ServerThread:
+    """A server's loop on a daemon thread of this process, reached at `.url`; `.stop()` ends it.
+
+    `serve` runs the loop until `shutdown` (called from another thread) makes it return. `serve_app`
+    builds one for an ASGI app; the dashboard's standard-library server passes its own loop.
+    """
+
+    def __init__(self, url: str, serve: Callable[[], object], shutdown: Callable[[], object], *, name: str):
+        self.url = url
+        self._shutdown = shutdown
+        self._thread = threading.Thread(target=serve, name=name, daemon=True)
+        self._thread.start()
+
+    def wait_until_up(self, path: str, timeout_s: float, what: str) -> None:
+        """Return once GET `path` answers; otherwise tell the loop to end and raise RuntimeError."""
+        if not wait_until_answers(self.url + path, timeout_s, self._thread.is_alive):
+            self._shutdown()
+            raise RuntimeError(f"{what} at {self.url} did not answer {path} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._shutdown()
+        self._thread.join(timeout=timeout_s)
+
+
+def serve_app(app, sock: socket.socket, host: str, *, what: str, ready_path: str, startup_timeout_s: float,
+              log_level: str = "warning", **uvicorn_options) -> ServerThread:
+    """Serve an ASGI `app` by uvicorn on the bound `sock` on a daemon thread (named for `what`); return
+    once GET `ready_path` answers, or raise RuntimeError naming `what` after startup_timeout_s."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **uvicorn_options))
+    served = ServerThread(url_of(sock, host), functools.partial(server.run, sockets=[sock]),
+                          functools.partial(setattr, server, "should_exit", True), name=f"miles {what}")
+    served.wait_until_up(ready_path, startup_timeout_s, what)
+    return served
+

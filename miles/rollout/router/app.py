@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from miles.config import ConfigError
 from miles.config.flags import load_server_config
-from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
+from miles.net import UNAUTHORIZED, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.engine.process import terminate
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
@@ -132,40 +132,24 @@ def build_app(router: Router):
 
 @dataclass
 class RunningRouter:
-    """A built-in router served by uvicorn on a daemon thread of this process."""
+    """A built-in router served on a daemon thread of this process."""
 
     url: str
     router: Router
-    _server: object
-    _thread: threading.Thread
+    http: ServerThread
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self.http.stop()
 
 
 def start_router_thread(config: RouterConfig, worker_urls: list[str], health: HealthConfig | None = None,
                         startup_timeout_s: float = 30.0) -> RunningRouter:
     """Serve a built-in router on a daemon thread of this process; returns once it answers."""
-    import httpx
-    import uvicorn
-
     router = Router(config, worker_urls, health)
-    sock = bind(config.host, config.port)
-    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-router", daemon=True)
-    thread.start()
-    url = url_of(sock, config.host)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline and thread.is_alive():
-        try:
-            httpx.get(url + "/list_workers", timeout=2)
-            return RunningRouter(url, router, server, thread)
-        except httpx.TransportError:
-            time.sleep(0.05)
-    server.should_exit = True
-    raise RuntimeError(f"router at {url} did not start within {startup_timeout_s}s")
+    http = serve_app(build_app(router), bind(config.host, config.port), config.host, what="router",
+                     ready_path="/list_workers", startup_timeout_s=startup_timeout_s, lifespan="on",
+                     timeout_graceful_shutdown=5)
+    return RunningRouter(http.url, router, http)
 
 
 class RouterProcess:
