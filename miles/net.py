@@ -1,6 +1,6 @@
 """Network plumbing every miles server and client shares: listening sockets, free ports, the one
-bearer-token check for admin routes, and running a server on a daemon thread of this process
-until it answers (`ServerThread`, `serve_app`).
+bearer-token check for admin routes, and running a server until it answers, either on a daemon
+thread of this process (`ServerThread`, `serve_app`) or as a child process (`ServerProcess`).
 
 uvicorn and httpx are imported inside the functions that use them: loading a run config imports
 this module and must not pay for them.
@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import functools
 import hmac
+import os
+import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import Self
 
 UNAUTHORIZED = "admin endpoint: send header 'Authorization: Bearer <admin token>'"
 """The 401 body every admin route answers with when the token is missing or wrong."""
@@ -111,3 +115,65 @@ def serve_app(app, sock: socket.socket, host: str, *, what: str, ready_path: str
     served.wait_until_up(ready_path, startup_timeout_s, what)
     return served
 
+
+class ServerProcess:
+    """A miles server run as a child process, reached at `.url`; `.stop()` (or `with`) ends it.
+
+    The constructor starts `cmd`, takes the URL from the first line of the child's output that
+    `url_line` matches (its one group is the URL), and returns once GET `ready_path` answers there;
+    otherwise it stops the child and raises RuntimeError with the child's last output.
+    """
+
+    def __init__(self, cmd: list[str], *, url_line: str, ready_path: str, startup_timeout_s: float, what: str,
+                 env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.output: list[str] = []  # everything the child printed, for error messages
+        self.url: str | None = None
+        self._url_line = re.compile(url_line)
+        self._url_found = threading.Event()
+        drainer = threading.Thread(target=self._drain, daemon=True)
+        drainer.start()
+
+        def alive() -> bool:
+            return self.proc.poll() is None
+
+        deadline = time.monotonic() + startup_timeout_s
+        while alive() and time.monotonic() < deadline:
+            if self._url_found.wait(0.1):
+                if wait_until_answers(self.url + ready_path, deadline - time.monotonic(), alive):
+                    return
+                break
+        self.stop()
+        drainer.join(timeout=5)  # the child has exited: its last lines are on their way to self.output
+        raise RuntimeError(f"{what} did not answer {ready_path} within {startup_timeout_s}s "
+                           f"(exit code {self.proc.returncode}); its output:\n{''.join(self.output[-50:])}")
+
+    def _drain(self) -> None:
+        # Always read the pipe, or a chatty child would block on a full pipe buffer.
+        for line in self.proc.stdout:
+            self.output.append(line)
+            m = self._url_line.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._url_found.set()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        terminate(self.proc, timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if the child has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,10 +1,13 @@
-"""Serving on a thread: a server that never answers is reported by name and told to stop."""
+"""Running a server until it answers: on a thread of this process or as a child process. A server
+that never answers is reported by name (with a child's own output) and told to stop."""
 
+import sys
 import threading
 
+import httpx
 import pytest
 
-from miles.net import ServerThread, bind, url_of
+from miles.net import ServerProcess, ServerThread, bind, url_of
 
 
 def test_a_thread_server_that_never_answers_is_named_and_stopped():
@@ -17,3 +20,17 @@ def test_a_thread_server_that_never_answers_is_named_and_stopped():
         assert stopped.is_set()
     finally:
         sock.close()
+
+
+def test_a_child_server_is_found_by_its_url_line_and_stopped():
+    cmd = [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1"]
+    with ServerProcess(cmd, url_line=r"\((http://\S+?)/?\)", ready_path="/", startup_timeout_s=30,
+                       what="http.server") as proc:
+        assert httpx.get(proc.url + "/").status_code == 200
+    assert proc.proc.poll() is not None
+
+
+def test_a_child_that_exits_before_answering_is_reported_with_its_output():
+    cmd = [sys.executable, "-c", "print('no port for you'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match=r"(?s)toy process did not answer /health .*exit code 3.*no port for you"):
+        ServerProcess(cmd, url_line=r"at (http://\S+)", ready_path="/health", startup_timeout_s=30, what="toy process")
