@@ -1,14 +1,25 @@
-"""Network plumbing every miles server and client shares: listening sockets, free ports, and the one
-bearer-token check for admin routes.
+"""Network plumbing every miles server and client shares: listening sockets, free ports, the one
+bearer-token check for admin routes, and running a server until it answers, either on a daemon
+thread of this process (`ServerThread`, `serve_app`) or as a child process (`ServerProcess`).
 
-Non-goals: routing and HTTP apps (each server builds its own FastAPI app); choosing which address a
-node advertises (placement does that).
+uvicorn and httpx are imported inside the functions that use them: loading a run config imports
+this module and must not pay for them.
+Non-goals: routing and HTTP apps (each server builds its own app); choosing which address a node
+advertises (placement does that); supervising or restarting servers (the engine fleet does that).
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
+import os
+import re
 import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Self
 
 UNAUTHORIZED = "admin endpoint: send header 'Authorization: Bearer <admin token>'"
 """The 401 body every admin route answers with when the token is missing or wrong."""
@@ -51,3 +62,118 @@ def bearer_ok(authorization: str | None, token: str | None) -> bool:
     if token is None:
         return True
     return hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
+
+
+def wait_until_answers(url: str, timeout_s: float, alive: Callable[[], bool]) -> bool:
+    """Poll GET `url` until it answers with any HTTP status (True), or until `alive()` turns False or
+    timeout_s passes (False). A server is up once it answers at all; what it answers is its own business."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        try:
+            httpx.get(url, timeout=2)
+            return True
+        except httpx.TransportError:
+            time.sleep(0.05)
+    return False
+
+
+class ServerThread:
+    """A server's loop on a daemon thread of this process, reached at `.url`; `.stop()` ends it.
+
+    `serve` runs the loop until `shutdown` (called from another thread) makes it return. `serve_app`
+    builds one for an ASGI app; the dashboard's standard-library server passes its own loop.
+    """
+
+    def __init__(self, url: str, serve: Callable[[], object], shutdown: Callable[[], object], *, name: str):
+        self.url = url
+        self._shutdown = shutdown
+        self._thread = threading.Thread(target=serve, name=name, daemon=True)
+        self._thread.start()
+
+    def wait_until_up(self, path: str, timeout_s: float, what: str) -> None:
+        """Return once GET `path` answers; otherwise tell the loop to end and raise RuntimeError."""
+        if not wait_until_answers(self.url + path, timeout_s, self._thread.is_alive):
+            self._shutdown()
+            raise RuntimeError(f"{what} at {self.url} did not answer {path} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._shutdown()
+        self._thread.join(timeout=timeout_s)
+
+
+def serve_app(app, sock: socket.socket, host: str, *, what: str, ready_path: str, startup_timeout_s: float,
+              log_level: str = "warning", **uvicorn_options) -> ServerThread:
+    """Serve an ASGI `app` by uvicorn on the bound `sock` on a daemon thread (named for `what`); return
+    once GET `ready_path` answers, or raise RuntimeError naming `what` after startup_timeout_s."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **uvicorn_options))
+    served = ServerThread(url_of(sock, host), functools.partial(server.run, sockets=[sock]),
+                          functools.partial(setattr, server, "should_exit", True), name=f"miles {what}")
+    served.wait_until_up(ready_path, startup_timeout_s, what)
+    return served
+
+
+class ServerProcess:
+    """A miles server run as a child process, reached at `.url`; `.stop()` (or `with`) ends it.
+
+    The constructor starts `cmd`, takes the URL from the first line of the child's output that
+    `url_line` matches (its one group is the URL), and returns once GET `ready_path` answers there;
+    otherwise it stops the child and raises RuntimeError with the child's last output.
+    """
+
+    def __init__(self, cmd: list[str], *, url_line: str, ready_path: str, startup_timeout_s: float, what: str,
+                 env: dict[str, str] | None = None):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.output: list[str] = []  # everything the child printed, for error messages
+        self.url: str | None = None
+        self._url_line = re.compile(url_line)
+        self._url_found = threading.Event()
+        drainer = threading.Thread(target=self._drain, daemon=True)
+        drainer.start()
+
+        def alive() -> bool:
+            return self.proc.poll() is None
+
+        deadline = time.monotonic() + startup_timeout_s
+        while alive() and time.monotonic() < deadline:
+            if self._url_found.wait(0.1):
+                if wait_until_answers(self.url + ready_path, deadline - time.monotonic(), alive):
+                    return
+                break
+        self.stop()
+        drainer.join(timeout=5)  # the child has exited: its last lines are on their way to self.output
+        raise RuntimeError(f"{what} did not answer {ready_path} within {startup_timeout_s}s "
+                           f"(exit code {self.proc.returncode}); its output:\n{''.join(self.output[-50:])}")
+
+    def _drain(self) -> None:
+        # Always read the pipe, or a chatty child would block on a full pipe buffer.
+        for line in self.proc.stdout:
+            self.output.append(line)
+            m = self._url_line.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._url_found.set()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        terminate(self.proc, timeout_s)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if the child has not exited within timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

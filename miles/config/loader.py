@@ -44,6 +44,11 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+# What an int or float setting is called in errors, and the TOML values it takes (an integer is a
+# fine float; a bool, though an int to Python, is neither).
+_NUMBERS = {int: ("an integer", (int,)), float: ("a number", (int, float))}
+
+
 def coerce(value: Any, tp, key: str, from_cli: bool = False) -> Any:
     """Check (and for CLI strings, parse) one value against a field annotation."""
     inner, optional = _unwrap_optional(tp)
@@ -82,26 +87,18 @@ def coerce(value: Any, tp, key: str, from_cli: bool = False) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
+    if tp in _NUMBERS:
+        what, accepted = _NUMBERS[tp]
         if from_cli and isinstance(value, str):
             try:
-                value = int(value)
+                value = tp(value)
             except ValueError:
-                raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if from_cli and isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        if not math.isfinite(value):
+                raise ConfigError(f"{key}: expected {what}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        if tp is float and not math.isfinite(value):
             raise ConfigError(f"{key}: must be a finite number, got {value!r}")
-        return float(value)
+        return tp(value)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")

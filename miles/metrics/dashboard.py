@@ -22,7 +22,7 @@ from pathlib import Path
 from miles.metrics.plots import PLOTS, render_png
 from miles.metrics.run_data import load_run
 from miles.metrics.sink import read_metrics
-from miles.net import bind, url_of
+from miles.net import ServerThread, bind, url_of
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>miles · {run}</title>
@@ -88,8 +88,7 @@ class Dashboard:
     def __init__(self, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0):
         self.run_dir = Path(run_dir)
         self.host, self.port = host, port
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._http: ServerThread | None = None
         self._draw_lock = threading.Lock()
         self._cache: dict[str, tuple[str, bytes]] = {}
         self._url = ""
@@ -106,22 +105,25 @@ class Dashboard:
             raise OSError(f"dashboard cannot listen on {self.host}:{self.port} ({e}); choose another "
                           f"metrics.dashboard_port or 0 for any free port") from None
         # The server takes the socket bound above (IPv6 too) instead of binding its own.
-        self._server = ThreadingHTTPServer(sock.getsockname()[:2], _handler_for(self), bind_and_activate=False)
-        self._server.socket.close()
-        self._server.socket = sock
-        self._server.server_activate()
-        self._server.daemon_threads = True
+        server = ThreadingHTTPServer(sock.getsockname()[:2], _handler_for(self), bind_and_activate=False)
+        server.socket.close()
+        server.socket = sock
+        server.server_activate()
+        server.daemon_threads = True
         self.port = sock.getsockname()[1]
-        self._url = url_of(sock, self.host) + "/"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="miles-dashboard", daemon=True)
-        self._thread.start()
+
+        def shutdown() -> None:
+            server.shutdown()  # returns once serve_forever has
+            server.server_close()
+
+        self._http = ServerThread(url_of(sock, self.host), server.serve_forever, shutdown, name="miles dashboard")
+        self._url = self._http.url + "/"
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._http is not None:
+            self._http.stop()
+            self._http = None
 
     # -- content --------------------------------------------------------------------------------
     def version(self) -> str:

@@ -49,6 +49,22 @@ def _no_data(ax, what: str) -> None:
     ax.set_yticks([])
 
 
+def _finish_step_axis(ax, title: str, what: str, *, ylabel: str | None = None, legend: dict | None = None) -> None:
+    """Dress an axis plotted against the step: title, whole-number steps, a light grid, and a legend
+    when `legend` (its keyword arguments) is given; an axis with nothing drawn says "no <what>" instead."""
+    if not ax.lines:
+        _no_data(ax, what)
+        return
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    _integer_steps(ax)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend is not None:
+        ax.legend(**legend)
+
+
 def plot_reward(runs: list[Run]):
     fig, (ax_r, ax_e) = _figure(2, 5.5)
     for i, run in enumerate(runs):
@@ -59,16 +75,9 @@ def plot_reward(runs: list[Run]):
         xs, ys = run.series("eval/accuracy")
         if xs:
             ax_e.plot(xs, ys, style, marker="o", label=run.name)
-    for ax, title, what in ((ax_r, "rollout reward (mean)", "rollout reward"), (ax_e, "eval accuracy", "eval")):
-        if not ax.lines:
-            _no_data(ax, what)
-            continue
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        _integer_steps(ax)
-        ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend()
+    legend = {} if len(runs) > 1 else None
+    _finish_step_axis(ax_r, "rollout reward (mean)", "rollout reward", legend=legend)
+    _finish_step_axis(ax_e, "eval accuracy", "eval", legend=legend)
     return fig
 
 
@@ -144,15 +153,8 @@ def plot_buffer(runs: list[Run]):
         for label, (xs, ys) in ledger_series(run).items():
             color = colors.setdefault(label, palette[len(colors) % len(palette)])
             ax.plot(xs, ys, RUN_STYLES[i % 2], color=color, label=label + (f" ({run.name})" if len(runs) > 1 else ""))
-    if not ax.lines:
-        _no_data(ax, "buffer ledger counters")
-        return fig
-    ax.set_title("buffer ledger (prompts/groups so far)")
-    ax.set_xlabel("step")
-    _integer_steps(ax)
-    ax.set_ylabel("groups")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _finish_step_axis(ax, "buffer ledger (prompts/groups so far)", "buffer ledger counters", ylabel="groups",
+                      legend={"fontsize": 8, "loc": "upper left", "bbox_to_anchor": (1.0, 1.0)})
     return fig
 
 
@@ -168,15 +170,8 @@ def plot_throughput(runs: list[Run]):
                 xs, ys = run.series(key)
                 if xs:
                     ax.plot(xs, ys, RUN_STYLES[i % 2], color=f"C{j}", label=label + suffix)
-    for ax, title, what in ((ax_t, "throughput", "throughput figures"), (ax_i, "idle fractions", "idle fractions")):
-        if not ax.lines:
-            _no_data(ax, what)
-            continue
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        _integer_steps(ax)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    _finish_step_axis(ax_t, "throughput", "throughput figures", legend={"fontsize": 8})
+    _finish_step_axis(ax_i, "idle fractions", "idle fractions", legend={"fontsize": 8})
     ax_i.set_ylim(0, 1.02)
     return fig
 

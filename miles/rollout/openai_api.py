@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
-from miles.net import bind, url_of
+from miles.net import ServerThread, bind, serve_app
 from miles.rollout.agent import ChatFormat
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -282,8 +282,7 @@ def build_app(store: SessionStore) -> FastAPI:
 class RunningSessionServer:
     url: str
     store: SessionStore
-    _server: object
-    _thread: threading.Thread
+    http: ServerThread
 
     def base_url(self, session_id: str) -> str:
         return f"{self.url}/sessions/{session_id}/v1"
@@ -292,32 +291,16 @@ class RunningSessionServer:
         return self.store.create(session_id)
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self.http.stop()
 
 
 def start_session_server(engine_url: str, tokenizer_path: str, host: str = "127.0.0.1", port: int = 0,
                          **store_kwargs) -> RunningSessionServer:
     """Serve the session endpoint on a daemon thread in front of `engine_url`; returns once it answers."""
-    import httpx
-    import uvicorn
-
-
     store = SessionStore(engine_url, load_tokenizer(tokenizer_path), **store_kwargs)
-    sock = bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(build_app(store), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-sessions", daemon=True)
-    thread.start()
-    url = url_of(sock, host)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"{url}/sessions/none/trajectory", timeout=2)
-            return RunningSessionServer(url, store, server, thread)
-        except httpx.TransportError:
-            time.sleep(0.05)
-    server.should_exit = True
-    raise RuntimeError(f"session server at {url} did not start within 30s")
+    http = serve_app(build_app(store), bind(host, port), host, what="session server",
+                     ready_path="/sessions/none/trajectory", startup_timeout_s=30, lifespan="off")
+    return RunningSessionServer(http.url, store, http)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,17 @@ from miles.net import bearer_headers
 from miles.sync.transports.base import TransportError
 
 
+def reconnect(transport, engine_urls: list[str], timeout_s: float) -> EngineClient:
+    """How an HTTP transport's `connect` begins: refuse an empty engine list, close what an earlier
+    connect opened, keep the URLs (no trailing slash) as `transport.engine_urls`, and return a fresh
+    client carrying the transport's admin token."""
+    if not engine_urls:
+        raise ValueError("connect: no engine URLs given")
+    transport.close()
+    transport.engine_urls = [u.rstrip("/") for u in engine_urls]
+    return EngineClient(transport.admin_token, timeout_s)
+
+
 class EngineClient:
     def __init__(self, admin_token: str | None = None, timeout_s: float = 120.0):
         import httpx

@@ -17,20 +17,28 @@ from pathlib import Path
 STAGING_SUFFIX = ".staging"
 
 
+def _dcp_state(trainer, optimizers) -> dict:
+    """The sharded state DCP saves and loads in place: model and optimizer, and the critic's when there
+    is one (keys "model", "optim", "critic", "critic_optim")."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.model, optimizers)
+    state = {"model": model_sd, "optim": optim_sd}
+    if trainer.critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(trainer.critic, trainer.critic_optim)
+    return state
+
+
 def save_trainer_state(trainer, path: str) -> None:
     """Collective: every rank writes its shards under `path`."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     with trainer.optim.materialized() as optimizers:
-        model_sd, optim_sd = get_state_dict(trainer.model, optimizers)
-        state = {"model": model_sd, "optim": optim_sd}
-        if trainer.critic is not None:
-            state["critic"], state["critic_optim"] = get_state_dict(trainer.critic, trainer.critic_optim)
+        state = _dcp_state(trainer, optimizers)
         dcp.save(state, checkpoint_id=str(out / "dcp"))
     local = {
         "step": trainer.step,
@@ -47,16 +55,13 @@ def save_trainer_state(trainer, path: str) -> None:
 def load_trainer_state(trainer, path: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     src = Path(path)
     if not (src / "dcp").is_dir():
         raise FileNotFoundError(f"{path} is not a miles trainer checkpoint (no dcp/ folder inside)")
     with trainer.optim.materialized() as optimizers:
-        model_sd, optim_sd = get_state_dict(trainer.model, optimizers)
-        state = {"model": model_sd, "optim": optim_sd}
-        if trainer.critic is not None:
-            state["critic"], state["critic_optim"] = get_state_dict(trainer.critic, trainer.critic_optim)
+        state = _dcp_state(trainer, optimizers)
         dcp.load(state, checkpoint_id=str(src / "dcp"))
         set_state_dict(trainer.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if trainer.critic is not None:

@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from miles.net import free_port
+
 pytestmark = pytest.mark.e2e
 
 TOKEN = "rollout-test-token"
@@ -50,9 +52,7 @@ def hanging_url():
 
 
 def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens here once closed
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
 def manager(model_dir, urls, rollout=None, buffer=None, router_url=None):

@@ -1,7 +1,6 @@
 """The live dashboard in a real headless Chromium: the page runs its script, shows the run's latest
 figures, loads every plot, and picks up new steps as metrics.jsonl grows."""
 
-import json
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ from miles.metrics.dashboard import Dashboard
 from miles.metrics.plots import PLOTS
 from miles.metrics.sink import JsonlSink
 from miles.metrics.timers import derive
+from tests.helpers.runs import new_run
 
 pytestmark = pytest.mark.e2e
 
@@ -48,9 +48,7 @@ def write_step(sink: JsonlSink, k: int) -> None:
 
 def test_dashboard_page_shows_latest_step_and_plots_and_follows_the_run(tmp_path):
     run = tmp_path / "live-run"
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({"loop": {"num_steps": 4}}))
-    sink = JsonlSink(run / "metrics.jsonl")
+    sink = new_run(run, 4)
     sink.write(0, {"eval/accuracy": 0.3})
     for k in (1, 2):
         write_step(sink, k)

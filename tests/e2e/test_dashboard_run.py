@@ -3,7 +3,6 @@ it trains, mirrors metrics to TensorBoard and offline W&B, records the per-step 
 and `miles report` turns the finished run directory into plots and a summary."""
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -12,13 +11,9 @@ import urllib.request
 
 import pytest
 
+from miles.net import free_port
+
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_run_with_dashboard_sinks_and_report(tiny_model_dir, tmp_path, ray_cluster):
@@ -26,7 +21,7 @@ def test_run_with_dashboard_sinks_and_report(tiny_model_dir, tmp_path, ray_clust
     from miles.config.run import RunConfig
     from miles.orchestration.driver import run_train
 
-    port = _free_port()
+    port = free_port()
     cfg = load_config(RunConfig, None, {
         "model.path": tiny_model_dir, "run.output_dir": str(tmp_path), "run.name": "observed",
         "loop.num_steps": "2", "eval.every_steps": "2", "eval.num_prompts": "8", "eval.max_new_tokens": "4",

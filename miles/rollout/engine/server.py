@@ -15,15 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import threading
-import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from miles.config.flags import load_server_config
-from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
+from miles.net import UNAUTHORIZED, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.sampler import SamplingParams
@@ -145,19 +143,18 @@ def build_app(engine) -> FastAPI:
         engine.continue_generation()
         return {"success": True, "message": "generation continued"}
 
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request):
-        require_admin(request)
-        tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
-        await asyncio.to_thread(engine.release_memory, tags)
-        return {"success": True, "message": f"released {list(tags)}"}
+    def memory_route(name: str, act, done: str) -> None:
+        """POST /<name>: an admin call that applies `act` to the memory tags in the body."""
+        async def route(request: Request):
+            require_admin(request)
+            tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
+            await asyncio.to_thread(act, tags)
+            return {"success": True, "message": f"{done} {list(tags)}"}
 
-    @app.post("/resume_memory_occupation")
-    async def resume_memory_occupation(request: Request):
-        require_admin(request)
-        tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
-        await asyncio.to_thread(engine.resume_memory, tags)
-        return {"success": True, "message": f"resumed {list(tags)}"}
+        app.add_api_route(f"/{name}", route, methods=["POST"], name=name)
+
+    memory_route("release_memory_occupation", engine.release_memory, "released")
+    memory_route("resume_memory_occupation", engine.resume_memory, "resumed")
 
     @app.get("/metrics")
     async def metrics():
@@ -206,53 +203,34 @@ def prometheus_text(engine) -> str:
 
 @dataclass
 class RunningServer:
-    """An engine served by uvicorn on a daemon thread of this process."""
+    """An engine served on a daemon thread of this process."""
 
     url: str
     engine: object
-    _server: object
-    _thread: threading.Thread
+    http: ServerThread
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self.http.stop()
         self.engine.stop()
 
 
-def _uvicorn_server(engine, log_level: str = "warning"):
-    import uvicorn
-
-    # Keep-alive outlives the clients' idle-connection expiry (httpx: 5 s): with equal timeouts a client
-    # can reuse a connection in the instant the server closes it and get no response at all.
-    return uvicorn.Server(uvicorn.Config(build_app(engine), log_level=log_level, lifespan="off",
-                                         timeout_graceful_shutdown=5, timeout_keep_alive=65))
+# Keep-alive outlives the clients' idle-connection expiry (httpx: 5 s): with equal timeouts a client
+# can reuse a connection in the instant the server closes it and get no response at all.
+_UVICORN_OPTIONS = {"lifespan": "off", "timeout_graceful_shutdown": 5, "timeout_keep_alive": 65}
 
 
 def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -> RunningServer:
     """Load the engine, serve it on a daemon thread, and return once /health answers."""
-    import httpx
-
     from miles.rollout.engine.engine import Engine  # torch: only once an engine is built, never at --help
 
     engine = Engine(config)
-    sock = bind(config.host, config.port)
-    server = _uvicorn_server(engine)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-engine-http",
-                              daemon=True)
-    thread.start()
-    url = url_of(sock, config.host)
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return RunningServer(url, engine, server, thread)
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            engine.stop()
-            raise RuntimeError(f"engine server at {url} did not answer /health within {startup_timeout_s}s")
-        time.sleep(0.05)
+    try:
+        http = serve_app(build_app(engine), bind(config.host, config.port), config.host, what="engine server",
+                         ready_path="/health", startup_timeout_s=startup_timeout_s, **_UVICORN_OPTIONS)
+    except RuntimeError:
+        engine.stop()
+        raise
+    return RunningServer(http.url, engine, http)
 
 
 _SERVE_USAGE = """usage: miles serve --model DIR [--port P] [--host H] [--admin-token T] [--KEY VALUE ...]
@@ -288,12 +266,14 @@ def parse_args(argv=None) -> tuple[EngineConfig, str]:
 def main(argv=None) -> int:
     """Serve in the foreground until SIGINT/SIGTERM."""
     config, log_level = parse_args(argv)  # before the heavy import: --help answers at once
+    import uvicorn
+
     from miles.rollout.engine.engine import Engine
 
     logging.basicConfig(level=log_level.upper())
     engine = Engine(config)
     sock = bind(config.host, config.port)
-    server = _uvicorn_server(engine, log_level)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), log_level=log_level, **_UVICORN_OPTIONS))
     # Parents that started us with --port 0 read the URL from this line.
     print(f"miles engine serving {config.model_path} at {url_of(sock, config.host)}", flush=True)
     try:

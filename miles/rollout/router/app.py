@@ -14,18 +14,13 @@ Non-goals: the routing decisions themselves (policy.py).
 # `Request` is imported inside build_app so that loading a run config never imports FastAPI.
 import asyncio
 import logging
-import re
-import subprocess
 import sys
-import threading
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from miles.config import ConfigError
 from miles.config.flags import load_server_config
-from miles.net import UNAUTHORIZED, bearer_ok, bind, url_of
-from miles.rollout.engine.process import terminate
+from miles.net import UNAUTHORIZED, ServerProcess, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.policy import Router
@@ -132,85 +127,35 @@ def build_app(router: Router):
 
 @dataclass
 class RunningRouter:
-    """A built-in router served by uvicorn on a daemon thread of this process."""
+    """A built-in router served on a daemon thread of this process."""
 
     url: str
     router: Router
-    _server: object
-    _thread: threading.Thread
+    http: ServerThread
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self.http.stop()
 
 
 def start_router_thread(config: RouterConfig, worker_urls: list[str], health: HealthConfig | None = None,
                         startup_timeout_s: float = 30.0) -> RunningRouter:
     """Serve a built-in router on a daemon thread of this process; returns once it answers."""
-    import httpx
-    import uvicorn
-
     router = Router(config, worker_urls, health)
-    sock = bind(config.host, config.port)
-    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="miles-router", daemon=True)
-    thread.start()
-    url = url_of(sock, config.host)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline and thread.is_alive():
-        try:
-            httpx.get(url + "/list_workers", timeout=2)
-            return RunningRouter(url, router, server, thread)
-        except httpx.TransportError:
-            time.sleep(0.05)
-    server.should_exit = True
-    raise RuntimeError(f"router at {url} did not start within {startup_timeout_s}s")
+    http = serve_app(build_app(router), bind(config.host, config.port), config.host, what="router",
+                     ready_path="/list_workers", startup_timeout_s=startup_timeout_s, lifespan="on",
+                     timeout_graceful_shutdown=5)
+    return RunningRouter(http.url, router, http)
 
 
-class RouterProcess:
+class RouterProcess(ServerProcess):
     """The built-in router in a child process (`python -m miles.rollout.router`); `.url`, `.stop()`."""
 
     def __init__(self, worker_urls: list[str], *, extra_args: list[str] | None = None,
                  startup_timeout_s: float = 60.0):
-        import httpx
-
         cmd = [sys.executable, "-m", "miles.rollout.router", "--port", "0", "--worker-urls", *worker_urls,
                *(extra_args or [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        self.url: str | None = None
-        found = threading.Event()
-
-        def drain() -> None:
-            for line in self.proc.stdout:
-                self.output.append(line)
-                m = re.search(r"miles router serving .* at (http://\S+)", line)
-                if m and self.url is None:
-                    self.url = m.group(1)
-                    found.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + startup_timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if found.wait(0.1):
-                try:
-                    httpx.get(self.url + "/list_workers", timeout=2)
-                    return
-                except httpx.TransportError:
-                    pass
-        self.stop()
-        raise RuntimeError(f"router process did not start within {startup_timeout_s}s; its output:\n"
-                           f"{''.join(self.output[-50:])}")
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        terminate(self.proc, timeout_s)
-
-    def __enter__(self) -> "RouterProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(cmd, url_line=r"miles router serving .* at (http://\S+)", ready_path="/list_workers",
+                         startup_timeout_s=startup_timeout_s, what="router process")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from miles.rollout.engine import protocol
 from miles.sync import verify
-from miles.sync.engine_client import EngineClient
+from miles.sync.engine_client import reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
 
@@ -107,13 +107,9 @@ class BroadcastTransport:
     def connect(self, engine_urls: list[str]) -> None:
         import torch.distributed as dist
 
-        if not engine_urls:
-            raise ValueError("connect: no engine URLs given")
-        self.close()
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._http = reconnect(self, engine_urls, self.timeout_s + 30)
         world = 1 + len(self.engine_urls)
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._http = EngineClient(self.admin_token, self.timeout_s + 30)
         # wait_for_workers=False: engines connect only after our POSTs reach them.
         self._store = dist.TCPStore(self.master_address, self.master_port, world, is_master=True,
                                     wait_for_workers=False, timeout=timeout)

@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING
 
 from miles.sync import shm
-from miles.sync.engine_client import EngineClient
+from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
 from miles.sync.transports.p2p import is_local
@@ -45,15 +45,11 @@ class ColocatedTransport:
         return cls(admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes)
 
     def connect(self, engine_urls: list[str]) -> None:
-        if not engine_urls:
-            raise ValueError("connect: no engine URLs given")
         far = [u for u in engine_urls if not is_local(u)]
         if far:
             raise TransportError(f"colocated transport: engine(s) {far} are not on this machine; use sync.transport "
                                  "= 'p2p' or 'broadcast' for engines on other hosts")
-        self.close()
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self._client = EngineClient(self.admin_token, self.timeout_s)
+        self._client = reconnect(self, engine_urls, self.timeout_s)
         self._path, self._buf = shm.create(self.buffer_bytes, tag="colo")
         self._fresh, self._failed = True, None
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from miles.config.loader import ConfigError
-from miles.sync.engine_client import EngineClient
+from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
 
@@ -257,11 +257,7 @@ class DiskDeltaTransport:
                    admin_token=admin_token, timeout_s=cfg.timeout_s)
 
     def connect(self, engine_urls: list[str]) -> None:
-        if not engine_urls:
-            raise ValueError("connect: no engine URLs given")
-        self.close()
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self._client = EngineClient(self.admin_token, self.timeout_s)
+        self._client = reconnect(self, engine_urls, self.timeout_s)
         if self._prev is None:
             self._prev = load_base(self.base_path)
         os.makedirs(self.delta_dir, exist_ok=True)

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 from miles.config.loader import ConfigError
 from miles.sync import shm
-from miles.sync.engine_client import EngineClient
+from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
 from miles.sync.transports.broadcast import BroadcastTransport
@@ -95,11 +95,7 @@ class P2PTransport:
         return cls(mode=cfg.p2p_mode, admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes)
 
     def connect(self, engine_urls: list[str]) -> None:
-        if not engine_urls:
-            raise ValueError("connect: no engine URLs given")
-        self.close()
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self._client = EngineClient(self.admin_token, self.timeout_s)
+        self._client = reconnect(self, engine_urls, self.timeout_s)
         local = [u for u in self.engine_urls if self.mode == "shm" or (self.mode == "auto" and is_local(u))]
         remote = [u for u in self.engine_urls if u not in local]
         for url, r in zip(local, self._client.post_all(local, "/p2p_open_buffer", {"nbytes": self.buffer_bytes})):

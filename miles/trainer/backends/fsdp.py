@@ -82,12 +82,7 @@ class FSDPTrainer:
         model = load_model(self.model_path, "float32")
         if cfg.lora.rank:
             model = apply_lora(model, cfg.lora)
-        if self.world_size > 1:
-            # One rank has nothing to shard: FSDP's hooks and DTensor dispatch would be pure cost.
-            mesh = init_device_mesh("cpu", (self.world_size,))
-            for layer in _decoder_layers(model):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+        _shard(model, self.world_size)
         model.train()
         return model, self.world_size
 
@@ -95,11 +90,7 @@ class FSDPTrainer:
         critic = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, dtype=torch.float32,
                                                                  attn_implementation="sdpa")
         torch.nn.init.zeros_(critic.score.weight)  # start from V = 0 rather than random values
-        if self.world_size > 1:
-            mesh = init_device_mesh("cpu", (self.world_size,))
-            for layer in _decoder_layers(critic):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(critic, mesh=mesh)
+        _shard(critic, self.world_size)
         critic.train()
         self.critic = critic
         self.critic_optim = torch.optim.AdamW(critic.parameters(), lr=self.algorithm.cfg.critic_lr,
@@ -290,6 +281,16 @@ def clip_grad_norm(params, max_norm: float) -> float:
                 for p in group:
                     p.grad.mul_(coef)
     return total
+
+
+def _shard(model, world_size: int) -> None:
+    """FSDP2 over all ranks: each decoder layer, then the root module."""
+    if world_size <= 1:
+        return  # one rank has nothing to shard: FSDP's hooks and DTensor dispatch would be pure cost
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _decoder_layers(model):

@@ -13,15 +13,13 @@ import pytest
 
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.report import main
-from miles.metrics.sink import JsonlSink
+from tests.helpers.runs import new_run
 
 
 @pytest.fixture()
 def run_dir(tmp_path):
     run = tmp_path / "finished"
-    run.mkdir()
-    (run / "config.json").write_text(json.dumps({"loop": {"num_steps": 1}}))
-    sink = JsonlSink(run / "metrics.jsonl")
+    sink = new_run(run, 1)
     sink.write(0, {"eval/accuracy": 0.25})
     sink.write(1, {"rollout/reward_mean": 0.5, "perf/step_s": 2.0, "eval/accuracy": 0.5})
     sink.close()

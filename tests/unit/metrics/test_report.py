@@ -12,14 +12,13 @@ from miles.metrics.report import main
 from miles.metrics.run_data import load_run
 from miles.metrics.sink import JsonlSink
 from miles.metrics.timers import derive
+from tests.helpers.runs import new_run
 
 
 def make_run(path: Path, steps: int = 6, total: int | None = None, reward_slope: float = 0.05,
              stale: bool = False) -> Path:
     """A run directory as `miles train` leaves it: config.json, metrics.jsonl, summary.json."""
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"loop": {"num_steps": total or steps}}))
-    sink = JsonlSink(path / "metrics.jsonl")
+    sink = new_run(path, total or steps)
     sink.write(0, {"eval/accuracy": 0.2, "eval/num_prompts": 64})
     for k in range(1, steps + 1):
         m = {"rollout/reward_mean": 0.2 + reward_slope * k, "rollout/samples_per_s": 40.0, "rollout/tokens_per_s": 160.0,

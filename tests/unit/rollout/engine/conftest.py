@@ -6,28 +6,9 @@ import httpx
 import pytest
 import torch
 
+from tests.helpers.models import build_varied_tiny_model
+
 ADMIN_TOKEN = "test-admin-token"
-
-
-def build_varied_tiny_model(out) -> str:
-    """The tiny-qwen3 preset with larger random weights.
-
-    The preset's default init gives near-uniform logits, so greedy decoding repeats one token and a
-    test comparing token sequences could not fail; std 0.1 gives varied, EOS-containing outputs.
-    """
-    from miles.models.loading import load_model, load_tokenizer
-    from miles.models.presets import build_tiny_model
-
-    build_tiny_model("tiny-qwen3", out)
-    model, tok = load_model(str(out)), load_tokenizer(str(out))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="session")

@@ -63,11 +63,17 @@ def test_calculator_episode_tool_call_then_answer():
     assert [r for r, _ in demonstration(task, use_tool=True)] == ["assistant", "tool", "assistant"]
 
 
-def test_terminal_tasks_are_solved_by_their_reference_and_failed_otherwise():
+@pytest.fixture
+def sandbox_here():
+    """Skips a test that needs the terminal sandbox where this machine cannot run it."""
     try:
         check_available()
     except SandboxUnavailable as e:
         pytest.skip(f"no sandbox here: {e}")
+
+
+@pytest.mark.usefixtures("sandbox_here")
+def test_terminal_tasks_are_solved_by_their_reference_and_failed_otherwise():
     env = TerminalEnv(max_commands=3)
     for t in TASKS:
         env.reset(Prompt(index=0, text=t.instruction, label=t.name))
@@ -84,11 +90,8 @@ def test_terminal_tasks_are_solved_by_their_reference_and_failed_otherwise():
         env.reset(Prompt(index=0, text="", label="nope"))
 
 
+@pytest.mark.usefixtures("sandbox_here")
 def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
-    try:
-        check_available()
-    except SandboxUnavailable as e:
-        pytest.skip(f"no sandbox here: {e}")
     env = TerminalEnv(max_commands=2)
     env.reset(Prompt(index=0, text="", label="hello_file"))
     garbled = env.step("ls\x00")

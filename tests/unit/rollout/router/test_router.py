@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+
+from miles.net import bind, free_port, serve_app
 
 
 def _rss_mb(pid: int) -> float:
@@ -94,13 +92,9 @@ def test_proxy_keeps_every_request_and_response_field_byte_for_byte():
     async def version():
         return {"weight_version": "7"}
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    edge = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    time.sleep(0.5)
-    r = start_router_thread(RouterConfig(), [edge])
+    edge = serve_app(app, bind("127.0.0.1", 0), "127.0.0.1", what="edge engine", ready_path="/health",
+                     startup_timeout_s=30, log_level="error", lifespan="off")
+    r = start_router_thread(RouterConfig(), [edge.url])
     try:
         sent = b'{"input_ids": [1, 2], "return_routed_experts": true, "custom": {"a": [1, 2.50]}}'
         resp = httpx.post(r.url + "/generate", content=sent, headers={"content-type": "application/json"})
@@ -110,7 +104,7 @@ def test_proxy_keeps_every_request_and_response_field_byte_for_byte():
         assert httpx.get(r.url + "/get_weight_version").json() == {"weight_version": 7}
     finally:
         r.stop()
-        server.should_exit = True
+        edge.stop()
 
 
 def test_engine_errors_pass_through_unchanged(router):
@@ -122,10 +116,7 @@ def test_no_reachable_engine_gives_503_naming_the_cause():
     from miles.rollout.liveness import HealthConfig
     from miles.rollout.router import RouterConfig, start_router_thread
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     r = start_router_thread(RouterConfig(), [dead], HealthConfig(interval_s=60))
     try:
         resp = httpx.post(r.url + "/generate", json={"input_ids": [1]})

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
 import pytest
+
+from miles.net import free_port
 
 
 BODY = {"input_ids": list(range(4, 20)), "return_logprob": True, "rid": "sg-1",
@@ -19,10 +20,7 @@ def sglang_router(engines):
     pytest.importorskip("sglang_router")
     from miles.rollout.router import RouterConfig, launch_sglang_router
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     proc = launch_sglang_router(RouterConfig(kind="sglang"), [e.url for e in engines], port)
     try:
         url = f"http://127.0.0.1:{port}"
