@@ -29,6 +29,7 @@ class Sample:
     response_text: str = ""
     label: str | None = None            # the reference answer, for verifiable rewards
     prompt_index: int = -1              # position of the prompt in the data source
+    metadata: dict = field(default_factory=dict)  # the prompt's metadata (data source row fields)
     # MoE runs with routing replay: the engine's top-k expert ids of every token it fed through the
     # model, base64 int32 (tokens, MoE layers, top_k) as SGLang returns it (models/moe.py). They cover
     # prompt + response - 1 tokens, or fewer when the last tokens never reached the engine

@@ -6,7 +6,7 @@ checkpoints can refer to. Non-goal: streaming large datasets from disk (a later 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from miles.config import ConfigError
 from miles.registry import RegistryError
 from miles.rollout.tasks import TASKS
@@ -43,9 +43,11 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class Prompt:
-    index: int
-    text: str
-    label: str
+    index: int                          # position in the source's order (the ledger key)
+    text: str                           # the prompt as text (a chat prompt: its rendered form, if any)
+    label: str | None                   # the reference answer, for verifiable rewards
+    messages: list[dict] | None = field(default=None, compare=False)  # a chat prompt's messages
+    metadata: dict = field(default_factory=dict, compare=False)       # the row's other fields
 
 
 class PromptSource:
