@@ -68,6 +68,14 @@ def cmd_sft(args, extra) -> int:
     return 0
 
 
+def cmd_eval(args, extra) -> int:
+    from miles.eval.standalone import run_eval
+
+    metrics = run_eval(_load(args.config, extra), out=args.out, metrics_dir=args.metrics_dir, step=args.step)
+    print(json.dumps(metrics))
+    return 0
+
+
 def cmd_serve(args, extra) -> int:
     from miles.rollout.engine.server import main as serve_main
 
@@ -114,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             s.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
         s.set_defaults(fn=fn)
+
+    s = sub.add_parser("eval", help="evaluate a checkpoint alone: eval/accuracy and every [[eval.sets]]",
+                       description="Evaluate a Hugging Face checkpoint with a run config's [eval] section "
+                       "(eval/accuracy and every [[eval.sets]]: pass@k, avg@k, maj@k, accuracy) on one built-in "
+                       "engine; prints one JSON object. Overrides as for train, e.g. --model.path DIR.")
+    s.add_argument("config", nargs="?", help="TOML config file")
+    s.add_argument("--out", metavar="FILE", help="also write the metrics to FILE as one JSON object")
+    s.add_argument("--metrics-dir", metavar="DIR", help="also append them to DIR/metrics.jsonl as step --step")
+    s.add_argument("--step", type=int, default=0, help="the step recorded in metrics.jsonl (default 0)")
+    s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("serve", help="serve one built-in engine over the engine HTTP API",
                        add_help=False, description="Options: --model DIR --port P [--host H] [--dtype D] "
