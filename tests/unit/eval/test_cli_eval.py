@@ -1,41 +1,26 @@
-"""`miles eval CONFIG --model.path DIR` on the tiny model: a real engine in a child `python -m miles.cli
-eval`, eval/accuracy and an eval set sampled n > 1 times, written to --out and to metrics.jsonl."""
+"""`miles eval CONFIG --model.path DIR` on the tiny model (the example config of docs/eval.md): a real
+engine in a child `python -m miles.cli eval`, eval/accuracy and an eval set sampled n > 1 times,
+written to --out and to metrics.jsonl."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
-CONFIG = """
-[rollout]
-max_new_tokens = 4
 
-[eval]
-num_prompts = 4
-max_new_tokens = 4
 
-[[eval.sets]]
-name = "sampled"
-num_prompts = 3
-n = 4
-k = [1, 2, 4]
-temperature = 1.0
-max_new_tokens = 4
-answer = "last_number"
-
-[[eval.sets]]
-name = "greedy3"
-num_prompts = 2
-n = 0
-task = { name = "arithmetic", digits = 3 }
-"""
+def doc_config() -> str:
+    """The runnable example of docs/eval.md, run as the page shows it."""
+    text = (ROOT / "docs" / "eval.md").read_text()
+    return re.search(r"<!-- file: eval.toml -->\n```toml\n(.*?)```", text, flags=re.S).group(1)
 
 
 def test_miles_eval_writes_every_sets_metrics(tmp_path, tiny_model_dir):
     cfg = tmp_path / "eval.toml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(doc_config())
     out = tmp_path / "out" / "metrics.json"
     cmd = [sys.executable, "-m", "miles.cli", "eval", str(cfg), "--model.path", tiny_model_dir, "--out", str(out),
            "--metrics-dir", str(tmp_path / "run")]
@@ -51,7 +36,7 @@ def test_miles_eval_writes_every_sets_metrics(tmp_path, tiny_model_dir):
     # pass@k never falls as k grows
     assert written["eval/sampled/pass@1"] <= written["eval/sampled/pass@2"] <= written["eval/sampled/pass@4"]
     assert written["eval/sampled/num_prompts"] == 3 and 0 <= written["eval/sampled/accuracy"] <= 1
-    assert "eval/greedy3/accuracy" in written and not any(k.startswith("eval/greedy3/pass@") for k in written)
+    assert "eval/three_digit/accuracy" in written and not any(k.startswith("eval/three_digit/pass@") for k in written)
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 0 and record["eval/sampled/pass@4"] == written["eval/sampled/pass@4"]
 
