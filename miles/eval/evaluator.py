@@ -34,7 +34,7 @@ class Evaluator:
         """eval/accuracy (greedy, the task's eval split) and each eval set's eval/<set>/... figures."""
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
         t0 = time.perf_counter()
-        samples = self._run(self.prompts, [params], self.groups.cfg.task)
+        samples = self._run(self.prompts, [params], self.groups.cfg.task, None)
         scores = self._scores(samples, None)
         out = {"eval/accuracy": accuracy(scores), "eval/num_prompts": len(samples),
                "eval/time_s": time.perf_counter() - t0}
@@ -50,13 +50,13 @@ class Evaluator:
         out: dict[str, float] = {"num_prompts": len(prompts)}
         if s.greedy:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens)
-            out["accuracy"] = accuracy(self._scores(self._run(prompts, [greedy], task), reward_fn))
+            out["accuracy"] = accuracy(self._scores(self._run(prompts, [greedy], task, reward_fn), reward_fn))
         if s.n >= 1:
             salt = zlib.crc32(s.name.encode())
             params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens, seed=(self.seed * 1_000_003 + salt + j) & 0x7FFFFFFF)
                       for j in range(s.n)]
-            samples = self._run(prompts, params, task)
+            samples = self._run(prompts, params, task, reward_fn)
             flat = self._scores(samples, reward_fn)
             scores = [flat[i * s.n:(i + 1) * s.n] for i in range(len(prompts))]
             answers = None
@@ -68,11 +68,12 @@ class Evaluator:
         out["time_s"] = time.perf_counter() - t0
         return out
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], task: TaskConfig) -> list:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], task: TaskConfig, reward_fn) -> list:
         """Every prompt once per entry of `params` (prompt-major order), all requests concurrently.
 
         A request's seed is made per prompt so that a prompt's samples differ from each other and from
-        another prompt's, yet are the same at every evaluation."""
+        another prompt's, yet are the same at every evaluation. A plugged-in generate function scores
+        with `reward_fn` (the set's own reward) when one is given."""
         g, admin = self.groups, self.groups.admin
         jobs = []
         for i, p in enumerate(prompts):
@@ -83,11 +84,15 @@ class Evaluator:
                     sp = dataclasses.replace(sp, seed=(sp.seed + 7919 * p.index) & 0x7FFFFFFF)
                 if g.generate_fn is not None:
                     jobs.append(lambda c, url=url, p=p, sp=sp, j=j: g.generate_fn(
-                        g.context(c, url), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
+                        self._context(c, url, reward_fn), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
                 else:
                     jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(c, url, ids, sp, label=p.label,
                                                                                  prompt_index=p.index))
         return run_jobs(jobs, g.cfg.request_timeout_s)
+
+    def _context(self, client, url: str, reward_fn):
+        ctx = self.groups.context(client, url)
+        return ctx if reward_fn is None else dataclasses.replace(ctx, reward_fn=reward_fn)
 
     def _encode(self, p: Prompt, task: TaskConfig) -> list[int]:
         if task is self.groups.cfg.task:
