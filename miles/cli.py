@@ -25,6 +25,16 @@ def _load(path: str | None, extra: list[str]):
         sys.exit(f"miles: config error: {e}")
 
 
+def _without_config(config: str | None, extra: list[str]) -> tuple[str | None, list[str]]:
+    """Without a TOML file argparse takes the first override's value as `config`: then (None, the
+    overrides with that value put back after its key); otherwise (config, extra) unchanged."""
+    gap = next((i for i, tok in enumerate(extra) if tok.startswith("--") and "=" not in tok
+                and (i + 1 == len(extra) or extra[i + 1].startswith("--"))), None)
+    if config is None or gap is None:
+        return config, extra
+    return None, extra[:gap + 1] + [config] + extra[gap + 1:]
+
+
 def cmd_init_model(args, extra) -> int:
     from miles.models.presets import PRESETS, build_tiny_model
 
@@ -45,14 +55,10 @@ def cmd_train(args, extra) -> int:
         if not saved.is_file():
             sys.exit(f"miles train: --resume {args.resume}: no config.json there; pass a run directory "
                      "written by `miles train`")
-        if args.config:
-            # Without a TOML file argparse takes the first override's value as `config`; put it back.
-            gap = next((i for i, tok in enumerate(extra) if tok.startswith("--") and "=" not in tok
-                        and (i + 1 == len(extra) or extra[i + 1].startswith("--"))), None)
-            if gap is None:
-                sys.exit("miles train: --resume reads the run's own config.json; pass overrides as --KEY VALUE, "
-                         "not a TOML file")
-            extra = extra[:gap + 1] + [args.config] + extra[gap + 1:]
+        config, extra = _without_config(args.config, extra)
+        if config:
+            sys.exit("miles train: --resume reads the run's own config.json; pass overrides as --KEY VALUE, "
+                     "not a TOML file")
         summary = run_train(_load(str(saved), extra), resume=args.resume)
     else:
         summary = run_train(_load(args.config, extra))
@@ -71,7 +77,8 @@ def cmd_sft(args, extra) -> int:
 def cmd_eval(args, extra) -> int:
     from miles.eval.standalone import run_eval
 
-    metrics = run_eval(_load(args.config, extra), out=args.out, metrics_dir=args.metrics_dir, step=args.step)
+    config, extra = _without_config(args.config, extra)
+    metrics = run_eval(_load(config, extra), out=args.out, metrics_dir=args.metrics_dir, step=args.step)
     print(json.dumps(metrics))
     return 0
 

@@ -47,3 +47,13 @@ def test_miles_eval_refuses_a_bad_set_before_starting(tmp_path, tiny_model_dir):
     proc = subprocess.run([sys.executable, "-m", "miles.cli", "eval", str(cfg), "--model.path", tiny_model_dir],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "eval.sets[0] (x).k: 3 is outside 1..n" in proc.stderr
+
+
+def test_miles_eval_without_a_config_file_takes_overrides_only(tmp_path, tiny_model_dir):
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "miles.cli", "eval", "--model.path", tiny_model_dir,
+                           "--eval.num_prompts", "2", "--eval.max_new_tokens", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    written = json.loads(out.read_text())
+    assert written["eval/num_prompts"] == 2 and not any(k.count("/") > 1 for k in written)
