@@ -68,7 +68,8 @@ class EvalSetConfig:
         if self.n < 0:
             raise ConfigError(f"{where}.n must be >= 0 (0 = greedy accuracy only)")
         if self.n == 0 and not self.greedy:
-            raise ConfigError(f"{where}: n = 0 and greedy = false leave nothing to measure; set n >= 1 or greedy = true")
+            raise ConfigError(f"{where}: n = 0 and greedy = false leave nothing to measure; "
+                              "set n >= 1 or greedy = true")
         bad_k = [k for k in self.k if not 1 <= k <= self.n]
         if bad_k:
             raise ConfigError(f"{where}.k: {bad_k[0]} is outside 1..n (n = {self.n}); list k values between 1 and n")

@@ -52,9 +52,11 @@ class Evaluator:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens)
             out["accuracy"] = accuracy(self._scores(self._run(prompts, [greedy], task, reward_fn), reward_fn))
         if s.n >= 1:
-            salt = zlib.crc32(s.name.encode())
+            # Seeds fixed by run seed, set name (crc32: str hashes are salted per process) and sample
+            # number; _run adds the prompt.
+            base = self.seed * 1_000_003 + zlib.crc32(s.name.encode())
             params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                     max_new_tokens=s.max_new_tokens, seed=(self.seed * 1_000_003 + salt + j) & 0x7FFFFFFF)
+                                     max_new_tokens=s.max_new_tokens, seed=(base + j) & 0x7FFFFFFF)
                       for j in range(s.n)]
             samples = self._run(prompts, params, task, reward_fn)
             flat = self._scores(samples, reward_fn)
