@@ -102,8 +102,12 @@ def rows_of(cls, prefix: str, skip: set[str] = frozenset()):
             raise MissingDocstring(f"{cls.__module__}.{cls.__qualname__}.{f.name} has no docstring: write a "
                                    f"one-line string literal on the line below the field")
         tp = hints[f.name]
+        item = (typing.get_args(tp) or (None,))[0] if typing.get_origin(tp) is list else None
         if dataclasses.is_dataclass(tp):
             nested.append((tp, dotted, docs[f.name]))
+        elif dataclasses.is_dataclass(item):  # a list of tables: [[dotted]]
+            rows.append((dotted, f"list of [[{dotted}]] tables", default_text(f), docs[f.name]))
+            nested.append((item, f"[{dotted}]", docs[f.name]))
         else:
             rows.append((dotted, type_name(tp), default_text(f), docs[f.name]))
     return rows, nested

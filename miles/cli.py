@@ -25,6 +25,16 @@ def _load(path: str | None, extra: list[str]):
         sys.exit(f"miles: config error: {e}")
 
 
+def _without_config(config: str | None, extra: list[str]) -> tuple[str | None, list[str]]:
+    """Without a TOML file argparse takes the first override's value as `config`: then (None, the
+    overrides with that value put back after its key); otherwise (config, extra) unchanged."""
+    gap = next((i for i, tok in enumerate(extra) if tok.startswith("--") and "=" not in tok
+                and (i + 1 == len(extra) or extra[i + 1].startswith("--"))), None)
+    if config is None or gap is None:
+        return config, extra
+    return None, extra[:gap + 1] + [config] + extra[gap + 1:]
+
+
 def cmd_init_model(args, extra) -> int:
     from miles.models.presets import PRESETS, build_tiny_model
 
@@ -45,14 +55,10 @@ def cmd_train(args, extra) -> int:
         if not saved.is_file():
             sys.exit(f"miles train: --resume {args.resume}: no config.json there; pass a run directory "
                      "written by `miles train`")
-        if args.config:
-            # Without a TOML file argparse takes the first override's value as `config`; put it back.
-            gap = next((i for i, tok in enumerate(extra) if tok.startswith("--") and "=" not in tok
-                        and (i + 1 == len(extra) or extra[i + 1].startswith("--"))), None)
-            if gap is None:
-                sys.exit("miles train: --resume reads the run's own config.json; pass overrides as --KEY VALUE, "
-                         "not a TOML file")
-            extra = extra[:gap + 1] + [args.config] + extra[gap + 1:]
+        config, extra = _without_config(args.config, extra)
+        if config:
+            sys.exit("miles train: --resume reads the run's own config.json; pass overrides as --KEY VALUE, "
+                     "not a TOML file")
         summary = run_train(_load(str(saved), extra), resume=args.resume)
     else:
         summary = run_train(_load(args.config, extra))
@@ -65,6 +71,15 @@ def cmd_sft(args, extra) -> int:
 
     summary = run_sft(_load(args.config, extra))
     print(json.dumps(summary))
+    return 0
+
+
+def cmd_eval(args, extra) -> int:
+    from miles.eval.standalone import run_eval
+
+    config, extra = _without_config(args.config, extra)
+    metrics = run_eval(_load(config, extra), out=args.out, metrics_dir=args.metrics_dir, step=args.step)
+    print(json.dumps(metrics))
     return 0
 
 
@@ -114,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             s.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
         s.set_defaults(fn=fn)
+
+    s = sub.add_parser("eval", help="evaluate a checkpoint alone: eval/accuracy and every [[eval.sets]]",
+                       description="Evaluate a Hugging Face checkpoint with a run config's [eval] section "
+                       "(eval/accuracy and every [[eval.sets]]: pass@k, avg@k, maj@k, accuracy) on one built-in "
+                       "engine; prints one JSON object. Overrides as for train, e.g. --model.path DIR.")
+    s.add_argument("config", nargs="?", help="TOML config file")
+    s.add_argument("--out", metavar="FILE", help="also write the metrics to FILE as one JSON object")
+    s.add_argument("--metrics-dir", metavar="DIR", help="also append them to DIR/metrics.jsonl as step --step")
+    s.add_argument("--step", type=int, default=0, help="the step recorded in metrics.jsonl (default 0)")
+    s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("serve", help="serve one built-in engine over the engine HTTP API",
                        add_help=False, description="Options: --model DIR --port P [--host H] [--dtype D] "

@@ -1,5 +1,5 @@
-"""What the rollout side is told: engines, sampling, prompts, rewards (RolloutConfig) and held-out
-evaluation (EvalConfig).
+"""What the rollout side is told: engines, sampling, prompts, rewards (RolloutConfig). Held-out
+evaluation (EvalConfig) is configured in miles/eval/config.py and re-exported here.
 
 The built-in engine's own config is nested as `rollout.engine`, so every engine setting can be set
 from a run config; the run fills in what only it knows (model path, admin token, per-engine seed).
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.config import ConfigError
+from miles.eval.config import EvalConfig  # noqa: F401  (re-exported: rollout callers import it from here)
 from miles.rollout.agent import AgentConfig, get_generate_fn
 from miles.rollout.data_source import TaskConfig
 from miles.rollout.engine.config import EngineConfig
@@ -123,17 +124,3 @@ class RolloutConfig:
             get_reward_fn(self.reward)
         except ValueError as e:
             raise ConfigError(f"rollout.reward: {e}") from None
-
-
-@dataclass
-class EvalConfig:
-    every_steps: int = 10
-    """Evaluate every this many steps (0 = only before and after training)."""
-    num_prompts: int = 256
-    """Held-out prompts per evaluation (greedy decoding)."""
-    max_new_tokens: int = 16
-    """Longest eval response in tokens."""
-
-    def validate(self) -> None:
-        if self.every_steps < 0 or self.num_prompts < 1:
-            raise ConfigError("eval.every_steps must be >= 0 and eval.num_prompts >= 1")

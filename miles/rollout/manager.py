@@ -3,7 +3,6 @@ data buffer and composes the parts that do the work:
 
     group.py         GroupGenerator: one prompt's samples, generated (partial rollout included), scored
     producer.py      Producer: the fully-async background thread feeding the buffer
-    evaluator.py     Evaluator: greedy accuracy on the held-out split
     stats.py         SampleStats: rollout/... figures between two reports
     engine_admin.py  EngineAdmin: pause, continue, memory release/resume, aborts
 
@@ -12,6 +11,7 @@ Two ways to produce groups:
   into the buffer; `collect()` then hands the trainer what passed the buffer's rules.
 - `start_producer` (fully async): keeps up to `buffer.max_inflight_groups` groups in flight;
   `collect(n)` blocks for n groups.
+Evaluation (eval/accuracy and the eval sets) is miles/eval/evaluator.py's Evaluator.
 It never imports the trainer or the orchestrator. Non-goals: the router and engine health (separate parts).
 """
 
@@ -23,12 +23,12 @@ import time
 from typing import Literal
 
 from miles.buffer.data_buffer import BufferConfig, DataBuffer
+from miles.eval.evaluator import Evaluator
 from miles.models.loading import load_tokenizer
 from miles.rollout.agent import get_generate_fn
 from miles.rollout.config import EvalConfig, RolloutConfig
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.engine_admin import EngineAdmin
-from miles.rollout.evaluator import Evaluator
 from miles.rollout.group import GroupGenerator
 from miles.rollout.http import async_client, run_coroutine
 from miles.rollout.producer import Producer
@@ -47,8 +47,7 @@ class RolloutManager:
         self.groups = GroupGenerator(cfg, seed, load_tokenizer(model_path), get_reward_fn(cfg.reward), generate_fn,
                                      self.buffer, self.admin, threading.Event())
         self.producer = Producer(self.groups)
-        self.evaluator = Evaluator(eval_cfg, PromptSource(cfg.task, "eval", seed).take(eval_cfg.num_prompts),
-                                   self.groups)
+        self.evaluator = Evaluator(eval_cfg, self.groups, seed)
 
     # -- generation ------------------------------------------------------------------------------
     def set_versions(self, policy_version: int, weight_version: int | None = None) -> None:
@@ -106,7 +105,7 @@ class RolloutManager:
         self.producer.stop(timeout)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out split."""
+        """Greedy accuracy on the held-out split (eval/accuracy) and each eval set's eval/<set>/... figures."""
         return self.evaluator.evaluate()
 
     # -- buffer state ----------------------------------------------------------------------------

@@ -1,0 +1,113 @@
+"""Evaluator: the held-out greedy accuracy (`eval/accuracy`) and every configured eval set, generated
+through the same path as training (the built-in single-turn one, or the configured generate function,
+which scores its own samples) on the engines the run already has.
+
+Per eval set it draws the set's prompts once, then at each evaluation decodes each prompt greedily
+(`eval/<set>/accuracy`) and samples it n times with seeded requests (`eval/<set>/pass@k`, `avg@k`,
+`maj@k`; formulas in metrics.py). Non-goals: starting engines (standalone.py does that for
+`miles eval`), training-time statistics (rollout/stats.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+
+from miles.eval.config import EvalConfig, EvalSetConfig
+from miles.eval.metrics import accuracy, get_answer_fn, prompt_metrics
+from miles.rollout.data_source import Prompt, PromptSource, TaskConfig
+from miles.rollout.generate import SamplingParams, generate
+from miles.rollout.group import GroupGenerator
+from miles.rollout.http import run_jobs
+from miles.rollout.reward import get_reward_fn
+
+
+class Evaluator:
+    def __init__(self, cfg: EvalConfig, groups: GroupGenerator, seed: int = 0):
+        self.cfg, self.groups, self.seed = cfg, groups, seed
+        self.prompts = PromptSource(groups.cfg.task, "eval", seed).take(cfg.num_prompts)
+        self.set_prompts = {s.name: PromptSource(s.task or groups.cfg.task, s.split, seed).take(s.num_prompts)
+                            for s in cfg.sets}
+
+    def evaluate(self) -> dict[str, float]:
+        """eval/accuracy (greedy, the task's eval split) and each eval set's eval/<set>/... figures."""
+        params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
+        t0 = time.perf_counter()
+        samples = self._run(self.prompts, [params], self.groups.cfg.task, None)
+        scores = self._scores(samples, None)
+        out = {"eval/accuracy": accuracy(scores), "eval/num_prompts": len(samples),
+               "eval/time_s": time.perf_counter() - t0}
+        for s in self.cfg.sets:
+            out.update({f"eval/{s.name}/{k}": v for k, v in self.evaluate_set(s).items()})
+        return out
+
+    def evaluate_set(self, s: EvalSetConfig) -> dict[str, float]:
+        """One set's figures, keyed without the eval/<set>/ prefix."""
+        prompts, task = self.set_prompts[s.name], s.task or self.groups.cfg.task
+        reward_fn = get_reward_fn(s.reward) if s.reward else None
+        t0 = time.perf_counter()
+        out: dict[str, float] = {"num_prompts": len(prompts)}
+        if s.greedy:
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens)
+            out["accuracy"] = accuracy(self._scores(self._run(prompts, [greedy], task, reward_fn), reward_fn))
+        if s.n >= 1:
+            # Seeds fixed by run seed, set name (crc32: str hashes are salted per process) and sample
+            # number; _run adds the prompt.
+            base = self.seed * 1_000_003 + zlib.crc32(s.name.encode())
+            params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                     max_new_tokens=s.max_new_tokens, seed=(base + j) & 0x7FFFFFFF)
+                      for j in range(s.n)]
+            samples = self._run(prompts, params, task, reward_fn)
+            flat = self._scores(samples, reward_fn)
+            scores = [flat[i * s.n:(i + 1) * s.n] for i in range(len(prompts))]
+            answers = None
+            if "maj" in s.metrics:
+                answer_fn = get_answer_fn(s.answer)
+                texts = [x.response_text for x in samples]
+                answers = [[answer_fn(t) for t in texts[i * s.n:(i + 1) * s.n]] for i in range(len(prompts))]
+            out.update(prompt_metrics(scores, answers, s.ks, s.metrics))
+        out["time_s"] = time.perf_counter() - t0
+        return out
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], task: TaskConfig, reward_fn) -> list:
+        """Every prompt once per entry of `params` (prompt-major order), all requests concurrently.
+
+        A request's seed is made per prompt so that a prompt's samples differ from each other and from
+        another prompt's, yet are the same at every evaluation. A plugged-in generate function scores
+        with `reward_fn` (the set's own reward) when one is given."""
+        g, admin = self.groups, self.groups.admin
+        jobs = []
+        for i, p in enumerate(prompts):
+            url = admin.router_url or admin.urls[i % len(admin.urls)]
+            ids = None if g.generate_fn is not None else self._encode(p, task)
+            for j, sp in enumerate(params):
+                if sp.seed is not None:
+                    sp = dataclasses.replace(sp, seed=(sp.seed + 7919 * p.index) & 0x7FFFFFFF)
+                if g.generate_fn is not None:
+                    jobs.append(lambda c, url=url, p=p, sp=sp, j=j: g.generate_fn(
+                        self._context(c, url, reward_fn), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
+                else:
+                    jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(c, url, ids, sp, label=p.label,
+                                                                                 prompt_index=p.index))
+        return run_jobs(jobs, g.cfg.request_timeout_s)
+
+    def _context(self, client, url: str, reward_fn):
+        ctx = self.groups.context(client, url)
+        return ctx if reward_fn is None else dataclasses.replace(ctx, reward_fn=reward_fn)
+
+    def _encode(self, p: Prompt, task: TaskConfig) -> list[int]:
+        if task is self.groups.cfg.task:
+            return self.groups.encode(p.text)
+        if task.apply_chat_template:
+            return list(self.groups.tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
+                                                                  add_generation_prompt=True, tokenize=True))
+        return self.groups.tokenizer(p.text, add_special_tokens=False).input_ids
+
+    def _scores(self, samples: list, reward_fn) -> list[float]:
+        """Each sample's score: a plugged-in generate function's own reward, else the reward function's
+        (the set's own, or rollout.reward)."""
+        if self.groups.generate_fn is not None:
+            return [float(s.reward) for s in samples]
+        fn = reward_fn or self.groups.reward_fn
+        return [float(fn(s.response_text, s.label)) for s in samples]
