@@ -13,7 +13,8 @@ from miles.orchestration.faults import FaultConfig
 from miles.orchestration.loop import LoopConfig
 from miles.orchestration.placement import PlacementConfig
 from miles.orchestration.ray_cluster import RayConfig
-from miles.rollout.config import EvalConfig, RolloutConfig
+from miles.eval.config import EvalConfig
+from miles.rollout.config import RolloutConfig
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig
 from miles.sync.prepare import SyncConfig

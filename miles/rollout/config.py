@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.config import ConfigError
-from miles.eval.config import EvalConfig  # noqa: F401  (re-exported: rollout callers import it from here)
 from miles.rollout.agent import AgentConfig, get_generate_fn
 from miles.rollout.data_source import TaskConfig
 from miles.rollout.engine.config import EngineConfig

@@ -26,7 +26,8 @@ from miles.buffer.data_buffer import BufferConfig, DataBuffer
 from miles.eval.evaluator import Evaluator
 from miles.models.loading import load_tokenizer
 from miles.rollout.agent import get_generate_fn
-from miles.rollout.config import EvalConfig, RolloutConfig
+from miles.eval.config import EvalConfig
+from miles.rollout.config import RolloutConfig
 from miles.rollout.data_source import Prompt, PromptSource
 from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.group import GroupGenerator

@@ -57,7 +57,8 @@ def dead_url() -> str:
 
 def manager(model_dir, urls, rollout=None, buffer=None, router_url=None):
     from miles.buffer.data_buffer import BufferConfig
-    from miles.rollout.config import EvalConfig, RolloutConfig
+    from miles.eval.config import EvalConfig
+    from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
 
     rcfg = RolloutConfig(**{"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, **(rollout or {})})

@@ -194,7 +194,8 @@ def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequen
     from miles.models.moe import decode_routed_experts
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
-    from miles.rollout.config import EvalConfig, RolloutConfig
+    from miles.eval.config import EvalConfig
+    from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
     from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
     from miles.trainer.batching import sequences_from_groups

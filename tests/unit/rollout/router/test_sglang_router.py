@@ -60,7 +60,8 @@ def test_rollout_behind_the_sglang_router_needs_one_prompt_per_request(tiny_mode
     """The Rust router takes one prompt per /generate: with rollout.batch_requests (the default) a
     group fails with a warning that names the setting; with it off the same group is generated."""
     from miles.buffer.data_buffer import BufferConfig
-    from miles.rollout.config import EvalConfig, RolloutConfig
+    from miles.eval.config import EvalConfig
+    from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
 
     url, _ = sglang_router
