@@ -104,6 +104,8 @@ class RewardRunner:
         self.spec, self.cfg = spec, cfg or RewardConfig()
         self.components = load_components(spec, self.cfg)
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="reward")
+        # score_text's own loops, apart from the calls they wait on (one pool could wait on itself).
+        self._loops = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward-loop")
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self.calls = self.failed = 0  # over the whole run, for max_error_rate
@@ -228,7 +230,7 @@ class RewardRunner:
             asyncio.get_running_loop()
         except RuntimeError:
             return run()[0][0]
-        return self._threads.submit(run).result()[0][0]
+        return self._loops.submit(run).result()[0][0]
 
     # -- metrics and lifetime --------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:
@@ -261,3 +263,4 @@ class RewardRunner:
     def close(self) -> None:
         self._kill_pool()
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._loops.shutdown(wait=False, cancel_futures=True)

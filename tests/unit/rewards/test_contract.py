@@ -129,3 +129,15 @@ def test_weighted_combination_of_builtins_logs_each_component(tmp_path):
     m = runner.take_metrics()
     assert m["reward/math"] == pytest.approx(2 / 3) and m["reward/regex"] == pytest.approx(2 / 3)
     runner.close()
+
+
+def test_legacy_view_works_inside_a_running_event_loop(reward_file):
+    """ctx.reward_fn is called from generate functions, on the rollout's event loop."""
+    from miles.rollout.reward import get_reward_fn
+
+    fn = get_reward_fn(f"{reward_file}:slow_ok")
+
+    async def main():
+        return [fn("x", "y") for _ in range(12)]
+
+    assert asyncio.run(main()) == [0.0] * 12  # the prompt is empty here: slow_ok gives 0
