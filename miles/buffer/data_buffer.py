@@ -44,7 +44,8 @@ class BufferConfig:
     on_stale: Literal["retry", "drop"] = "drop"
     """What happens to a too-stale group: retry its prompt or drop it."""
     on_failure: Literal["retry", "drop"] = "retry"
-    """What happens to a group generation gave up on (timeout, abort, engine failure)."""
+    """What happens to a group generation gave up on (timeout, abort, engine failure, a failed reward
+    with rollout.reward_config.on_error = drop_group)."""
     max_retries: int = 2
     """Retries per prompt; after that a failed or stale group is discarded with its reason."""
     filter: str = "nonzero_std"

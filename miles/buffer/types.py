@@ -61,6 +61,7 @@ class Reason(str, enum.Enum):
     ENGINE_FAILURE = "engine_failure"      # the engine errored or could not be reached
     FILTERED = "filtered"                  # a group filter rejected it (default: all rewards equal)
     STALE = "stale"                        # its oldest weights were too far behind the policy
+    REWARD_ERROR = "reward_error"          # a reward call failed and reward_config.on_error = drop_group
 
 
 @dataclass

@@ -75,15 +75,19 @@ class GenerateContext:
 
 class GenerateFn(Protocol):
     async def __call__(self, ctx: GenerateContext, prompt, params, rid: str) -> Sample:
-        """Turn one data-source Prompt into one Sample with its reward filled in."""
+        """Turn one data-source Prompt into one Sample with its reward filled in (or, with the
+        function's `scores_itself = False`, left to the run's reward runner)."""
 
 
 async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
-    """One /generate call on the encoded prompt; scored by the run's reward function."""
+    """One /generate call on the encoded prompt; the reward runner scores it (scores_itself = False)."""
     s = await generate(ctx.client, ctx.url, ctx.encode(prompt.text), params, rid=rid, label=prompt.label,
                        prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
-    s.reward = float(ctx.reward_fn(s.response_text, s.label))
+    s.metadata = dict(getattr(prompt, "metadata", None) or {})
     return s
+
+
+single_turn.scores_itself = False  # type: ignore[attr-defined]
 
 
 async def multi_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:

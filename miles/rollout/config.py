@@ -15,8 +15,9 @@ from typing import Literal
 from miles.config import ConfigError
 from miles.rollout.agent import AgentConfig, get_generate_fn
 from miles.rollout.data_source import TaskConfig
+from miles.rewards.config import RewardConfig
+from miles.rewards.contract import load_components
 from miles.rollout.engine.config import EngineConfig
-from miles.rollout.reward import get_reward_fn
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -71,7 +72,11 @@ class RolloutConfig:
     """Ask the engines for the experts each token was routed to (MoE models) and keep them on the
     samples: the trainer then reports the routing mismatch, and can replay them (trainer.routing_replay)."""
     reward: str = "exact_match"
-    """Reward function by name or module:function."""
+    """Reward by name (exact_match, math, boxed_format, regex, weighted, text_parity), module:function or
+    path/to/file.py:function; the contract is in docs/rewards.md."""
+    reward_config: RewardConfig = field(default_factory=RewardConfig)
+    """How the reward runs: process pool, per-call timeout, fallback on errors, the error-rate stop,
+    and the settings of the regex and weighted rewards."""
     request_timeout_s: float = 300.0
     """Give up on one /generate after this many seconds."""
     batch_requests: bool = True
@@ -119,7 +124,8 @@ class RolloutConfig:
             get_generate_fn(self.generate_fn)
         except ValueError as e:
             raise ConfigError(f"rollout.generate_fn: {e}") from None
+        self.reward_config.validate()
         try:
-            get_reward_fn(self.reward)
+            load_components(self.reward, self.reward_config)
         except ValueError as e:
             raise ConfigError(f"rollout.reward: {e}") from None

@@ -1,4 +1,5 @@
-"""Per-group generation: all samples of one prompt, generated, scored and returned as one Group.
+"""Per-group generation: all samples of one prompt, generated, scored (by the reward runner,
+miles/rewards/runner.py) and returned as one Group.
 
 Requests for the n samples of one prompt go to the same engine (or through the router as one
 batched request), so a prefix cache there can share the prompt. A sample the engine aborts can
@@ -20,6 +21,7 @@ import time
 import httpx
 
 from miles.buffer.types import Group, Reason, Sample, SampleStatus
+from miles.rewards.runner import RewardRunner
 from miles.rollout.agent import GenerateContext
 from miles.rollout.config import RolloutConfig
 from miles.rollout.engine_admin import EngineAdmin
@@ -44,12 +46,16 @@ class GroupGenerator:
     evaluation. `stopping` set means the run is winding down: no sample is resumed, no failed group
     waits for the router."""
 
-    def __init__(self, cfg: RolloutConfig, seed: int, tokenizer, reward_fn, generate_fn, buffer, admin: EngineAdmin,
-                 stopping: threading.Event):
+    def __init__(self, cfg: RolloutConfig, seed: int, tokenizer, rewards: RewardRunner | None, generate_fn, buffer,
+                 admin: EngineAdmin, stopping: threading.Event):
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
-        self.reward_fn = reward_fn
-        # A plugged-in generate function scores its own samples; None keeps the built-in path below.
+        self.rewards = rewards
+        # The `(response, label) -> float` view of the runner: evaluation and ctx.reward_fn use it.
+        self.reward_fn = rewards.score_text if rewards is not None else None
+        # None keeps the built-in path below. A plugged-in generate function fills in its samples'
+        # rewards itself unless it declares `scores_itself = False`; then the runner scores them.
         self.generate_fn = generate_fn
+        self._runner_scores = generate_fn is None or not getattr(generate_fn, "scores_itself", True)
         self.buffer, self.admin, self.stopping = buffer, admin, stopping
         self.stats = SampleStats()
         self.samples_done = 0  # samples finished in the current batch, for the live progress line
@@ -65,7 +71,10 @@ class GroupGenerator:
 
     def take_stats(self, elapsed: float | None) -> dict[str, float]:
         stats, self.stats = self.stats, SampleStats()
-        return stats.metrics(elapsed)
+        metrics = stats.metrics(elapsed)
+        if self.rewards is not None:
+            metrics.update(self.rewards.take_metrics())
+        return metrics
 
     def context(self, client, url: str) -> GenerateContext:
         return GenerateContext(client, url, self.tokenizer, self.encode, self.reward_fn, self.cfg.agent,
@@ -114,8 +123,10 @@ class GroupGenerator:
         if any(s.status is SampleStatus.ABORTED for s in samples):
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
         t_reward = time.perf_counter()
-        for s in samples if self.generate_fn is None else ():
-            s.reward = float(self.reward_fn(s.response_text, s.label))
+        if self._runner_scores and not await self.rewards.score_group(samples, prompt.text,
+                                                                          getattr(prompt, "metadata", None)):
+            # A reward call failed and rollout.reward_config.on_error = drop_group.
+            return Group(samples=[], prompt_index=prompt.index, failure=Reason.REWARD_ERROR)
         group = Group(samples=samples, prompt_index=prompt.index)
         self.stats.add(group, time.perf_counter() - t0, reward_s=time.perf_counter() - t_reward)
         return group

@@ -33,7 +33,7 @@ from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.group import GroupGenerator
 from miles.rollout.http import async_client, run_coroutine
 from miles.rollout.producer import Producer
-from miles.rollout.reward import get_reward_fn
+from miles.rewards.runner import RewardRunner
 
 
 class RolloutManager:
@@ -45,7 +45,8 @@ class RolloutManager:
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
         self.admin = EngineAdmin(engine_urls, admin_token, router_url)
         generate_fn = None if cfg.generate_fn == "single_turn" else get_generate_fn(cfg.generate_fn)
-        self.groups = GroupGenerator(cfg, seed, load_tokenizer(model_path), get_reward_fn(cfg.reward), generate_fn,
+        self.groups = GroupGenerator(cfg, seed, load_tokenizer(model_path), RewardRunner(cfg.reward, cfg.reward_config),
+                                     generate_fn,
                                      self.buffer, self.admin, threading.Event())
         self.producer = Producer(self.groups)
         self.evaluator = Evaluator(eval_cfg, self.groups, seed)

@@ -1,38 +1,28 @@
-"""Reward functions and their registry.
+"""The `(response, label) -> float` view of a reward, for callers that score one text at a time
+(evaluation, older generate functions). The reward contract, built-ins and runner live in
+miles/rewards/; this module only adapts them.
 
-A reward function takes the response text and the prompt's reference label and returns a float.
-It is chosen by name from REWARDS or given as `module:function`, checked (callable, two required
-arguments) when the run is configured.
+Non-goal: scoring training samples (miles.rewards.runner.RewardRunner does, in one place).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
-from miles.registry import Registry
+from miles.rewards.builtins import exact_match, text_parity
+from miles.rewards.config import RewardConfig
+from miles.rewards.contract import REWARDS
+from miles.rewards.runner import RewardRunner
 
 
 class RewardFn(Protocol):
     def __call__(self, response: str, label: str | None) -> float: ...
 
 
-def exact_match(response: str, label: str | None) -> float:
-    """1.0 when the stripped response equals the label exactly, else 0.0."""
-    return float(label is not None and response.strip() == label.strip())
+def get_reward_fn(spec: str, cfg: RewardConfig | None = None) -> RewardFn:
+    """A `(response, label) -> float` for the reward `spec` names (registry name, module:function or
+    file.py:function, of any contract in docs/rewards.md); RegistryError names the fix."""
+    return RewardRunner(spec, cfg).score_text
 
 
-def text_parity(response: str, label: str | None) -> float:
-    """1.0 when the response has an odd number of characters: a synthetic reward that even an
-    untrained model earns about half the time, so every group carries signal (throughput benchmarks)."""
-    return float(len(response) % 2)
-
-
-REWARDS: Registry[Callable[[str, str | None], float]] = Registry(
-    "reward", arity=2, hint=" (a function (response, label) -> float)")
-REWARDS.register("exact_match", exact_match)
-REWARDS.register("text_parity", text_parity)
-
-
-def get_reward_fn(spec: str) -> RewardFn:
-    """The reward function `spec` names (registry name or `module:function`); RegistryError names the fix."""
-    return REWARDS.get(spec)
+__all__ = ["REWARDS", "RewardFn", "exact_match", "get_reward_fn", "text_parity"]

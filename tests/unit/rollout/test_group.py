@@ -12,7 +12,7 @@ from miles.rollout.stats import SampleStats
 
 
 def _generator(**cfg) -> GroupGenerator:
-    return GroupGenerator(RolloutConfig(**cfg), seed=3, tokenizer=None, reward_fn=None, generate_fn=None, buffer=None,
+    return GroupGenerator(RolloutConfig(**cfg), seed=3, tokenizer=None, rewards=None, generate_fn=None, buffer=None,
                           admin=EngineAdmin(["http://127.0.0.1:1"]), stopping=threading.Event())
 
 

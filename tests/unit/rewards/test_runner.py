@@ -1,0 +1,121 @@
+"""The reward runner: a raising and a hanging reward are counted (reward/errors, reward/timeouts),
+their samples get the fallback (or their group is dropped) and scoring goes on; past
+max_error_rate the run stops with the reward's own traceback and the offending sample; sync
+rewards run in a process pool with num_workers, where a hung worker is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from miles.buffer.types import Sample
+from miles.rewards.config import RewardConfig
+from miles.rewards.runner import RewardError, RewardRunner
+
+FLAKY = '''
+import asyncio, os, time
+
+def flaky(response, label):
+    if response == "boom":
+        raise ZeroDivisionError("the reward's own bug")
+    if response == "hang":
+        time.sleep(3)
+    return 1.0
+
+async def flaky_async(sample):
+    if sample.response == "hang":
+        await asyncio.sleep(30)
+    if sample.response == "boom":
+        raise KeyError("missing")
+    return 1.0
+
+def pid(response, label):
+    return float(os.getpid())
+
+def bad_type(response, label):
+    return "yes"
+'''
+
+
+@pytest.fixture()
+def flaky_file(tmp_path):
+    path = tmp_path / "flaky.py"
+    path.write_text(textwrap.dedent(FLAKY))
+    return path
+
+
+def _samples(texts):
+    return [Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], loss_mask=[1], response_text=t,
+                   label="x") for t in texts]
+
+
+@pytest.mark.parametrize("fn", ["flaky", "flaky_async"])
+def test_raising_and_hanging_rewards_are_counted_and_get_the_fallback(flaky_file, fn):
+    runner = RewardRunner(f"{flaky_file}:{fn}", RewardConfig(timeout_s=0.3, fallback_score=-1.0, max_error_rate=1.0))
+    samples = _samples(["ok", "boom", "hang", "ok"])
+    assert asyncio.run(runner.score_group(samples))
+    assert [s.reward for s in samples] == [1.0, -1.0, -1.0, 1.0]
+    m = runner.take_metrics()
+    assert (m["reward/calls"], m["reward/errors"], m["reward/timeouts"]) == (4, 1, 1)
+    more = _samples(["ok", "ok"])  # scoring goes on
+    assert asyncio.run(runner.score_group(more)) and [s.reward for s in more] == [1.0, 1.0]
+    assert runner.take_metrics()["reward/errors"] == 0
+    runner.close()
+
+
+def test_drop_group_on_error(flaky_file):
+    runner = RewardRunner(f"{flaky_file}:flaky", RewardConfig(on_error="drop_group", max_error_rate=1.0))
+    assert not asyncio.run(runner.score_group(_samples(["ok", "boom"])))
+    assert asyncio.run(runner.score_group(_samples(["ok", "ok"])))
+    runner.close()
+
+
+def test_group_dropped_by_a_reward_goes_to_the_buffer_as_reward_error():
+    from miles.buffer.data_buffer import BufferConfig, DataBuffer
+    from miles.buffer.types import Group, Reason, Verdict
+    from miles.rollout.data_source import PromptSource, TaskConfig
+
+    buf = DataBuffer(BufferConfig(on_failure="drop"), PromptSource(TaskConfig(), "train", 0))
+    p = buf.draw(1)[0]
+    assert buf.put(Group(samples=[], prompt_index=p.index, failure=Reason.REWARD_ERROR)) == \
+        (Verdict.DISCARDED, Reason.REWARD_ERROR)
+
+
+def test_error_rate_past_the_threshold_stops_with_the_traceback_and_sample(flaky_file):
+    runner = RewardRunner(f"{flaky_file}:flaky", RewardConfig(max_error_rate=0.25, min_calls=4))
+    assert asyncio.run(runner.score_group(_samples(["ok", "ok", "ok", "boom"])))  # 1 of 4: under the threshold
+    with pytest.raises(RewardError) as e:
+        asyncio.run(runner.score_group(_samples(["boom"])))
+    text = str(e.value)
+    assert "2 of 5 calls" in text and "max_error_rate = 0.25" in text
+    assert "ZeroDivisionError: the reward's own bug" in text and 'raise ZeroDivisionError' in text  # its traceback
+    assert "response='boom'" in text and "label='x'" in text  # the offending sample
+    runner.close()
+
+
+def test_a_wrong_return_type_is_an_error_naming_the_contract(flaky_file):
+    runner = RewardRunner(f"{flaky_file}:bad_type", RewardConfig(max_error_rate=0.0, min_calls=1))
+    with pytest.raises(RewardError, match="returned str; return a float or a dict with 'score'"):
+        asyncio.run(runner.score_group(_samples(["ok"])))
+    runner.close()
+
+
+def test_process_pool_runs_sync_rewards_in_workers_and_replaces_a_hung_one(flaky_file):
+    import os
+
+    runner = RewardRunner(f"{flaky_file}:pid", RewardConfig(num_workers=2))
+    samples = _samples(["a", "b", "c"])
+    asyncio.run(runner.score_group(samples))
+    assert all(s.reward not in (0.0, float(os.getpid())) for s in samples)
+    runner.close()
+
+    runner = RewardRunner(f"{flaky_file}:flaky", RewardConfig(num_workers=1, timeout_s=1.0, max_error_rate=1.0))
+    samples = _samples(["hang"])
+    asyncio.run(runner.score_group(samples))
+    assert runner.take_metrics()["reward/timeouts"] == 1
+    samples = _samples(["ok", "boom"])  # a fresh worker scores the next group; an error keeps its traceback
+    asyncio.run(runner.score_group(samples))
+    assert [s.reward for s in samples] == [1.0, 0.0] and runner.take_metrics()["reward/errors"] == 1
+    runner.close()
