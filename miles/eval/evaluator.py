@@ -105,9 +105,9 @@ class Evaluator:
         return self.groups.tokenizer(p.text, add_special_tokens=False).input_ids
 
     def _scores(self, samples: list, reward_fn) -> list[float]:
-        """Each sample's score: a plugged-in generate function's own reward, else the reward function's
-        (the set's own, or rollout.reward)."""
-        if self.groups.generate_fn is not None:
+        """Each sample's score: a plugged-in generate function's own reward (unless it leaves scoring to
+        the run, `scores_itself = False`), else the reward function's (the set's own, or rollout.reward)."""
+        if self.groups.generate_fn is not None and getattr(self.groups.generate_fn, "scores_itself", True):
             return [float(s.reward) for s in samples]
         fn = reward_fn or self.groups.reward_fn
         return [float(fn(s.response_text, s.label)) for s in samples]
