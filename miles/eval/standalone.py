@@ -18,8 +18,8 @@ from miles.eval.evaluator import Evaluator
 from miles.metrics.sink import JsonlSink, clean
 from miles.rollout.agent import get_generate_fn
 from miles.rollout.engine_admin import EngineAdmin
+from miles.rewards.runner import RewardRunner
 from miles.rollout.group import GroupGenerator
-from miles.rollout.reward import get_reward_fn
 
 
 def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = None, step: int = 0) -> dict:
@@ -35,7 +35,7 @@ def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = N
         urls = [server.url]
     try:
         generate_fn = None if rollout.generate_fn == "single_turn" else get_generate_fn(rollout.generate_fn)
-        groups = GroupGenerator(rollout, cfg.run.seed, load_tokenizer(cfg.model.path), get_reward_fn(rollout.reward),
+        groups = GroupGenerator(rollout, cfg.run.seed, load_tokenizer(cfg.model.path), RewardRunner(rollout.reward, rollout.reward_config),
                                 generate_fn, None, EngineAdmin(urls), threading.Event())
         metrics = clean(Evaluator(cfg.eval, groups, cfg.run.seed).evaluate())
     finally:
