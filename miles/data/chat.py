@@ -19,9 +19,8 @@ def chat_messages(task_cfg, text: str, messages: list[dict] | None) -> list[dict
     return out
 
 
-def encode_prompt(tokenizer, task_cfg, prompt) -> list[int]:
-    """Token ids of `prompt` (a str, or an object with .text and .messages such as a rollout Prompt)."""
-    text, messages = (prompt, None) if isinstance(prompt, str) else (prompt.text, prompt.messages)
+def encode_prompt(tokenizer, task_cfg, text: str, messages: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt: its text, or its messages through the chat template."""
     chat = chat_messages(task_cfg, text, messages)
     if chat is None:
         return tokenizer(text, add_special_tokens=False).input_ids

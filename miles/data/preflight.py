@@ -38,7 +38,7 @@ def check_dataset(task_cfg, model_path: str, configured_context: int | None) -> 
         counts[split] = len(records)
         for r in records if limit else ():
             try:
-                n = len(encode_prompt(tokenizer, task_cfg, r))
+                n = len(encode_prompt(tokenizer, task_cfg, r.prompt, r.messages))
             except ValueError as exc:
                 raise DataError(f"{r.where}: {exc}") from None
             if n >= limit:

@@ -41,9 +41,10 @@ def lookup(row: dict, dotted: str):
 def to_record(row: dict, layout: Layout, where: str) -> Record:
     """The Record of `row`; `where` names it in errors ("data.jsonl row 7")."""
     prompt = lookup(row, layout.prompt_key)
-    if prompt is _MISSING:
+    if prompt is _MISSING or prompt is None:  # a column other rows have reads as None where a row lacks it
+        present = sorted(k for k, v in row.items() if v is not None)
         raise DataError(f"{where}: no field {layout.prompt_key!r} (the prompt); the row has "
-                        f"{', '.join(sorted(row)) or 'no fields'}; set rollout.task.data.prompt_key")
+                        f"{', '.join(present) or 'no fields'}; set rollout.task.data.prompt_key")
     text, messages = _prompt(prompt, layout.prompt_key, where)
     answer = None
     if layout.label_key:

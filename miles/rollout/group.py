@@ -60,7 +60,9 @@ class GroupGenerator:
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt (a Prompt, or its text): messages go through the chat template."""
-        return encode_prompt(self.tokenizer, self.cfg.task, prompt)
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, self.cfg.task, prompt)
+        return encode_prompt(self.tokenizer, self.cfg.task, prompt.text, prompt.messages)
 
     def take_stats(self, elapsed: float | None) -> dict[str, float]:
         stats, self.stats = self.stats, SampleStats()
