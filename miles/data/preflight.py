@@ -14,6 +14,7 @@ from pathlib import Path
 from miles.data.chat import encode_prompt
 from miles.data.rows import DataError
 from miles.data.source import split_records
+from miles.models.loading import load_tokenizer
 
 
 def context_length(model_path: str, configured: int | None) -> int | None:
@@ -28,8 +29,6 @@ def context_length(model_path: str, configured: int | None) -> int | None:
 
 def check_dataset(task_cfg, model_path: str, configured_context: int | None) -> dict[str, int]:
     """Raise DataError naming the file, row and field of the first bad row; else the row counts."""
-    from miles.models.loading import load_tokenizer
-
     tokenizer = load_tokenizer(model_path)
     limit = context_length(model_path, configured_context)
     counts = {}
