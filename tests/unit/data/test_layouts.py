@@ -92,3 +92,12 @@ def test_held_out_fraction_is_disjoint_and_independent_of_the_seed(tmp_path):
     evals = {p.text for p in _source("eval", path=path, eval_fraction=0.25).take(100)}
     assert len(train) == 15 and len(evals) == 5 and not train & evals
     assert evals == {p.text for p in _source("eval", seed=9, path=path, eval_fraction=0.25).take(100)}
+
+
+def test_directory_of_data_files_reads_its_named_split(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    _jsonl(d / "train.jsonl", [{"prompt": "tr", "label": "1"}])
+    _jsonl(d / "test.jsonl", [{"prompt": "te", "label": "2"}])
+    assert [p.text for p in _source(path=str(d)).take(1)] == ["tr"]
+    assert [p.text for p in _source("eval", path=str(d), eval_split="test").take(3)] == ["te"]
