@@ -78,3 +78,23 @@ def test_resumed_manager_neither_repeats_nor_skips_a_prompt(tmp_path, tiny_model
     assert [(p.index, p.text, p.label, p.messages, p.metadata) for p in resumed[n:]] == \
         [(p.index, p.text, p.label, p.messages, p.metadata) for p in whole[n:]]
     assert b.buffer.source.task.cursor.epoch == 1  # 11 draws of 6 rows crossed into the second epoch
+
+
+def test_sources_without_a_cursor_resume_by_replay_and_old_checkpoints_load(tiny_model_dir):
+    """arithmetic has no state of its own: the saved position is replayed; a checkpoint written
+    before the source state existed (no "source" key) resumes after the ledger's last prompt."""
+    from miles.rollout.manager import RolloutManager
+
+    def manager():
+        return RolloutManager(RolloutConfig(), EvalConfig(num_prompts=2), tiny_model_dir, ["http://127.0.0.1:1"],
+                              seed=2)
+
+    whole = manager().buffer.draw(8)
+    a = manager()
+    a.buffer.draw(5)
+    state = json.loads(json.dumps(a.buffer_state_dict()))
+    assert state["source"] == {"position": 5, "task": None}
+    for saved in (state, {k: v for k, v in state.items() if k != "source"}):
+        b = manager()
+        b.load_buffer_state_dict(saved)
+        assert [p.text for p in b.buffer.draw(8)[5:]] == [p.text for p in whole[5:]]
