@@ -20,6 +20,7 @@ from pathlib import Path
 
 from miles.config.loader import save_config, to_dict
 from miles.config.run import RunConfig
+from miles.data.chat import encode_prompt
 from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
 from miles.metrics.dashboard import Dashboard
@@ -262,13 +263,10 @@ def run_sft(cfg: RunConfig) -> dict:
     t0 = time.perf_counter()
     tok = load_tokenizer(cfg.model.path)
     prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(cfg.sft.num_examples)
-    if cfg.rollout.task.apply_chat_template:
-        def encode(text):
-            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True))
-    else:
-        def encode(text):
-            return tok(text, add_special_tokens=False).input_ids
+
+    def encode(prompt):  # as rollouts encode it: chat messages and templates included
+        return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages)
+
     data = demonstration_sequences(prompts, tok, encode)
     rng = random.Random(cfg.run.seed)
     with contextlib.ExitStack() as stack:

@@ -73,3 +73,15 @@ def test_group_samples_carry_the_prompt_metadata_and_templated_ids(tiny_model_di
     assert [s.metadata for s in group.samples] == [{"data_source": "gsm8k"}] * 2
     assert [s.reward for s in group.samples] == [1.0, 1.0]
     assert tok.decode(seen[0]).startswith("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nWhat is 2+2?")
+
+
+def test_sft_demonstrations_encode_prompts_as_rollouts_do(tiny_model_dir):
+    from miles.trainer.sft import demonstration_sequences
+
+    tok = load_tokenizer(tiny_model_dir)
+    task = TaskConfig(system_prompt="S")
+    prompt = Prompt(0, "What is 2+2?", "4", messages=MESSAGES)
+    (seq,) = demonstration_sequences([prompt], tok, lambda p: encode_prompt(tok, task, p.text, p.messages))
+    templated = encode_prompt(tok, task, prompt.text, prompt.messages)
+    assert seq.tokens[:seq.prompt_len] == templated
+    assert seq.tokens[seq.prompt_len:] == tok("4", add_special_tokens=False).input_ids + [tok.eos_token_id]
