@@ -275,6 +275,8 @@ class DataBuffer:
                 "ledger": ledger,
                 "policy_version": self.policy_version,
                 "weight_version": self.weight_version,
+                # Taken under the same lock, so no prompt is drawn between the ledger and the source's position.
+                "source": self.source.state_dict() if hasattr(self.source, "state_dict") else None,
             }
 
     def load_state_dict(self, state: dict, prompt_cls) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import time
 import zlib
 
+from miles.data.chat import encode_prompt
 from miles.eval.config import EvalConfig, EvalSetConfig
 from miles.eval.metrics import accuracy, get_answer_fn, prompt_metrics
 from miles.rollout.data_source import Prompt, PromptSource, TaskConfig
@@ -97,12 +98,8 @@ class Evaluator:
         return ctx if reward_fn is None else dataclasses.replace(ctx, reward_fn=reward_fn)
 
     def _encode(self, p: Prompt, task: TaskConfig) -> list[int]:
-        if task is self.groups.cfg.task:
-            return self.groups.encode(p.text)
-        if task.apply_chat_template:
-            return list(self.groups.tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
-                                                                  add_generation_prompt=True, tokenize=True))
-        return self.groups.tokenizer(p.text, add_special_tokens=False).input_ids
+        """The prompt's ids under its set's task settings (messages through the chat template)."""
+        return encode_prompt(self.groups.tokenizer, task, p.text, p.messages)
 
     def _scores(self, samples: list, reward_fn) -> list[float]:
         """Each sample's score: a plugged-in generate function's own reward (unless it leaves scoring to

@@ -20,6 +20,9 @@ from pathlib import Path
 
 from miles.config.loader import save_config, to_dict
 from miles.config.run import RunConfig
+from miles.data.chat import encode_prompt
+from miles.data.preflight import check_dataset
+from miles.data.rows import DataError
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
@@ -190,12 +193,24 @@ def _start_faults(ctx: TrainContext, router: RunningRouter | None, stack: contex
     log(f"fault injection on: {ctx.cfg.fault}")
 
 
+def check_data(cfg: RunConfig) -> None:
+    """A dataset task's rows, all checked before the run directory, Ray or any engine exists."""
+    if cfg.rollout.task.name != "dataset":
+        return
+    try:
+        counts = check_dataset(cfg.rollout.task, cfg.model.path, cfg.rollout.engine.context_length)
+    except DataError as exc:
+        raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
+    log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
+
+
 def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
     if resume and cfg.loop.schedule != "sync":
         raise SystemExit(f"miles: --resume supports loop.schedule = 'sync' (this run uses {cfg.loop.schedule!r})")
     if resume and cfg.fault.kill_trainer_at_step:
         # The saved config still asks for the fault that ended the run; once was the point.
         cfg = dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, kill_trainer_at_step=0))
+    check_data(cfg)
     run_dir = Path(resume) if resume else make_run_dir(cfg.run.output_dir, cfg.run.name)
     save_config(cfg, run_dir / "config.json")
     log(f"run directory: {run_dir}")
@@ -248,13 +263,10 @@ def run_sft(cfg: RunConfig) -> dict:
     t0 = time.perf_counter()
     tok = load_tokenizer(cfg.model.path)
     prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(cfg.sft.num_examples)
-    if cfg.rollout.task.apply_chat_template:
-        def encode(text):
-            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True))
-    else:
-        def encode(text):
-            return tok(text, add_special_tokens=False).input_ids
+
+    def encode(prompt):  # as rollouts encode it: chat messages and templates included
+        return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages)
+
     data = demonstration_sequences(prompts, tok, encode)
     rng = random.Random(cfg.run.seed)
     with contextlib.ExitStack() as stack:

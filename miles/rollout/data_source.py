@@ -1,13 +1,17 @@
 """Prompt sources: a named, seeded task that yields prompts with reference labels.
 
 The source remembers its position, so every prompt drawn has an index that the buffer ledger and
-checkpoints can refer to. Non-goal: streaming large datasets from disk (a later source type).
+checkpoints can refer to; a source with state of its own (a dataset's cursor, miles/data) saves it
+with the position. Non-goal: reading files (miles/data).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
 from miles.config import ConfigError
+from miles.data.config import DataConfig
 from miles.registry import RegistryError
 from miles.rollout.tasks import TASKS
 
@@ -15,8 +19,9 @@ from miles.rollout.tasks import TASKS
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Prompt source by name: arithmetic, terminal (shell tasks for the terminal environment), or a
-    module:function taking (TaskConfig, split, seed) and returning an object with take(n)."""
+    """Prompt source by name: arithmetic, terminal (shell tasks for the terminal environment), dataset
+    (rows from files, see rollout.task.data), or a module:function taking (TaskConfig, split, seed)
+    and returning an object with take(n)."""
     digits: int = 2
     """arithmetic: operand digits."""
     ops: str = "+-"
@@ -26,7 +31,14 @@ class TaskConfig:
     fixed_width: bool = False
     """arithmetic: zero-pad operands and answers to a fixed width (07+38=045)."""
     apply_chat_template: bool = False
-    """Wrap each prompt as a user message with the tokenizer's chat template."""
+    """Wrap each plain-text prompt as a user message with the tokenizer's chat template (prompts that
+    are lists of messages always go through it)."""
+    system_prompt: str = ""
+    """A system message put before every chat-templated prompt that has none of its own."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments to the tokenizer's apply_chat_template, e.g. {enable_thinking = false}."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """dataset: the rows, their layout and field mapping, splits and epochs."""
 
     def validate(self) -> None:
         try:
@@ -39,6 +51,11 @@ class TaskConfig:
             raise ConfigError("rollout.task.ops must use only '+' and '-', e.g. \"+-\"")
         if not 0 < self.eval_fraction < 1:
             raise ConfigError("rollout.task.eval_fraction must be between 0 and 1")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ConfigError("rollout.task.chat_template_kwargs must be a table, e.g. {enable_thinking = false} "
+                              "in the run config")
+        if self.name == "dataset":
+            self.data.require_path()
 
 
 @dataclass(frozen=True)
@@ -60,6 +77,20 @@ class PromptSource:
     def take(self, n: int) -> list[Prompt]:
         out = []
         for p in self.task.take(n):
-            out.append(Prompt(index=self.position, text=p.prompt, label=p.answer))
+            out.append(Prompt(index=self.position, text=p.prompt, label=p.answer,
+                              messages=getattr(p, "messages", None), metadata=dict(getattr(p, "metadata", None) or {})))
             self.position += 1
         return out
+
+    def state_dict(self) -> dict:
+        """The position and, for a source that has one (a dataset's cursor), the source's own state."""
+        state = getattr(self.task, "state_dict", None)
+        return {"position": self.position, "task": state() if state else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where `state_dict()` was taken; a source without state of its own is replayed."""
+        if state["task"] is not None and hasattr(self.task, "load_state_dict"):
+            self.task.load_state_dict(state["task"])
+            self.position = state["position"]
+        while self.position < state["position"]:
+            self.take(1)

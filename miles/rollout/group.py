@@ -21,6 +21,7 @@ import time
 import httpx
 
 from miles.buffer.types import Group, Reason, Sample, SampleStatus
+from miles.data.chat import encode_prompt
 from miles.rewards.runner import RewardRunner
 from miles.rollout.agent import GenerateContext
 from miles.rollout.config import RolloutConfig
@@ -63,11 +64,11 @@ class GroupGenerator:
         self._next_engine = 0
         self._failures_seen: set[str] = set()
 
-    def encode(self, text: str) -> list[int]:
-        if self.cfg.task.apply_chat_template:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                           add_generation_prompt=True, tokenize=True))
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt (a Prompt, or its text): messages go through the chat template."""
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, self.cfg.task, prompt)
+        return encode_prompt(self.tokenizer, self.cfg.task, prompt.text, prompt.messages)
 
     def take_stats(self, elapsed: float | None) -> dict[str, float]:
         stats, self.stats = self.stats, SampleStats()
@@ -95,7 +96,7 @@ class GroupGenerator:
         with self._lock:
             url = self.admin.router_url or self.admin.urls[self._next_engine % len(self.admin.urls)]
             self._next_engine += 1
-        ids = self.encode(prompt.text)
+        ids = self.encode(prompt)
         rids: list[str] = []
         if self.generate_fn is None:
             work = self._generate_samples(client, url, ids, prompt, rids)
@@ -181,7 +182,7 @@ class GroupGenerator:
             samples.append(Sample(prompt_ids=list(prompt_ids), response_ids=response[k], rollout_logprobs=logprobs[k],
                                   loss_mask=[1] * len(response[k]), status=status, weight_versions=versions[k],
                                   response_text=text, label=prompt.label, prompt_index=prompt.index,
-                                  routed_experts=s.routed_experts))
+                                  routed_experts=s.routed_experts, metadata=dict(prompt.metadata)))
         return samples
 
     async def _request(self, client, url, prompts, params, rids, prompt) -> list[Sample]:

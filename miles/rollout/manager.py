@@ -117,14 +117,15 @@ class RolloutManager:
         return {**self.buffer.ledger.check(), "events": dict(self.buffer.ledger.events)}
 
     def buffer_state_dict(self) -> dict:
+        """The buffer's state with the prompt source's (its position and, for a dataset, the data cursor)."""
         return self.buffer.state_dict()
 
     def load_buffer_state_dict(self, state: dict) -> None:
         self.buffer.load_state_dict(state, Prompt)
         # Fresh draws continue after the last prompt the saved run drew.
         drawn = max((int(i) for i in state["ledger"]["states"]), default=-1) + 1
-        while self.buffer.source.position < drawn:
-            self.buffer.source.take(1)
+        source = state.get("source") or {"position": drawn, "task": None}  # older checkpoints: replay
+        self.buffer.source.load_state_dict(source)
 
     # -- engine admin ----------------------------------------------------------------------------
     def engine_memory(self, action: Literal["release", "resume"]) -> bool:

@@ -5,7 +5,8 @@ TASKS registry, or given as `module:function`. Layout: task data that a single-t
 on its own (arithmetic.py) lives here; a task whose episodes need an environment lives with that
 environment in rollout/environments/ (terminal.py holds the terminal tasks and registers their
 source here), so an environment and the tasks it reads never drift apart. Entries are
-`module:attr` strings: naming one source imports only that one. Non-goal: datasets from disk.
+`module:attr` strings: naming one source imports only that one. Rows from files are the `dataset`
+source, in miles/data. Non-goal: reading files here.
 """
 
 from __future__ import annotations
@@ -21,3 +22,4 @@ TASKS: Registry[Callable[..., TaskSource]] = Registry(
     "task", arity=3, hint=" (a function (task_config, split, seed) returning an object with take(n) -> [Problem])")
 TASKS.register("arithmetic", "miles.rollout.tasks.arithmetic:task_source")
 TASKS.register("terminal", "miles.rollout.environments.terminal:task_source")
+TASKS.register("dataset", "miles.data.source:task_source")

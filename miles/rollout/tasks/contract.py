@@ -6,7 +6,7 @@ a task only knows its own content. Non-goals: tokenization, chat templates, scor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -15,7 +15,9 @@ class Problem:
     """One drawn problem: the text the model is shown and the reference answer (a Prompt's label)."""
 
     prompt: str
-    answer: str
+    answer: str | None
+    messages: list[dict] | None = None  # a conversational prompt (its template is applied at encode time)
+    metadata: dict = field(default_factory=dict)  # carried onto the prompt and its samples
 
 
 class TaskSource(Protocol):

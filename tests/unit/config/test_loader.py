@@ -101,7 +101,10 @@ def test_loading_a_run_config_imports_no_server_or_tensor_library(tmp_path, mode
 
     code = ("import sys\nfrom miles.config import load_config\nfrom miles.config.run import RunConfig\n"
             f"load_config(RunConfig, None, {{'model.path': {model_dir!r}}})\n"
-            "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'ray', 'transformers') if m in sys.modules))")
+            f"load_config(RunConfig, None, {{'model.path': {model_dir!r}, 'rollout.task.name': 'dataset', "
+            "'rollout.task.data.path': 'rows.jsonl', 'rollout.task.data.layout': 'verl'})\n"
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'ray', 'transformers', 'datasets', 'pyarrow') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-600:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

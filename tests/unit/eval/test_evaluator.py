@@ -79,3 +79,23 @@ def test_a_plugged_in_generate_function_scores_with_the_sets_reward(tiny_model_d
                 generate_fn="eval_user_gen:gen")
     out = m.evaluate()
     assert out["eval/one/accuracy"] == 1.0 and out["eval/one/pass@2"] == 1.0 and out["eval/one/avg@2"] == 1.0
+
+
+def test_eval_prompts_made_of_messages_go_through_the_chat_template(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from miles.data.chat import encode_prompt
+    from miles.eval.evaluator import Evaluator
+    from miles.models.loading import load_tokenizer
+    from miles.rollout.data_source import Prompt, TaskConfig
+
+    tok = load_tokenizer(tiny_model_dir)
+    task = TaskConfig(name="dataset", system_prompt="Answer briefly.")
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    evaluator = Evaluator.__new__(Evaluator)  # only the encoding is under test
+    evaluator.groups = SimpleNamespace(tokenizer=tok)
+    ids = evaluator._encode(Prompt(index=0, text="What is 2+3?", label="5", messages=messages), task)
+    rendered = tok.apply_chat_template([{"role": "system", "content": "Answer briefly."}, *messages],
+                                       add_generation_prompt=True, tokenize=False)
+    assert ids == tok(rendered, add_special_tokens=False).input_ids == encode_prompt(tok, task, "", messages)
+    assert ids != tok("What is 2+3?", add_special_tokens=False).input_ids

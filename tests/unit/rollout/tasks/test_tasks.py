@@ -12,7 +12,7 @@ from miles.rollout.tasks import TASKS
 
 
 def test_every_source_is_reached_by_its_name_from_the_task_config():
-    assert TASKS.names() == ["arithmetic", "terminal"]
+    assert TASKS.names() == ["arithmetic", "dataset", "terminal"]  # dataset: tests/unit/data
     arithmetic = PromptSource(TaskConfig(name="arithmetic", digits=3), "train", seed=5).take(4)
     assert [p.index for p in arithmetic] == [0, 1, 2, 3] and all(p.text.endswith("=") for p in arithmetic)
     terminal = PromptSource(TaskConfig(name="terminal"), "train", seed=5).take(len(TERMINAL_TASKS))
@@ -29,7 +29,7 @@ def test_sources_are_seeded_and_arithmetic_splits_are_disjoint():
 
 
 def test_unknown_sources_are_refused_with_the_choices():
-    with pytest.raises(ConfigError, match=r"rollout.task.name: unknown task 'nope': choose one of \['arithmetic', 'terminal'\]"):
+    with pytest.raises(ConfigError, match=r"rollout.task.name: unknown task 'nope': choose one of \['arithmetic', 'dataset', 'terminal'\]"):
         TaskConfig(name="nope").validate()
     with pytest.raises(RegistryError, match="must take 3 required positional arguments"):
         TASKS.get("miles.rollout.tasks.arithmetic:demonstration")
