@@ -9,7 +9,8 @@ import pytest
 
 from miles.data.config import DataConfig
 from miles.data.cursor import DataCursor, DataExhausted
-from miles.rollout.config import EvalConfig, RolloutConfig
+from miles.eval.config import EvalConfig
+from miles.rollout.config import RolloutConfig
 from miles.rollout.data_source import TaskConfig
 
 
