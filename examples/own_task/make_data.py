@@ -18,11 +18,11 @@ def row(n: int) -> dict:
             "label": str(sum(int(d) for d in str(n))), "metadata": {"number": n}}
 
 
-def main() -> None:
+def main(out: Path = HERE) -> None:
     numbers = list(range(100, 1000))
     random.Random(0).shuffle(numbers)
     for name, part in (("eval.jsonl", numbers[:EVAL_ROWS]), ("train.jsonl", numbers[EVAL_ROWS:])):
-        (HERE / name).write_text("".join(json.dumps(row(n)) + "\n" for n in part))
+        (out / name).write_text("".join(json.dumps(row(n)) + "\n" for n in part))
 
 
 if __name__ == "__main__":
