@@ -30,6 +30,8 @@ class Evaluator:
         self.prompts = PromptSource(groups.cfg.task, "eval", seed).take(cfg.num_prompts)
         self.set_prompts = {s.name: PromptSource(s.task or groups.cfg.task, s.split, seed).take(s.num_prompts)
                             for s in cfg.sets}
+        # Loaded once: a reward runner holds threads (and a process pool with reward_config.num_workers).
+        self.set_rewards = {s.name: get_reward_fn(s.reward) for s in cfg.sets if s.reward}
 
     def evaluate(self) -> dict[str, float]:
         """eval/accuracy (greedy, the task's eval split) and each eval set's eval/<set>/... figures."""
@@ -46,7 +48,7 @@ class Evaluator:
     def evaluate_set(self, s: EvalSetConfig) -> dict[str, float]:
         """One set's figures, keyed without the eval/<set>/ prefix."""
         prompts, task = self.set_prompts[s.name], s.task or self.groups.cfg.task
-        reward_fn = get_reward_fn(s.reward) if s.reward else None
+        reward_fn = self.set_rewards.get(s.name)
         t0 = time.perf_counter()
         out: dict[str, float] = {"num_prompts": len(prompts)}
         if s.greedy:

@@ -83,7 +83,7 @@ async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     """One /generate call on the encoded prompt; the reward runner scores it (scores_itself = False)."""
     s = await generate(ctx.client, ctx.url, ctx.encode(prompt), params, rid=rid, label=prompt.label,
                        prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
-    s.metadata = dict(getattr(prompt, "metadata", None) or {})
+    s.metadata = dict(prompt.metadata)
     return s
 
 
@@ -167,7 +167,7 @@ async def run_episode(client, url: str, tokenizer, env, prompt, params, cfg: Age
     return Sample(prompt_ids=traj.prompt_ids, response_ids=traj.ids, rollout_logprobs=traj.logprobs,
                   loss_mask=traj.mask, reward=traj.reward, status=traj.status, weight_versions=traj.versions,
                   response_text=traj.last_action, label=prompt.label, prompt_index=prompt.index,
-                  routed_experts=traj.routed, metadata=dict(getattr(prompt, "metadata", None) or {}))
+                  routed_experts=traj.routed, metadata=dict(prompt.metadata))
 
 
 @dataclass

@@ -96,10 +96,9 @@ class GroupGenerator:
         with self._lock:
             url = self.admin.router_url or self.admin.urls[self._next_engine % len(self.admin.urls)]
             self._next_engine += 1
-        ids = self.encode(prompt)
         rids: list[str] = []
         if self.generate_fn is None:
-            work = self._generate_samples(client, url, ids, prompt, rids)
+            work = self._generate_samples(client, url, self.encode(prompt), prompt, rids)
         else:
             work = asyncio.gather(*(self._counted(self._generate_sample(client, url, prompt, k, rids))
                                     for k in range(self.cfg.n_samples_per_prompt)))
@@ -124,8 +123,7 @@ class GroupGenerator:
         if any(s.status is SampleStatus.ABORTED for s in samples):
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
         t_reward = time.perf_counter()
-        if self._runner_scores and not await self.rewards.score_group(samples, prompt.text,
-                                                                          getattr(prompt, "metadata", None)):
+        if self._runner_scores and not await self.rewards.score_group(samples, prompt.text, prompt.metadata):
             # A reward call failed and rollout.reward_config.on_error = drop_group.
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.REWARD_ERROR)
         group = Group(samples=samples, prompt_index=prompt.index)
