@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -65,7 +66,7 @@ def test_the_next_create_reclaims_buffers_of_killed_owners_and_spares_live_ones(
         try:
             assert not Path(dead_path).exists()
             assert Path(live_path).exists()  # its owner still runs and holds the lock
-            assert Path(mine).exists()
+            assert Path(mine).exists() and stat.S_IMODE(os.stat(mine).st_mode) == 0o600
         finally:
             shm.unlink(mine)
     finally:
