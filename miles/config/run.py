@@ -37,7 +37,7 @@ class RunSection:
             raise ConfigError(f"run.name {self.name!r} must be one folder name (no '/'): e.g. run.name = 'grpo-1'")
         # The run directory is made only after Ray and the engines start; a path that can never be a
         # folder is refused now. The nearest existing ancestor is what decides.
-        out = Path(self.output_dir).expanduser()
+        out = Path(self.output_dir)
         for p in (out, *out.absolute().parents):
             if p.exists():
                 if not p.is_dir():

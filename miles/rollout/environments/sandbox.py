@@ -15,12 +15,13 @@ other sandbox shares, with its own working directory (workdir.py):
   space, file size and process count (RLIMIT_*; the process count is per uid, which is why every
   sandbox gets its own); a wall-clock timeout; output truncated to a budget (a command that keeps
   printing far past it is stopped);
-- cleanup: the command is PID 1 of its PID namespace's child, so when the command ends or is
-  killed every process it left behind dies with the namespace (and with the host process, through
-  PR_SET_PDEATHSIG); `close()` removes the cgroup and unmounts the working directory, and cannot fail.
+- cleanup: the command runs in its own PID namespace, so when it ends or is killed every process it
+  left behind dies with the namespace (and with the host process, through PR_SET_PDEATHSIG);
+  `close()` removes the cgroup and unmounts the working directory, and cannot fail.
 
-When the kernel or the privileges do not allow this (not root, no `unshare`/`setpriv`, namespaces
-refused), the sandbox refuses to start with SandboxUnavailable rather than run anything unconfined.
+When the kernel or the privileges do not allow this (not root, no `unshare`/`setpriv`/`pivot_root`,
+namespaces refused, no writable memory cgroup, no tmpfs mount), the sandbox refuses to start with
+SandboxUnavailable rather than run anything unconfined.
 Non-goals: seccomp syscall filtering, containers/images, persistent processes across commands.
 """
 
