@@ -39,11 +39,16 @@ class RunSection:
         # folder is refused now. The nearest existing ancestor is what decides.
         out = Path(self.output_dir)
         for p in (out, *out.absolute().parents):
-            if p.exists():
-                if not p.is_dir():
-                    raise ConfigError(f"run.output_dir {self.output_dir!r}: {str(p)!r} is a file, not a folder; "
-                                      "point run.output_dir at a folder (it is created if missing)")
-                break
+            try:
+                if not p.exists():
+                    continue
+            except OSError as e:
+                raise ConfigError(f"run.output_dir {self.output_dir!r}: {str(p)!r} cannot be read ({e.strerror}); "
+                                  "point run.output_dir at a folder you can write") from None
+            if not p.is_dir():
+                raise ConfigError(f"run.output_dir {self.output_dir!r}: {str(p)!r} is a file, not a folder; "
+                                  "point run.output_dir at a folder (it is created if missing)")
+            break
 
 
 @dataclass
