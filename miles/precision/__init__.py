@@ -1,0 +1,1 @@
+"""Low-precision formats and the layers that compute in them."""
