@@ -1,5 +1,6 @@
 """The trainer's config: ranks, optimizer and LR schedule, micro-batching, parallel layouts, offload,
-the algorithm (a variant section: its keys follow `trainer.algorithm.name`) and LoRA.
+low-precision (QAT) forward, the algorithm (a variant section: its keys follow `trainer.algorithm.name`)
+and LoRA.
 
 Loading it imports no torch. Non-goal: backend internals (see trainer/backends/).
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from miles.config.loader import ConfigError
+from miles.precision.types import FORMATS
 from miles.trainer.algorithms.base import ALGORITHMS, AlgorithmConfig
 from miles.trainer.lora import LoraConfig
 
@@ -65,6 +67,11 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0
     """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
     instead of hanging on a dead or stalled rank."""
+    quantization: str = "none"
+    """Quantization-aware training: the policy's Linear weights (not the LM head, embeddings or MoE routers)
+    pass through this format's quantize-dequantize in every forward, gradients go straight through to the
+    float32 master weights: none, or a format of docs/precision.md (fp8, fp8_tensor, fp8_e5m2, mxfp8,
+    nvfp4, int4, int4_asym)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm and its knobs."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -109,6 +116,15 @@ class TrainerConfig:
         if getattr(ALGORITHMS.get(self.algorithm.name), "needs_critic", False) and self.pack_sequences:
             raise ConfigError("PPO's GAE runs along unpacked rows: set trainer.pack_sequences = false "
                               "with trainer.algorithm.name = 'ppo'")
+        if self.quantization != "none" and self.quantization not in FORMATS:
+            raise ConfigError(f"trainer.quantization = {self.quantization!r} is not a format; choose none or one "
+                              f"of {', '.join(FORMATS)}")
+        if self.quantization != "none" and (self.lora.rank or tp > 1 or ep > 1):
+            # Adapters would train outside the quantized weight, and DTensor shards would be scaled per
+            # shard rather than per block of the full weight: neither is the format the engine serves.
+            raise ConfigError(f"trainer.quantization = {self.quantization!r} needs full fine-tuning without tensor/"
+                              "expert parallelism: set trainer.lora.rank = 0 and tensor_parallel_size = "
+                              "expert_parallel_size = 1, or trainer.quantization = 'none'")
         if self.lora.rank and (tp > 1 or ep > 1):
             raise ConfigError("LoRA with tensor/expert parallelism is not supported: set trainer.lora.rank = 0 "
                               "or tensor_parallel_size = expert_parallel_size = 1")

@@ -7,6 +7,8 @@ on one rank or many, in one micro-batch or ten, padded or packed.
 
 The backend is algorithm-blind: it runs the forward passes the algorithm declares (entropy, reference,
 critic) and backpropagates the loss that trainer/loss.py composes from them.
+With `trainer.quantization`, the policy's Linear layers compute with their weights as that format
+stores them (precision/linear.py: quantization-aware training, straight-through gradients).
 Around the policy: an optional reference model (KL), an optional value model (PPO), LoRA adapters,
 an LR schedule, optimizer-state offload and distributed checkpoints (see the sibling modules).
 Tensor/expert parallel layouts come from transformers' distributed config (trainer/parallel.py).
@@ -30,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 
 from miles.models.loading import load_model, load_tokenizer
 from miles.models.moe import moe_shape, routers
+from miles.precision.linear import quantize_linears
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.batching import build_micro_batch, plan_micro_batches
 from miles.trainer.checkpoint import load_trainer_state, save_trainer_state
@@ -80,6 +83,7 @@ class FSDPTrainer:
             model.train()
             return model, dp
         model = load_model(self.model_path, "float32")
+        quantize_linears(model, cfg.quantization, "train", key="trainer.quantization")  # before sharding
         if cfg.lora.rank:
             model = apply_lora(model, cfg.lora)
         _shard(model, self.world_size)
