@@ -53,10 +53,17 @@ class QuantizedLinear(torch.nn.Linear):
     def stored(self) -> QuantizedTensor:
         """The weight in the format, made again only when the weight's memory or contents changed."""
         w = self.weight.detach()
-        key = (w.data_ptr(), w._version)  # a copy_ into it bumps _version; a swapped .data moves data_ptr
+        try:
+            key = (w.data_ptr(), w._version)  # a copy_ into it bumps _version; a swapped .data moves data_ptr
+        except RuntimeError:  # an inference tensor keeps no version counter: a cached copy could be stale
+            return quantize(w, self.fmt)
         if self._stored is None or self._stored[0] != key:
             self._stored = (key, quantize(w, self.fmt))
         return self._stored[1]
+
+    def drop_stored(self) -> None:
+        """Free the quantized copy (the weights were released); the next forward makes it again."""
+        self._stored = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.effective_weight(), self.bias)
@@ -71,7 +78,7 @@ def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "
     if name == "none":
         return []
     fmt = get_format(name, key)
-    keep = {id(r) for r in routers(model)}
+    keep = {id(r) for r in routers(model)} if hasattr(model, "config") else set()  # HF models only
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -83,3 +90,10 @@ def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "
     if not swapped:
         raise ValueError(f"{key} = {name!r}: {type(model).__name__} has no Linear layer to quantize")
     return swapped
+
+
+def drop_stored(model: torch.nn.Module) -> None:
+    """Free every QuantizedLinear's quantized copy of its weight (an engine releasing its memory)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.drop_stored()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from miles.config.loader import ConfigError
+from miles.precision.types import FORMATS
 
 
 @dataclass
@@ -16,6 +17,10 @@ class EngineConfig:
     """Hugging Face checkpoint directory (or hub id) to serve; also the tokenizer's path."""
     dtype: str = "float32"
     """Parameter dtype the model is loaded in: float32, bfloat16 or float16."""
+    quantization: str = "none"
+    """Serve the Linear weights (not the LM head, embeddings or MoE routers) in this low-precision format,
+    dequantized in each matmul: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
+    Match trainer.quantization so the trainer trains the policy the engine serves."""
     host: str = "127.0.0.1"
     """Interface the HTTP server binds to; loopback unless the engine must be reached from other hosts."""
     port: int = 0
@@ -62,6 +67,9 @@ class EngineConfig:
                               "new one), or leave it unset for the model's max_position_embeddings")
         if self.weight_update_timeout_s <= 0:
             raise ConfigError(f"engine weight_update_timeout_s = {self.weight_update_timeout_s}: set it > 0 (seconds)")
+        if self.quantization != "none" and self.quantization not in FORMATS:
+            raise ConfigError(f"engine quantization = {self.quantization!r} is not a format; choose none or one of "
+                              f"{', '.join(FORMATS)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"engine port = {self.port}: set it in 0..65535 (0 picks a free port)")
 

@@ -22,6 +22,7 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles.precision.linear import drop_stored
 from miles.rollout.engine.model_runner import ModelRunner
 from miles.rollout.engine.scheduler import Scheduler
 from miles.rollout.engine.types import MEMORY_TAGS, InvalidRequest
@@ -79,6 +80,7 @@ def _offload(model, offload_dir: str | None) -> str:
     save_file({n: p.data.contiguous() for n, p in params.items()}, path)
     for p in params.values():
         p.data = torch.empty(0, dtype=p.dtype)
+    drop_stored(model)  # quantized copies are made again from the restored weights
     return path
 
 

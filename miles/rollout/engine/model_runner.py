@@ -17,6 +17,9 @@ prefill's for its prompt, one per decode step after. Such a row computes its who
 reading cached KV, because the cache keeps KV but not the routing that produced it; its KV is still
 offered to the cache for requests that do not ask.
 
+With `quantization`, the Linear layers serve their weights in a low-precision format and dequantize
+them in each matmul (precision/linear.py); the parameters themselves stay as received.
+
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
 (kv_cache.py), releasing memory (memory.py).
 """
@@ -32,6 +35,7 @@ import torch
 
 from miles.models.loading import load_model, load_tokenizer
 from miles.models.moe import encode_routed_experts, hook_routers, routers
+from miles.precision.linear import quantize_linears
 from miles.rollout.engine import kv_cache
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.kv_cache import BatchKV
@@ -71,6 +75,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model_path, dtype=config.dtype).eval()
+        # Linear weights are then served as the format stores them, re-quantized whenever they change.
+        quantize_linears(self.model, config.quantization, "serve", key="engine quantization")
         self.tokenizer = load_tokenizer(config.model_path)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.context_length = config.context_length or self.model.config.max_position_embeddings

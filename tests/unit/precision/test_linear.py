@@ -1,0 +1,56 @@
+"""QuantizedLinear: the matmul sees the format's value of the weight, in training and in serving, and a
+serving layer's stored copy follows every change of its weight."""
+
+import pytest
+import torch
+
+from miles.precision.formats import dequantize, quantize
+from miles.precision.linear import QuantizedLinear, drop_stored, quantize_linears
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96)
+        self.down = torch.nn.Linear(96, 64, bias=False)
+        self.lm_head = torch.nn.Linear(64, 10, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.down(torch.relu(self.up(x))))
+
+
+@pytest.mark.parametrize("mode", ["train", "serve"])
+def test_the_matmul_uses_the_stored_weight_and_the_parameters_stay_the_same_objects(mode):
+    torch.manual_seed(0)
+    model = Tiny()
+    params = dict(model.named_parameters())
+    assert quantize_linears(model, "mxfp8", mode) == ["up", "down"]  # the LM head stays full precision
+    assert dict(model.named_parameters()) == params and isinstance(model.up, QuantizedLinear)
+    x = torch.randn(5, 64)
+    w = dequantize(quantize(model.up.weight, "mxfp8"))
+    assert torch.equal(model.up(x), torch.nn.functional.linear(x, w, model.up.bias))
+    assert not torch.equal(model.up(x), torch.nn.functional.linear(x, model.up.weight, model.up.bias))
+
+
+def test_a_serving_layer_requantizes_after_an_in_place_copy_a_swapped_tensor_and_a_release():
+    torch.manual_seed(0)
+    model = Tiny()
+    quantize_linears(model, "int4", "serve")
+    x = torch.randn(3, 64)
+    model.up(x)
+    first = model.up.stored()
+    assert model.up.stored() is first  # unchanged weight: no new quantization
+    with torch.no_grad():
+        model.up.weight.copy_(torch.randn(96, 64))  # what a weight update does in place
+    assert torch.equal(model.up.effective_weight(), dequantize(quantize(model.up.weight, "int4")))
+    model.up.weight.data = torch.randn(96, 64)  # what an update adopting the received buffer does
+    assert torch.equal(model.up.effective_weight(), dequantize(quantize(model.up.weight, "int4")))
+    drop_stored(model)
+    assert model.up._stored is None
+
+
+def test_none_leaves_the_model_alone_and_an_unknown_format_names_the_key():
+    model = Tiny()
+    assert quantize_linears(model, "none", "train") == [] and type(model.up) is torch.nn.Linear
+    with pytest.raises(ValueError, match=r"engine quantization = 'fp7' is not a format"):
+        quantize_linears(model, "fp7", "serve", key="engine quantization")
