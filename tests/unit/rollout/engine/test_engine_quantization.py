@@ -13,7 +13,7 @@ import torch
 from miles.config.loader import ConfigError
 from miles.net import free_port
 from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.server import start_server_thread
+from miles.rollout.engine.server import parse_args, start_server_thread
 from miles.trainer.backends.fsdp import FSDPTrainer
 from miles.trainer.config import TrainerConfig
 from miles.trainer.forward import forward_logprobs
@@ -73,6 +73,12 @@ def test_engine_logprobs_equal_the_trainers_qat_forward(tiny_model_dir, gloo, tm
                 out, lps = sampled(c, prompt)
                 torch.testing.assert_close(lps, trainer_logprobs(trainer, prompt, out), atol=1e-5, rtol=0)
                 assert (lps - trainer_logprobs(before, prompt, out)).abs().max() > 1e-4  # the update was served
+
+            # Released weights take their quantized copies with them; resumed ones serve the same numerics.
+            assert c.post("/release_memory_occupation", json={}).status_code == 200
+            assert c.post("/resume_memory_occupation", json={}).status_code == 200
+            out, lps = sampled(c, PROMPTS[0])
+            torch.testing.assert_close(lps, trainer_logprobs(trainer, PROMPTS[0], out), atol=1e-5, rtol=0)
     finally:
         server.stop()
 
@@ -80,3 +86,7 @@ def test_engine_logprobs_equal_the_trainers_qat_forward(tiny_model_dir, gloo, tm
 def test_an_unknown_engine_format_is_refused_with_the_choices(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"engine quantization = 'fp6' is not a format; choose none or one of fp8"):
         EngineConfig(model_path=tiny_model_dir, quantization="fp6").validate()
+
+
+def test_miles_serve_takes_the_format_as_a_flag(tiny_model_dir):
+    assert parse_args(["--model", tiny_model_dir, "--quantization", "nvfp4"])[0].quantization == "nvfp4"
