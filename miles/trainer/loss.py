@@ -20,6 +20,10 @@ from miles.trainer.algorithms.tis import corrected_inputs, tis_metrics, tis_sums
 from miles.trainer.batching import MicroBatch
 from miles.trainer.types import BatchTotals, TrainSequence
 
+# A sampled token whose trainer and engine logprobs differ by more than this counts as mismatched
+# (train/rollout_mismatch_frac); 0.1 nats is a 10% disagreement about the token's probability.
+MISMATCH_THRESHOLD = 0.1
+
 
 @dataclass
 class ForwardOutputs:
@@ -81,7 +85,14 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
             if "clipfrac" in metrics:
                 _acc(sums, "clipped", (metrics["clipfrac"] * mb.mask).sum())
             if algorithm.on_rollouts:
-                _acc(sums, "logp_diff", ((logp - mb.old_logprobs).abs() * mb.mask).sum())
+                # (B, T-1): log π_train − log π_rollout on the sampled tokens; 0 off the mask, where
+                # old_logprobs are fillers and exp() could overflow into a NaN times zero.
+                delta = torch.where(mb.mask > 0, logp - mb.old_logprobs, torch.zeros_like(logp))
+                _acc(sums, "logp_diff", (delta.abs() * mb.mask).sum())
+                # k3 = r − 1 − log r with r = π_train / π_rollout: an unbiased, never negative estimate of
+                # KL(π_rollout ‖ π_train) from tokens the engine sampled.
+                _acc(sums, "mismatch_kl", ((torch.expm1(delta) - delta) * mb.mask).sum())
+                _acc(sums, "mismatch_tokens", ((delta.abs() > MISMATCH_THRESHOLD) * mb.mask).sum())
             if tis is not None:
                 for k, v in tis_sums(tis[0], tis[1], logp, mb.old_logprobs, mb.mask).items():
                     _acc(sums, k, v)
@@ -97,6 +108,8 @@ def step_metrics(algorithm: Algorithm, red: dict[str, float]) -> dict[str, float
     if algorithm.on_rollouts:
         out[f"{prefix}/clipfrac"] = red.get("clipped", 0.0) / n
         out[f"{prefix}/rollout_logprob_abs_diff"] = red.get("logp_diff", 0.0) / n
+        out[f"{prefix}/rollout_mismatch_kl"] = red.get("mismatch_kl", 0.0) / n
+        out[f"{prefix}/rollout_mismatch_frac"] = red.get("mismatch_tokens", 0.0) / n
         for k in ("kl", "entropy", "value_loss", "value_mean"):
             if k in red:
                 out[f"{prefix}/{k}"] = red[k] / n

@@ -60,6 +60,21 @@ def test_plain_policy_loss_is_the_weighted_token_loss_with_its_metric_sums():
     loss.backward()  # the loss carries the policy's gradient
 
 
+def test_rollout_mismatch_metrics_are_k3_kl_and_the_share_of_tokens_off_by_more_than_a_tenth():
+    # Loss tokens: r = 0.5 / 0.4 = 1.25 and 0.4 / 0.5 = 0.8; k3 = (r − 1 − log r) sums to 0.25 − 0.2 − log(1.25 · 0.8)
+    # = 0.05, and both |log r| = 0.223 exceed 0.1. The masked third token counts for nothing.
+    _, sums = loss_of(algo())
+    m = step_metrics(algo(), sums)
+    assert m["train/rollout_mismatch_kl"] == pytest.approx(0.05 / 2, rel=1e-5)
+    assert m["train/rollout_mismatch_frac"] == 1.0
+    # A masked filler logprob far below the policy's must not turn the sums into inf or NaN.
+    mb = micro_batch()
+    mb.old_logprobs[0, 2] = -1e4
+    sums = {}
+    micro_batch_loss(algo(), mb, ForwardOutputs(logprobs=t(LOGP).requires_grad_()), sums, dp_size=1, real=True)
+    assert sums["mismatch_kl"] == pytest.approx(0.05, rel=1e-5) and sums["mismatch_tokens"] == 2.0
+
+
 def test_kl_as_a_loss_term_adds_coef_times_the_estimate():
     a = algo(kl_coef=0.1, kl_estimator="k3")
     loss, sums = loss_of(a, ref_logprobs=t(REF))

@@ -90,3 +90,26 @@ def test_an_unknown_engine_format_is_refused_with_the_choices(tiny_model_dir):
 
 def test_miles_serve_takes_the_format_as_a_flag(tiny_model_dir):
     assert parse_args(["--model", tiny_model_dir, "--quantization", "nvfp4"])[0].quantization == "nvfp4"
+
+
+def test_rollout_only_quantization_shows_as_mismatch_and_qat_removes_it(tiny_model_dir, gloo):
+    """The metrics a run reports per step: an nvfp4 engine against a float32 trainer disagrees on the
+    sampled tokens; against a trainer training in nvfp4 it does not."""
+    server = start_server_thread(EngineConfig(model_path=tiny_model_dir, dtype="float32", quantization="nvfp4"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            rollouts = [(p, *sampled(c, p)) for p in PROMPTS]
+    finally:
+        server.stop()
+    seqs = [TrainSequence(tokens=p + out, prompt_len=len(p), loss_mask=[1] * len(out), old_logprobs=lps.tolist(),
+                          advantage=a) for (p, out, lps), a in zip(rollouts, (1.0, -1.0))]
+    metrics = {}
+    for name, quantization in (("rollout_only", "none"), ("qat", "nvfp4")):
+        trainer = FSDPTrainer(TrainerConfig(quantization=quantization), tiny_model_dir, 0, 1, "127.0.0.1",
+                              free_port())
+        metrics[name] = trainer.compute_gradients(seqs, BatchTotals.of(seqs))
+    assert metrics["rollout_only"]["train/rollout_mismatch_kl"] > 1e-4
+    assert metrics["rollout_only"]["train/rollout_mismatch_frac"] > 0
+    assert metrics["qat"]["train/rollout_mismatch_kl"] < 1e-8
+    assert metrics["qat"]["train/rollout_mismatch_frac"] == 0.0
+    assert metrics["qat"]["train/rollout_logprob_abs_diff"] < 1e-5
