@@ -96,3 +96,18 @@ def test_bad_quantization_settings_name_the_key_and_the_fix():
     with pytest.raises(ConfigError, match=r"set trainer.lora.rank = 0"):
         build(TrainerConfig, {"quantization": "fp8", "lora": {"rank": 4}}).validate()
     build(TrainerConfig, {"quantization": "int4_asym"}).validate()
+
+
+def test_sharded_qat_gives_the_one_rank_gradient(tiny_model_dir, tmp_path):
+    """Under FSDP each Linear quantizes its full (all-gathered) weight, so two data-parallel ranks train
+    exactly the policy one rank does: the step's gradient matches."""
+    from tests.unit.trainer.test_parallel import ALGO, assert_same_grads, run_cases
+
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = run_cases(tmp_path / "one", 1, [
+        {"name": "qat", "model": tiny_model_dir, "trainer": {"algorithm": ALGO, "quantization": "nvfp4"}}])
+    two = run_cases(tmp_path / "two", 2, [
+        {"name": "qat", "model": tiny_model_dir,
+         "trainer": {"algorithm": ALGO, "quantization": "nvfp4", "micro_batch_size": 1}}])
+    assert_same_grads(two["qat"]["grads"], one["qat"]["grads"], "2-rank nvfp4 QAT vs 1 rank")
