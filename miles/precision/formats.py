@@ -1,4 +1,4 @@
-"""Low-precision number formats, bit-exact on any device: what a value becomes when stored in one.
+"""Low-precision number formats, bit-exact: what a value becomes when stored in one.
 
 A *format* is an element type (how one number is stored), a block shape (which numbers share one
 scale) and a scale type (how that scale is stored):
@@ -8,6 +8,7 @@ scale) and a scale type (how that scale is stored):
 | `fp8`         | FP8 E4M3         | 128 × 128        | FP32, amax / 448 (DeepSeek-V3 style)    |
 | `fp8_tensor`  | FP8 E4M3         | the whole tensor | FP32, amax / 448                        |
 | `fp8_e5m2`    | FP8 E5M2         | 128 × 128        | FP32, amax / 57344                      |
+| `fp8_e5m2_tensor` | FP8 E5M2     | the whole tensor | FP32, amax / 57344                      |
 | `mxfp8`       | FP8 E4M3         | 1 × 32           | E8M0, 2^(floor(log2 amax) − 8) (OCP MX v1.0) |
 | `nvfp4`       | FP4 E2M1         | 1 × 16           | E4M3 per block × one FP32 per tensor    |
 | `int4`        | INT4, symmetric  | 1 × 128          | FP32, amax / 7                          |
@@ -72,7 +73,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """float → 4-bit E2M1 codes (uint8, sign in bit 3), ties to even, saturating at ±6; NaN → +0."""
     x = x.float()
     mag = torch.nan_to_num(x.abs(), nan=0.0)
-    mids = torch.tensor(_E2M1_MIDPOINTS)
+    mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
     code = torch.bucketize(mag, mids)  # a value equal to a midpoint gets the lower neighbour's code
     tie_to_odd = (code < len(_E2M1_MIDPOINTS)) & (mids[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)] == mag) \
         & (code % 2 == 1)
@@ -83,7 +84,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """4-bit E2M1 codes → float32."""
-    table = torch.tensor(E2M1_VALUES)
+    table = torch.tensor(E2M1_VALUES, device=codes.device)
     mag = table[(codes & 0x7).long()]
     return torch.where((codes & 0x8) != 0, -mag, mag)
 

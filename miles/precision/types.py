@@ -35,6 +35,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("fp8", "e4m3", (128, 128), "fp32"),
     Format("fp8_tensor", "e4m3", None, "fp32"),
     Format("fp8_e5m2", "e5m2", (128, 128), "fp32"),
+    Format("fp8_e5m2_tensor", "e5m2", None, "fp32"),
     Format("mxfp8", "e4m3", (1, 32), "e8m0"),
     Format("nvfp4", "e2m1", (1, 16), "e4m3_fp32"),
     Format("int4", "int4", (1, 128), "fp32"),

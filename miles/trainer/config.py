@@ -70,8 +70,7 @@ class TrainerConfig:
     quantization: str = "none"
     """Quantization-aware training: the policy's Linear weights (not the LM head, embeddings or MoE routers)
     pass through this format's quantize-dequantize in every forward, gradients go straight through to the
-    float32 master weights: none, or a format of docs/precision.md (fp8, fp8_tensor, fp8_e5m2, mxfp8,
-    nvfp4, int4, int4_asym)."""
+    float32 master weights: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm and its knobs."""
     lora: LoraConfig = field(default_factory=LoraConfig)

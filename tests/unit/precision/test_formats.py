@@ -80,12 +80,13 @@ def test_fp8_blocks_are_128_by_128_with_their_own_scale_and_overhang_at_the_edge
     assert torch.equal(dequantize(q), x)
 
 
-def test_e5m2_blocks_use_its_own_range():
-    q = quantize(torch.tensor([[57344.0, 1.0]]), "fp8_e5m2")
-    assert q.scales.item() == 1.0 and bits(q.data) == [0x7B, 0x3C]
+@pytest.mark.parametrize("name", ["fp8_e5m2", "fp8_e5m2_tensor"])
+def test_e5m2_scales_use_its_own_range(name):
+    q = quantize(torch.tensor([[57344.0, 1.0, -3.0 * 2**-16]]), name)
+    assert q.scales.item() == 1.0 and bits(q.data) == [0x7B, 0x3C, 0x83]  # 0x83: −3 · 2^-16, a subnormal
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_tensor", "fp8_e5m2", "int4", "int4_asym", "mxfp8"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_tensor", "fp8_e5m2", "fp8_e5m2_tensor", "int4", "int4_asym", "mxfp8"])
 @pytest.mark.parametrize("bad", [NAN, INF, -INF])
 def test_a_non_finite_value_makes_its_block_nan_and_leaves_other_blocks_alone(name, bad):
     block = FORMATS[name].block or (1, 256)
