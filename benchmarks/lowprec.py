@@ -1,0 +1,157 @@
+"""`miles bench lowprec`: the rollout–trainer mismatch each low-precision format causes, and what
+training in the format (QAT) and truncated importance sampling (TIS) do about it, next to BF16.
+
+The tiny Qwen3 preset is served by a built-in engine and trained by the float32 FSDP trainer in a short
+GRPO run (generate over HTTP → reward → one optimizer step → weights into the engine), from the same
+checkpoint and seeds in every run:
+  bf16 baseline   a bfloat16 engine, a float32 trainer
+  rollout_only    a float32 engine serving the format (rollout.engine.quantization), a float32 trainer
+  tis             the same, with trainer.algorithm.tis_mode = "truncate"
+  qat_tis         the engine and the trainer both in the format (trainer.quantization), with TIS
+Reported per run, averaged over the steps: mismatch_kl (train/rollout_mismatch_kl, the k3 estimate of
+KL(engine ‖ trainer) on the sampled tokens), mismatch_frac (share of tokens off by more than 0.1 nats),
+logprob_diff (mean |Δlogprob|) and the reward. stored_bytes_ratio_vs_bf16 is what the model's tensors
+take in the format (Linear weights quantized, the rest bfloat16) over all-bfloat16: the bytes a
+quantized sync would move. Weight sync itself still moves full-precision tensors, so this is not a
+measured transfer. The reward (share of digit characters) only gives GRPO a signal to follow: this
+run is about consistency, not learning; no eval accuracy is measured. One JSON line per run, then a
+summary line.
+
+    miles bench lowprec [--formats fp8,mxfp8,nvfp4,int4] [--steps 4] [--prompts 6] [--samples 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+
+
+def digit_share(text: str, _label=None) -> float:
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def stored_bytes_ratio(model_dir: str, fmt: str) -> float:
+    """Bytes of the model's tensors with its Linear weights in `fmt` and the rest in bfloat16, over
+    all of them in bfloat16."""
+    from miles.models.loading import load_model
+    from miles.precision.formats import quantize
+    from miles.precision.linear import quantize_linears
+
+    model = load_model(model_dir, "float32")
+    quantized = {f"{n}.weight" for n in quantize_linears(model, fmt, "serve")}
+    total = stored = 0
+    seen = set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # tied weights travel once
+            continue
+        seen.add(t.data_ptr())
+        total += 2 * t.numel()
+        stored += quantize(t, fmt).nbytes if name in quantized else 2 * t.numel()
+    return stored / total
+
+
+def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: str, tis: bool, args) -> dict:
+    import httpx
+    import torch
+
+    from miles.buffer.filters import nonzero_std
+    from miles.buffer.types import Group
+    from miles.config.loader import build
+    from miles.net import free_port
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+    from miles.rollout.generate import SamplingParams, generate
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.batching import prepare_global_batch, sequences_from_groups
+    from miles.trainer.config import TrainerConfig
+
+    cfg = build(TrainerConfig, {"lr": args.lr, "quantization": trainer_format,
+                                "algorithm": {"name": "grpo", "tis_mode": "truncate" if tis else "off"}})
+    trainer = FSDPTrainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port(), seed=0)
+    server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=engine_format,
+                                              seed=0))
+    prompts = [[3 + p, 17 + 5 * p, 9, 40 + p] for p in range(args.prompts)]
+    steps = []
+    try:
+        for step in range(args.steps):
+            async def rollout():
+                async with httpx.AsyncClient(timeout=600) as c:
+                    return await asyncio.gather(*(
+                        generate(c, server.url, ids, SamplingParams(max_new_tokens=args.max_new_tokens,
+                                                                    seed=1000 * step + 10 * p + k), prompt_index=p)
+                        for p, ids in enumerate(prompts) for k in range(args.samples)))
+            samples = asyncio.run(rollout())
+            for s in samples:
+                s.reward = digit_share(s.response_text)
+            groups = [Group(samples[i:i + args.samples]) for i in range(0, len(samples), args.samples)]
+            seqs = sequences_from_groups([g for g in groups if nonzero_std(g)], trainer.algorithm)
+            if not seqs:
+                continue
+            seqs, totals = prepare_global_batch(seqs, trainer.algorithm)
+            m = trainer.train_step(seqs, totals)
+            steps.append({"mismatch_kl": m["train/rollout_mismatch_kl"],
+                          "mismatch_frac": m["train/rollout_mismatch_frac"],
+                          "logprob_diff": m["train/rollout_logprob_abs_diff"],
+                          "reward": sum(s.reward for s in samples) / len(samples)})
+            with torch.no_grad():
+                server.engine.apply_weights(dict(trainer.full_named_tensors()), step + 1)
+    finally:
+        server.stop()
+    if not steps:
+        raise SystemExit("miles bench lowprec: no step had a group with unequal rewards; raise --samples")
+    return {**{k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}, "steps_trained": len(steps)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="miles bench lowprec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", default="fp8,mxfp8,nvfp4,int4")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from miles.models.presets import build_tiny_model
+    from miles.net import free_port
+    from miles.precision.types import get_format
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for f in formats:
+        get_format(f, "--formats")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    t0 = time.perf_counter()
+    summary = {"model": "tiny-qwen3", "steps": args.steps, "samples_per_step": args.prompts * args.samples,
+               "formats": {}}
+    with tempfile.TemporaryDirectory(prefix="miles-bench-lowprec-") as tmp:
+        model_dir = str(build_tiny_model("tiny-qwen3", tmp))
+        base = run(model_dir, "bfloat16", "none", "none", False, args)
+        print(json.dumps({"format": "bf16", "recipe": "baseline", **base}), flush=True)
+        summary.update(mismatch_kl_bf16=base["mismatch_kl"], mismatch_frac_bf16=base["mismatch_frac"],
+                       reward_bf16=base["reward"])
+        for fmt in formats:
+            row = {"stored_bytes_ratio_vs_bf16": stored_bytes_ratio(model_dir, fmt)}
+            for recipe, trainer_format, tis in (("rollout_only", "none", False), ("tis", "none", True),
+                                                ("qat_tis", fmt, True)):
+                r = run(model_dir, "float32", fmt, trainer_format, tis, args)
+                print(json.dumps({"format": fmt, "recipe": recipe, **r,
+                                  "stored_bytes_ratio_vs_bf16": row["stored_bytes_ratio_vs_bf16"]}), flush=True)
+                row[recipe] = {"mismatch_kl": r["mismatch_kl"], "mismatch_frac": r["mismatch_frac"],
+                               "reward": r["reward"]}
+            summary["formats"][fmt] = row
+    dist.destroy_process_group()
+    summary["wall_s"] = time.perf_counter() - t0
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
