@@ -1,7 +1,9 @@
 """Linear layers that compute with their weight as a low-precision format stores it.
 
 `quantize_linears(model, name, mode)` swaps a model's `nn.Linear` layers for `QuantizedLinear`s that
-share the same Parameter objects (names, state dicts, optimizers and FSDP see nothing new):
+share the same Parameter objects (names, state dicts, optimizers and FSDP see nothing new), and makes
+the stacked expert weights of MoE blocks (3-D parameters, one (out, in) matrix per expert, as
+Qwen3-MoE's `mlp.experts` holds them) go through the same format, one matrix per expert:
 
 - `mode="train"` (QAT): every forward uses `fake_quantize(weight)`: the value the format stores, with
   a straight-through gradient into the float32 master weight. The trained policy is the quantized one.
@@ -14,7 +16,7 @@ float32 weights compute the same logits. The embeddings, the LM head and MoE rou
 precision (as DeepSeek-V3's FP8 recipe and NVFP4/MXFP8 checkpoints leave them), as do activations.
 
 Non-goals: low-precision matmul kernels (this is emulation: the numerics, none of the speed), and
-quantizing anything but Linear weights.
+quantizing anything but Linear and expert weights.
 """
 
 from __future__ import annotations
@@ -34,6 +36,32 @@ Mode = Literal["train", "serve"]
 _KEEP = ("lm_head",)
 
 
+class StoredWeight:
+    """A weight's value in a format, made again only when the weight's memory or contents changed."""
+
+    def __init__(self, fmt: Format):
+        self.fmt = fmt
+        self._stored: tuple[tuple[int, int], list[QuantizedTensor]] | None = None
+
+    def value(self, weight: torch.Tensor, per_matrix: bool) -> torch.Tensor:
+        """The dequantized weight, in its dtype; `per_matrix`: quantize each w[i] of a 3-D weight alone."""
+        w = weight.detach()
+        try:
+            key = (w.data_ptr(), w._version)  # a copy_ into it bumps _version; a swapped .data moves data_ptr
+        except RuntimeError:  # an inference tensor keeps no version counter: a cached copy could be stale
+            key = None
+        if key is None or self._stored is None or self._stored[0] != key:
+            stored = [quantize(m, self.fmt) for m in w] if per_matrix else [quantize(w, self.fmt)]
+            self._stored = None if key is None else (key, stored)
+        else:
+            stored = self._stored[1]
+        values = [dequantize(q) for q in stored]
+        return (torch.stack(values) if per_matrix else values[0]).to(weight.dtype)
+
+    def drop(self) -> None:
+        self._stored = None
+
+
 class QuantizedLinear(torch.nn.Linear):
     """nn.Linear whose matmul uses its weight as stored in `fmt`."""
 
@@ -42,28 +70,17 @@ class QuantizedLinear(torch.nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: nothing is copied
         self.fmt, self.mode = fmt, mode
-        self._stored: tuple[tuple[int, int], QuantizedTensor] | None = None
+        self._stored = StoredWeight(fmt)
 
     def effective_weight(self) -> torch.Tensor:
         """The weight the matmul uses: the format's value of the current weight, in its dtype."""
         if self.mode == "train":
             return fake_quantize(self.weight, self.fmt)
-        return dequantize(self.stored()).to(self.weight.dtype)
-
-    def stored(self) -> QuantizedTensor:
-        """The weight in the format, made again only when the weight's memory or contents changed."""
-        w = self.weight.detach()
-        try:
-            key = (w.data_ptr(), w._version)  # a copy_ into it bumps _version; a swapped .data moves data_ptr
-        except RuntimeError:  # an inference tensor keeps no version counter: a cached copy could be stale
-            return quantize(w, self.fmt)
-        if self._stored is None or self._stored[0] != key:
-            self._stored = (key, quantize(w, self.fmt))
-        return self._stored[1]
+        return self._stored.value(self.weight, per_matrix=False)
 
     def drop_stored(self) -> None:
         """Free the quantized copy (the weights were released); the next forward makes it again."""
-        self._stored = None
+        self._stored.drop()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.effective_weight(), self.bias)
@@ -72,9 +89,48 @@ class QuantizedLinear(torch.nn.Linear):
         return super().extra_repr() + f", format={self.fmt.name}, mode={self.mode}"
 
 
+class QuantizedExperts:
+    """Wraps an MoE experts module's forward so that its 3-D weights are seen as the format stores them,
+    one expert matrix at a time. The module keeps its class, Parameters and names."""
+
+    def __init__(self, module: torch.nn.Module, fmt: Format, mode: Mode):
+        self.module, self.fmt, self.mode = module, fmt, mode
+        self.names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        self._stored = {n: StoredWeight(fmt) for n in self.names}
+        self._forward = module.forward
+        module.forward = self.forward
+        module.quantized_experts = self  # found again by drop_stored
+
+    def weight(self, name: str) -> torch.Tensor:
+        p = self.module._parameters[name]
+        if self.mode == "train":
+            return torch.stack([fake_quantize(m, self.fmt) for m in p])  # straight through to each expert
+        return self._stored[name].value(p, per_matrix=True)
+
+    def forward(self, *args, **kwargs):
+        # For the length of the forward, the weights' names point at their quantized values (plain
+        # tensors); the Parameters go back in place before anyone else (FSDP, the optimizer) sees them.
+        params = {n: self.module._parameters[n] for n in self.names}
+        values = {n: self.weight(n) for n in self.names}
+        try:
+            for n in self.names:
+                del self.module._parameters[n]
+                setattr(self.module, n, values[n])
+            return self._forward(*args, **kwargs)
+        finally:
+            for n in self.names:
+                delattr(self.module, n)
+                self.module._parameters[n] = params[n]
+
+    def drop_stored(self) -> None:
+        for s in self._stored.values():
+            s.drop()
+
+
 def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "quantization") -> list[str]:
     """Swap every Linear of `model` but the LM head and MoE routers for a QuantizedLinear in format
-    `name` ("none" leaves the model alone). Returns the swapped layers' names."""
+    `name`, and put MoE experts' weights through it too ("none" leaves the model alone). Returns the
+    names of the layers and experts modules now quantized."""
     if name == "none":
         return []
     fmt = get_format(name, key)
@@ -87,6 +143,10 @@ def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "
                 continue
             setattr(parent, child_name, QuantizedLinear(child, fmt, mode))
             swapped.append(full)
+    for name, module in model.named_modules():
+        if name.endswith("experts") and any(p.dim() == 3 for p in module.parameters(recurse=False)):
+            QuantizedExperts(module, fmt, mode)
+            swapped.append(name)
     if not swapped:
         raise ValueError(f"{key} = {name!r}: {type(model).__name__} has no Linear layer to quantize")
     return swapped
@@ -97,3 +157,5 @@ def drop_stored(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
             m.drop_stored()
+        elif hasattr(m, "quantized_experts"):
+            m.quantized_experts.drop_stored()

@@ -68,7 +68,7 @@ class TrainerConfig:
     """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
     instead of hanging on a dead or stalled rank."""
     quantization: str = "none"
-    """Quantization-aware training: the policy's Linear weights (not the LM head, embeddings or MoE routers)
+    """Quantization-aware training: the policy's Linear and MoE expert weights (not the LM head, embeddings or routers)
     pass through this format's quantize-dequantize in every forward, gradients go straight through to the
     float32 master weights: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

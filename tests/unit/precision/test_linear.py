@@ -38,15 +38,16 @@ def test_a_serving_layer_requantizes_after_an_in_place_copy_a_swapped_tensor_and
     quantize_linears(model, "int4", "serve")
     x = torch.randn(3, 64)
     model.up(x)
-    first = model.up.stored()
-    assert model.up.stored() is first  # unchanged weight: no new quantization
+    cached = model.up._stored._stored
+    model.up(x)
+    assert model.up._stored._stored is cached  # unchanged weight: no new quantization
     with torch.no_grad():
         model.up.weight.copy_(torch.randn(96, 64))  # what a weight update does in place
     assert torch.equal(model.up.effective_weight(), dequantize(quantize(model.up.weight, "int4")))
     model.up.weight.data = torch.randn(96, 64)  # what an update adopting the received buffer does
     assert torch.equal(model.up.effective_weight(), dequantize(quantize(model.up.weight, "int4")))
     drop_stored(model)
-    assert model.up._stored is None
+    assert model.up._stored._stored is None
 
 
 def test_none_leaves_the_model_alone_and_an_unknown_format_names_the_key():
@@ -54,3 +55,31 @@ def test_none_leaves_the_model_alone_and_an_unknown_format_names_the_key():
     assert quantize_linears(model, "none", "train") == [] and type(model.up) is torch.nn.Linear
     with pytest.raises(ValueError, match=r"engine quantization = 'fp7' is not a format"):
         quantize_linears(model, "fp7", "serve", key="engine quantization")
+
+
+class Experts(torch.nn.Module):
+    """Stacked expert weights as Qwen3-MoE holds them: (experts, out, in), one matmul per expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 40, 64))
+
+    def forward(self, x, expert: int):
+        return torch.nn.functional.linear(x, self.w[expert])
+
+
+@pytest.mark.parametrize("mode", ["train", "serve"])
+def test_expert_weights_are_quantized_one_expert_matrix_at_a_time(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.experts = Experts()
+    param = model.experts.w
+    assert quantize_linears(model, "fp8", mode) == ["experts"]
+    x = torch.randn(5, 64, requires_grad=True)
+    for e in range(3):
+        want = torch.nn.functional.linear(x, dequantize(quantize(param[e], "fp8")))  # its own 128 × 128 scale
+        assert torch.equal(model.experts(x, e), want)
+    assert model.experts.w is param and dict(model.named_parameters()) == {"experts.w": param}
+    if mode == "train":
+        model.experts(x, 1).sum().backward()
+        assert torch.equal(param.grad[1], torch.ones(5, 40).T @ x.detach()) and param.grad[0].abs().sum() == 0

@@ -43,6 +43,9 @@ def dequantized_model(model_dir: str, fmt: str, state: dict | None = None):
         for name, m in model.named_modules():
             if type(m) is torch.nn.Linear and not name.endswith("lm_head"):
                 m.weight.copy_(dequantize(quantize(m.weight, fmt)))
+        for name, p in model.named_parameters():
+            if ".experts." in name and p.dim() == 3:  # MoE: each expert's matrix on its own
+                p.copy_(torch.stack([dequantize(quantize(w, fmt)) for w in p]))
     return model
 
 
@@ -68,6 +71,21 @@ def test_the_trainers_forward_is_the_dequantized_models_and_gradients_go_straigh
     master = dict(trainer.model.named_parameters())[layer]
     assert master.dtype == torch.float32 and master.grad is not None and master.grad.abs().sum() > 0
     assert torch.allclose(master.grad, dict(ref.named_parameters())[layer].grad, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_experts_train_in_the_format_too(tiny_moe_model_dir, gloo):
+    trainer = FSDPTrainer(build(TrainerConfig, {"quantization": "nvfp4"}), tiny_moe_model_dir, 0, 1, "127.0.0.1",
+                          free_port())
+    ids, mask = batch()
+    logp, _ = forward_logprobs(trainer.model, ids, mask)
+    ref = dequantized_model(tiny_moe_model_dir, "nvfp4")
+    ref_logp, _ = forward_logprobs(ref, ids, mask)
+    assert torch.allclose(logp, ref_logp, atol=1e-5, rtol=0)
+    logp.sum().backward()
+    ref_logp.sum().backward()
+    name = "model.layers.2.mlp.experts.down_proj"
+    got, want = dict(trainer.model.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad
+    assert got.abs().sum() > 0 and torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def test_a_step_updates_the_master_weights_and_the_next_forward_uses_their_stored_values(tiny_model_dir, gloo):

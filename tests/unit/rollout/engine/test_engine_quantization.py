@@ -113,3 +113,17 @@ def test_rollout_only_quantization_shows_as_mismatch_and_qat_removes_it(tiny_mod
     assert metrics["qat"]["train/rollout_mismatch_kl"] < 1e-8
     assert metrics["qat"]["train/rollout_mismatch_frac"] == 0.0
     assert metrics["qat"]["train/rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_an_moe_engine_serves_its_experts_in_the_format_the_trainer_trains_them_in(tiny_moe_model_dir, gloo):
+    trainer = FSDPTrainer(TrainerConfig(quantization="nvfp4"), tiny_moe_model_dir, 0, 1, "127.0.0.1", free_port())
+    plain = FSDPTrainer(TrainerConfig(), tiny_moe_model_dir, 0, 1, "127.0.0.1", free_port())
+    server = start_server_thread(EngineConfig(model_path=tiny_moe_model_dir, dtype="float32", quantization="nvfp4"))
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            for prompt in PROMPTS:
+                out, lps = sampled(c, prompt)
+                torch.testing.assert_close(lps, trainer_logprobs(trainer, prompt, out), atol=1e-5, rtol=0)
+                assert (lps - trainer_logprobs(plain, prompt, out)).abs().max() > 1e-4
+    finally:
+        server.stop()
