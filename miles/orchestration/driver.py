@@ -25,7 +25,7 @@ from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
-from miles.metrics.sink import open_sinks
+from miles.metrics.sink import open_sinks, read_metrics
 from miles.models.loading import load_tokenizer
 from miles.orchestration.actors import EngineShell, remote
 from miles.orchestration.context import TrainContext, log
@@ -39,6 +39,7 @@ from miles.rollout.data_source import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.sync.prepare import wire_dtype
+from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
 
@@ -204,14 +205,31 @@ def check_data(cfg: RunConfig) -> None:
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
 
 
+def rewind_run_dir(run_dir: Path) -> int:
+    """Before a resume: the step of the run directory's latest resumable checkpoint, with metrics.jsonl
+    cut back to the records up to it. Steps after it are trained again, and a run killed mid-write
+    may have left a torn last line; neither may appear twice or break the file."""
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise SystemExit(f"miles: {run_dir} has no resumable checkpoint (checkpoints/latest); "
+                         "runs save one at every loop.save_every steps and at the end")
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    path = run_dir / "metrics.jsonl"
+    kept = [r for r in read_metrics(path, warn=log) if r["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return step
+
+
 def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
-    if resume and cfg.loop.schedule != "sync":
-        raise SystemExit(f"miles: --resume supports loop.schedule = 'sync' (this run uses {cfg.loop.schedule!r})")
     if resume and cfg.fault.kill_trainer_at_step:
         # The saved config still asks for the fault that ended the run; once was the point.
         cfg = dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, kill_trainer_at_step=0))
     check_data(cfg)
     run_dir = Path(resume) if resume else make_run_dir(cfg.run.output_dir, cfg.run.name)
+    if resume:
+        rewind_run_dir(run_dir)
     save_config(cfg, run_dir / "config.json")
     log(f"run directory: {run_dir}")
     t_start = time.perf_counter()

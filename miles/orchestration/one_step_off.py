@@ -9,6 +9,10 @@ the buffer on the way out). Weights are pushed right after each train step, whil
 still generating: they apply a version atomically between decode steps and each sample records
 the versions it ran under. Who waits: the trainer waits for the next batch when generation is the
 slower side; generation waits for nothing. Needs the disaggregated placement.
+
+A checkpoint taken at the end of step k holds step k+1's batch as it stood: groups that had arrived
+(in the buffer) and prompts still being generated. A run resumed from it regenerates only those
+prompts, so step k+1 trains the same prompts it would have without the interruption.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from miles.orchestration.steps import end_step, push_weights, train_on
 
 def run_one_step_off_loop(ctx: TrainContext) -> None:
     rollout, num_steps = ctx.rollout, ctx.cfg.loop.num_steps
-    pending = ctx.submit(rollout.generate_batch)
+    first = rollout.regenerate_in_flight if ctx.batch_in_flight else rollout.generate_batch
+    pending = ctx.submit(first)
     for step in range(ctx.start_step + 1, num_steps + 1):
         timer = StepTimer()
         ctx.progress.phase("wait for data")
@@ -29,7 +34,8 @@ def run_one_step_off_loop(ctx: TrainContext) -> None:
             groups, buffer_metrics = ctx.call(rollout.collect)
         metrics.update(buffer_metrics)
         t_gen = metrics.get("rollout/time_s", 0.0)
-        if step < num_steps:
+        ctx.batch_in_flight = step < num_steps
+        if ctx.batch_in_flight:
             pending = ctx.submit(rollout.generate_batch)  # step k+1's batch, overlapping this train step
         train_on(ctx, step, groups, metrics, timer)
         push_weights(ctx, step, metrics, timer)

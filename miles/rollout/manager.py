@@ -60,7 +60,14 @@ class RolloutManager:
 
     def generate_batch(self) -> dict[str, float]:
         """Generate one step's prompts together and put every group into the buffer."""
-        prompts = self.buffer.draw(self.cfg.prompts_per_step)
+        return self._generate(self.buffer.draw(self.cfg.prompts_per_step))
+
+    def regenerate_in_flight(self) -> dict[str, float]:
+        """After a resume: generate again the groups that were in flight when the checkpoint was taken
+        (the rest of the batch a one-step-off run was generating; maybe none) and put them into the buffer."""
+        return self._generate(self.buffer.draw_resumed())
+
+    def _generate(self, prompts: list[Prompt]) -> dict[str, float]:
         self.groups.samples_done = 0
         t0 = time.perf_counter()
 
