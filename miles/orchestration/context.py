@@ -52,6 +52,7 @@ class TrainContext:
     # one_step_off: a batch is being generated for the next step (saved, so that a resumed run
     # finishes that batch instead of drawing a new one)
     batch_in_flight: bool = False
+    trainer_restarts: int = 0   # trainer groups replaced after a failure (fault.restart_trainer)
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     _memory_warned: bool = False
 

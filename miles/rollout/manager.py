@@ -40,7 +40,7 @@ class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
                  seed: int = 0, buffer_cfg: BufferConfig | None = None, admin_token: str | None = None,
                  router_url: str | None = None):
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         # Its own prompt source: the buffer's ledger must see every prompt it hands out.
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
         self.admin = EngineAdmin(engine_urls, admin_token, router_url)
@@ -128,6 +128,9 @@ class RolloutManager:
         return self.buffer.state_dict()
 
     def load_buffer_state_dict(self, state: dict) -> None:
+        """Go to a checkpoint's buffer and prompt position, from a fresh source: a run restarted in
+        place goes back to a position earlier than the one its source has reached."""
+        self.buffer.source = PromptSource(self.cfg.task, "train", self.seed)
         self.buffer.load_state_dict(state, Prompt)
         # Fresh draws continue after the last prompt the saved run drew.
         drawn = max((int(i) for i in state["ledger"]["states"]), default=-1) + 1

@@ -40,13 +40,29 @@ def records(run_dir):
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, ray_cluster):
+@pytest.fixture(scope="module")
+def straight_sync(tiny_model_dir, tmp_path_factory, ray_cluster):
+    """4 sync steps without an interruption: what a resumed or restarted run must reproduce."""
+    from miles.orchestration.driver import run_train
+
+    out = tmp_path_factory.mktemp("straight")
+    run_train(config(tiny_model_dir, out, "straight", 4))
+    return out / "straight"
+
+
+def metric_diffs(straight: dict, again: dict, steps) -> list:
+    return [(step, key, straight[step].get(key), again[step].get(key)) for step in steps
+            for key in sorted(set(straight[step]) | set(again[step]))
+            if key.startswith(("train/", "rollout/")) and not key.endswith("_s") and "per_s" not in key
+            and straight[step].get(key) != again[step].get(key)]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, straight_sync):
     from miles.cli import main
     from miles.orchestration.driver import run_train
 
     from miles.orchestration.trainer_group import TrainerFailure
 
-    run_train(config(tiny_model_dir, tmp_path, "straight", 4))
     with pytest.raises(TrainerFailure, match=r"trainer rank 0 failed in train_step.*miles train --resume"):
         run_train(config(tiny_model_dir, tmp_path, "resumed", 4, **{"fault.kill_trainer_at_step": "3"}))
     resumed = tmp_path / "resumed"
@@ -56,13 +72,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, ray_c
     assert not list(ckpts.glob("*.staging"))  # committed, not half-written
     assert main(["train", "--resume", str(resumed), "--loop.num_steps", "4"]) == 0
 
-    straight, again = records(tmp_path / "straight"), records(resumed)
+    straight, again = records(straight_sync), records(resumed)
     assert sorted(again) == [0, 1, 2, 3, 4]
-    diffs = [(step, key, straight[step].get(key), again[step].get(key)) for step in (3, 4)
-             for key in sorted(set(straight[step]) | set(again[step]))
-             if key.startswith(("train/", "rollout/")) and not key.endswith("_s") and "per_s" not in key
-             and straight[step].get(key) != again[step].get(key)]
-    assert not diffs
+    assert not metric_diffs(straight, again, (3, 4))
     assert all(key in straight[3] for key in COMPARED)
     assert again[3]["train/lr"] == straight[3]["train/lr"] < straight[2]["train/lr"]  # the schedule resumed
     # Generation after resume ran on the restored weights, version 2 then 3.
@@ -137,6 +149,25 @@ def test_fully_async_resumed_regenerates_what_was_in_flight_and_trains_nothing_t
     assert any(states[i] == "trained" and after[i] > 2 for i in in_flight)
     ledger = json.loads((resumed / "summary.json").read_text())["ledger"]
     assert ledger["trained"] == 16 and ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
+
+
+def test_a_killed_trainer_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(
+        tiny_model_dir, tmp_path, straight_sync):
+    from miles.orchestration.driver import run_train
+
+    # No save between the start and the kill: the restart goes back to the checkpoint written
+    # before step 1, and redoes steps 1 and 2 as well.
+    summary = run_train(config(tiny_model_dir, tmp_path, "restarted", 4, **{
+        "fault.kill_trainer_at_step": "3", "fault.restart_trainer": "true", "loop.save_every": "0"}))
+    run_dir = tmp_path / "restarted"
+    assert summary["trainer_restarts"] == 1
+    assert [f["kind"] for f in summary["faults"]["faults"]] == ["kill_trainer"]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]  # the redone steps are recorded once
+    straight, again = records(straight_sync), records(run_dir)
+    assert not metric_diffs(straight, again, (1, 2, 3, 4))
+    assert trained_at(run_dir, 4) == trained_at(straight_sync, 4)
+    assert summary["ledger"]["pending"] == 0
 
 
 def test_resume_without_a_checkpoint_names_the_fix(tmp_path):
