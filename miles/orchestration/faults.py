@@ -46,7 +46,7 @@ class FaultConfig:
     """SIGKILL the last trainer rank as this step's training starts (0 = never); once per run, so a
     restarted trainer that trains the step again is left alone."""
     restart_trainer: bool = False
-    """Recover from a trainer rank that dies or hangs: start a new trainer group, go back to the last
+    """Recover when a trainer rank fails: start a new trainer group, go back to the last
     resumable checkpoint (trainer, buffer, ledger, data position, metrics) and go on. A checkpoint is
     written before the first step so there is always one; loop.save_every bounds the steps redone."""
     max_trainer_restarts: int = 3
