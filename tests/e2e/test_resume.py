@@ -1,8 +1,9 @@
 """`miles train --resume RUN_DIR`: a run whose trainer is SIGKILLed during step 3 (after its step-2
 checkpoint), resumed, gives the same step-3 and step-4 metrics as 4 steps straight (sync), and trains
 every prompt exactly once (one_step_off: at the same step as 4 steps straight; fully_async: one
-step's worth per step, the groups in flight at the checkpoint regenerated). Real engine, real Ray,
-FSDP2 on gloo, checkpoints on disk."""
+step's worth per step, the groups in flight at the checkpoint regenerated). With
+fault.restart_trainer the driver does the same in place: a new trainer group, back to the last
+checkpoint, and the run completes. Real engine, real Ray, FSDP2 on gloo, checkpoints on disk."""
 
 import json
 
@@ -168,6 +169,27 @@ def test_a_killed_trainer_rank_is_restarted_and_the_run_matches_the_uninterrupte
     assert not metric_diffs(straight, again, (1, 2, 3, 4))
     assert trained_at(run_dir, 4) == trained_at(straight_sync, 4)
     assert summary["ledger"]["pending"] == 0
+
+
+@pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
+def test_overlapped_runs_restart_a_killed_trainer_and_train_every_prompt_once(
+        tiny_model_dir, tmp_path, ray_cluster, schedule):
+    from miles.orchestration.driver import run_train
+
+    summary = run_train(config(tiny_model_dir, tmp_path, "restarted", 4, **{
+        "loop.schedule": schedule, "buffer.filter": "none", "buffer.max_inflight_groups": "4",
+        "buffer.capacity": "4", "fault.kill_trainer_at_step": "3", "fault.restart_trainer": "true"}))
+    run_dir = tmp_path / "restarted"
+    assert summary["trainer_restarts"] == 1
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4]
+    before, after = trained_at(run_dir, 2), trained_at(run_dir, 4)
+    assert {i: after[i] for i in before} == before
+    assert sorted(after.values()) == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    states = {int(k): v for k, v in rollout_state(run_dir, 4)["ledger"]["states"].items()}
+    assert sorted(states) == list(range(len(states)))
+    ledger = summary["ledger"]
+    assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
 
 
 def test_resume_without_a_checkpoint_names_the_fix(tmp_path):
