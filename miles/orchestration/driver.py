@@ -297,6 +297,10 @@ def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
         return _finish(ctx, before, t_start)
 
 
+def _eval_figures(record: dict) -> dict[str, float]:
+    return {k: v for k, v in record.items() if k.startswith("eval/") and not k.endswith("time_s")}
+
+
 def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
     """Account for every prompt, save the final checkpoint, write summary.json."""
     cfg, fleet = ctx.cfg, ctx.fleet
@@ -308,6 +312,8 @@ def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
         "run_dir": str(ctx.run_dir), "steps": cfg.loop.num_steps,
         "eval_accuracy_before": before["eval/accuracy"],
         "eval_accuracy_after": after.get("eval/accuracy", before["eval/accuracy"]),
+        # Every eval figure (each eval set's pass@k, avg@k, maj@k, accuracy) before RL and at the last evaluation.
+        "eval_before": _eval_figures(before), "eval_after": _eval_figures(after),
         "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
         "schedule": cfg.loop.schedule, "ledger": ledger, "trainer_restarts": ctx.trainer_restarts,
         "fleet": fleet.report() if fleet is not None else None,
@@ -321,38 +327,58 @@ def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
 
 
 def run_sft(cfg: RunConfig) -> dict:
-    """Supervised warm start on the task's demonstrations; writes an HF checkpoint to cfg.sft.out."""
+    """Supervised warm start on the task's demonstrations; writes an HF checkpoint to cfg.sft.out.
+    With sft.target_accuracy set it stops as soon as held-out greedy accuracy reaches the target."""
     t0 = time.perf_counter()
+    sft = cfg.sft
     tok = load_tokenizer(cfg.model.path)
-    prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(cfg.sft.num_examples)
+    prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(sft.num_examples)
 
     def encode(prompt):  # as rollouts encode it: chat messages and templates included
         return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages)
 
     data = demonstration_sequences(prompts, tok, encode)
+    held_out = []
+    if sft.target_accuracy:
+        # The same held-out split RL evaluates on, so the warm start's accuracy is the run's step 0.
+        held_out = demonstration_sequences(PromptSource(cfg.rollout.task, "eval", cfg.run.seed)
+                                           .take(sft.eval_examples), tok, encode)
     rng = random.Random(cfg.run.seed)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_ray(cfg))
         pools = core_pools(cfg.placement)
-        tcfg = dataclasses.replace(cfg.trainer, lr=cfg.sft.lr)
+        tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
         trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None)
         stack.callback(trainer.close)
-        progress = Progress("sft", cfg.sft.steps, mode=cfg.metrics.progress)
+        progress = Progress("sft", sft.steps, mode=cfg.metrics.progress)
         order: list[int] = []
         m: dict[str, float] = {}
-        for step in range(1, cfg.sft.steps + 1):
+        acc = None
+        step = 0
+        for step in range(1, sft.steps + 1):
             batch = []
-            while len(batch) < cfg.sft.batch_size:
+            while len(batch) < sft.batch_size:
                 if not order:
                     order = list(range(len(data)))
                     rng.shuffle(order)
                 batch.append(data[order.pop()])
             m = trainer.train_step(batch, algorithm="sft")
-            if progress.live or step % max(1, cfg.sft.steps // 20) == 0 or step == cfg.sft.steps:
+            if held_out and (step % sft.eval_every == 0 or step == sft.steps):
+                acc = trainer.greedy_accuracy(held_out)
+                progress.update(step, nll=m["sft/nll"], accuracy=acc)
+                if acc >= sft.target_accuracy:
+                    break
+            elif progress.live or step % max(1, sft.steps // 20) == 0 or step == sft.steps:
                 progress.update(step, nll=m["sft/nll"])
         progress.close()
-        out = trainer.save_hf(cfg.sft.out)
-        summary = {"out": out, "steps": cfg.sft.steps, "final_nll": m.get("sft/nll"),
+        out = trainer.save_hf(sft.out)
+        summary = {"out": out, "steps": step, "final_nll": m.get("sft/nll"),
                    "wall_time_s": time.perf_counter() - t0}
-        log(f"SFT done in {summary['wall_time_s']:.0f}s; warm-started model written to {out}")
+        if held_out:
+            summary["held_out_accuracy"] = acc
+            summary["reached_target"] = acc is not None and acc >= sft.target_accuracy
+            if not summary["reached_target"]:
+                log(f"SFT ran all {sft.steps} steps without reaching sft.target_accuracy "
+                    f"{sft.target_accuracy} (held-out accuracy {acc:.3f}); raise sft.steps or sft.lr")
+        log(f"SFT done in {summary['wall_time_s']:.0f}s after {step} steps; warm-started model written to {out}")
         return summary

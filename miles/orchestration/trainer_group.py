@@ -97,6 +97,11 @@ class TrainerGroup:
     def save_hf(self, out_dir: str) -> str:
         return self._all("save_hf", [out_dir] * len(self.actors))[0]
 
+    def greedy_accuracy(self, seqs) -> float:
+        """Fraction of demonstrations whose answer greedy decoding reproduces (teacher-forced argmax)."""
+        hits = self._call_trainer("greedy_matches", seqs)
+        return sum(hits) / max(1, len(hits))
+
     def save_checkpoint(self, path: str) -> None:
         """Collective distributed checkpoint of the trainer state into `path` (a staging folder)."""
         self._call_trainer("save_checkpoint", path)
