@@ -56,7 +56,8 @@ class TrainerGroup:
                 self.failed = True
                 raise TrainerFailure(f"trainer rank {rank} failed in {method}: {_first_line(exc)}. The step did "
                                      "not complete; continue from the last checkpoint with "
-                                     "`miles train --resume RUN_DIR`") from exc
+                                     "`miles train --resume RUN_DIR` (fault.restart_trainer = true "
+                                     "does that in place)") from exc
         self.failed = False
         return ray.get(refs)
 
