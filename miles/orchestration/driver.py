@@ -17,6 +17,7 @@ import random
 import secrets
 import time
 from pathlib import Path
+from typing import Callable
 
 from miles.config.loader import save_config, to_dict
 from miles.config.run import RunConfig
@@ -34,11 +35,12 @@ from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.loop import SCHEDULES
 from miles.orchestration.placement import CorePools, core_pools
 from miles.orchestration.ray_cluster import ensure_ray
-from miles.orchestration.trainer_group import TrainerGroup
+from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
 from miles.rollout.data_source import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.sync.prepare import wire_dtype
+from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
 
@@ -143,8 +145,10 @@ def _ray(cfg: RunConfig):
             ray.shutdown()
 
 
-def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[TrainContext, RunningRouter | None]:
-    """Start every component of a run, each entered on `stack`; the TrainContext that holds them."""
+def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
+           ) -> tuple[TrainContext, RunningRouter | None, Callable[[], TrainerGroup]]:
+    """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
+    how to start its trainer group again (fault.restart_trainer)."""
     stack.enter_context(_ray(cfg))
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
@@ -162,10 +166,15 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[
         urls = fleet.serving_urls()
         log(f"engines ready: {', '.join(urls)}; router at {router.url}")
     sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
-    trainer = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
-                           pools.trainer if pools else None, admin_token)
-    stack.callback(trainer.close)
-    trainer.connect_engines(urls)
+
+    def start_trainer() -> TrainerGroup:
+        group = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
+                             pools.trainer if pools else None, admin_token)
+        stack.callback(group.close)
+        group.connect_engines(fleet.serving_urls() if fleet is not None else urls)
+        return group
+
+    trainer = start_trainer()
     # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
@@ -181,7 +190,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[
     progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
     stack.callback(progress.close)
     ctx = wiring["ctx"] = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet)
-    return ctx, router
+    return ctx, router, start_trainer
 
 
 def _start_faults(ctx: TrainContext, router: RunningRouter | None, stack: contextlib.ExitStack) -> None:
@@ -204,32 +213,85 @@ def check_data(cfg: RunConfig) -> None:
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
 
 
+def rewind_run_dir(run_dir: Path) -> int:
+    """Before going back to the run directory's latest resumable checkpoint: its step, with
+    metrics.jsonl cut back to the records up to it. Steps after it are trained again, and a run
+    killed mid-write may have left a torn last line; neither may appear twice or break the file.
+
+    Records are in step order, so what stays is a prefix of the file: one truncate, which a sink
+    that has the file open for appending simply writes after."""
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise SystemExit(f"miles: {run_dir} has no resumable checkpoint (checkpoints/latest); "
+                         "runs save one at every loop.save_every steps and at the end")
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return step
+    end = 0
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break  # a torn last line
+            if not line.endswith(b"\n") or record.get("step", step + 1) > step:
+                break
+            end += len(line)
+    os.truncate(path, end)
+    return step
+
+
+def _run_schedule(ctx: TrainContext, start_trainer: Callable[[], TrainerGroup]) -> None:
+    """The configured schedule; with fault.restart_trainer, a failed trainer group is replaced by a new
+    one and the whole run goes back to its last resumable checkpoint (trainer state, buffer with its
+    in-flight prompts, ledger, data position, metrics), then goes on. The engines keep their
+    processes; the restored weights are pushed to them before they generate again."""
+    schedule, fault = SCHEDULES.get(ctx.cfg.loop.schedule), ctx.cfg.fault
+    while True:
+        try:
+            return schedule(ctx)
+        except TrainerFailure as exc:
+            if not fault.restart_trainer or ctx.trainer_restarts >= fault.max_trainer_restarts:
+                raise
+            ctx.trainer_restarts += 1
+            log(f"{exc}\n[miles] fault.restart_trainer: starting a new trainer group "
+                f"(restart {ctx.trainer_restarts} of at most {fault.max_trainer_restarts})")
+            ctx.trainer.close()
+            ctx.trainer = start_trainer()
+            step = rewind_run_dir(ctx.run_dir)
+            ctx.history = [(s, m) for s, m in ctx.history if s <= step]
+            ctx.restore()
+
+
 def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
-    if resume and cfg.loop.schedule != "sync":
-        raise SystemExit(f"miles: --resume supports loop.schedule = 'sync' (this run uses {cfg.loop.schedule!r})")
     if resume and cfg.fault.kill_trainer_at_step:
         # The saved config still asks for the fault that ended the run; once was the point.
         cfg = dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, kill_trainer_at_step=0))
     check_data(cfg)
     run_dir = Path(resume) if resume else make_run_dir(cfg.run.output_dir, cfg.run.name)
+    if resume:
+        rewind_run_dir(run_dir)
     save_config(cfg, run_dir / "config.json")
     log(f"run directory: {run_dir}")
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        ctx, router = _start(cfg, run_dir, stack)
+        ctx, router, start_trainer = _start(cfg, run_dir, stack)
         if resume:
             ctx.restore()
             before = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         else:
             before = ctx.call(ctx.rollout.evaluate)
             ctx.sink.write(0, before)
+            if cfg.fault.restart_trainer:
+                ctx.save_state(0)  # a trainer that fails before the first save has this to go back to
         log(f"eval accuracy before RL: {before['eval/accuracy']:.3f}")
         log(f"schedule: {cfg.loop.schedule}, placement: {cfg.placement.mode}")
         if ctx.fleet is not None:
             ctx.fleet.start_monitor()
         if cfg.fault.active:
             _start_faults(ctx, router, stack)
-        SCHEDULES.get(cfg.loop.schedule)(ctx)
+        _run_schedule(ctx, start_trainer)
         if ctx.faults is not None:
             ctx.faults.stop()
         return _finish(ctx, before, t_start)
@@ -253,7 +315,7 @@ def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
         # Every eval figure (each eval set's pass@k, avg@k, maj@k, accuracy) before RL and at the last evaluation.
         "eval_before": _eval_figures(before), "eval_after": _eval_figures(after),
         "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
-        "schedule": cfg.loop.schedule, "ledger": ledger,
+        "schedule": cfg.loop.schedule, "ledger": ledger, "trainer_restarts": ctx.trainer_restarts,
         "fleet": fleet.report() if fleet is not None else None,
     }
     if ctx.faults is not None:
