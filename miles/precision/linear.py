@@ -143,10 +143,10 @@ def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "
                 continue
             setattr(parent, child_name, QuantizedLinear(child, fmt, mode))
             swapped.append(full)
-    for name, module in model.named_modules():
-        if name.endswith("experts") and any(p.dim() == 3 for p in module.parameters(recurse=False)):
+    for module_name, module in model.named_modules():
+        if module_name.endswith("experts") and any(p.dim() == 3 for p in module.parameters(recurse=False)):
             QuantizedExperts(module, fmt, mode)
-            swapped.append(name)
+            swapped.append(module_name)
     if not swapped:
         raise ValueError(f"{key} = {name!r}: {type(model).__name__} has no Linear layer to quantize")
     return swapped

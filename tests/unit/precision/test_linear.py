@@ -83,3 +83,8 @@ def test_expert_weights_are_quantized_one_expert_matrix_at_a_time(mode):
     if mode == "train":
         model.experts(x, 1).sum().backward()
         assert torch.equal(param.grad[1], torch.ones(5, 40).T @ x.detach()) and param.grad[0].abs().sum() == 0
+
+
+def test_a_model_with_nothing_to_quantize_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"trainer.quantization = 'int4': Sequential has no Linear layer"):
+        quantize_linears(torch.nn.Sequential(torch.nn.ReLU()), "int4", "train", key="trainer.quantization")
