@@ -26,6 +26,7 @@ from miles.registry import Registry
 from miles.rollout.environments import build_environment, check_environment
 from miles.rollout.environments.sandbox import SandboxConfig
 from miles.rollout.generate import GenerationError, generate, routed_experts_of
+from miles.rollout.harness import HarnessConfig, harness
 
 _SEND_ATTEMPTS = 3
 
@@ -48,6 +49,9 @@ class AgentConfig:
     """Keyword arguments for the environment's factory, every episode (e.g. {max_commands = 6} for terminal)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Limits of the sandbox, for environments that run commands in one (terminal)."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """Your own agent program, run once per sample against a session (generate_fn = "harness"); max_turns,
+    max_response_tokens, episode_timeout_s and turn_end_token above apply to it too."""
 
     def validate(self) -> None:
         if self.max_turns < 1 or self.max_response_tokens < 1:
@@ -102,6 +106,7 @@ GENERATE_FNS: Registry[GenerateFn] = Registry(
     hint=" (an `async def` taking (ctx, prompt, params, rid) and returning a Sample)")
 GENERATE_FNS.register("single_turn", single_turn)
 GENERATE_FNS.register("agent", multi_turn)
+GENERATE_FNS.register("harness", harness)
 
 
 def get_generate_fn(spec: str) -> GenerateFn:

@@ -77,6 +77,7 @@ class SessionLimits:
 
     max_turns: int | None = None             # model turns; past it requests are refused
     max_response_tokens: int | None = None   # everything after the prompt, model and appended tokens
+    max_new_tokens: int | None = None        # per model turn: the request's max_tokens is capped at it
     sampling: dict | None = None             # engine sampling params that override the request's
 
 
@@ -305,6 +306,8 @@ class SessionStore:
         if req.stop:
             sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         lim = session.limits
+        if lim.max_new_tokens is not None:
+            max_tokens = min(req.max_completion_tokens or req.max_tokens or lim.max_new_tokens, lim.max_new_tokens)
         if lim.sampling:
             sp.update(lim.sampling)
             if "sampling_seed" in lim.sampling:  # a fresh draw per turn, reproducible per episode
