@@ -27,6 +27,9 @@ reaction to that is not counted as a failure. Sampling is the run's (rollout.tem
 top_k) whatever the program asks, since the trainer's logprobs assume it, and a turn is at most
 rollout.max_new_tokens long.
 
+At most max_concurrent programs run at once; evaluation runs the program too (its reward is the
+eval score), so eval.num_prompts episodes share those slots.
+
 Non-goals: sandboxing the program (it runs as the run's user: use a container or the terminal
 environment's sandbox for untrusted code), several sessions per sample, reading the program's
 intermediate rewards.
@@ -43,6 +46,7 @@ import shlex
 import signal
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,6 +56,7 @@ from miles.registry import RegistryError, load_attr
 from miles.rollout.tool_calls import TOOL_PARSERS
 
 _KEEP_OUTPUT = 4096  # characters of a failed program's output quoted in errors and metadata
+_KEEP_BYTES = 1 << 20  # bytes of a program's output held while it runs
 _SECRET_ENV = ("MILES_ENGINE_ADMIN_TOKEN",)  # never handed to a user's program
 
 
@@ -70,6 +75,9 @@ class HarnessConfig:
     """Extra environment variables for the program."""
     cwd: str = ""
     """Working directory of the program (default: a fresh temporary directory per episode)."""
+    max_concurrent: int = 0
+    """Programs running at once in the rollout process (training and eval episodes together); the rest
+    wait their turn, and their timeout starts when they start. 0 = two per CPU core."""
     on_failure: Literal["score", "drop_group"] = "score"
     """A crashed, timed-out or reward-less episode: score (trained with fallback_score) or drop_group
     (its group goes to buffer.on_failure)."""
@@ -81,8 +89,9 @@ class HarnessConfig:
     """Episodes to run before max_failure_rate is checked."""
 
     def validate(self) -> None:
-        if not 0.0 <= self.max_failure_rate <= 1.0 or self.min_episodes < 0:
-            raise ConfigError("rollout.agent.harness.max_failure_rate must be in [0, 1] and min_episodes >= 0")
+        if not 0.0 <= self.max_failure_rate <= 1.0 or self.min_episodes < 0 or self.max_concurrent < 0:
+            raise ConfigError("rollout.agent.harness.max_failure_rate must be in [0, 1], min_episodes and "
+                              "max_concurrent >= 0")
         try:
             TOOL_PARSERS.get(self.tool_parser)
         except RegistryError as e:
@@ -168,6 +177,15 @@ class _Counters:
 _counters = _Counters()
 _servers: dict[tuple, object] = {}
 _servers_lock = threading.Lock()
+# One semaphore per event loop (an asyncio.Semaphore belongs to the loop it was first used on).
+_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _slot(limit: int) -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    if loop not in _slots:
+        _slots[loop] = asyncio.Semaphore(limit or 2 * (os.cpu_count() or 1))
+    return _slots[loop]
 
 
 def _session_server(ctx, parser: str):
@@ -201,12 +219,15 @@ async def harness(ctx, prompt, params, rid: str) -> Sample:
                       dict(prompt.metadata), prompt.index, int(rid.split("-")[1]) if rid.count("-") >= 2 else 0)
     failure: _Failure | None = None
     reward: float | None = None
+    output = bytearray()
     try:
         try:
-            reward = await asyncio.wait_for(_run(cfg, episode), ctx.agent.episode_timeout_s)
+            async with _slot(cfg.max_concurrent):
+                reward = await asyncio.wait_for(_run(cfg, episode, output), ctx.agent.episode_timeout_s)
         except asyncio.TimeoutError:
             failure = _Failure("timeout", f"the harness ran past rollout.agent.episode_timeout_s = "
-                                          f"{ctx.agent.episode_timeout_s:g}s and was killed")
+                                          f"{ctx.agent.episode_timeout_s:g}s and was killed; its last output:\n"
+                                          f"{output.decode(errors='replace')[-_KEEP_OUTPUT:]}")
         except _Failure as f:
             # A program that stops when its budget is refused ended a truncated episode, not a crash.
             if not (session.exhausted and f.kind == "exit"):
@@ -256,7 +277,7 @@ def _check_rate(cfg: HarnessConfig, failure: _Failure | None) -> None:
                        f"rollout.agent.harness.max_failure_rate = {cfg.max_failure_rate}; the latest: {failure}")
 
 
-async def _run(cfg: HarnessConfig, ep: Episode) -> float | None:
+async def _run(cfg: HarnessConfig, ep: Episode, out: bytearray) -> float | None:
     if cfg.function:
         fn = load_attr(cfg.function, "harness function")
         try:
@@ -264,10 +285,11 @@ async def _run(cfg: HarnessConfig, ep: Episode) -> float | None:
         except Exception as e:  # noqa: BLE001 - the user's program failing is an episode failure, counted
             raise _Failure("exit", f"{cfg.function} raised {type(e).__name__}: {e}") from None
         return None if out is None else _number(out, cfg.function)
-    return await _run_command(cfg, ep)
+    return await _run_command(cfg, ep, out)
 
 
-async def _run_command(cfg: HarnessConfig, ep: Episode) -> float | None:
+async def _run_command(cfg: HarnessConfig, ep: Episode, out: bytearray) -> float | None:
+    """Run the command; `out` holds the tail of what it printed, also when a timeout cancels this."""
     payload = json.dumps(ep.to_json(), ensure_ascii=False)
     with tempfile.TemporaryDirectory(prefix="miles-harness-") as tmp:
         episode_file = os.path.join(tmp, "episode.json")
@@ -280,11 +302,21 @@ async def _run_command(cfg: HarnessConfig, ep: Episode) -> float | None:
         proc = await asyncio.create_subprocess_exec(
             *shlex.split(cfg.command), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, env=env, cwd=cfg.cwd or tmp, start_new_session=True)
+        reader = asyncio.ensure_future(_drain(proc.stdout, out))
         try:
-            out, _ = await proc.communicate(payload.encode())
+            try:
+                proc.stdin.write(payload.encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the program does not read stdin
+            await proc.wait()
         finally:
             _kill_group(proc.pid)  # its own background children too, whether it ended or timed out
-            await proc.wait()  # reaped here, also when the timeout cancelled communicate()
+            await proc.wait()  # reaped here, also when the timeout cancelled us
+            # A child that left the group may hold the pipe open: what was read by now is all there is.
+            if not (await asyncio.wait({reader}, timeout=5))[0]:
+                reader.cancel()
         text = out.decode(errors="replace")
         if proc.returncode != 0:
             raise _Failure("exit", f"`{cfg.command}` exited with status {proc.returncode}; its last output:\n"
@@ -297,6 +329,12 @@ async def _run_command(cfg: HarnessConfig, ep: Episode) -> float | None:
         except ValueError:
             raise _Failure("no_reward", f"the last line `{cfg.command}` printed is not a reward (a number or "
                                         f"{{\"reward\": x}}): {lines[-1][:200]!r}") from None
+
+
+async def _drain(stream, out: bytearray) -> None:
+    while chunk := await stream.read(65536):
+        out += chunk
+        del out[:-_KEEP_BYTES]  # only the tail is read (the reward line) or quoted
 
 
 def _number(value, where: str) -> float:
