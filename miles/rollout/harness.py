@@ -74,7 +74,8 @@ class HarnessConfig:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the program."""
     cwd: str = ""
-    """Working directory of the program (default: a fresh temporary directory per episode)."""
+    """Working directory of the program, where a relative path in command is found (default: the directory
+    the run was configured in, i.e. where `miles train` started)."""
     max_concurrent: int = 0
     """Programs running at once in the rollout process (training and eval episodes together); the rest
     wait their turn, and their timeout starts when they start. 0 = two per CPU core."""
@@ -119,6 +120,8 @@ class HarnessConfig:
                                   "function taking one Episode")
         if self.cwd and not os.path.isdir(self.cwd):
             raise ConfigError(f"rollout.agent.harness.cwd {self.cwd!r} is not a directory")
+        # Fixed now: the rollout process (a Ray actor) may run elsewhere than where the run was started.
+        self.cwd = os.path.abspath(self.cwd or os.getcwd())
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,7 @@ async def _run_command(cfg: HarnessConfig, ep: Episode, out: bytearray) -> float
                     "MILES_EPISODE": episode_file})
         proc = await asyncio.create_subprocess_exec(
             *shlex.split(cfg.command), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env=env, cwd=cfg.cwd or tmp, start_new_session=True)
+            stderr=asyncio.subprocess.STDOUT, env=env, cwd=cfg.cwd or os.getcwd(), start_new_session=True)
         reader = asyncio.ensure_future(_drain(proc.stdout, out))
         try:
             try:

@@ -261,7 +261,7 @@ class SessionStore:
                 new_ids = self._render_suffix([_template_message(m) for m in appended],
                                               closed=session.last_finish == "closed")
                 session_tools = session.tools
-            params = self._sampling(req, session, len(new_ids))
+            params = self._sampling(req, session, 0 if first else len(new_ids))  # the prompt is not budgeted
             input_ids = new_ids if first else session.prompt_ids + session.response_ids + new_ids
             out = await self._generate(session, input_ids, params, f"{sid}-{len(session.weight_versions)}")
             meta = out["meta_info"]

@@ -52,8 +52,9 @@ def agent_script(tmp_path_factory):
 
 
 def run(engine_url, tokenizer, harness: HarnessConfig, *, timeout_s=60.0, max_turns=4, prompt_text="What is 6*7?",
-        reward_fn=None, k=0):
-    agent = AgentConfig(harness=harness, episode_timeout_s=timeout_s, max_turns=max_turns, max_response_tokens=64)
+        reward_fn=None, k=0, max_response_tokens=64):
+    agent = AgentConfig(harness=harness, episode_timeout_s=timeout_s, max_turns=max_turns,
+                        max_response_tokens=max_response_tokens)
     fn = get_generate_fn("harness")
 
     async def main():
@@ -181,3 +182,27 @@ def test_a_function_harness(agent_engine_url, agent_tokenizer):
 def test_harness_settings_are_checked_when_the_run_is_configured(over, match):
     with pytest.raises(ConfigError, match=match):
         load_config(RunConfig, None, {"model.path": "unused", **over})
+
+
+def test_the_example_agent_calls_its_tool_and_scores_its_answer(agent_model_dir, tmp_path):
+    """examples/harness/agent.py against a scripted model that calls the calculator, then answers."""
+    from miles.models.loading import load_tokenizer
+    from tests.helpers.chat_templates import QWEN3_STYLE, tokenizer_with_template
+    from tests.helpers.scripted_engine import ScriptedEngine
+
+    tok = load_tokenizer(tokenizer_with_template(agent_model_dir, QWEN3_STYLE, tmp_path))
+    end = [tok.convert_tokens_to_ids("<|im_end|>")]
+    engine = ScriptedEngine()
+    try:
+        engine.replies += [
+            tok('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+                add_special_tokens=False).input_ids + end,
+            tok("42", add_special_tokens=False).input_ids + end]
+        s = run(engine.url, tok, HarnessConfig(command=f"{sys.executable} examples/harness/agent.py"),
+                max_response_tokens=256)
+    finally:
+        engine.stop()
+    assert s.reward == 1.0 and len(s.weight_versions) == 2, s.metadata
+    tool_turn = [t for t, m in zip(s.response_ids, s.loss_mask) if m == 0]
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(tool_turn)  # the agent ran its calculator
+    assert "calculator" in tok.decode(s.prompt_ids)  # its tool schema reached the prompt
