@@ -70,7 +70,7 @@ class HarnessConfig:
     """program: the last stdout line (a number or {"reward": x}) or the function's return; run: rollout.reward
     over the session's last assistant reply and the prompt's label."""
     tool_parser: str = "hermes"
-    """How the model writes tool calls (hermes = Qwen2.5/Qwen3 <tool_call> JSON, none, or module:Class)."""
+    """How the model writes tool calls (hermes = Qwen2.5/Qwen3 <tool_call> JSON, llama3_json, none, or module:Class)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the program."""
     cwd: str = ""

@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens when a request gives none")
     p.add_argument("--tool-parser", default="hermes", help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
-                   "none, or module:Class")
+                   "llama3_json, none, or module:Class")
     p.add_argument("--turn-end-token", default="<|im_end|>", help="the token that closes a turn in the template")
     a = p.parse_args(argv)
     try:

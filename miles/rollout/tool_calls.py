@@ -8,6 +8,8 @@ session endpoint (openai_api.py) picks one per model family by name; a user's ow
 
   hermes (aliases qwen3, qwen2.5): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
       block per call, as Hermes, Qwen2.5 and Qwen3 chat templates teach their models.
+  llama3_json: the whole turn is one JSON object `{"name": ..., "parameters": {...}}`, as Llama 3.1
+      and 3.2 templates teach their models (JSON-based tool calling).
   none: never parses; the whole turn is content.
 
 Parsing only reads text: the tokens the model produced are recorded as they were whether or not a
@@ -64,6 +66,15 @@ class HermesParser:
         return ParsedTurn(content or None, tuple(calls))
 
 
+class Llama3JsonParser:
+    """A turn that is exactly one JSON call object (Llama 3.1/3.2 JSON tool calling); otherwise content."""
+
+    def parse(self, text: str) -> ParsedTurn:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        call = _call_of(body) if body.startswith("{") else None
+        return ParsedTurn(None, (call,)) if call is not None else ParsedTurn(text)
+
+
 class NoParser:
     """Tools are never parsed: the turn is all content."""
 
@@ -94,6 +105,7 @@ TOOL_PARSERS: Registry[type[ToolCallParser]] = Registry(
     hint=" (a class with parse(text) -> ParsedTurn, see miles/rollout/tool_calls.py)")
 for _name in ("hermes", "qwen3", "qwen2.5"):
     TOOL_PARSERS.register(_name, HermesParser)
+TOOL_PARSERS.register("llama3_json", Llama3JsonParser)
 TOOL_PARSERS.register("none", NoParser)
 
 

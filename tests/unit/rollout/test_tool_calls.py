@@ -30,3 +30,10 @@ def test_parser_registry_names_the_choices_and_takes_user_parsers():
     with pytest.raises(RegistryError, match="lacks \\['parse'\\]"):
         TOOL_PARSERS.get("miles.rollout.tool_calls:ParsedCall")
     assert get_tool_parser("miles.rollout.tool_calls:NoParser").parse("<tool_call>{}</tool_call>").calls == ()
+
+
+def test_llama3_json_parser_reads_a_bare_call_object():
+    p = get_tool_parser("llama3_json")
+    (call,) = p.parse('<|python_tag|>{"name": "calc", "parameters": {"x": 2}}').calls
+    assert (call.name, json.loads(call.arguments)) == ("calc", {"x": 2})
+    assert p.parse('The answer is {"name": 1}') == ParsedTurn('The answer is {"name": 1}')

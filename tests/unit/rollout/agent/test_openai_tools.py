@@ -14,7 +14,7 @@ import pytest
 
 from miles.models.loading import load_tokenizer
 from miles.rollout.openai_api import SessionLimits, start_session_server
-from tests.helpers.chat_templates import QWEN3_STYLE, tokenizer_with_template
+from tests.helpers.chat_templates import LLAMA3_STYLE, LLAMA3_TOKENS, QWEN3_STYLE, tokenizer_with_template
 from tests.helpers.scripted_engine import ScriptedEngine
 
 CALC = {"type": "function", "function": {
@@ -46,10 +46,9 @@ def server(engine, qwen3_dir):
     s.stop()
 
 
-def by_char(tok, text: str) -> list[int]:
+def by_char(tok, text: str, end: str = "<|im_end|>") -> list[int]:
     """`text` as one token per character (+ the turn end): valid ids the tokenizer itself would merge."""
-    return [i for ch in text for i in tok(ch, add_special_tokens=False).input_ids] + [tok.convert_tokens_to_ids(
-        "<|im_end|>")]
+    return [i for ch in text for i in tok(ch, add_special_tokens=False).input_ids] + [tok.convert_tokens_to_ids(end)]
 
 
 def client_for(server, sid, api_key="unused"):
@@ -199,3 +198,44 @@ def test_session_with_a_key_refuses_other_callers_and_spends_its_budget(server, 
             {"role": "user", "content": "x"}, {"role": "assistant", "content": r.choices[0].message.content},
             {"role": "user", "content": "again"}])
     assert server.store.get(sid).to_sample().status.value == "truncated"
+
+
+def test_llama3_style_template_tool_calls_and_trimmed_history_stay_token_exact(agent_model_dir, tmp_path):
+    """A second family: turns closed by <|eot_id|> with nothing after it, a system header always
+    there, tool results as `ipython` turns, bare-JSON calls (the llama3_json parser), and contents
+    trimmed on every render, so a reply with surrounding spaces is rewritten when re-rendered."""
+    d = tokenizer_with_template(agent_model_dir, LLAMA3_STYLE, tmp_path, LLAMA3_TOKENS)
+    tok = load_tokenizer(d)
+    engine = ScriptedEngine()
+    server = start_session_server(engine.url, d, turn_end_token="<|eot_id|>", tool_parser="llama3_json")
+    try:
+        sid = server.new_session().id
+        client = client_for(server, sid)
+        engine.replies += [by_char(tok, '{"name": "calculator", "parameters": {"expression": "2+2"}}', "<|eot_id|>"),
+                           by_char(tok, "  four  ", "<|eot_id|>"), by_char(tok, "ok", "<|eot_id|>")]
+        messages = [{"role": "user", "content": "2+2?"}]
+        r = client.chat.completions.create(model="miles", messages=messages, tools=[CALC]).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.tool_calls[0].function.name == "calculator"
+        messages += [r.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": r.message.tool_calls[0].id, "content": "4"}]
+        r = client.chat.completions.create(model="miles", messages=messages, tools=[CALC]).choices[0]
+        assert r.message.content == "  four  " and not r.message.tool_calls
+        messages += [{"role": "assistant", "content": r.message.content}, {"role": "user", "content": "thanks"}]
+        client.chat.completions.create(model="miles", messages=messages, tools=[CALC])
+        traj = httpx.get(f"{server.url}/sessions/{sid}/trajectory").json()
+        r1, r2, r3 = engine.replied
+        ids = traj["response_ids"]
+        s1 = ids[len(r1):ids.index(r2[0], len(r1))]
+        assert tok.decode(s1) == "<|start_header_id|>ipython<|end_header_id|>\n\n4<|eot_id|>" \
+                                 "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        s2 = ids[len(r1) + len(s1) + len(r2):len(ids) - len(r3)]
+        assert tok.decode(s2) == "<|start_header_id|>user<|end_header_id|>\n\nthanks<|eot_id|>" \
+                                 "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        assert ids == r1 + s1 + r2 + s2 + r3
+        for req in engine.requests:  # the engine's input, turn by turn, is the trajectory so far
+            assert traj["prompt_ids"] + ids[:len(req["input_ids"]) - len(traj["prompt_ids"])] == req["input_ids"]
+        rerendered = tok.apply_chat_template(messages, tools=[CALC], add_generation_prompt=True, tokenize=False)
+        assert "  four  " not in rerendered and "  four  " in tok.decode(engine.requests[2]["input_ids"])
+    finally:
+        server.stop()
+        engine.stop()
