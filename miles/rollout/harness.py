@@ -228,6 +228,8 @@ async def harness(ctx, prompt, params, rid: str) -> Sample:
             async with _slot(cfg.max_concurrent):
                 reward = await asyncio.wait_for(_run(cfg, episode, output), ctx.agent.episode_timeout_s)
         except asyncio.TimeoutError:
+            # The program is gone; a turn it was waiting for would keep the engine busy for nothing.
+            await _abort(ctx, f"{sid}-{len(session.weight_versions)}")
             failure = _Failure("timeout", f"the harness ran past rollout.agent.episode_timeout_s = "
                                           f"{ctx.agent.episode_timeout_s:g}s and was killed; its last output:\n"
                                           f"{output.decode(errors='replace')[-_KEEP_OUTPUT:]}")
@@ -332,6 +334,13 @@ async def _run_command(cfg: HarnessConfig, ep: Episode, out: bytearray) -> float
         except ValueError:
             raise _Failure("no_reward", f"the last line `{cfg.command}` printed is not a reward (a number or "
                                         f"{{\"reward\": x}}): {lines[-1][:200]!r}") from None
+
+
+async def _abort(ctx, rid: str) -> None:
+    try:
+        await ctx.client.post(f"{ctx.url}/abort_request", json={"rid": rid}, timeout=5)
+    except Exception:  # noqa: BLE001 - the episode is already given up; a dead engine is reported elsewhere
+        pass
 
 
 async def _drain(stream, out: bytearray) -> None:

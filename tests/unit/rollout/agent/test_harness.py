@@ -206,3 +206,9 @@ def test_the_example_agent_calls_its_tool_and_scores_its_answer(agent_model_dir,
     tool_turn = [t for t, m in zip(s.response_ids, s.loss_mask) if m == 0]
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(tool_turn)  # the agent ran its calculator
     assert "calculator" in tok.decode(s.prompt_ids)  # its tool schema reached the prompt
+
+
+def test_the_example_run_config_loads():
+    cfg = load_config(RunConfig, "examples/harness/grpo.toml", {"model.path": "unused"})
+    assert cfg.rollout.generate_fn == "harness" and cfg.rollout.agent.harness.command.endswith("agent.py")
+    assert os.path.isabs(cfg.rollout.agent.harness.cwd)  # fixed where the run was configured
