@@ -27,6 +27,7 @@ AGENT = textwrap.dedent('''
 
     episode = json.load(open(os.environ["MILES_EPISODE"]))
     assert json.loads(sys.stdin.read()) == episode
+    assert "MILES_ENGINE_ADMIN_TOKEN" not in os.environ  # the run's admin token is never handed over
     client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY come from miles
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}}}}]
@@ -66,7 +67,9 @@ def run(engine_url, tokenizer, harness: HarnessConfig, *, timeout_s=60.0, max_tu
     return asyncio.run(main())
 
 
-def test_a_program_using_the_openai_client_becomes_a_trained_sample(agent_engine_url, agent_tokenizer, agent_script):
+def test_a_program_using_the_openai_client_becomes_a_trained_sample(agent_engine_url, agent_tokenizer, agent_script,
+                                                                   monkeypatch):
+    monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", "secret")
     take_metrics()
     s = run(agent_engine_url, agent_tokenizer, HarnessConfig(command=f"{sys.executable} {agent_script}"))
     assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED), s.metadata
