@@ -244,6 +244,7 @@ async def harness(ctx, prompt, params, rid: str) -> Sample:
                                             "last line of stdout, return one from the function, or set "
                                             "rollout.agent.harness.reward = \"run\"")
     finally:
+        session.close()  # a turn still generating for a killed program is not recorded
         server.store.sessions.pop(sid, None)
     return _sample(session, prompt, cfg, reward, failure)
 

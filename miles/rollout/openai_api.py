@@ -97,7 +97,16 @@ class Session:
     last_finish: str = "stop"
     last_content: str = ""   # the latest reply's content, for a reward over the final answer
     exhausted: str = ""      # why the budget refused a turn ("" while it has not)
+    closed: bool = False     # its episode is over: a reply still in flight is not recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Held while a reply is committed and while the session is closed, which happen on different
+    # threads when a training run ends an episode (harness.py) while a turn is still generating.
+    commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        """End the episode: once this returns, the recorded tokens no longer change."""
+        with self.commit_lock:
+            self.closed = True
 
     def trajectory(self) -> dict:
         return {"session_id": self.id, "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
@@ -269,30 +278,33 @@ class SessionStore:
             lps = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
             if len(lps) != len(ids):
                 raise SessionError(f"the engine returned {len(ids)} tokens but {len(lps)} logprobs", status=502)
-            # Commit only after the engine answered, so a failed call leaves the session as it was.
-            if first:
-                session.prompt_ids = new_ids
-                session.tools = session_tools
-            else:
-                session.response_ids += new_ids
-                session.loss_mask += [0] * len(new_ids)
-                session.logprobs += [0.0] * len(new_ids)
-            session.response_ids += ids
-            session.loss_mask += [1] * len(ids)
-            session.logprobs += lps
-            session.weight_versions.append(int(meta.get("weight_version", 0)))
             closed = bool(ids) and ids[-1] == self.fmt.end_id
             finish = meta["finish_reason"]["type"]
-            session.last_finish = "closed" if closed else finish
             text = self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
             parsed = self.parser.parse(text) if tools and req.tool_choice != "none" else ParsedTurn(text)
-            turn = len(session.weight_versions)
+            turn = len(session.weight_versions) + 1
             calls = [{"id": f"call_{sid}_{turn}_{j}", "type": "function",
                       "function": {"name": c.name, "arguments": c.arguments}} for j, c in enumerate(parsed.calls)]
-            session.last_content = parsed.content or ""
-            session.messages = canon + [{"role": "assistant", "content": parsed.content or "", **(
-                {"tool_calls": [[c.name, json.loads(c.arguments)] for c in parsed.calls]} if calls else {})}]
-            self._check_budget(session)
+            # Commit only after the engine answered, so a failed call leaves the session as it was.
+            with session.commit_lock:
+                if session.closed:
+                    raise SessionError("this session's episode is over (it timed out or was ended)", status=409)
+                if first:
+                    session.prompt_ids = new_ids
+                    session.tools = session_tools
+                else:
+                    session.response_ids += new_ids
+                    session.loss_mask += [0] * len(new_ids)
+                    session.logprobs += [0.0] * len(new_ids)
+                session.response_ids += ids
+                session.loss_mask += [1] * len(ids)
+                session.logprobs += lps
+                session.weight_versions.append(int(meta.get("weight_version", 0)))
+                session.last_finish = "closed" if closed else finish
+                session.last_content = parsed.content or ""
+                session.messages = canon + [{"role": "assistant", "content": parsed.content or "", **(
+                    {"tool_calls": [[c.name, json.loads(c.arguments)] for c in parsed.calls]} if calls else {})}]
+                self._check_budget(session)
         reason = "tool_calls" if calls else _FINISH.get(finish, "stop")
         return Completion(f"chatcmpl-{sid}-{turn}", int(time.time()), parsed.content, calls, reason, ids,
                           len(input_ids))

@@ -239,3 +239,15 @@ def test_llama3_style_template_tool_calls_and_trimmed_history_stay_token_exact(a
     finally:
         server.stop()
         engine.stop()
+
+
+def test_a_closed_session_records_nothing_more(server, engine, tok):
+    """A training run closes an episode's session when its program is done or killed; a reply that
+    arrives afterwards is refused (409) and the recorded tokens stay as they were."""
+    session = server.new_session()
+    session.close()
+    engine.replies.append(by_char(tok, "late"))
+    with pytest.raises(openai.ConflictError, match="episode is over"):
+        client_for(server, session.id).chat.completions.create(model="miles",
+                                                               messages=[{"role": "user", "content": "x"}])
+    assert session.prompt_ids == [] and session.response_ids == [] and session.weight_versions == []
