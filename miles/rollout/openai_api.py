@@ -17,6 +17,8 @@ the rest, one logprob per model token and one weight version per model turn.
 
     POST   /sessions                             -> {"session_id", "base_url"}
     POST   /sessions/{id}/v1/chat/completions    OpenAI chat completion (tools, stream, n = 1)
+    POST   /sessions/{id}/v1/responses           OpenAI Responses (function tools, previous_response_id,
+                                                 no streaming), mapped onto the same chat turns
     GET    /sessions/{id}/v1/models              the one model name
     GET    /sessions/{id}/trajectory             the recorded tokens
     DELETE /sessions/{id}                        forget the session (returns its trajectory)
@@ -32,8 +34,8 @@ Served by `miles sessions --engine-url URL --tokenizer DIR` (main below), or in-
 start_session_server.
 
 Non-goals: n > 1 (refused: one session is one trajectory), constrained decoding (`tool_choice =
-"required"` or a named function does not force a call), the legacy /v1/completions route, and
-/v1/responses.
+"required"` or a named function does not force a call), the legacy /v1/completions route, streamed
+responses from /v1/responses, and previous_response_id naming anything but the session's latest response.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from miles.models.loading import load_tokenizer
 from miles.net import ServerThread, bind, serve_app
 from miles.registry import RegistryError
 from miles.rollout.agent import ChatFormat
-from miles.rollout.openai_schema import FIELD_HINTS, ChatCompletionRequest, ChatMessage
+from miles.rollout.openai_schema import FIELD_HINTS, RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, \
+    ResponsesRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -97,6 +100,8 @@ class Session:
     last_finish: str = "stop"
     last_content: str = ""   # the latest reply's content, for a reward over the final answer
     exhausted: str = ""      # why the budget refused a turn ("" while it has not)
+    history: list[dict] = field(default_factory=list)  # the conversation as chat messages, for /v1/responses
+    last_response_id: str = ""                         # what previous_response_id may name
     closed: bool = False     # its episode is over: a reply still in flight is not recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Held while a reply is committed and while the session is closed, which happen on different
@@ -173,16 +178,16 @@ def _template_message(m: ChatMessage) -> dict:
     return d
 
 
-def parse_request(body) -> ChatCompletionRequest:
+def parse_request(body, model=ChatCompletionRequest, hints=FIELD_HINTS):
     """The typed request, or a SessionError naming the first offending field."""
     if not isinstance(body, dict):
         raise SessionError("the request body must be a JSON object")
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "request"
-        hint = FIELD_HINTS.get(str(err["loc"][0]) if err["loc"] else "", "")
+        hint = hints.get(str(err["loc"][0]) if err["loc"] else "", "")
         msg = err["msg"].removeprefix("Value error, ")
         raise SessionError(f"{loc}: {msg}" + (f" ({hint})" if hint else ""), param=loc) from None
 
@@ -304,6 +309,9 @@ class SessionStore:
                 session.last_content = parsed.content or ""
                 session.messages = canon + [{"role": "assistant", "content": parsed.content or "", **(
                     {"tool_calls": [[c.name, json.loads(c.arguments)] for c in parsed.calls]} if calls else {})}]
+                session.history = [m.model_dump(exclude_none=True) for m in req.messages] + [
+                    {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}]
+                session.last_response_id = f"resp_{sid}_{turn}"
                 self._check_budget(session)
         reason = "tool_calls" if calls else _FINISH.get(finish, "stop")
         return Completion(f"chatcmpl-{sid}-{turn}", int(time.time()), parsed.content, calls, reason, ids,
@@ -368,6 +376,28 @@ def completion_body(c: Completion, model: str) -> dict:
     return {"id": c.id, "object": "chat.completion", "created": c.created, "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": c.finish_reason, "logprobs": None}],
             "usage": c.usage()}
+
+
+def response_body(c: Completion, req: ResponsesRequest, response_id: str, model: str) -> dict:
+    """The turn as a /v1/responses object: a message item for its text, a function_call item per call."""
+    output: list[dict] = []
+    if c.content:
+        output.append({"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": c.content, "annotations": []}]})
+    for call in c.tool_calls:
+        output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
+                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                       "status": "completed"})
+    truncated = c.finish_reason == "length"
+    return {"id": response_id, "object": "response", "created_at": c.created, "model": model,
+            "status": "incomplete" if truncated else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None, "error": None,
+            "instructions": req.instructions, "metadata": {}, "output": output, "parallel_tool_calls": True,
+            "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
+            "tool_choice": req.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "usage": {"input_tokens": c.prompt_tokens, "output_tokens": len(c.ids),
+                      "total_tokens": c.prompt_tokens + len(c.ids), "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
 def completion_chunks(c: Completion, model: str, tokenizer, include_usage: bool) -> list[dict]:
@@ -435,6 +465,30 @@ def build_session_router(store: SessionStore) -> APIRouter:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @router.post("/sessions/{sid}/v1/responses")
+    async def responses(sid: str, request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise SessionError("the request body is not valid JSON") from None
+        req = parse_request(body, ResponsesRequest, RESPONSES_HINTS)
+        auth = request.headers.get("authorization")
+        session = store.authorize(sid, auth)
+        if req.previous_response_id is not None:
+            if req.previous_response_id != session.last_response_id:
+                raise SessionError(f"previous_response_id: {req.previous_response_id!r} is not this session's "
+                                   f"latest response ({session.last_response_id or 'none yet'}); a session continues "
+                                   "from its latest response only", param="previous_response_id")
+            # The first request's instructions are in the prompt already; they cannot change.
+            messages = session.history + req.new_messages()
+        else:
+            messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
+                + req.new_messages()
+        chat = {"messages": messages, "tools": req.chat_tools(), "tool_choice": req.tool_choice,
+                "temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_output_tokens}
+        c = await store.complete(sid, parse_request({k: v for k, v in chat.items() if v is not None}), auth)
+        return response_body(c, req, f"resp_{sid}_{c.id.rsplit('-', 1)[1]}", store.model_name)
 
     @router.get("/sessions/{sid}/v1/models")
     async def models(sid: str, request: Request):

@@ -5,7 +5,11 @@ token is rendered, so a harness bug never reaches the engine or the recorded tra
 only change how an answer is presented and that miles cannot honour without changing what is sampled
 (`logprobs`, `logit_bias`, penalties, JSON response formats) are refused rather than ignored: the
 trajectory must be what the model sampled under the run's own settings.
-Non-goals: the legacy /v1/completions and /v1/responses bodies, audio and image content parts.
+The /v1/responses body (ResponsesRequest) is mapped onto the same chat messages: message items,
+`function_call` items joining the assistant turn before them, `function_call_output` items as
+`role: "tool"` messages.
+Non-goals: the legacy /v1/completions body, streamed or stored-server-side responses beyond a
+session's latest one, built-in (non-function) tools, audio and image content parts.
 """
 
 from __future__ import annotations
@@ -137,3 +141,83 @@ FIELD_HINTS = {
     "frequency_penalty": "miles samples under the run's own settings only",
     "response_format": "constrained (JSON) decoding is not supported; ask for JSON in the prompt",
 }
+
+
+# -- /v1/responses (non-streaming): its input items are mapped onto chat messages -------------------
+class ContentPart(_Model):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(_Model):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Model):
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class FunctionCallOutputItem(_Model):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ResponsesTool(_Model):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=dict)
+    strict: bool | None = None
+
+
+class ResponsesRequest(_Model):
+    model: str | None = None
+    input: str | list[FunctionCallItem | FunctionCallOutputItem | MessageItem] = Field(min_length=1)
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | None = None
+    stream: Literal[False] = False
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+    def chat_tools(self) -> list[dict] | None:
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                for t in self.tools]
+
+    def new_messages(self) -> list[dict]:
+        """The input items as chat messages: an assistant's function calls join the assistant
+        message before them (one model turn is one assistant message), call outputs become
+        `role: "tool"` messages."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict] = []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if out and out[-1]["role"] == "assistant":
+                    out[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+
+RESPONSES_HINTS = {"stream": "streaming /v1/responses is not supported; send stream=false or use "
+                             "/v1/chat/completions with stream=true"}

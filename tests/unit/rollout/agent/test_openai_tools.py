@@ -251,3 +251,40 @@ def test_a_closed_session_records_nothing_more(server, engine, tok):
         client_for(server, session.id).chat.completions.create(model="miles",
                                                                messages=[{"role": "user", "content": "x"}])
     assert session.prompt_ids == [] and session.response_ids == [] and session.weight_versions == []
+
+
+def test_responses_api_tool_round_trip_by_previous_response_id_and_by_full_input(server, engine, tok):
+    """/v1/responses through the `openai` client: function_call output items, function_call_output
+    input items, continuing from previous_response_id or by sending the whole history back; the
+    recorded tokens are the same as through chat completions."""
+    call_text = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*3"}}</tool_call>'
+    tools = [{"type": "function", **CALC["function"]}]
+    for by_id in (True, False):
+        sid = server.new_session().id
+        client = client_for(server, sid)
+        engine.replies += [by_char(tok, call_text), by_char(tok, "36")]
+        n0 = len(engine.requests)
+        first = [{"role": "user", "content": "What is 12*3?"}]
+        r = client.responses.create(model="miles", instructions="You are a calculator agent.", input=first,
+                                    tools=tools)
+        (call,) = r.output
+        assert call.type == "function_call" and call.name == "calculator"
+        assert json.loads(call.arguments) == {"expression": "12*3"} and r.status == "completed"
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "36"}
+        if by_id:
+            r2 = client.responses.create(model="miles", previous_response_id=r.id, input=[result], tools=tools)
+        else:
+            r2 = client.responses.create(model="miles", instructions="You are a calculator agent.", tools=tools,
+                                         input=first + [call.model_dump(exclude_none=True), result])
+        assert r2.output_text == "36" and r2.usage.output_tokens == len(engine.replied[-1])
+        traj = httpx.get(f"{server.url}/sessions/{sid}/trajectory").json()
+        reply1, reply2 = engine.replied[n0], engine.replied[n0 + 1]
+        suffix = traj["response_ids"][len(reply1):len(traj["response_ids"]) - len(reply2)]
+        assert tok.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n" \
+                                     "<|im_start|>assistant\n"
+        assert engine.requests[n0 + 1]["input_ids"] == traj["prompt_ids"] + reply1 + suffix
+        assert "You are a calculator agent." in tok.decode(traj["prompt_ids"])
+    with pytest.raises(openai.BadRequestError, match="previous_response_id: 'resp_nope'"):
+        client.responses.create(model="miles", previous_response_id="resp_nope", input="more")
+    r = httpx.post(f"{server.url}/sessions/{sid}/v1/responses", json={"input": "x", "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("stream: ")
