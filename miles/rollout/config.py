@@ -94,7 +94,8 @@ class RolloutConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     """Where prompts come from."""
     generate_fn: str = "single_turn"
-    """How a prompt becomes a scored sample: single_turn, agent (multi-turn episodes), or module:function."""
+    """How a prompt becomes a scored sample: single_turn, agent (multi-turn episodes against
+    rollout.agent.environment), harness (your own openai-client program, rollout.agent.harness), or module:function."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes (generate_fn = "agent"): environment, turn/token budgets, episode timeout."""
 
@@ -130,6 +131,12 @@ class RolloutConfig:
             get_generate_fn(self.generate_fn)
         except ValueError as e:
             raise ConfigError(f"rollout.generate_fn: {e}") from None
+        h = self.agent.harness
+        if self.generate_fn == "harness":
+            h.check_program()
+        elif h.command or h.function:
+            raise ConfigError(f"rollout.agent.harness is set but rollout.generate_fn = {self.generate_fn!r}: set "
+                              "rollout.generate_fn = \"harness\" to run it, or remove the harness settings")
         self.reward_config.validate()
         try:
             load_components(self.reward, self.reward_config)

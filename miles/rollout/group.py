@@ -75,6 +75,10 @@ class GroupGenerator:
         metrics = stats.metrics(elapsed)
         if self.rewards is not None:
             metrics.update(self.rewards.take_metrics())
+        # A generate function with figures of its own (the harness's episode and failure counts).
+        take = getattr(self.generate_fn, "take_metrics", None)
+        if take is not None:
+            metrics.update(take())
         return metrics
 
     def context(self, client, url: str) -> GenerateContext:

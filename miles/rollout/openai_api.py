@@ -1,70 +1,123 @@
 """An OpenAI-compatible chat endpoint per session, so black-box agent harnesses can drive rollouts.
 
 A harness written against the `openai` client is pointed at `<server>/sessions/<id>/v1` and talks
-chat messages; miles records the exact tokens underneath:
-  - the first request's messages go through the chat template once and are tokenized once;
+chat messages, with tools if it likes; miles records the exact tokens underneath:
+  - the first request's messages (and its `tools`, which the chat template lists for the model) go
+    through the chat template once and are tokenized once;
   - every later request must repeat the conversation so far (including the assistant replies it
-    was given, unchanged) and may append new messages (tool results, user turns); only that
-    appended suffix is rendered and tokenized, and the engine's output ids are kept as returned.
-A request that rewrites history is refused with 400 rather than silently re-tokenized. The session's
-trajectory (`GET /sessions/<id>/trajectory`, or `Session.to_sample()`) has loss mask 1 on model
-tokens, 0 on the rest, one logprob per model token and one weight version per model turn.
+    was given, tool calls included, unchanged) and may append new messages (`role: "tool"` results,
+    user turns); only that appended suffix is rendered (ChatFormat.suffix_ids) and tokenized, and
+    the engine's output ids are kept as returned. Nothing is ever re-rendered, so a template that
+    rewrites history (Qwen3 drops earlier <think> blocks) cannot make the recorded ids drift.
+A request that rewrites history is refused with 400 rather than silently re-tokenized. The model's
+text is split into `content` and `tool_calls` by a parser chosen per model family (tool_calls.py);
+`finish_reason` is "tool_calls" when it wrote any. The session's trajectory
+(`GET /sessions/<id>/trajectory`, or `Session.to_sample()`) has loss mask 1 on model tokens, 0 on
+the rest, one logprob per model token and one weight version per model turn.
 
     POST   /sessions                             -> {"session_id", "base_url"}
-    POST   /sessions/{id}/v1/chat/completions    OpenAI chat completion (no streaming, n = 1)
+    POST   /sessions/{id}/v1/chat/completions    OpenAI chat completion (tools, stream, n = 1)
+    POST   /sessions/{id}/v1/responses           OpenAI Responses (function tools, previous_response_id,
+                                                 no streaming), mapped onto the same chat turns
+    GET    /sessions/{id}/v1/models              the one model name
     GET    /sessions/{id}/trajectory             the recorded tokens
     DELETE /sessions/{id}                        forget the session (returns its trajectory)
+
+`stream: true` answers with the SSE chunks the `openai` client reads (role, content deltas, one
+delta per tool call, the finish reason, usage when `stream_options.include_usage`), sent once the
+turn is generated: the engine API returns whole turns. A session made for a training run
+(`miles train` with rollout.generate_fn = "harness") has an API key, a turn and token budget, and
+samples under the run's temperature/top_p/top_k whatever the request asks, because the trainer's
+logprobs assume them.
 
 Served by `miles sessions --engine-url URL --tokenizer DIR` (main below), or in-process with
 start_session_server.
 
-Non-goals: streaming, tool-call JSON schemas (tools are plain messages), n > 1, the legacy
-/v1/completions route.
+Non-goals: n > 1 (refused: one session is one trajectory), constrained decoding (`tool_choice =
+"required"` or a named function does not force a call), the legacy /v1/completions route, streamed
+responses from /v1/responses, and previous_response_id naming anything but the session's latest response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import json
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
+import httpx
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
 from miles.net import ServerThread, bind, serve_app
+from miles.registry import RegistryError
 from miles.rollout.agent import ChatFormat
+from miles.rollout.openai_schema import FIELD_HINTS, RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, \
+    ResponsesRequest
+from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
 class SessionError(ValueError):
-    """A request the session refuses; the message says what to change (HTTP 400 or 404)."""
+    """A request the session refuses; the message says what to change (HTTP 400, 401 or 404)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param
+
+
+@dataclass
+class SessionLimits:
+    """What a session made for a training run enforces; the defaults (None) leave a session open."""
+
+    max_turns: int | None = None             # model turns; past it requests are refused
+    max_response_tokens: int | None = None   # everything after the prompt, model and appended tokens
+    max_new_tokens: int | None = None        # per model turn: the request's max_tokens is capped at it
+    sampling: dict | None = None             # engine sampling params that override the request's
 
 
 @dataclass
 class Session:
     id: str
-    messages: list[dict] = field(default_factory=list)    # the conversation as the client sees it
+    engine_url: str | None = None   # None: the store's
+    api_key: str | None = None      # required as `Authorization: Bearer <key>` when set
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    messages: list[dict] = field(default_factory=list)    # the conversation, canonical (see _canonical)
+    tools: list[dict] | None = None                       # the first request's tools (the prompt lists them)
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     last_finish: str = "stop"
+    last_content: str = ""   # the latest reply's content, for a reward over the final answer
+    exhausted: str = ""      # why the budget refused a turn ("" while it has not)
+    history: list[dict] = field(default_factory=list)  # the conversation as chat messages, for /v1/responses
+    last_response_id: str = ""                         # what previous_response_id may name
+    closed: bool = False     # its episode is over: a reply still in flight is not recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Held while a reply is committed and while the session is closed, which happen on different
+    # threads when a training run ends an episode (harness.py) while a turn is still generating.
+    commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        """End the episode: once this returns, the recorded tokens no longer change."""
+        with self.commit_lock:
+            self.closed = True
 
     def trajectory(self) -> dict:
         return {"session_id": self.id, "prompt_ids": self.prompt_ids, "response_ids": self.response_ids,
                 "loss_mask": self.loss_mask, "rollout_logprobs": self.logprobs,
-                "weight_versions": self.weight_versions, "num_messages": len(self.messages)}
+                "weight_versions": self.weight_versions, "num_messages": len(self.messages),
+                "finish_reason": self.last_finish, "exhausted": self.exhausted}
 
     def to_sample(self, reward: float = 0.0, label: str | None = None, prompt_index: int = -1) -> Sample:
         """The episode as a trainable Sample. Trailing non-model tokens are dropped (nothing to learn)."""
@@ -73,45 +126,93 @@ class Session:
             n -= 1
         status = {"length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}.get(self.last_finish,
                                                                                        SampleStatus.COMPLETED)
+        if self.exhausted:
+            status = SampleStatus.TRUNCATED
         return Sample(prompt_ids=list(self.prompt_ids), response_ids=self.response_ids[:n],
                       rollout_logprobs=self.logprobs[:n], loss_mask=self.loss_mask[:n], reward=reward,
                       status=status, weight_versions=list(self.weight_versions), label=label,
-                      prompt_index=prompt_index)
+                      prompt_index=prompt_index, response_text=self.last_content)
 
 
-def _message(m, where: str) -> dict:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise SessionError(f"{where}: each message needs a string 'role' and a 'content'")
-    content = m.get("content")
-    if isinstance(content, list):  # OpenAI content parts: only text parts are meaningful here
-        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            raise SessionError(f"{where}: only text content parts are supported")
-        content = "".join(p.get("text", "") for p in content)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise SessionError(f"{where}: 'content' must be a string or a list of text parts")
-    return {"role": m["role"], "content": content}
+@dataclass
+class Completion:
+    """One answered turn, before it is shaped as a JSON body or as SSE chunks."""
+
+    id: str
+    created: int
+    content: str | None
+    tool_calls: list[dict]
+    finish_reason: str
+    ids: list[int]           # the model's tokens of this turn, as the engine returned them
+    prompt_tokens: int
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.ids),
+                "total_tokens": self.prompt_tokens + len(self.ids)}
+
+
+def _arguments(raw: str) -> dict:
+    return json.loads(raw or "{}")
+
+
+def _canonical(m: ChatMessage) -> dict:
+    """What must match when a client sends history back: role, text and calls (ids and argument
+    formatting may differ between clients)."""
+    d: dict = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        d["tool_calls"] = [[c.function.name, _arguments(c.function.arguments)] for c in m.tool_calls]
+    return d
+
+
+def _template_message(m: ChatMessage) -> dict:
+    """A message as HF chat templates read it (tool-call arguments as objects, as Qwen's expect)."""
+    d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                           for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def parse_request(body, model=ChatCompletionRequest, hints=FIELD_HINTS):
+    """The typed request, or a SessionError naming the first offending field."""
+    if not isinstance(body, dict):
+        raise SessionError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "request"
+        hint = hints.get(str(err["loc"][0]) if err["loc"] else "", "")
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SessionError(f"{loc}: {msg}" + (f" ({hint})" if hint else ""), param=loc) from None
 
 
 class SessionStore:
-    """Sessions and the token bookkeeping; talks to one engine (or router) URL."""
+    """Sessions and the token bookkeeping; talks to one engine (or router) URL unless a session names its own."""
 
     def __init__(self, engine_url: str, tokenizer, model_name: str = "miles", turn_end_token: str = "<|im_end|>",
-                 default_max_tokens: int = 64):
+                 default_max_tokens: int = 64, tool_parser: str = "hermes"):
         self.engine_url = engine_url.rstrip("/")
         self.tokenizer = tokenizer
         self.fmt = ChatFormat(tokenizer, turn_end_token)
+        self.parser = get_tool_parser(tool_parser)
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.sessions: dict[str, Session] = {}
-        self._client = None
+        self._client: httpx.AsyncClient | None = None
 
-    def create(self, session_id: str | None = None) -> Session:
+    def create(self, session_id: str | None = None, *, engine_url: str | None = None, api_key: str | None = None,
+               limits: SessionLimits | None = None) -> Session:
         sid = session_id or secrets.token_hex(8)
         if sid in self.sessions:
             raise SessionError(f"session {sid!r} exists already: pick another id or DELETE it first")
-        self.sessions[sid] = s = Session(sid)
+        self.sessions[sid] = s = Session(sid, engine_url=engine_url.rstrip("/") if engine_url else None,
+                                         api_key=api_key, limits=limits or SessionLimits())
         return s
 
     def get(self, sid: str) -> Session:
@@ -122,111 +223,211 @@ class SessionStore:
     def pop(self, sid: str) -> Session:
         return self.sessions.pop(self.get(sid).id)
 
-    def _render(self, messages: list[dict], first: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if not first:
-            text = self.fmt.closer + text
+    def authorize(self, sid: str, authorization: str | None) -> Session:
+        session = self.get(sid)
+        if session.api_key is not None and not hmac.compare_digest(
+                (authorization or "").encode(), f"Bearer {session.api_key}".encode()):
+            raise SessionError("this session needs its API key: send 'Authorization: Bearer <key>' (the openai "
+                               "client does when api_key is set, e.g. from OPENAI_API_KEY)", status=401)
+        return session
+
+    def _render_first(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception or a jinja error: the request's fault
+            raise SessionError(f"messages: the chat template refused them: {e}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    async def complete(self, sid: str, body: dict) -> dict:
-        import httpx
+    def _render_suffix(self, messages: list[dict], closed: bool) -> list[int]:
+        try:
+            return self.fmt.suffix_ids(messages, closed)
+        except Exception as e:  # noqa: BLE001 - as in _render_first
+            raise SessionError(f"messages: the chat template refused the appended messages: {e}",
+                               param="messages") from None
 
-        if not isinstance(body, dict):
-            raise SessionError("the request body must be a JSON object")
-        if body.get("stream"):
-            raise SessionError("stream: streaming is not supported; send stream=false")
-        if body.get("n", 1) != 1:
-            raise SessionError("n: only n=1 is supported; start one session per sample")
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise SessionError("messages: send a non-empty list of chat messages")
-        messages = [_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
-        params = _sampling_params(body, self.default_max_tokens)
-        session = self.get(sid)
+    async def complete(self, sid: str, req: ChatCompletionRequest, authorization: str | None = None) -> Completion:
+        session = self.authorize(sid, authorization)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        canon = [_canonical(m) for m in req.messages]
         async with session.lock:
+            if session.exhausted:
+                raise SessionError(f"this session's budget is spent ({session.exhausted}); the episode is over")
             first = not session.messages
             if first:
-                new_ids = self._render(messages, first=True)
+                new_ids = self._render_first([_template_message(m) for m in req.messages], tools)
+                session_tools = tools
             else:
+                if tools != session.tools:
+                    raise SessionError("tools: send the same tools on every request of a session (the first "
+                                       "request's tools are in the prompt already)", param="tools")
                 k = len(session.messages)
-                if messages[:k] != session.messages:
-                    at = next(i for i, (a, b) in enumerate(zip(messages, session.messages)) if a != b) \
-                        if len(messages) >= k else len(messages)
+                if canon[:k] != session.messages:
+                    at = next((i for i, (a, b) in enumerate(zip(canon, session.messages)) if a != b), len(canon))
                     raise SessionError(f"messages: the conversation so far must be sent back unchanged (it differs "
                                        f"at message {at}); the recorded tokens cannot be rewritten — start a new "
-                                       "session for a different history")
-                appended = messages[k:]
+                                       "session for a different history", param="messages")
+                appended = req.messages[k:]
                 if not appended:
                     raise SessionError("messages: nothing new since the last reply; append a message")
-                if any(m["role"] == "assistant" for m in appended):
+                if any(m.role == "assistant" for m in appended):
                     raise SessionError("messages: assistant turns come from the model; append only tool/user turns")
-                new_ids = self._render(appended, first=False)
-                if session.last_finish != "closed":
-                    new_ids = [self.fmt.end_id] + new_ids  # the last turn was cut off before its end token
+                new_ids = self._render_suffix([_template_message(m) for m in appended],
+                                              closed=session.last_finish == "closed")
+                session_tools = session.tools
+            params = self._sampling(req, session, 0 if first else len(new_ids))  # the prompt is not budgeted
             input_ids = new_ids if first else session.prompt_ids + session.response_ids + new_ids
-            sp = dict(params, stop_token_ids=[self.fmt.end_id])
-            if self._client is None:
-                self._client = httpx.AsyncClient(timeout=600)
-            resp = await self._client.post(f"{self.engine_url}/generate", json={
-                "input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": f"{sid}-{len(messages)}"})
-            if resp.status_code != 200:
-                raise SessionError(f"the engine refused the request ({resp.status_code}): {resp.text[:300]}",
-                                   status=502 if resp.status_code >= 500 else 400)
-            out = resp.json()
+            out = await self._generate(session, input_ids, params, f"{sid}-{len(session.weight_versions)}")
             meta = out["meta_info"]
             ids = list(out["output_ids"])
             lps = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
-            # Commit only after the engine answered, so a failed call leaves the session as it was.
-            if first:
-                session.prompt_ids = new_ids
-            else:
-                session.response_ids += new_ids
-                session.loss_mask += [0] * len(new_ids)
-                session.logprobs += [0.0] * len(new_ids)
-            session.response_ids += ids
-            session.loss_mask += [1] * len(ids)
-            session.logprobs += lps
-            session.weight_versions.append(int(meta.get("weight_version", 0)))
+            if len(lps) != len(ids):
+                raise SessionError(f"the engine returned {len(ids)} tokens but {len(lps)} logprobs", status=502)
             closed = bool(ids) and ids[-1] == self.fmt.end_id
             finish = meta["finish_reason"]["type"]
-            session.last_finish = "closed" if closed else finish
-            content = self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
-            session.messages = messages + [{"role": "assistant", "content": content}]
-        prompt_tokens = len(input_ids)
-        return {
-            "id": f"chatcmpl-{sid}-{len(session.weight_versions)}", "object": "chat.completion",
-            "created": int(time.time()), "model": self.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                         "finish_reason": _FINISH.get(finish, "stop"), "logprobs": None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                      "total_tokens": prompt_tokens + len(ids)},
-        }
+            text = self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
+            parsed = self.parser.parse(text) if tools and req.tool_choice != "none" else ParsedTurn(text)
+            turn = len(session.weight_versions) + 1
+            calls = [{"id": f"call_{sid}_{turn}_{j}", "type": "function",
+                      "function": {"name": c.name, "arguments": c.arguments}} for j, c in enumerate(parsed.calls)]
+            # Commit only after the engine answered, so a failed call leaves the session as it was.
+            with session.commit_lock:
+                if session.closed:
+                    raise SessionError("this session's episode is over (it timed out or was ended)", status=409)
+                if first:
+                    session.prompt_ids = new_ids
+                    session.tools = session_tools
+                else:
+                    session.response_ids += new_ids
+                    session.loss_mask += [0] * len(new_ids)
+                    session.logprobs += [0.0] * len(new_ids)
+                session.response_ids += ids
+                session.loss_mask += [1] * len(ids)
+                session.logprobs += lps
+                session.weight_versions.append(int(meta.get("weight_version", 0)))
+                session.last_finish = "closed" if closed else finish
+                session.last_content = parsed.content or ""
+                session.messages = canon + [{"role": "assistant", "content": parsed.content or "", **(
+                    {"tool_calls": [[c.name, json.loads(c.arguments)] for c in parsed.calls]} if calls else {})}]
+                session.history = [m.model_dump(exclude_none=True) for m in req.messages] + [
+                    {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}]
+                session.last_response_id = f"resp_{sid}_{turn}"
+                self._check_budget(session)
+        reason = "tool_calls" if calls else _FINISH.get(finish, "stop")
+        return Completion(f"chatcmpl-{sid}-{turn}", int(time.time()), parsed.content, calls, reason, ids,
+                          len(input_ids))
+
+    def _sampling(self, req: ChatCompletionRequest, session: Session, appended: int) -> dict:
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
+        sp: dict = {"temperature": 1.0 if req.temperature is None else req.temperature,
+                    "top_p": 1.0 if req.top_p is None else req.top_p}
+        if req.seed is not None:
+            sp["sampling_seed"] = req.seed
+        if req.stop:
+            sp["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        lim = session.limits
+        if lim.max_new_tokens is not None:
+            max_tokens = min(req.max_completion_tokens or req.max_tokens or lim.max_new_tokens, lim.max_new_tokens)
+        if lim.sampling:
+            sp.update(lim.sampling)
+            if "sampling_seed" in lim.sampling:  # a fresh draw per turn, reproducible per episode
+                sp["sampling_seed"] = (lim.sampling["sampling_seed"] + 7919 * len(session.weight_versions)) \
+                    & 0x7FFFFFFF
+        if lim.max_response_tokens is not None:
+            left = lim.max_response_tokens - len(session.response_ids) - appended
+            if left <= 0:
+                session.exhausted = f"max_response_tokens = {lim.max_response_tokens} reached"
+                raise SessionError(f"this session's budget is spent ({session.exhausted}); the episode is over")
+            max_tokens = min(max_tokens, left)
+        sp["max_new_tokens"] = max_tokens
+        sp["stop_token_ids"] = [self.fmt.end_id]
+        return sp
+
+    def _check_budget(self, session: Session) -> None:
+        lim = session.limits
+        if lim.max_turns is not None and len(session.weight_versions) >= lim.max_turns:
+            session.exhausted = f"max_turns = {lim.max_turns} reached"
+        elif lim.max_response_tokens is not None and len(session.response_ids) >= lim.max_response_tokens:
+            session.exhausted = f"max_response_tokens = {lim.max_response_tokens} reached"
+
+    async def _generate(self, session: Session, input_ids: list[int], sp: dict, rid: str) -> dict:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=600)
+        url = session.engine_url or self.engine_url
+        try:
+            resp = await self._client.post(f"{url}/generate", json={
+                "input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid})
+        except httpx.HTTPError as e:
+            raise SessionError(f"the engine at {url} could not be reached: {e}", status=502) from None
+        if resp.status_code != 200:
+            raise SessionError(f"the engine refused the request ({resp.status_code}): {resp.text[:300]}",
+                               status=502 if resp.status_code >= 500 else 400)
+        return resp.json()
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
 
 
-def _sampling_params(body: dict, default_max_tokens: int) -> dict:
-    def num(key, default, lo, hi):
-        v = body.get(key, default)
-        if v is None:
-            v = default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-            raise SessionError(f"{key}: expected a number in [{lo}, {hi}], got {v!r}")
-        return v
+def completion_body(c: Completion, model: str) -> dict:
+    message: dict = {"role": "assistant", "content": c.content}
+    if c.tool_calls:
+        message["tool_calls"] = c.tool_calls
+    return {"id": c.id, "object": "chat.completion", "created": c.created, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": c.finish_reason, "logprobs": None}],
+            "usage": c.usage()}
 
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or default_max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise SessionError(f"max_tokens: expected a positive integer, got {max_tokens!r}")
-    sp = {"temperature": num("temperature", 1.0, 0.0, 2.0), "top_p": num("top_p", 1.0, 1e-6, 1.0),
-          "max_new_tokens": max_tokens}
-    if body.get("seed") is not None:
-        sp["sampling_seed"] = int(num("seed", 0, 0, 2**63 - 1))
-    stop = body.get("stop")
-    if stop:
-        sp["stop"] = [stop] if isinstance(stop, str) else stop
-    return sp
+
+def response_body(c: Completion, req: ResponsesRequest, response_id: str, model: str) -> dict:
+    """The turn as a /v1/responses object: a message item for its text, a function_call item per call."""
+    output: list[dict] = []
+    if c.content:
+        output.append({"type": "message", "id": f"msg_{response_id}", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": c.content, "annotations": []}]})
+    for call in c.tool_calls:
+        output.append({"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
+                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                       "status": "completed"})
+    truncated = c.finish_reason == "length"
+    return {"id": response_id, "object": "response", "created_at": c.created, "model": model,
+            "status": "incomplete" if truncated else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None, "error": None,
+            "instructions": req.instructions, "metadata": {}, "output": output, "parallel_tool_calls": True,
+            "previous_response_id": req.previous_response_id, "temperature": req.temperature, "top_p": req.top_p,
+            "tool_choice": req.tool_choice or "auto", "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "usage": {"input_tokens": c.prompt_tokens, "output_tokens": len(c.ids),
+                      "total_tokens": c.prompt_tokens + len(c.ids), "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def completion_chunks(c: Completion, model: str, tokenizer, include_usage: bool) -> list[dict]:
+    """The turn as the chunks of an OpenAI stream: content token by token (when it has no tool calls,
+    whose text is not content), then one delta per call, then the finish reason and usage."""
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return {"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    content = c.content or ""
+    pieces = [content] if content else []
+    if content and not c.tool_calls:
+        pieces, seen = [], ""
+        for i in range(1, len(c.ids) + 1):
+            text = tokenizer.decode(c.ids[:i], skip_special_tokens=True)
+            if text.endswith("\ufffd") or not text.startswith(seen):
+                continue  # a token in the middle of a multi-byte character: wait for the rest
+            if text != seen:
+                pieces.append(text[len(seen):])
+                seen = text
+        if "".join(pieces) != content:
+            pieces = [content]
+    out += [chunk({"content": p}) for p in pieces]
+    out += [chunk({"tool_calls": [{"index": j, **call}]}) for j, call in enumerate(c.tool_calls)]
+    out.append(chunk({}, c.finish_reason))
+    if include_usage:
+        out.append({"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": model,
+                    "choices": [], "usage": c.usage()})
+    return out
 
 
 def build_session_router(store: SessionStore) -> APIRouter:
@@ -235,10 +436,13 @@ def build_session_router(store: SessionStore) -> APIRouter:
     @router.post("/sessions")
     async def create(request: Request):
         raw = await request.body()
-        body = (await request.json()) if raw else {}
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            raise SessionError("the request body is not valid JSON") from None
         sid = body.get("session_id") if isinstance(body, dict) else None
         if sid is not None and (not isinstance(sid, str) or not sid.replace("-", "").replace("_", "").isalnum()):
-            raise SessionError("session_id: use letters, digits, '-' and '_' only")
+            raise SessionError("session_id: use letters, digits, '-' and '_' only", param="session_id")
         s = store.create(sid)
         return {"session_id": s.id, "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{s.id}/v1"}
 
@@ -248,11 +452,47 @@ def build_session_router(store: SessionStore) -> APIRouter:
             body = await request.json()
         except ValueError:
             raise SessionError("the request body is not valid JSON") from None
-        return await store.complete(sid, body)
+        req = parse_request(body)
+        c = await store.complete(sid, req, request.headers.get("authorization"))
+        if not req.stream:
+            return completion_body(c, store.model_name)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunks = completion_chunks(c, store.model_name, store.tokenizer, include_usage)
+
+        async def events():
+            for ch in chunks:
+                yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @router.post("/sessions/{sid}/v1/responses")
+    async def responses(sid: str, request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise SessionError("the request body is not valid JSON") from None
+        req = parse_request(body, ResponsesRequest, RESPONSES_HINTS)
+        auth = request.headers.get("authorization")
+        session = store.authorize(sid, auth)
+        if req.previous_response_id is not None:
+            if req.previous_response_id != session.last_response_id:
+                raise SessionError(f"previous_response_id: {req.previous_response_id!r} is not this session's "
+                                   f"latest response ({session.last_response_id or 'none yet'}); a session continues "
+                                   "from its latest response only", param="previous_response_id")
+            # The first request's instructions are in the prompt already; they cannot change.
+            messages = session.history + req.new_messages()
+        else:
+            messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) \
+                + req.new_messages()
+        chat = {"messages": messages, "tools": req.chat_tools(), "tool_choice": req.tool_choice,
+                "temperature": req.temperature, "top_p": req.top_p, "max_tokens": req.max_output_tokens}
+        c = await store.complete(sid, parse_request({k: v for k, v in chat.items() if v is not None}), auth)
+        return response_body(c, req, f"resp_{sid}_{c.id.rsplit('-', 1)[1]}", store.model_name)
 
     @router.get("/sessions/{sid}/v1/models")
-    async def models(sid: str):
-        store.get(sid)
+    async def models(sid: str, request: Request):
+        store.authorize(sid, request.headers.get("authorization"))
         return {"object": "list", "data": [{"id": store.model_name, "object": "model", "owned_by": "miles"}]}
 
     @router.get("/sessions/{sid}/trajectory")
@@ -271,8 +511,10 @@ def build_app(store: SessionStore) -> FastAPI:
 
     @app.exception_handler(SessionError)
     async def _refused(_request, exc: SessionError):
-        # OpenAI clients read error.message; keep the shape they expect.
-        return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, status_code=exc.status)
+        # OpenAI clients read error.message (and error.param); keep the shape they expect.
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
+        return JSONResponse({"error": {"message": str(exc), "type": kind, "param": exc.param, "code": None}},
+                            status_code=exc.status)
 
     app.include_router(build_session_router(store))
     return app
@@ -287,17 +529,23 @@ class RunningSessionServer:
     def base_url(self, session_id: str) -> str:
         return f"{self.url}/sessions/{session_id}/v1"
 
-    def new_session(self, session_id: str | None = None) -> Session:
-        return self.store.create(session_id)
+    def new_session(self, session_id: str | None = None, **kwargs) -> Session:
+        """A session (SessionStore.create's keywords: engine_url, api_key, limits)."""
+        return self.store.create(session_id, **kwargs)
 
     def stop(self) -> None:
         self.http.stop()
 
 
-def start_session_server(engine_url: str, tokenizer_path: str, host: str = "127.0.0.1", port: int = 0,
-                         **store_kwargs) -> RunningSessionServer:
-    """Serve the session endpoint on a daemon thread in front of `engine_url`; returns once it answers."""
-    store = SessionStore(engine_url, load_tokenizer(tokenizer_path), **store_kwargs)
+def start_session_server(engine_url: str, tokenizer_path: str | None = None, host: str = "127.0.0.1", port: int = 0,
+                         *, tokenizer=None, **store_kwargs) -> RunningSessionServer:
+    """Serve the session endpoint on a daemon thread in front of `engine_url`; returns once it answers.
+    Give the tokenizer's directory, or the loaded `tokenizer`."""
+    try:
+        store = SessionStore(engine_url, tokenizer if tokenizer is not None else load_tokenizer(tokenizer_path),
+                             **store_kwargs)
+    except RegistryError as e:
+        raise ValueError(f"tool_parser: {e}") from None
     http = serve_app(build_app(store), bind(host, port), host, what="session server",
                      ready_path="/sessions/none/trajectory", startup_timeout_s=30, lifespan="off")
     return RunningSessionServer(http.url, store, http)
@@ -316,9 +564,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
     p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens when a request gives none")
+    p.add_argument("--tool-parser", default="hermes", help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
+                   "llama3_json, none, or module:Class")
+    p.add_argument("--turn-end-token", default="<|im_end|>", help="the token that closes a turn in the template")
     a = p.parse_args(argv)
-    server = start_session_server(a.engine_url.rstrip("/"), a.tokenizer, a.host, a.port,
-                                  default_max_tokens=a.max_tokens)
+    try:
+        server = start_session_server(a.engine_url.rstrip("/"), a.tokenizer, a.host, a.port,
+                                      default_max_tokens=a.max_tokens, tool_parser=a.tool_parser,
+                                      turn_end_token=a.turn_end_token)
+    except ValueError as e:
+        p.error(str(e))
     print(f"miles sessions at {server.url}: POST {server.url}/sessions to start one", flush=True)
     try:
         threading.Event().wait()

@@ -79,8 +79,8 @@ def test_rewriting_history_is_refused_with_a_reason(sessions):
     with pytest.raises(openai.BadRequestError, match="assistant turns come from the model"):
         client.chat.completions.create(model="miles", max_tokens=4, messages=first + [
             {"role": "assistant", "content": reply}, {"role": "assistant", "content": "forged"}])
-    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
-        client.chat.completions.create(model="miles", messages=first, stream=True)
+    with pytest.raises(openai.BadRequestError, match=r"^Error code: 400 - n: .*start one session per sample"):
+        client.chat.completions.create(model="miles", messages=first, n=2)
     # The refused calls left the session untouched: the honest continuation still works.
     ok = client.chat.completions.create(model="miles", max_tokens=4, messages=first + [
         {"role": "assistant", "content": reply}, {"role": "tool", "content": "x"}])
