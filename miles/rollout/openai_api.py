@@ -37,6 +37,7 @@ from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
 from miles.net import ServerThread, bind, serve_app
 from miles.rollout.agent import ChatFormat
+from miles.rollout.generate import versions_of
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -186,7 +187,7 @@ class SessionStore:
             session.response_ids += ids
             session.loss_mask += [1] * len(ids)
             session.logprobs += lps
-            session.weight_versions.append(int(meta.get("weight_version", 0)))
+            session.weight_versions.append(min(versions_of(meta)))
             closed = bool(ids) and ids[-1] == self.fmt.end_id
             finish = meta["finish_reason"]["type"]
             session.last_finish = "closed" if closed else finish

@@ -48,6 +48,16 @@ def bucket_checksum(tensors: Iterable["torch.Tensor"]) -> str:
     return h.hexdigest()
 
 
+def checksum_of_table(checksums: dict[str, str]) -> str:
+    """One digest over a {name: checksum} table, independent of its order."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name in sorted(checksums):
+        h.update(name.encode() + b"\0" + checksums[name].encode() + b"\0")
+    return h.hexdigest()
+
+
 def dtype_name(t: "torch.Tensor") -> str:
     return str(t.dtype).removeprefix("torch.")
 

@@ -43,6 +43,7 @@ from miles.sync import verify
 from miles.sync.engine_client import reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.versions import to_wire
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +190,7 @@ class BroadcastTransport:
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed "
                                  "to reach every engine; engines keep their previous weights")
         body = {"names": [], "dtypes": [], "shapes": [], "group_name": self.group_name,
-                "load_format": "flattened_bucket", "commit": True, "weight_version": int(weight_version),
+                "load_format": "flattened_bucket", "commit": True, "weight_version": to_wire(weight_version),
                 "reset_staging": self._fresh}
         replies = [_spawn(self._post, url, "/update_weights_from_distributed", body)
                    for url in self.engine_urls]
@@ -263,40 +264,48 @@ class BroadcastReceiver(TransportReceiver):
     def __init__(self, weights):
         super().__init__(weights)
         self._groups: dict[str, _Group] = {}
+        self._api = None  # the engine's weight routes, set by mount
 
     def mount(self, api) -> None:
         # SGLang's routes: their bodies are checked by protocol.parse_*, unauthorized as the server's.
+        self._api = api
         api.post("/init_weights_update_group", self._init_route, sglang=True)
         api.post("/destroy_weights_update_group", self._destroy_route, sglang=True, thread=False)
         api.post("/update_weights_from_distributed", self._update_route, sglang=True)
 
     def _init_route(self, body: dict) -> dict:
         # Joining blocks until every member arrives (the caller runs this off the event loop).
-        req = protocol.parse_init_group(body)
+        req = protocol.parse_body(protocol.InitWeightsUpdateGroup, body)
         message = self.init_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
                                   req.group_name, req.backend)
         return {"success": True, "message": message}
 
     def _destroy_route(self, body: dict) -> dict:
-        self.destroy_group(body.get("group_name", "weight_update_group"))
+        self.destroy_group(protocol.parse_body(protocol.DestroyWeightsUpdateGroup, body).group_name)
         return {"success": True, "message": "group destroyed"}
 
     def _update_route(self, body: dict) -> dict:
-        req = protocol.parse_update_weights(body)
-        if req.reset_staging:
+        req = self._api.parse(protocol.UpdateWeightsFromDistributed, protocol.MilesUpdateWeightsFromDistributed,
+                              body)
+        commit = getattr(req, "commit", True)  # SGLang's form: every request applies what it carries
+        if getattr(req, "reset_staging", False):
             self.weights.reset_staging()
+        if req.load_format == "flattened_small" and self._api.sglang_only:
+            raise WeightUpdateError("load_format: 'flattened_small' is a miles extension, not served in SGLang-only "
+                                    "mode; use 'flattened_bucket' or null")
         try:
             self.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format)
         except WeightUpdateError:
-            if req.commit:  # this request closed its version (SGLang single-shot); it failed as a whole
+            if commit:  # this request closed its version (SGLang single-shot); it failed as a whole
                 self.weights.reset_staging()
             raise
-        if not req.commit:
+        if not commit:
             return {"success": True, "message": f"staged {len(req.names)} tensors"}
         if req.abort_all_requests:
             self.weights.engine.abort()
         version = self.weights.commit(req.weight_version, flush_cache=req.flush_cache)
-        return {"success": True, "message": f"weights updated to version {version}", "weight_version": version}
+        reply = {"success": True, "message": f"Succeeded to update parameter online (version {version})."}
+        return reply if self._api.sglang_only else {**reply, "weight_version": version}
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str = "weight_update_group", backend: str = "gloo") -> str:
