@@ -253,10 +253,6 @@ class ContinueGeneration(Body):
     torch_empty_cache: bool = True
 
 
-class FlushCache(Body):
-    timeout_s: float | None = None
-
-
 class Abort(Body):
     rid: str | None = None
     abort_all: bool = False

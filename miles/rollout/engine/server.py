@@ -167,9 +167,9 @@ def build_app(engine) -> FastAPI:
         return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(request: Request):
+    async def flush_cache(request: Request, timeout: float = 0.0):
+        # SGLang's form: no body, an optional `timeout` query parameter (nothing here waits on it).
         require_admin(request)
-        protocol.parse_body(protocol.FlushCache, await body_of(request))
         engine.flush_cache()
         return {"success": True, "message": "cache flushed"}
 

@@ -8,6 +8,11 @@ tensors would cost one more full copy of the bucket on the sender for no saving 
 "flattened_bucket" (SGLang's) flattens everything. Engines reply only after their receive
 completes, so collecting the replies is also the barrier.
 
+Against engines without miles' `staged_commit` extension (plain SGLang servers) each bucket is one
+SGLang request that applies what it carries (load_format "flattened_bucket", flush_cache false), and
+commit() labels the version (/update_weight_version) and flushes the cache (/flush_cache); the
+updater pauses the engines around the whole push, since SGLang has no staging.
+
 Who waits on whom: connect() and send_bucket() block until every engine has replied; an engine
 blocks in its receive until the broadcast arrives. If an engine refuses before joining the collective
 (bad token, unsizeable metadata) the broadcast cannot complete: the error is raised at once and the
@@ -91,6 +96,8 @@ class BroadcastTransport:
         if load_format not in ("flattened_small", "flattened_bucket"):
             raise ValueError(f"load_format {load_format!r}: use 'flattened_small' or 'flattened_bucket'")
         self.load_format = load_format
+        self.wire_format = load_format  # what the engines get: load_format if they all offer it (connect)
+        self.staged = True  # the engines stage buckets until commit (miles' `staged_commit` extension)
         self.engine_urls: list[str] = []
         self._store = None
         self._pg = None
@@ -109,6 +116,10 @@ class BroadcastTransport:
         import torch.distributed as dist
 
         self._http = reconnect(self, engine_urls, self.timeout_s + 30)
+        extensions = self._http.extensions(self.engine_urls)
+        self.staged = "staged_commit" in extensions  # else SGLang's apply-as-you-go form
+        self.wire_format = self.load_format if self.load_format in extensions | {"flattened_bucket"} \
+            else "flattened_bucket"
         world = 1 + len(self.engine_urls)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # wait_for_workers=False: engines connect only after our POSTs reach them.
@@ -146,12 +157,14 @@ class BroadcastTransport:
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "group_name": self.group_name,
-            "load_format": self.load_format,
-            "commit": False,
-            "reset_staging": self._fresh,
+            "load_format": self.wire_format,
         }
+        if self.staged:
+            meta.update(commit=False, reset_staging=self._fresh)
+        else:  # applied at once; the cache is flushed once, when the version is complete
+            meta.update(flush_cache=False)
         raw = [t.reshape(-1).view(torch.uint8) for t in tensors]
-        if self.load_format == "flattened_bucket":
+        if self.wire_format == "flattened_bucket":
             messages = [torch.cat(raw)]  # (total_bytes,) uint8, each tensor's bytes in bucket order
         else:
             small = [r for r in raw if r.numel() < SPLIT_BYTES]
@@ -180,6 +193,9 @@ class BroadcastTransport:
 
     def commit(self, weight_version: int) -> None:
         self._check_usable()
+        if not self.staged:
+            self._commit_plain(weight_version)
+            return
         if self._version_failed:
             # Committing the buckets that did arrive would publish a version that never existed.
             self._version_failed, self._fresh = False, True
@@ -196,6 +212,18 @@ class BroadcastTransport:
                    for url in self.engine_urls]
         self._fresh = True
         self._wait(None, replies, f"committing weight version {weight_version}")
+
+    def _commit_plain(self, weight_version: int) -> None:
+        """SGLang has applied every bucket already: label the version and drop KV of the old one."""
+        if self._version_failed:
+            self._version_failed = False
+            raise TransportError(f"weight version {weight_version} failed to reach every engine; SGLang applies "
+                                 "buckets as they arrive, so engines hold part of it until the next push")
+        label = {"new_version": to_wire(weight_version), "abort_all_requests": False}
+        # /flush_cache takes no body in SGLang; it succeeds while paused (the queue is ignored then).
+        for path, body in (("/update_weight_version", label), ("/flush_cache", None)):
+            replies = [_spawn(self._post, url, path, body) for url in self.engine_urls]
+            self._wait(None, replies, f"committing weight version {weight_version} ({path})")
 
     def close(self) -> None:
         if self._http is not None and self._pg is not None and self._broken is None:
