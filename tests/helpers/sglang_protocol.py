@@ -22,6 +22,7 @@ import pytest
 SGLANG_VERSION = "0.5.23"
 _SERVER = "sglang/srt/entrypoints/http_server.py"
 _STRUCTS = "sglang/srt/managers/io_struct.py"
+_SAMPLING = "sglang/srt/sampling/sampling_params.py"
 _HTTP_STATUS = {"OK": 200, "BAD_REQUEST": 400, "NOT_FOUND": 404, "SERVICE_UNAVAILABLE": 503,
                 "INTERNAL_SERVER_ERROR": 500, "UNAUTHORIZED": 401}
 
@@ -61,6 +62,7 @@ class Route:
 class Protocol:
     routes: dict[str, Route]
     structs: dict[str, dict[str, ast.expr]]  # struct -> field -> annotation (inherited fields included)
+    sampling: dict[str, ast.expr]  # /generate's sampling_params: field -> annotation
 
     def fields(self, path: str) -> dict[str, ast.expr]:
         route = self.routes[path]
@@ -71,7 +73,8 @@ def read_protocol(wheel: Path) -> Protocol:
     with zipfile.ZipFile(wheel) as z:
         server = ast.parse(z.read(_SERVER).decode())
         structs = ast.parse(z.read(_STRUCTS).decode())
-    return Protocol(_routes(server), _structs(structs))
+        sampling = ast.parse(z.read(_SAMPLING).decode())
+    return Protocol(_routes(server), _structs(structs), _structs(sampling)["SamplingParams"])
 
 
 def _literal_path(node: ast.expr) -> str | None:
@@ -177,7 +180,7 @@ def matches(value, ann: ast.expr) -> bool:
             return any(matches(value, a) for a in args)
         if head == "Annotated":
             return matches(value, args[0])
-        if head in ("List", "list", "Sequence"):
+        if head in ("List", "list", "Sequence", "Set", "set"):
             return isinstance(value, list) and all(matches(v, args[0]) for v in value)
         if head in ("Dict", "dict"):
             return isinstance(value, dict) and all(matches(v, args[-1]) for v in value.values())

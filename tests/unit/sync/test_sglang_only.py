@@ -128,3 +128,23 @@ def test_transports_that_need_an_extension_are_refused_naming_broadcast(sglang_e
     with pytest.raises(TransportError, match=rf"'{transport}'.*use sync.transport = 'broadcast'"):
         updater.connect([sglang_engines[0].url])
     updater.close()
+
+
+def test_disk_sync_over_sglang_full_reload(sglang_engines, base_model_dir, admin_token, tmp_path):
+    """sync.transport = 'disk': each version a full checkpoint, loaded by SGLang's /update_weights_from_disk;
+    the previous version's directory is removed once every engine loaded the next."""
+    urls = [s.url for s in sglang_engines]
+    updater = _updater(base_model_dir, admin_token, "disk", disk_dir=tmp_path / "weights", verify_checksums=True)
+    updater.connect(urls)
+    try:
+        for version, seed in ((7, 7), (8, 8)):
+            new = _state(base_model_dir, seed=seed)
+            metrics = updater.push(iter({n: t.clone() for n, t in new.items()}.items()), version=version)
+            assert metrics["sync/buckets"] >= 2 and metrics["sync/verified_engines"] == 2
+            for server in sglang_engines:
+                served = server.engine.model.state_dict()
+                assert all(torch.equal(served[n], t) for n, t in new.items())
+                assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == str(version)
+        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000008"]
+    finally:
+        updater.close()

@@ -51,10 +51,12 @@ def _kwargs(name: str, admin_token: str, base_model_dir: str, tmp_path) -> dict:
         return {"mode": "tcp", "admin_token": admin_token}
     if name == "colocated":
         return {"admin_token": admin_token, "buffer_bytes": 1 << 16}
+    if name == "disk":
+        return {"admin_token": admin_token, "disk_dir": str(tmp_path / "weights"), "base_path": base_model_dir}
     return {"admin_token": admin_token, "delta_dir": str(tmp_path / "deltas"), "base_path": base_model_dir}
 
 
-@pytest.mark.parametrize("name", ["p2p-shm", "p2p-tcp", "colocated", "disk_delta"])
+@pytest.mark.parametrize("name", ["p2p-shm", "p2p-tcp", "colocated", "disk_delta", "disk"])
 def test_transport_delivers_exact_bytes(name, engine_proc, engine_thread, base_model_dir, admin_token, tmp_path):
     transport = get_transport(name.split("-")[0], **_kwargs(name, admin_token, base_model_dir, tmp_path))
     urls = [engine_proc.url, engine_thread.url]
