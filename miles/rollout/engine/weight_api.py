@@ -31,6 +31,22 @@ from miles.rollout.engine.types import InvalidRequest
 # Receivers' `extension`). Listed in /get_server_info as `miles_extensions`.
 BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load")
 
+# What each extension adds to SGLang's protocol: a route of its own (None) or fields on an SGLang
+# route. A client may send these only to an engine that advertises the extension (docs/sglang.md;
+# tests/e2e/test_sglang_conformance.py holds miles to it). Load-format values ("flattened_small",
+# "shm", "miles_delta") ride on SGLang's string `load_format` field.
+EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
+    "staged_commit": {"/update_weights_from_distributed": frozenset({"commit", "reset_staging"}),
+                      "/update_weights_from_disk": frozenset({"commit", "reset_staging"}),
+                      "/update_weights_from_tensor": frozenset({"commit", "reset_staging", "swap_buffers"})},
+    "flattened_small": {},
+    "checked_weights": {"/weights_checker": frozenset({"seed", "expected", "buckets"})},
+    "engine_load": {"/get_load": None, "/get_weight_version": None},
+    "p2p": {"/p2p_open_buffer": None, "/p2p_close_buffer": None},
+    "colocated": {"/update_weights_from_tensor": frozenset({"shm_path", "names", "dtypes", "shapes", "offsets"})},
+    "disk_delta": {"/init_delta_base": None},
+}
+
 
 class WeightRoutes:
     """The engine's weight router, handed to each transport's Receiver to mount its routes on."""
