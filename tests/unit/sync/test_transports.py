@@ -137,8 +137,10 @@ def test_verified_updates_pass_and_later_ones_use_bucket_checksums(engine_thread
         updater.close()
 
 
-def test_registry_lists_all_four_transports():
-    assert set(TRANSPORTS) == {"broadcast", "p2p", "disk_delta", "colocated"}
+
+
+def test_registry_lists_every_transport():
+    assert set(TRANSPORTS) == {"broadcast", "p2p", "disk_delta", "disk", "colocated"}
 
 
 def test_broadcast_sends_large_tensors_unflattened_and_exact(engine_thread, base_model_dir, admin_token, monkeypatch):
