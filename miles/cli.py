@@ -61,7 +61,7 @@ def cmd_train(args, extra) -> int:
                      "not a TOML file")
         summary = run_train(_load(str(saved), extra), resume=args.resume)
     else:
-        summary = run_train(_load(args.config, extra))
+        summary = run_train(_load(*_without_config(args.config, extra)))
     print(json.dumps(summary))
     return 0
 
@@ -69,7 +69,7 @@ def cmd_train(args, extra) -> int:
 def cmd_sft(args, extra) -> int:
     from miles.orchestration.driver import run_sft
 
-    summary = run_sft(_load(args.config, extra))
+    summary = run_sft(_load(*_without_config(args.config, extra)))
     print(json.dumps(summary))
     return 0
 

@@ -13,6 +13,11 @@ waits. Producers block when `capacity` groups are ready (backpressure) and when
 `max_inflight_groups` are being generated; with `pacing` they also wait while the oldest group in
 flight is about to become too stale, so engines finish long rollouts instead of starting new ones.
 
+A checkpoint (`state_dict`) holds the ready groups, the retry queue, the ledger and the source's
+position, and the prompts of the groups in flight: generation cannot be saved mid-request, so a
+resumed run regenerates those groups from their prompts (partial samples are not kept), before any
+retry or fresh prompt, and without spending one of the prompt's retries.
+
 Thread-safe: producers and the trainer's `get` run on different threads. Non-goals: priorities,
 sampling from the buffer more than once (each group is trained at most once).
 """
@@ -85,6 +90,7 @@ class DataBuffer:
         self._ready: deque[Group] = deque()
         self._inflight: dict[int, _InFlight] = {}
         self._retry: deque = deque()
+        self._resumed: deque = deque()          # prompts in flight when the restored checkpoint was taken
         self._prompts: dict[int, object] = {}   # pending prompt index → Prompt, for retries
         self._retries: dict[int, int] = {}
         self._closed = False
@@ -106,6 +112,12 @@ class DataBuffer:
         """n prompts for a synchronous batch (retries first), bypassing the in-flight bound."""
         with self._cond:
             return [self._next_prompt() for _ in range(n)]
+
+    def draw_resumed(self) -> list:
+        """Every prompt whose group was in flight when the restored checkpoint was taken (maybe none):
+        the rest of the batch a resumed one-step-off run was generating, to be regenerated."""
+        with self._cond:
+            return [self._next_prompt() for _ in range(len(self._resumed))]
 
     def admit(self, timeout: float | None = None):
         """One prompt for the fully-async producer, once the in-flight bound and pacing allow.
@@ -133,7 +145,10 @@ class DataBuffer:
         return False
 
     def _next_prompt(self):
-        if self._retry:
+        if self._resumed:
+            prompt = self._resumed.popleft()
+            self.ledger.readmitted(prompt.index)
+        elif self._retry:
             prompt = self._retry.popleft()
             self.ledger.readmitted(prompt.index)
         else:
@@ -202,7 +217,8 @@ class DataBuffer:
                     self._retry_or_drop(group.prompt_index, Reason.STALE, self.cfg.on_stale)
                     continue
                 self._staleness_seen.append(s)
-                self.ledger.trained(group.prompt_index)
+                # Collected for the step that takes the policy from its current version to the next.
+                self.ledger.trained(group.prompt_index, self.policy_version + 1)
                 self._forget(group.prompt_index)
                 out.append(group)
         return out
@@ -257,19 +273,21 @@ class DataBuffer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to resume: ready groups, prompts awaiting (re)generation, the ledger.
+        """Everything needed to resume: ready groups, prompts in flight and awaiting retry, the ledger.
 
-        Groups in flight cannot be resumed mid-generation; their prompts are saved as retries, which
-        is how `load_state_dict` treats them (their ledger state becomes retry_pending).
+        Groups in flight cannot be resumed mid-generation: their prompts are saved under "in_flight"
+        and regenerated first after `load_state_dict` (their ledger state is retry_pending meanwhile).
         """
         with self._cond:
             ledger = self.ledger.state_dict()
-            pending = [f.prompt for f in self._inflight.values()] + list(self._retry)
-            for f in self._inflight.values():
-                ledger["states"][f.prompt.index] = "retry_pending"
+            # Admission order, so a resumed batch regenerates its prompts in the order they were drawn.
+            in_flight = [f.prompt for f in self._inflight.values()] + list(self._resumed)
+            for p in in_flight:
+                ledger["states"][p.index] = "retry_pending"
             return {
                 "ready": [dataclasses.asdict(g) for g in self._ready],
-                "retry": [dataclasses.asdict(p) for p in pending],
+                "in_flight": [dataclasses.asdict(p) for p in in_flight],
+                "retry": [dataclasses.asdict(p) for p in self._retry],
                 "prompts": [dataclasses.asdict(p) for p in self._prompts.values()],
                 "retries": dict(self._retries),
                 "ledger": ledger,
@@ -284,6 +302,8 @@ class DataBuffer:
         with self._cond:
             self._ready = deque(_group_from_dict(g) for g in state["ready"])
             self._retry = deque(prompt_cls(**p) for p in state["retry"])
+            # Checkpoints written before in-flight prompts were kept apart held them in "retry".
+            self._resumed = deque(prompt_cls(**p) for p in state.get("in_flight", []))
             self._prompts = {p["index"]: prompt_cls(**p) for p in state["prompts"]}
             self._retries = {int(k): v for k, v in state["retries"].items()}
             self._inflight = {}

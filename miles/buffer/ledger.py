@@ -4,7 +4,8 @@ Each drawn prompt index has exactly one current state. Terminal states are `trai
 `discarded`; the others (`in_flight`, `buffered`, `retry_pending`) are pending work. The ledger
 balances when drawn == trained + discarded + pending, which `check()` asserts after a run.
 Event counters (how many times anything was retried, for which reason) are kept next to the states,
-because one prompt may be retried several times before it ends.
+because one prompt may be retried several times before it ends, and so is the step that trained each
+trained prompt: with it two runs (or a run and its resumed continuation) can be compared prompt by prompt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Ledger:
     def __init__(self):
         self.states: dict[int, str] = {}
         self.events: Counter[str] = Counter()
+        self.trained_at: dict[int, int] = {}    # prompt index → the training step that used its group
 
     def _move(self, index: int, state: str, allowed_from: tuple[str | None, ...]) -> None:
         current = self.states.get(index)
@@ -49,9 +51,10 @@ class Ledger:
         self._move(index, "discarded", ("in_flight", "buffered", "retry_pending"))
         self.events[f"discarded_{reason.value}"] += 1
 
-    def trained(self, index: int) -> None:
+    def trained(self, index: int, step: int) -> None:
         self._move(index, "trained", ("buffered",))
         self.events["trained"] += 1
+        self.trained_at[index] = step
 
     def totals(self) -> dict[str, int]:
         by_state = Counter(self.states.values())
@@ -76,8 +79,9 @@ class Ledger:
         return out
 
     def state_dict(self) -> dict:
-        return {"states": dict(self.states), "events": dict(self.events)}
+        return {"states": dict(self.states), "events": dict(self.events), "trained_at": dict(self.trained_at)}
 
     def load_state_dict(self, state: dict) -> None:
         self.states = {int(k): v for k, v in state["states"].items()}
         self.events = Counter(state["events"])
+        self.trained_at = {int(k): v for k, v in state.get("trained_at", {}).items()}

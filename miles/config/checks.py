@@ -9,12 +9,15 @@ for. Every refusal names the keys to change.
 from __future__ import annotations
 
 from miles.config.loader import ConfigError
+from miles.models.loading import context_limit, read_model_config
+from miles.registry import RegistryError
 from miles.sync.transports import TRANSPORTS
+from miles.trainer.algorithms.base import ALGORITHMS
 
 
 def check_run(run) -> None:
     """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
-    for check in (check_schedule, check_sync, check_routing_replay, check_fleet):
+    for check in (check_schedule, check_group_size, check_context, check_sync, check_routing_replay, check_fleet):
         check(run)
 
 
@@ -38,6 +41,45 @@ def check_schedule(run) -> None:
                           f"{run.rollout.prompts_per_step} groups: set buffer.capacity >= rollout.prompts_per_step")
     if schedule == "fully_async" and run.buffer.capacity < 1:
         raise ConfigError("buffer.capacity must be >= 1")
+
+
+def check_group_size(run) -> None:
+    """A group-relative algorithm against groups of one sample, whose advantage is always 0."""
+    name, n = run.trainer.algorithm.name, run.rollout.n_samples_per_prompt
+    try:
+        group_relative = getattr(ALGORITHMS.get(name), "group_relative", False)
+    except RegistryError:  # already refused by the algorithm's own validate, which runs first
+        return
+    if group_relative and n < 2:
+        raise ConfigError(f"trainer.algorithm.name = {name!r} compares each sample with the others of its group, so "
+                          f"rollout.n_samples_per_prompt = {n} gives every sample advantage 0 and nothing is "
+                          "learned: set rollout.n_samples_per_prompt >= 2 (8 is usual), or use an algorithm "
+                          "without a group baseline such as 'reinforce_pp' or 'ppo'")
+
+
+def check_context(run) -> None:
+    """Every response budget against the engine's context (rollout.engine.context_length, else the
+    model's max_position_embeddings): a budget no prompt can fit would fail every request, after start."""
+    model = read_model_config(run.model.path) if run.model.path else None
+    model_limit = context_limit(model) if model else None
+    own_engines = not run.rollout.engine_urls
+    configured = run.rollout.engine.context_length if own_engines else None
+    if configured and model_limit and configured > model_limit:
+        raise ConfigError(f"rollout.engine.context_length = {configured} is beyond the model's "
+                          f"max_position_embeddings ({model_limit}): positions past it were never trained; "
+                          f"set rollout.engine.context_length <= {model_limit} or leave it unset")
+    limit = configured or model_limit
+    if not limit:
+        return
+    where = "rollout.engine.context_length" if configured else "the model's max_position_embeddings"
+    # (The engines' default_max_new_tokens is left out: every request of a run sets its own budget.)
+    budgets = [("rollout.max_new_tokens", run.rollout.max_new_tokens), ("eval.max_new_tokens", run.eval.max_new_tokens)]
+    budgets += [(f"eval.sets[{i}].max_new_tokens", s.max_new_tokens) for i, s in enumerate(run.eval.sets)]
+    for key, n in budgets:
+        # A prompt takes at least one token of the context.
+        if n >= limit:
+            raise ConfigError(f"{key} = {n} leaves no room for a prompt in {where} ({limit} tokens): set "
+                              f"{key} <= {limit - 1}, minus your longest prompt")
 
 
 def check_sync(run) -> None:

@@ -195,18 +195,35 @@ def _apply_override(cls, data: dict[str, Any], dotted: str, raw: str) -> None:
         node_cls = tp
 
 
+def _read_config_file(p: Path) -> dict[str, Any]:
+    """The table a TOML file (or a run's saved config.json, for resume) holds."""
+    kind = "JSON" if p.suffix == ".json" else "TOML"
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a folder: give the path of a .toml file")
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        # TOML is UTF-8 by definition; a file saved as Latin-1 or UTF-16 is the usual cause.
+        raise ConfigError(f"{p}: not UTF-8 (byte {e.start} is {e.object[e.start:e.start + 1]!r}): save the file "
+                          f"as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read ({e.strerror}): check its permissions") from None
+    try:
+        data = json.loads(text) if kind == "JSON" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: not valid {kind}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: holds {type(data).__name__}, not a table of settings")
+    return data
+
+
 def load_config(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None):
     """Load TOML (optional), apply dotted overrides, build and validate `cls`."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found")
-        try:
-            # A run directory's saved config.json (resume) loads like a TOML file.
-            data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        data = _read_config_file(Path(path))
     for key, raw in (overrides or {}).items():
         _apply_override(cls, data, key, raw)
     cfg = build(cls, data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from miles.config.checks import check_run
 from miles.config.loader import ConfigError
@@ -31,6 +32,24 @@ class RunSection:
     seed: int = 0
     """Seed for prompt order, sampling and initialisation."""
 
+    def validate(self) -> None:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name {self.name!r} must be one folder name (no '/'): e.g. run.name = 'grpo-1'")
+        # The run directory is made only after Ray and the engines start; a path that can never be a
+        # folder is refused now. The nearest existing ancestor is what decides.
+        out = Path(self.output_dir)
+        for p in (out, *out.absolute().parents):
+            try:
+                if not p.exists():
+                    continue
+            except OSError as e:
+                raise ConfigError(f"run.output_dir {self.output_dir!r}: {str(p)!r} cannot be read ({e.strerror}); "
+                                  "point run.output_dir at a folder you can write") from None
+            if not p.is_dir():
+                raise ConfigError(f"run.output_dir {self.output_dir!r}: {str(p)!r} is a file, not a folder; "
+                                  "point run.output_dir at a folder (it is created if missing)")
+            break
+
 
 @dataclass
 class ModelConfig:
@@ -42,7 +61,7 @@ class ModelConfig:
             raise ConfigError("model.path is required: set it in the TOML [model] table or pass --model.path DIR")
         try:
             check_model_path(self.path)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model.path: {e}") from None
 
 

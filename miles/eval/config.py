@@ -81,6 +81,8 @@ class EvalSetConfig:
                               "use greedy = true for greedy accuracy")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"{where}.top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"{where}.top_k = {self.top_k}: set -1 (off, the whole vocabulary) or a count >= 1")
         if self.max_new_tokens < 1:
             raise ConfigError(f"{where}.max_new_tokens must be >= 1")
         if "maj" in self.metrics and self.n >= 1:
@@ -114,6 +116,8 @@ class EvalConfig:
     def validate(self) -> None:
         if self.every_steps < 0 or self.num_prompts < 1:
             raise ConfigError("eval.every_steps must be >= 0 and eval.num_prompts >= 1")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"eval.max_new_tokens = {self.max_new_tokens}: set it >= 1")
         seen: set[str] = set()
         for i, s in enumerate(self.sets):
             where = f"eval.sets[{i}]" + (f" ({s.name})" if s.name else "")

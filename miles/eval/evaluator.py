@@ -32,6 +32,8 @@ class Evaluator:
                             for s in cfg.sets}
         # Loaded once: a reward runner holds threads (and a process pool with reward_config.num_workers).
         self.set_rewards = {s.name: get_reward_fn(s.reward) for s in cfg.sets if s.reward}
+        # The run's reward, on a runner of its own: eval calls stay out of the training steps' reward/* metrics.
+        self.reward_fn = get_reward_fn(groups.cfg.reward, groups.cfg.reward_config) if groups.rewards else None
 
     def evaluate(self) -> dict[str, float]:
         """eval/accuracy (greedy, the task's eval split) and each eval set's eval/<set>/... figures."""
@@ -97,6 +99,7 @@ class Evaluator:
 
     def _context(self, client, url: str, reward_fn):
         ctx = self.groups.context(client, url)
+        reward_fn = reward_fn or self.reward_fn
         return ctx if reward_fn is None else dataclasses.replace(ctx, reward_fn=reward_fn)
 
     def _encode(self, p: Prompt, task: TaskConfig) -> list[int]:
@@ -108,5 +111,5 @@ class Evaluator:
         the run, `scores_itself = False`), else the reward function's (the set's own, or rollout.reward)."""
         if self.groups.generate_fn is not None and getattr(self.groups.generate_fn, "scores_itself", True):
             return [float(s.reward) for s in samples]
-        fn = reward_fn or self.groups.reward_fn
+        fn = reward_fn or self.reward_fn or self.groups.reward_fn
         return [float(fn(s.response_text, s.label)) for s in samples]

@@ -7,6 +7,7 @@ Non-goal: sharding or parallel layouts; the trainer backends apply those after l
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -25,16 +26,46 @@ def torch_dtype(name: str):
 
 def check_model_path(path: str) -> None:
     """Fail early, naming the fix, when a local model directory is unusable."""
+    read_model_config(path)
+
+
+def read_model_config(path: str) -> dict | None:
+    """The parsed config.json of a local checkpoint directory (None for a hub id, read when loaded).
+
+    FileNotFoundError when the directory or its config.json is missing, ValueError when config.json
+    is not a JSON object naming its `model_type` (an empty `{}` loads nowhere: transformers cannot tell
+    which architecture to build).
+    """
     p = Path(path)
     looks_local = p.exists() or path.startswith((".", "/", "~")) or os.sep in path and not _is_hub_id(path)
     if not looks_local:
-        return
+        return None
     if not p.is_dir():
         raise FileNotFoundError(
             f"model directory {path!r} does not exist: build one with "
             f"`miles init-model --preset tiny-qwen3 --out {path}` or point to a checkpoint directory")
-    if not (p / "config.json").exists():
+    config = p / "config.json"
+    if not config.is_file():
         raise FileNotFoundError(f"{path!r} has no config.json: it is not a Hugging Face checkpoint directory")
+    try:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config} is not valid UTF-8 JSON ({e}): restore the checkpoint's config.json") from None
+    except OSError as e:
+        raise ValueError(f"{config} cannot be read ({e.strerror}): fix its permissions") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str) or not data["model_type"]:
+        raise ValueError(f"{config} names no model_type (e.g. \"qwen3\"): it is not a Hugging Face model config; "
+                         "restore the checkpoint's config.json or build one with `miles init-model`")
+    return data
+
+
+def context_limit(model_config: dict) -> int | None:
+    """The model's longest sequence (max_position_embeddings, also inside a multimodal text_config)."""
+    for node in (model_config, model_config.get("text_config") or {}):
+        n = node.get("max_position_embeddings") if isinstance(node, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
 
 
 def _is_hub_id(path: str) -> bool:

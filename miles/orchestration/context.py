@@ -49,6 +49,10 @@ class TrainContext:
     policy_version: int = 0     # optimizer steps the trainer has taken
     weight_version: int = 0     # the newest version pushed to the engines
     start_step: int = 0         # the step a resumed run continues after
+    # one_step_off: a batch is being generated for the next step (saved, so that a resumed run
+    # finishes that batch instead of drawing a new one)
+    batch_in_flight: bool = False
+    trainer_restarts: int = 0   # trainer groups replaced after a failure (fault.restart_trainer)
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     _memory_warned: bool = False
 
@@ -102,13 +106,14 @@ class TrainContext:
         return self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
 
     def save_state(self, step: int) -> str:
-        """Resumable checkpoint (trainer state, buffer and prompt position, versions), made visible
-        by one rename once every part is written."""
+        """Resumable checkpoint (trainer state and RNGs, the buffer with its in-flight prompts, ledger
+        and prompt position, versions), made visible by one rename once every part is written."""
         final = self.run_dir / "checkpoints" / f"state_{step}"
         staging = staging_path(final)
         self.trainer.save_checkpoint(str(staging))
         (staging / "rollout.json").write_text(json.dumps(self.call(self.rollout.buffer_state_dict)))
-        meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version}
+        meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version,
+                "batch_in_flight": self.batch_in_flight}
         return str(commit(staging, final, meta))
 
     def restore(self) -> None:
@@ -122,6 +127,7 @@ class TrainContext:
         self.trainer.load_checkpoint(str(ckpt))
         self.call(self.rollout.load_buffer_state_dict, json.loads((ckpt / "rollout.json").read_text()))
         self.start_step, self.policy_version = meta["step"], meta["policy_version"]
+        self.batch_in_flight = meta.get("batch_in_flight", False)
         self.sync_weights(meta["policy_version"])
         self.weight_version = meta["policy_version"]
         self.call(self.rollout.set_versions, self.policy_version, self.weight_version)

@@ -17,6 +17,7 @@ import random
 import secrets
 import time
 from pathlib import Path
+from typing import Callable
 
 from miles.config.loader import save_config, to_dict
 from miles.config.run import RunConfig
@@ -34,11 +35,12 @@ from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.loop import SCHEDULES
 from miles.orchestration.placement import CorePools, core_pools
 from miles.orchestration.ray_cluster import ensure_ray
-from miles.orchestration.trainer_group import TrainerGroup
+from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
 from miles.rollout.data_source import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.sync.prepare import wire_dtype
+from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
 
@@ -143,8 +145,10 @@ def _ray(cfg: RunConfig):
             ray.shutdown()
 
 
-def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[TrainContext, RunningRouter | None]:
-    """Start every component of a run, each entered on `stack`; the TrainContext that holds them."""
+def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
+           ) -> tuple[TrainContext, RunningRouter | None, Callable[[], TrainerGroup]]:
+    """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
+    how to start its trainer group again (fault.restart_trainer)."""
     stack.enter_context(_ray(cfg))
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
@@ -162,10 +166,15 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[
         urls = fleet.serving_urls()
         log(f"engines ready: {', '.join(urls)}; router at {router.url}")
     sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
-    trainer = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
-                           pools.trainer if pools else None, admin_token)
-    stack.callback(trainer.close)
-    trainer.connect_engines(urls)
+
+    def start_trainer() -> TrainerGroup:
+        group = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
+                             pools.trainer if pools else None, admin_token)
+        stack.callback(group.close)
+        group.connect_engines(fleet.serving_urls() if fleet is not None else urls)
+        return group
+
+    trainer = start_trainer()
     # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
@@ -181,7 +190,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> tuple[
     progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
     stack.callback(progress.close)
     ctx = wiring["ctx"] = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet)
-    return ctx, router
+    return ctx, router, start_trainer
 
 
 def _start_faults(ctx: TrainContext, router: RunningRouter | None, stack: contextlib.ExitStack) -> None:
@@ -204,35 +213,92 @@ def check_data(cfg: RunConfig) -> None:
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
 
 
+def rewind_run_dir(run_dir: Path) -> int:
+    """Before going back to the run directory's latest resumable checkpoint: its step, with
+    metrics.jsonl cut back to the records up to it. Steps after it are trained again, and a run
+    killed mid-write may have left a torn last line; neither may appear twice or break the file.
+
+    Records are in step order, so what stays is a prefix of the file: one truncate, which a sink
+    that has the file open for appending simply writes after."""
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise SystemExit(f"miles: {run_dir} has no resumable checkpoint (checkpoints/latest); "
+                         "runs save one at every loop.save_every steps and at the end")
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return step
+    end = 0
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break  # a torn last line
+            if not line.endswith(b"\n") or record.get("step", step + 1) > step:
+                break
+            end += len(line)
+    os.truncate(path, end)
+    return step
+
+
+def _run_schedule(ctx: TrainContext, start_trainer: Callable[[], TrainerGroup]) -> None:
+    """The configured schedule; with fault.restart_trainer, a failed trainer group is replaced by a new
+    one and the whole run goes back to its last resumable checkpoint (trainer state, buffer with its
+    in-flight prompts, ledger, data position, metrics), then goes on. The engines keep their
+    processes; the restored weights are pushed to them before they generate again."""
+    schedule, fault = SCHEDULES.get(ctx.cfg.loop.schedule), ctx.cfg.fault
+    while True:
+        try:
+            return schedule(ctx)
+        except TrainerFailure as exc:
+            if not fault.restart_trainer or ctx.trainer_restarts >= fault.max_trainer_restarts:
+                raise
+            ctx.trainer_restarts += 1
+            log(f"{exc}\n[miles] fault.restart_trainer: starting a new trainer group "
+                f"(restart {ctx.trainer_restarts} of at most {fault.max_trainer_restarts})")
+            ctx.trainer.close()
+            ctx.trainer = start_trainer()
+            step = rewind_run_dir(ctx.run_dir)
+            ctx.history = [(s, m) for s, m in ctx.history if s <= step]
+            ctx.restore()
+
+
 def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
-    if resume and cfg.loop.schedule != "sync":
-        raise SystemExit(f"miles: --resume supports loop.schedule = 'sync' (this run uses {cfg.loop.schedule!r})")
     if resume and cfg.fault.kill_trainer_at_step:
         # The saved config still asks for the fault that ended the run; once was the point.
         cfg = dataclasses.replace(cfg, fault=dataclasses.replace(cfg.fault, kill_trainer_at_step=0))
     check_data(cfg)
     run_dir = Path(resume) if resume else make_run_dir(cfg.run.output_dir, cfg.run.name)
+    if resume:
+        rewind_run_dir(run_dir)
     save_config(cfg, run_dir / "config.json")
     log(f"run directory: {run_dir}")
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        ctx, router = _start(cfg, run_dir, stack)
+        ctx, router, start_trainer = _start(cfg, run_dir, stack)
         if resume:
             ctx.restore()
             before = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         else:
             before = ctx.call(ctx.rollout.evaluate)
             ctx.sink.write(0, before)
+            if cfg.fault.restart_trainer:
+                ctx.save_state(0)  # a trainer that fails before the first save has this to go back to
         log(f"eval accuracy before RL: {before['eval/accuracy']:.3f}")
         log(f"schedule: {cfg.loop.schedule}, placement: {cfg.placement.mode}")
         if ctx.fleet is not None:
             ctx.fleet.start_monitor()
         if cfg.fault.active:
             _start_faults(ctx, router, stack)
-        SCHEDULES.get(cfg.loop.schedule)(ctx)
+        _run_schedule(ctx, start_trainer)
         if ctx.faults is not None:
             ctx.faults.stop()
         return _finish(ctx, before, t_start)
+
+
+def _eval_figures(record: dict) -> dict[str, float]:
+    return {k: v for k, v in record.items() if k.startswith("eval/") and not k.endswith("time_s")}
 
 
 def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
@@ -246,8 +312,10 @@ def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
         "run_dir": str(ctx.run_dir), "steps": cfg.loop.num_steps,
         "eval_accuracy_before": before["eval/accuracy"],
         "eval_accuracy_after": after.get("eval/accuracy", before["eval/accuracy"]),
+        # Every eval figure (each eval set's pass@k, avg@k, maj@k, accuracy) before RL and at the last evaluation.
+        "eval_before": _eval_figures(before), "eval_after": _eval_figures(after),
         "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
-        "schedule": cfg.loop.schedule, "ledger": ledger,
+        "schedule": cfg.loop.schedule, "ledger": ledger, "trainer_restarts": ctx.trainer_restarts,
         "fleet": fleet.report() if fleet is not None else None,
     }
     if ctx.faults is not None:
@@ -259,38 +327,58 @@ def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
 
 
 def run_sft(cfg: RunConfig) -> dict:
-    """Supervised warm start on the task's demonstrations; writes an HF checkpoint to cfg.sft.out."""
+    """Supervised warm start on the task's demonstrations; writes an HF checkpoint to cfg.sft.out.
+    With sft.target_accuracy set it stops as soon as held-out greedy accuracy reaches the target."""
     t0 = time.perf_counter()
+    sft = cfg.sft
     tok = load_tokenizer(cfg.model.path)
-    prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(cfg.sft.num_examples)
+    prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(sft.num_examples)
 
     def encode(prompt):  # as rollouts encode it: chat messages and templates included
         return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages)
 
     data = demonstration_sequences(prompts, tok, encode)
+    held_out = []
+    if sft.target_accuracy:
+        # The same held-out split RL evaluates on, so the warm start's accuracy is the run's step 0.
+        held_out = demonstration_sequences(PromptSource(cfg.rollout.task, "eval", cfg.run.seed)
+                                           .take(sft.eval_examples), tok, encode)
     rng = random.Random(cfg.run.seed)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_ray(cfg))
         pools = core_pools(cfg.placement)
-        tcfg = dataclasses.replace(cfg.trainer, lr=cfg.sft.lr)
+        tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
         trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None)
         stack.callback(trainer.close)
-        progress = Progress("sft", cfg.sft.steps, mode=cfg.metrics.progress)
+        progress = Progress("sft", sft.steps, mode=cfg.metrics.progress)
         order: list[int] = []
         m: dict[str, float] = {}
-        for step in range(1, cfg.sft.steps + 1):
+        acc = None
+        step = 0
+        for step in range(1, sft.steps + 1):
             batch = []
-            while len(batch) < cfg.sft.batch_size:
+            while len(batch) < sft.batch_size:
                 if not order:
                     order = list(range(len(data)))
                     rng.shuffle(order)
                 batch.append(data[order.pop()])
             m = trainer.train_step(batch, algorithm="sft")
-            if progress.live or step % max(1, cfg.sft.steps // 20) == 0 or step == cfg.sft.steps:
+            if held_out and (step % sft.eval_every == 0 or step == sft.steps):
+                acc = trainer.greedy_accuracy(held_out)
+                progress.update(step, nll=m["sft/nll"], accuracy=acc)
+                if acc >= sft.target_accuracy:
+                    break
+            elif progress.live or step % max(1, sft.steps // 20) == 0 or step == sft.steps:
                 progress.update(step, nll=m["sft/nll"])
         progress.close()
-        out = trainer.save_hf(cfg.sft.out)
-        summary = {"out": out, "steps": cfg.sft.steps, "final_nll": m.get("sft/nll"),
+        out = trainer.save_hf(sft.out)
+        summary = {"out": out, "steps": step, "final_nll": m.get("sft/nll"),
                    "wall_time_s": time.perf_counter() - t0}
-        log(f"SFT done in {summary['wall_time_s']:.0f}s; warm-started model written to {out}")
+        if held_out:
+            summary["held_out_accuracy"] = acc
+            summary["reached_target"] = acc is not None and acc >= sft.target_accuracy
+            if not summary["reached_target"]:
+                log(f"SFT ran all {sft.steps} steps without reaching sft.target_accuracy "
+                    f"{sft.target_accuracy} (held-out accuracy {acc:.3f}); raise sft.steps or sft.lr")
+        log(f"SFT done in {summary['wall_time_s']:.0f}s after {step} steps; warm-started model written to {out}")
         return summary

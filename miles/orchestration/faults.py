@@ -4,7 +4,8 @@
     --fault.stall_engine_every_s 30   SIGSTOP one (alive, holding its port, answering nothing)
     --fault.drop_response_prob 0.05   the router answers 502 instead of passing on 5% of engine replies
     --fault.delay_weight_sync_s 2     every weight push starts 2 s late
-    --fault.kill_trainer_at_step 3    SIGKILL the last trainer rank as step 3's training starts
+    --fault.kill_trainer_at_step 3    SIGKILL the last trainer rank as step 3's training starts (once)
+    --fault.restart_trainer true      a failed trainer group is restarted from the last checkpoint
 
 Engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
 health monitor (fleet.py) must find and replace each. Every injected fault is recorded with its
@@ -42,13 +43,21 @@ class FaultConfig:
     delay_weight_sync_s: float = 0.0
     """Sleep this long before every weight push (a slow or congested transport)."""
     kill_trainer_at_step: int = 0
-    """SIGKILL the last trainer rank as this step's training starts (0 = never)."""
+    """SIGKILL the last trainer rank as this step's training starts (0 = never); once per run, so a
+    restarted trainer that trains the step again is left alone."""
+    restart_trainer: bool = False
+    """Recover when a trainer rank fails: start a new trainer group, go back to the last
+    resumable checkpoint (trainer, buffer, ledger, data position, metrics) and go on. A checkpoint is
+    written before the first step so there is always one; loop.save_every bounds the steps redone."""
+    max_trainer_restarts: int = 3
+    """With restart_trainer: the most restarts in one run; the failure after that ends the run."""
     seed: int = 0
     """Seed for which engine each fault hits and which replies are dropped."""
 
     def validate(self) -> None:
         if min(self.kill_engine_every_s, self.stall_engine_every_s, self.first_fault_after_s,
-               self.delay_weight_sync_s) < 0 or self.max_engine_faults < 0 or self.kill_trainer_at_step < 0:
+               self.delay_weight_sync_s) < 0 or self.max_engine_faults < 0 or self.kill_trainer_at_step < 0 \
+                or self.max_trainer_restarts < 0:
             raise ConfigError("fault.* intervals, delays and counts must be >= 0")
         if not 0 <= self.drop_response_prob < 1:
             raise ConfigError("fault.drop_response_prob must be in [0, 1)")
@@ -131,7 +140,7 @@ class FaultInjector:
             time.sleep(self.cfg.delay_weight_sync_s)
 
     def before_train(self, step: int, trainer) -> None:
-        if step != self.cfg.kill_trainer_at_step:
+        if step != self.cfg.kill_trainer_at_step or any(f.kind == "kill_trainer" for f in self.faults):
             return
         rank = len(trainer.actors) - 1
         pid = trainer.pids()[rank]

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from miles.net import bearer_headers
+from miles.sync import shm
 from miles.rollout.liveness import HealthConfig
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class EngineHandle:
             self.stop()
         except Exception as exc:  # noqa: BLE001 - the process is gone either way
             log.debug("stopping %s after SIGKILL: %s", self.url, exc)
+        # A killed engine cannot unlink its shared-memory weight buffers; on this host, do it for it.
+        shm.reclaim_stale()
 
 
 @dataclass

@@ -28,7 +28,8 @@ class LoopConfig:
     num_steps: int = 20
     """RL training steps."""
     save_every: int = 0
-    """Export a Hugging Face checkpoint every this many steps (0 = only at the end)."""
+    """Write a resumable checkpoint and a Hugging Face export every this many steps (0 = only at the
+    end); `miles train --resume` and fault.restart_trainer go back to the newest one."""
     update_weights_interval: int = 1
     """Push weights to the engines every this many steps."""
     pause_mode: Literal["none", "abort", "retract", "in_place"] = "none"

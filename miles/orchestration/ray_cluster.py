@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from miles.config.loader import ConfigError
+
 
 @dataclass
 class RayConfig:
@@ -12,6 +14,11 @@ class RayConfig:
     """Existing cluster to join (e.g. "ray://host:10001" or "auto"); None starts a local one."""
     num_cpus: int | None = None
     """Logical CPUs of a local cluster (None = this machine's count)."""
+
+    def validate(self) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"ray.num_cpus = {self.num_cpus}: set it >= 1, or leave it unset for this "
+                              "machine's count")
 
 
 def ensure_ray(cfg: RayConfig) -> None:

@@ -48,7 +48,11 @@ def push_weights(ctx: TrainContext, step: int, metrics: dict, timer: StepTimer) 
 
 
 def end_step(ctx: TrainContext, step: int, metrics: dict, timer: StepTimer) -> None:
-    """Evaluate and save when due, then write the step's record and show progress."""
+    """Evaluate when due, write the step's record, then save when due and show progress.
+
+    The record goes first: a checkpoint of step k then implies that step k's record exists, so a run
+    resumed from it (metrics.jsonl cut back to step k) has no hole. The save is thus not in perf/step_s.
+    """
     cfg, progress = ctx.cfg, ctx.progress
     if ctx.fleet is not None:
         ctx.fleet.raise_if_failed()  # an engine that could not be replaced ends the run here, named
@@ -56,12 +60,12 @@ def end_step(ctx: TrainContext, step: int, metrics: dict, timer: StepTimer) -> N
         progress.phase("eval")
         with timer.span("eval"):
             metrics.update(ctx.call(ctx.rollout.evaluate))
-    if cfg.loop.save_every and step % cfg.loop.save_every == 0:
-        progress.phase("save")
-        ctx.save(step)
     metrics = timer.finish(metrics)
     ctx.sink.write(step, metrics)
     ctx.record(step, metrics)
+    if cfg.loop.save_every and step % cfg.loop.save_every == 0:
+        progress.phase("save")
+        ctx.save(step)
     shown = {"reward": metrics.get("rollout/reward_mean", float("nan"))}
     if "eval/accuracy" in metrics:
         shown["eval_acc"] = metrics["eval/accuracy"]

@@ -36,6 +36,7 @@ class TrainerGroup:
                                   admin_token) for r in range(n)]
         self._ray = ray
         self.failed = False
+        self.closed = False
 
     def _all(self, method: str, *args_per_rank):
         refs = [getattr(a, method).remote(*(args[r] for args in args_per_rank)) for r, a in enumerate(self.actors)]
@@ -55,7 +56,8 @@ class TrainerGroup:
                 self.failed = True
                 raise TrainerFailure(f"trainer rank {rank} failed in {method}: {_first_line(exc)}. The step did "
                                      "not complete; continue from the last checkpoint with "
-                                     "`miles train --resume RUN_DIR`") from exc
+                                     "`miles train --resume RUN_DIR` (fault.restart_trainer = true "
+                                     "does that in place)") from exc
         self.failed = False
         return ray.get(refs)
 
@@ -97,6 +99,11 @@ class TrainerGroup:
     def save_hf(self, out_dir: str) -> str:
         return self._all("save_hf", [out_dir] * len(self.actors))[0]
 
+    def greedy_accuracy(self, seqs) -> float:
+        """Fraction of demonstrations whose answer greedy decoding reproduces (teacher-forced argmax)."""
+        hits = self._call_trainer("greedy_matches", seqs)
+        return sum(hits) / max(1, len(hits))
+
     def save_checkpoint(self, path: str) -> None:
         """Collective distributed checkpoint of the trainer state into `path` (a staging folder)."""
         self._call_trainer("save_checkpoint", path)
@@ -109,6 +116,9 @@ class TrainerGroup:
         return self._ray.get([a.call_trainer.remote(method, *args) for a in self.actors])[0] if n else None
 
     def close(self) -> None:
+        if self.closed:  # a restarted run closes the failed group early, and the driver again at exit
+            return
+        self.closed = True
         if not self.failed:
             # After a failure some ranks may sit in a collective until its timeout: do not wait on them.
             try:

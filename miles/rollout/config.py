@@ -116,6 +116,12 @@ class RolloutConfig:
                               "variance within a group)")
         if not 0 < self.top_p <= 1:
             raise ConfigError("rollout.top_p must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            # The engines read top_k <= 0 as "off": 0 or -5 would silently sample from the whole vocabulary.
+            raise ConfigError(f"rollout.top_k = {self.top_k}: set -1 (off, the whole vocabulary) or a count >= 1")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"rollout.request_timeout_s = {self.request_timeout_s}: set it > 0 (seconds one "
+                              "/generate may take, e.g. 300)")
         if self.max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
         if self.group_timeout_s < 0 or self.max_resumes < 0:

@@ -122,12 +122,13 @@ class GroupGenerator:
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ENGINE_FAILURE)
         if any(s.status is SampleStatus.ABORTED for s in samples):
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.ABORTED)
-        t_reward = time.perf_counter()
-        if self._runner_scores and not await self.rewards.score_group(samples, prompt.text, prompt.metadata):
-            # A reward call failed and rollout.reward_config.on_error = drop_group.
-            return Group(samples=[], prompt_index=prompt.index, failure=Reason.REWARD_ERROR)
+        if self._runner_scores:
+            with self.stats.scoring():
+                kept = await self.rewards.score_group(samples, prompt.text, prompt.metadata)
+            if not kept:  # a reward call failed and rollout.reward_config.on_error = drop_group
+                return Group(samples=[], prompt_index=prompt.index, failure=Reason.REWARD_ERROR)
         group = Group(samples=samples, prompt_index=prompt.index)
-        self.stats.add(group, time.perf_counter() - t0, reward_s=time.perf_counter() - t_reward)
+        self.stats.add(group, time.perf_counter() - t0)
         return group
 
     async def _counted(self, sample_coro):

@@ -40,7 +40,7 @@ class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
                  seed: int = 0, buffer_cfg: BufferConfig | None = None, admin_token: str | None = None,
                  router_url: str | None = None):
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         # Its own prompt source: the buffer's ledger must see every prompt it hands out.
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
         self.admin = EngineAdmin(engine_urls, admin_token, router_url)
@@ -60,7 +60,14 @@ class RolloutManager:
 
     def generate_batch(self) -> dict[str, float]:
         """Generate one step's prompts together and put every group into the buffer."""
-        prompts = self.buffer.draw(self.cfg.prompts_per_step)
+        return self._generate(self.buffer.draw(self.cfg.prompts_per_step))
+
+    def regenerate_in_flight(self) -> dict[str, float]:
+        """After a resume: generate again the groups that were in flight when the checkpoint was taken
+        (the rest of the batch a one-step-off run was generating; maybe none) and put them into the buffer."""
+        return self._generate(self.buffer.draw_resumed())
+
+    def _generate(self, prompts: list[Prompt]) -> dict[str, float]:
         self.groups.samples_done = 0
         t0 = time.perf_counter()
 
@@ -121,6 +128,9 @@ class RolloutManager:
         return self.buffer.state_dict()
 
     def load_buffer_state_dict(self, state: dict) -> None:
+        """Go to a checkpoint's buffer and prompt position, from a fresh source: a run restarted in
+        place goes back to a position earlier than the one its source has reached."""
+        self.buffer.source = PromptSource(self.cfg.task, "train", self.seed)
         self.buffer.load_state_dict(state, Prompt)
         # Fresh draws continue after the last prompt the saved run drew.
         drawn = max((int(i) for i in state["ledger"]["states"]), default=-1) + 1

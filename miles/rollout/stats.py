@@ -6,6 +6,7 @@ Non-goal: buffer and ledger figures (the buffer reports its own).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -16,12 +17,27 @@ class SampleStats:
         self.t0 = time.perf_counter()
         self.samples = self.tokens = self.truncated = self.groups = self.zero_std = 0
         self.reward = 0.0
-        self.reward_s = 0.0  # scoring runs on the event loop, so these seconds add to the rollout's wall time
+        # Wall seconds during which at least one group was being scored. Groups score concurrently,
+        # so a sum of per-group latencies would exceed the rollout's own wall time.
+        self.reward_s = 0.0
+        self._scoring, self._scoring_since = 0, 0.0
         self.group_s: list[float] = []
 
-    def add(self, group, seconds: float, reward_s: float = 0.0) -> None:
+    @contextlib.contextmanager
+    def scoring(self):
+        """Around one group's reward calls (on the event loop's thread)."""
+        if self._scoring == 0:
+            self._scoring_since = time.perf_counter()
+        self._scoring += 1
+        try:
+            yield
+        finally:
+            self._scoring -= 1
+            if self._scoring == 0:
+                self.reward_s += time.perf_counter() - self._scoring_since
+
+    def add(self, group, seconds: float) -> None:
         self.groups += 1
-        self.reward_s += reward_s
         self.zero_std += len(set(group.rewards)) == 1
         self.group_s.append(seconds)
         for s in group.samples:

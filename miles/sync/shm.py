@@ -3,11 +3,19 @@
 Two processes on one host that map the same path see the same pages, so a writer's copy into the
 buffer IS the delivery; nothing is serialised or sent through a socket. Paths are confined to one
 directory and one prefix so that an engine never maps an arbitrary file it was pointed at.
+
+A buffer outlives a process killed before it could unlink it (SIGKILL, OOM). So the creating
+process holds an exclusive flock on each buffer it owns for as long as it lives, and every `create`
+first unlinks the buffers of dead owners (`reclaim_stale`; the fleet also calls it after killing an
+engine). Dead means both: no process holds the lock (the kernel drops it exactly when the owner
+dies, whatever reuses its PID later) and the PID in the name is gone (so a buffer of a writer that
+takes no lock, such as an older miles, is never taken from a live owner).
 Non-goals: cross-host memory (p2p.py sends over the network there), GPU IPC handles.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import uuid
@@ -18,6 +26,7 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 PREFIX = "miles-w-"
+_held: dict[str, int] = {}  # path -> the descriptor holding this process's lock on a buffer it owns
 
 
 def create(nbytes: int, tag: str = "buf", touch: bool = False) -> tuple[str, "torch.Tensor"]:
@@ -25,9 +34,16 @@ def create(nbytes: int, tag: str = "buf", touch: bool = False) -> tuple[str, "to
     touch=True allocates every page now, so the first transfer into it does not pay for that."""
     import torch
 
-    path = os.path.join(SHM_DIR, f"{PREFIX}{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    with open(path, "wb") as f:
-        f.truncate(max(1, nbytes))  # sparse: pages are allocated when written
+    reclaim_stale()
+    name = f"{PREFIX}{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(SHM_DIR, name)
+    # Locked under a name reclaim_stale skips, then renamed: it is never seen unlocked under PREFIX.
+    hidden = os.path.join(SHM_DIR, "." + name)
+    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.ftruncate(fd, max(1, nbytes))  # sparse: pages are allocated when written
+    os.rename(hidden, path)
+    _held[path] = fd
     buf = torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
     if touch:
         buf.zero_()
@@ -59,6 +75,57 @@ def unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def reclaim_stale() -> list[str]:
+    """Unlink every buffer whose owner has died (its lock is free and its PID gone); returns their paths."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        hidden = name.startswith("." + PREFIX)  # an owner died between creating and renaming it
+        if not (hidden or name.startswith(PREFIX)) or path in _held:
+            continue
+        parts = name.lstrip(".")[len(PREFIX):].rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+            continue
+        if hidden:
+            unlink(path)
+            removed.append(path)
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its owner holds it
+            os.close(fd)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def layout(bucket) -> tuple[list[int], int]:

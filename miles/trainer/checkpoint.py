@@ -29,6 +29,18 @@ def _dcp_state(trainer, optimizers) -> dict:
     return state
 
 
+def _all_optimizers(trainer, optimizers) -> list:
+    return list(optimizers) + ([trainer.critic_optim] if trainer.critic is not None else [])
+
+
+def _forget_unstarted(trainer, optimizers) -> None:
+    """DCP gives an optimizer that has not stepped yet a state by taking a zero-lr step, which counts
+    (Adam's bias correction then treats the first real step as its second). Dropping that state
+    again leaves the optimizer exactly as it was before a checkpoint taken ahead of step 1."""
+    for opt in _all_optimizers(trainer, optimizers):
+        opt.state.clear()
+
+
 def save_trainer_state(trainer, path: str) -> None:
     """Collective: every rank writes its shards under `path`."""
     import torch
@@ -38,9 +50,13 @@ def save_trainer_state(trainer, path: str) -> None:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     with trainer.optim.materialized() as optimizers:
+        started = any(opt.state for opt in _all_optimizers(trainer, optimizers))
         state = _dcp_state(trainer, optimizers)
         dcp.save(state, checkpoint_id=str(out / "dcp"))
+        if not started:
+            _forget_unstarted(trainer, optimizers)
     local = {
+        "optimizer_started": started,
         "step": trainer.step,
         "schedulers": [s.state_dict() for s in trainer.optim.schedulers],
         "torch_rng": torch.get_rng_state(),
@@ -60,6 +76,10 @@ def load_trainer_state(trainer, path: str) -> None:
     src = Path(path)
     if not (src / "dcp").is_dir():
         raise FileNotFoundError(f"{path} is not a miles trainer checkpoint (no dcp/ folder inside)")
+    local_path = src / f"rank{trainer.rank}.pt"
+    if not local_path.exists():
+        raise FileNotFoundError(f"{local_path} is missing: resume with the same trainer.num_ranks as the saved run")
+    local = torch.load(local_path, weights_only=False)
     with trainer.optim.materialized() as optimizers:
         state = _dcp_state(trainer, optimizers)
         dcp.load(state, checkpoint_id=str(src / "dcp"))
@@ -67,10 +87,8 @@ def load_trainer_state(trainer, path: str) -> None:
         if trainer.critic is not None:
             set_state_dict(trainer.critic, trainer.critic_optim, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_optim"])
-    local_path = src / f"rank{trainer.rank}.pt"
-    if not local_path.exists():
-        raise FileNotFoundError(f"{local_path} is missing: resume with the same trainer.num_ranks as the saved run")
-    local = torch.load(local_path, weights_only=False)
+        if not local.get("optimizer_started", True):
+            _forget_unstarted(trainer, optimizers)
     trainer.step = local["step"]
     for s, sd in zip(trainer.optim.schedulers, local["schedulers"]):
         s.load_state_dict(sd)

@@ -77,6 +77,19 @@ class TrainerConfig:
             raise ConfigError("trainer.collective_timeout_s must be > 0")
         if self.lr <= 0:
             raise ConfigError("trainer.lr must be > 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key} = {getattr(self, key)}: AdamW needs a value in [0, 1) "
+                                  "(the usual ones are 0.9 and 0.999)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"trainer.weight_decay = {self.weight_decay}: a negative decay grows the weights; "
+                              "set it >= 0 (0 = none)")
+        if self.grad_clip < 0:
+            # A negative bound silently measures without clipping (backends/fsdp.py); 0 is the way to say "off".
+            raise ConfigError(f"trainer.grad_clip = {self.grad_clip}: set it > 0 to clip the gradient norm, "
+                              "or 0 to turn clipping off")
+        if self.num_threads < 1:
+            raise ConfigError(f"trainer.num_threads = {self.num_threads}: set it >= 1")
         if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
             raise ConfigError("trainer.micro_batch_size must be >= 1 and trainer.max_tokens_per_micro_batch >= 0")
         if self.lr_schedule not in ("constant", "linear", "cosine"):

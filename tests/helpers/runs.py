@@ -11,14 +11,14 @@ from miles.config.run import RunConfig
 from miles.metrics.sink import JsonlSink
 
 
-def small_config(model_dir, out_dir, **over):
-    """A few steps of the arithmetic task on a tiny model."""
+def small_config(model_dir, out_dir, config_path=None, **over):
+    """A few steps of the arithmetic task on a tiny model (`config_path`: a TOML file underneath the overrides)."""
     base = {"model.path": model_dir, "run.output_dir": str(out_dir), "run.name": "e2e",
             "loop.num_steps": "3", "eval.every_steps": "2", "eval.num_prompts": "16",
             "rollout.prompts_per_step": "4", "rollout.n_samples_per_prompt": "4", "rollout.max_new_tokens": "4",
             "eval.max_new_tokens": "4", "trainer.lr": "1e-3", "sync.bucket_size_mb": "1"}
     base.update(over)
-    return load_config(RunConfig, None, base)
+    return load_config(RunConfig, config_path, base)
 
 
 def new_run(path: Path, num_steps: int) -> JsonlSink:

@@ -57,6 +57,17 @@ class EngineConfig:
             raise ConfigError("engine prefix_block_size must be >= 1 (8 is a good default)")
         if self.prefix_cache_mb < 0:
             raise ConfigError("engine prefix_cache_mb must be >= 0; set prefix_cache = false to disable it")
+        if self.num_threads < 1:
+            raise ConfigError(f"engine num_threads = {self.num_threads}: set it >= 1 (the cores this engine owns)")
+        if self.default_max_new_tokens < 1:
+            raise ConfigError(f"engine default_max_new_tokens = {self.default_max_new_tokens}: set it >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"engine context_length = {self.context_length}: set it >= 2 (a prompt token and a "
+                              "new one), or leave it unset for the model's max_position_embeddings")
+        if self.weight_update_timeout_s <= 0:
+            raise ConfigError(f"engine weight_update_timeout_s = {self.weight_update_timeout_s}: set it > 0 (seconds)")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"engine port = {self.port}: set it in 0..65535 (0 picks a free port)")
 
     def public_dict(self) -> dict:
         """The fields safe to show to any client: everything but the admin token."""

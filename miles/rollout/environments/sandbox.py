@@ -1,65 +1,91 @@
 """A sandbox for the shell commands of terminal tasks.
 
 Each command runs in fresh Linux namespaces (network, PID, mount) as an unprivileged user id that no
-other sandbox shares, with its own working directory on the host:
+other sandbox shares, with its own working directory (workdir.py):
 
 - no network: a new network namespace holds only a downed loopback, so nothing (not even servers on
-  the host's 127.0.0.1) can be reached;
-- nowhere else to write: the command runs as a throwaway uid that owns only its working directory,
-  and the world-writable places (/tmp, /var/tmp, /dev/shm) are replaced by tiny private tmpfs mounts;
-- limits: CPU seconds, address space, file size and process count (RLIMIT_*; the process count is
-  per uid, which is why every sandbox gets its own), a wall-clock timeout, and output truncated to a
-  budget (a command that keeps printing far past it is stopped);
-- cleanup: the command is PID 1 of its PID namespace's child, so when the command ends or is
-  killed every process it left behind dies with the namespace; `close()` deletes the directory.
+  the host's 127.0.0.1, nor abstract unix sockets) can be reached;
+- a minimal root: the command's / is a fresh tmpfs holding read-only binds of /usr, /bin, /sbin,
+  /lib*, /etc and /opt, a private /proc, a /dev of a few character devices, small private /tmp,
+  /var/tmp and /dev/shm, and the working directory. Nothing else of the host's filesystem (/run,
+  /home, /root, /sys, other users' /tmp, and every unix socket in them) exists inside;
+- nowhere else to write: the command runs as a throwaway uid that owns only its working directory;
+- limits: the working directory is a tmpfs of `disk_mb` (the disk quota); all the sandbox's processes
+  together live in one memory cgroup of `memory_mb` (cgroup.py); CPU seconds, per-process address
+  space, file size and process count (RLIMIT_*; the process count is per uid, which is why every
+  sandbox gets its own); a wall-clock timeout; output truncated to a budget (a command that keeps
+  printing far past it is stopped);
+- cleanup: the command runs in its own PID namespace, so when it ends or is killed every process it
+  left behind dies with the namespace (and with the host process, through PR_SET_PDEATHSIG);
+  `close()` removes the cgroup and unmounts the working directory, and cannot fail.
 
-When the kernel or the privileges do not allow this (not root, no `unshare`/`setpriv`, namespaces
-refused), the sandbox refuses to start with SandboxUnavailable rather than run anything unconfined.
+When the kernel or the privileges do not allow this (not root, no `unshare`/`setpriv`/`pivot_root`,
+namespaces refused, no writable memory cgroup, no tmpfs mount), the sandbox refuses to start with
+SandboxUnavailable rather than run anything unconfined.
 Non-goals: seccomp syscall filtering, containers/images, persistent processes across commands.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.config import ConfigError
+from miles.rollout.environments import cgroup, workdir
+from miles.rollout.environments.cgroup import CgroupUnavailable, MemoryCgroup
+from miles.rollout.environments.workdir import SandboxError, WorkDir, WorkDirUnavailable
 
 # Inside the namespaces the working directory is bind-mounted here; /var/tmp itself is a private tmpfs.
 INNER_WORKDIR = "/var/tmp/work"
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
-# Runs as root inside the new namespaces: hide the world-writable places, mount a private /proc,
-# then drop to the sandbox uid for good. The user command is run by a non-exec'ing shell so that it is
-# not PID 1 (PID 1 ignores default-action signals such as SIGXCPU).
+# The host directories a command sees, read-only; everything else of the host's filesystem is absent.
+ROOT_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+# Runs as root inside the new namespaces: build a new root on a private tmpfs (read-only binds of
+# ROOT_DIRS, a few devices, private /tmp, /var/tmp, /dev/shm and /proc, the working directory),
+# pivot into it, then run the command as the sandbox uid. This shell stays PID 1, as root: a process
+# that changes its uid loses its parent-death signal, and PID 1's is what takes the namespace down
+# when unshare dies (--kill-child). The command is thus never PID 1, which would ignore
+# default-action signals such as SIGXCPU.
 _SETUP = (
-    'set -e; W="$1"; U="$2"; C="$3"; '
-    "mount -t tmpfs -o size=1m,mode=0755 miles-sandbox /var/tmp; mkdir /var/tmp/work; "
-    f'mount --bind "$W" {INNER_WORKDIR}; '
-    "mount -t tmpfs -o size=4m,mode=1777 miles-sandbox /tmp; "
-    "mount -t tmpfs -o size=1m,mode=0755 miles-sandbox /dev/shm; "
-    "mount -t proc proc /proc; "
+    'set -e; PATH="$PATH:/usr/sbin:/sbin"; W="$1"; U="$2"; C="$3"; '
+    "mount -t tmpfs -o size=1m,mode=0755 miles-sandbox /var/tmp; R=/var/tmp/root; mkdir $R; "
+    "mount -t tmpfs -o size=1m,mode=0755 miles-sandbox-root $R; "
+    f"for d in {' '.join(ROOT_DIRS)}; do "
+    '  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"; '
+    '  elif [ -d "/$d" ]; then mkdir "$R/$d"; mount --bind "/$d" "$R/$d"; '
+    '    mount -o remount,bind,ro,nosuid,nodev "$R/$d"; fi; '
+    "done; "
+    "mkdir $R/dev $R/proc $R/tmp $R/var; mount -t tmpfs -o size=64k,mode=0755 miles-sandbox $R/dev; "
+    f"for n in {' '.join(DEVICES)}; do touch $R/dev/$n; mount --bind /dev/$n $R/dev/$n; done; "
+    "ln -s /proc/self/fd $R/dev/fd; for i in 0 1 2; do ln -s /proc/self/fd/$i $R/dev/$i; done; "
+    "ln -s 0 $R/dev/stdin; ln -s 1 $R/dev/stdout; ln -s 2 $R/dev/stderr; "
+    "mkdir $R/dev/shm; mount -t tmpfs -o size=1m,mode=1777,nosuid,nodev miles-sandbox $R/dev/shm; "
+    "mount -t tmpfs -o size=4m,mode=1777,nosuid,nodev miles-sandbox $R/tmp; "
+    "mkdir $R/var/tmp; mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev miles-sandbox $R/var/tmp; "
+    f'mkdir $R{INNER_WORKDIR}; mount --bind "$W" $R{INNER_WORKDIR}; '
+    "mount -t proc -o nosuid,nodev,noexec proc $R/proc; "
+    "cd $R; pivot_root . .; umount -l .; "
     f"cd {INNER_WORKDIR}; "
-    'exec setpriv --reuid="$U" --regid="$U" --clear-groups --no-new-privs --inh-caps=-all '
-    '--bounding-set=-all -- /bin/sh -c \'/bin/sh -c "$1"; exit $?\' sandbox "$C"'
+    'setpriv --reuid="$U" --regid="$U" --clear-groups --no-new-privs --inh-caps=-all '
+    '--bounding-set=-all -- /bin/sh -c \'/bin/sh -c "$1"; exit $?\' sandbox "$C"; exit $?'
 )
+_PR_SET_PDEATHSIG = 1
 
 
 class SandboxUnavailable(RuntimeError):
     """This machine cannot confine a command; nothing was run."""
-
-
-class SandboxError(ValueError):
-    """A request to the sandbox itself was refused (e.g. a path outside its directory)."""
 
 
 @dataclass
@@ -67,7 +93,10 @@ class SandboxConfig:
     cpu_time_s: int = 10
     """CPU seconds per command (RLIMIT_CPU); past it the command gets SIGXCPU, then SIGKILL."""
     memory_mb: int = 1024
-    """Address-space limit per process in MiB (RLIMIT_AS)."""
+    """Memory of all the sandbox's processes together in MiB (a memory cgroup; files its commands write
+    to the working directory count too); each process also gets it as its address-space limit."""
+    disk_mb: int = 64
+    """Size of the working directory in MiB (a tmpfs: writes past it fail with 'No space left')."""
     max_file_mb: int = 16
     """Largest file a command may write, in MiB (RLIMIT_FSIZE)."""
     max_processes: int = 64
@@ -80,8 +109,9 @@ class SandboxConfig:
     """Stop a command once it has printed this many times max_output_bytes (it is only wasting time)."""
 
     def validate(self) -> None:
-        if min(self.cpu_time_s, self.memory_mb, self.max_file_mb, self.max_processes, self.max_output_bytes) < 1:
-            raise ConfigError("sandbox limits (cpu_time_s, memory_mb, max_file_mb, max_processes, "
+        if min(self.cpu_time_s, self.memory_mb, self.disk_mb, self.max_file_mb, self.max_processes,
+               self.max_output_bytes) < 1:
+            raise ConfigError("sandbox limits (cpu_time_s, memory_mb, disk_mb, max_file_mb, max_processes, "
                               "max_output_bytes) must all be >= 1")
         if self.wall_timeout_s <= 0:
             raise ConfigError("sandbox.wall_timeout_s must be > 0")
@@ -140,7 +170,8 @@ def _probe() -> str:
     if os.geteuid() != 0:
         return ("the sandbox needs root (to create network/PID/mount namespaces and switch to a throwaway uid); "
                 "run as root or in a container that grants CAP_SYS_ADMIN" + hint)
-    missing = [b for b in ("unshare", "setpriv", "mount") if shutil.which(b) is None]
+    missing = [b for b in ("unshare", "setpriv", "mount", "pivot_root")
+               if shutil.which(b, path=f"{_SAFE_PATH}:/usr/sbin:/sbin") is None]
     if missing:
         return f"the sandbox needs {', '.join(missing)} (util-linux) on PATH" + hint
     try:
@@ -150,6 +181,10 @@ def _probe() -> str:
         return f"creating namespaces failed: {e}" + hint
     if r.returncode != 0:
         return f"the kernel refused new namespaces ({r.stderr.strip() or r.returncode})" + hint
+    try:
+        cgroup.MemoryCgroup.create(os.getpid(), 0, 64 << 20).remove()
+    except CgroupUnavailable as e:
+        return f"the sandbox needs a memory cgroup to limit the memory of all its processes together: {e}" + hint
     return ""
 
 
@@ -162,45 +197,36 @@ class Sandbox:
     def __init__(self, config: SandboxConfig | None = None, parent_dir: str | None = None):
         check_available()
         self.config = config or SandboxConfig()
+        self._closed = True  # until everything below exists, close() has nothing to undo
+        # What owners killed before their close() left behind (their pid is in the names).
+        workdir.sweep_stale()
+        cgroup.sweep_stale()
         # A uid nobody else uses: RLIMIT_NPROC counts per uid, and it owns nothing outside the directory.
         self.uid = 200_000 + secrets.randbelow(1_000_000_000)
-        self.workdir = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent_dir))
-        os.chown(self.workdir, self.uid, self.uid)
-        os.chmod(self.workdir, 0o700)
+        try:
+            self._dir = WorkDir(self.uid, self.config.disk_mb, parent_dir)
+        except WorkDirUnavailable as e:
+            raise SandboxUnavailable(f"the sandbox's working directory: {e}") from None
+        try:
+            self.cgroup = MemoryCgroup.create(os.getpid(), self.uid, self.config.memory_mb << 20)
+        except CgroupUnavailable as e:
+            self._dir.remove()
+            raise SandboxUnavailable(f"the sandbox's memory cgroup: {e}") from None
+        self.workdir = self._dir.path
         self._closed = False
         self._lock = threading.Lock()
 
     # ---- files, from the host side (task setup and inspection) ---------------------------------
 
-    def _host_path(self, rel: str) -> Path:
-        p = Path(rel)
-        if p.is_absolute() or ".." in p.parts or not p.parts:
-            raise SandboxError(f"path {rel!r}: give a relative path inside the sandbox directory, without '..'")
-        host = self.workdir / p
-        # A command may have planted a symlink pointing out; resolve and re-check before touching it as root.
-        if not str(host.resolve()).startswith(str(self.workdir.resolve()) + os.sep):
-            raise SandboxError(f"path {rel!r} leads outside the sandbox directory (a symlink?); refused")
-        return host
-
     def write_file(self, rel: str, content: str | bytes, mode: int = 0o644) -> None:
-        host = self._host_path(rel)
-        host.parent.mkdir(parents=True, exist_ok=True)
-        data = content.encode() if isinstance(content, str) else content
-        fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        for d in [host, *host.relative_to(self.workdir).parents]:
-            os.lchown(self.workdir / d, self.uid, self.uid)
+        """Create or replace a regular file; anything else at that path (FIFO, socket, directory,
+        symlink) is refused with SandboxError."""
+        self._dir.write_file(rel, content, mode)
 
     def read_file(self, rel: str, max_bytes: int = 1 << 20) -> str | None:
-        """The file's text (None if it does not exist); symlinks are not followed."""
-        host = self._host_path(rel)
-        try:
-            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW)
-        except (FileNotFoundError, OSError):
-            return None
-        with os.fdopen(fd, "rb") as f:
-            return f.read(max_bytes).decode(errors="replace")
+        """The file's text (None if it does not exist or is a symlink); a FIFO, socket or directory is
+        refused with SandboxError."""
+        return self._dir.read_file(rel, max_bytes)
 
     # ---- commands --------------------------------------------------------------------------------
 
@@ -216,8 +242,14 @@ class Sandbox:
 
     def _limits(self):
         c = self.config
+        procs = str(self.cgroup.procs)
 
         def apply():
+            # In the child between fork and exec: join the sandbox's memory cgroup (everything the
+            # command starts inherits it), and die with the host thread that started it.
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             resource.setrlimit(resource.RLIMIT_CPU, (c.cpu_time_s, c.cpu_time_s + 1))
             mem = c.memory_mb << 20
             resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -233,6 +265,7 @@ class Sandbox:
         argv = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
                 "--", "/bin/sh", "-c", _SETUP, "sandbox-setup", str(self.workdir), str(self.uid), command]
         env = {"PATH": _SAFE_PATH, "HOME": INNER_WORKDIR, "LANG": "C.UTF-8", "TERM": "dumb", "TMPDIR": "/tmp"}
+        oom_before = self.cgroup.oom_kills()
         t0 = time.monotonic()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, cwd="/", start_new_session=True, preexec_fn=self._limits())
@@ -265,6 +298,9 @@ class Sandbox:
             violations.append(f"output flood: stopped after {stop_at} bytes")
         if not timed_out and not flood.is_set() and code > 128 and (code - 128) in _SIGNAL_VIOLATIONS:
             violations.append(_SIGNAL_VIOLATIONS[code - 128])
+        if self.cgroup.oom_kills() > oom_before:
+            violations.append(f"memory limit exceeded ({c.memory_mb} MiB for the whole sandbox): "
+                              "processes were killed")
         truncated = any(s.dropped for s in streams.values())
         if truncated:
             violations.append(f"output truncated to {cap} bytes per stream")
@@ -273,11 +309,16 @@ class Sandbox:
                              timed_out=timed_out, violations=tuple(violations))
 
     def close(self) -> None:
+        """Kill what is left, remove the cgroup, unmount and delete the directory; never raises."""
         if self._closed:
             return
         self._closed = True
-        _kill_uid(self.uid)  # belt and braces: the PID namespace should already have taken them all
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        try:
+            _kill_uid(self.uid)  # belt and braces: the PID namespace should already have taken them all
+        except OSError:
+            pass
+        self.cgroup.remove()
+        self._dir.remove()
 
     def __enter__(self) -> "Sandbox":
         return self

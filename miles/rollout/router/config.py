@@ -36,6 +36,10 @@ class RouterConfig:
             raise ConfigError(f"router.kind: {self.kind!r} is not a router; use one of {list(ROUTER_KINDS)}")
         if self.max_retries < 0:
             raise ConfigError("router.max_retries must be >= 0")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"router.request_timeout_s = {self.request_timeout_s}: set it > 0 (seconds)")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"router.port = {self.port}: set it in 0..65535 (0 picks a free port)")
 
     def check_features(self, *, return_routed_experts: bool = False) -> None:
         """Refuse a router that would silently drop what a feature of this run needs."""

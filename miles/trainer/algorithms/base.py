@@ -159,6 +159,8 @@ class AlgorithmBase:
     on_rollouts: ClassVar[bool] = True
     """Trains on sampled rollouts: logprobs at the rollout temperature, compared with the engine's."""
     metric_prefix: ClassVar[str] = "train"
+    group_relative: ClassVar[bool] = False
+    """Its advantages compare a sample with the others of its group: a group of one has no signal."""
     default_clip: ClassVar[tuple[float, float]] = (0.2, 0.2)
 
     def __init__(self, cfg: AlgorithmConfig):

@@ -10,6 +10,8 @@ from miles.trainer.algorithms.base import AlgorithmBase
 
 
 class DrGRPO(AlgorithmBase):
+    group_relative = True
+
     default_loss_agg = "seq_mean_token_sum_norm"
 
     def advantages(self, rewards: list[float]) -> list[float]:

@@ -9,6 +9,8 @@ from miles.trainer.algorithms.base import AlgorithmBase, AlgorithmConfig
 
 
 class GRPO(AlgorithmBase):
+    group_relative = True
+
     @dataclass
     class Config(AlgorithmConfig):
         std_normalize: bool = True

@@ -22,6 +22,8 @@ class ReinforcePP(AlgorithmBase):
 
 
 class ReinforcePPBaseline(AlgorithmBase):
+    group_relative = True
+
     def advantages(self, rewards: list[float]) -> list[float]:
         mean = statistics.fmean(rewards)
         return [r - mean for r in rewards]

@@ -7,6 +7,8 @@ from miles.trainer.algorithms.base import AlgorithmBase
 
 
 class RLOO(AlgorithmBase):
+    group_relative = True
+
     def advantages(self, rewards: list[float]) -> list[float]:
         n = len(rewards)
         if n < 2:

@@ -194,6 +194,26 @@ class FSDPTrainer:
                 and self.reference.version != self.step:
             self.reference.load(self.full_named_tensors(all_ranks=True, merged=True), self.step)
 
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def greedy_matches(self, seqs) -> list[bool]:
+        """Per sequence: does the argmax at every loss-masked position equal the next token? That is
+        exactly whether greedy decoding from the prompt reproduces the demonstrated answer. Every
+        rank runs the same micro-batches (FSDP's forward is collective) and returns the same list."""
+        self.model.eval()
+        out: list[bool] = []
+        try:
+            for start in range(0, len(seqs), self.cfg.micro_batch_size):
+                chunk = seqs[start:start + self.cfg.micro_batch_size]
+                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id)
+                logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                    use_cache=False).logits[:, :-1]  # (B, T-1, V)
+                hit = (logits.argmax(-1) == mb.input_ids[:, 1:]) | (mb.mask == 0)  # (B, T-1)
+                out.extend(bool(x) for x in hit.all(-1))
+        finally:
+            self.model.train()
+        return out
+
     # -- weights out ----------------------------------------------------------------------------
     def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None) -> Iterator[tuple[str, "object"]]:
         """Full (unsharded) tensors by HF name. Collective: every rank must iterate to the end;

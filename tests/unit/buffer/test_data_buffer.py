@@ -178,4 +178,48 @@ def test_ledger_refuses_to_count_a_prompt_twice():
     buf.put(group_for(p))
     buf.get()
     with pytest.raises(LedgerError):
-        buf.ledger.trained(p.index)
+        buf.ledger.trained(p.index, 2)
+
+
+def test_in_flight_prompts_are_regenerated_first_after_a_resume_without_spending_a_retry():
+    buf = make_buffer(max_retries=1)
+    failed, ready, flying_a, flying_b = buf.draw(4)
+    buf.put(group_for(failed, failure=Reason.TIMEOUT))  # in the retry queue, its one retry spent
+    buf.put(group_for(ready))
+    state = buf.state_dict()
+    assert [p["index"] for p in state["in_flight"]] == [flying_a.index, flying_b.index]
+    assert [p["index"] for p in state["retry"]] == [failed.index]
+
+    restored = make_buffer(max_retries=1)
+    restored.load_state_dict(state, Prompt)
+    restored.source.load_state_dict(state["source"])
+    # The rest of the batch that was being generated, in its order, and nothing else.
+    assert restored.draw_resumed() == [flying_a, flying_b]
+    assert restored.draw_resumed() == []
+    assert [p.index for p in restored.draw(2)] == [failed.index, 4]
+    # A regenerated prompt still has all of its retries: the checkpoint was not its failure.
+    assert restored.put(group_for(flying_a, failure=Reason.TIMEOUT)) == (Verdict.RETRIED, Reason.TIMEOUT)
+
+
+def test_fully_async_admission_takes_the_resumed_prompts_before_retries_and_fresh_ones():
+    buf = make_buffer()
+    failed, flying = buf.draw(2)
+    buf.put(group_for(failed, failure=Reason.ABORTED))
+    restored, state = make_buffer(), buf.state_dict()
+    restored.load_state_dict(state, Prompt)
+    restored.source.load_state_dict(state["source"])
+    assert [restored.admit(timeout=1).index for _ in range(3)] == [flying.index, failed.index, 2]
+    assert restored.ledger.check()["in_flight"] == 3
+
+
+def test_the_ledger_records_the_step_that_trained_each_prompt_and_keeps_it_across_a_checkpoint():
+    buf = make_buffer()
+    first, second = buf.draw(2)
+    buf.put(group_for(first))
+    buf.get()
+    buf.set_policy_version(1)
+    buf.put(group_for(second, versions=(1,)))
+    restored = make_buffer()
+    restored.load_state_dict(buf.state_dict(), Prompt)
+    restored.get()
+    assert restored.ledger.trained_at == {first.index: 1, second.index: 2}

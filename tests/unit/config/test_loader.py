@@ -13,7 +13,7 @@ from miles.config.run import RunConfig
 def model_dir(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "qwen3"}')
     return str(d)
 
 

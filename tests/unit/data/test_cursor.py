@@ -99,3 +99,24 @@ def test_sources_without_a_cursor_resume_by_replay_and_old_checkpoints_load(tiny
         b = manager()
         b.load_buffer_state_dict(saved)
         assert [p.text for p in b.buffer.draw(8)[5:]] == [p.text for p in whole[5:]]
+
+
+def test_a_manager_goes_back_to_an_earlier_checkpoint_in_place(tiny_model_dir):
+    """A trainer restart (fault.restart_trainer) loads an older checkpoint into the running manager,
+    whose source has drawn past it: the draws after the load are those after the checkpoint."""
+    from miles.rollout.manager import RolloutManager
+
+    def manager():
+        return RolloutManager(RolloutConfig(), EvalConfig(num_prompts=2), tiny_model_dir, ["http://127.0.0.1:1"],
+                              seed=2)
+
+    whole = manager().buffer.draw(8)
+    live = manager()
+    live.buffer.draw(3)
+    saved = json.loads(json.dumps(live.buffer_state_dict()))
+    live.buffer.draw(4)
+    live.load_buffer_state_dict(saved)
+    redrawn = live.buffer.draw(8)
+    assert [p.text for p in redrawn[:3]] == [p.text for p in whole[:3]]  # in flight at the save: first
+    assert [(p.index, p.text) for p in redrawn[3:]] == [(p.index, p.text) for p in whole[3:]]
+    assert live.ledger()["drawn"] == 8

@@ -101,3 +101,29 @@ def test_directory_of_data_files_reads_its_named_split(tmp_path):
     _jsonl(d / "test.jsonl", [{"prompt": "te", "label": "2"}])
     assert [p.text for p in _source(path=str(d)).take(1)] == ["tr"]
     assert [p.text for p in _source("eval", path=str(d), eval_split="test").take(3)] == ["te"]
+
+
+def test_hub_id_from_the_local_cache_without_network(tmp_path):
+    """A hub dataset loaded once online leaves `<HF_DATASETS_CACHE>/<namespace>___<name>/<config>/
+    <version>/<hash>/` with its arrow files; miles reads it by hub id with the network off."""
+    import glob
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    rows = _jsonl(tmp_path / "rows.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}])
+    datasets.load_dataset("json", data_files=[rows], cache_dir=str(tmp_path / "build"))
+    (info,) = glob.glob(str(tmp_path / "build" / "json" / "*" / "*" / "*" / "dataset_info.json"))
+    built = os.path.dirname(info)
+    cached = tmp_path / "cache" / "acme___arith" / "default" / "0.0.0" / os.path.basename(built)
+    shutil.copytree(built, cached)
+    (cached / "json-train.arrow").rename(cached / "arith-train.arrow")  # as the hub builder names it
+    code = ("import json; from miles.data.loading import load_rows; "
+            "print(json.dumps(load_rows('acme/arith', 'train')))")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_DATASETS_OFFLINE", None)  # miles turns offline mode on by itself
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [{"prompt": "1+1=", "label": "2"},
+                                                               {"prompt": "2+2=", "label": "4"}]

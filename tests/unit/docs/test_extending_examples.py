@@ -109,3 +109,7 @@ def test_algorithm_example_is_picked_up_from_a_run_config_with_its_own_knob(exam
     assert algorithm.advantages([2.0, -7.0]) == [0.5, -0.5]
     with pytest.raises(ConfigError, match="unknown key 'trainer.algorithm.scale'"):
         load_config(RunConfig, None, {"model.path": tiny_model_dir, "trainer.algorithm.scale": "0.5"})
+    # It declares itself group-relative, so groups of one sample are refused for it as for GRPO.
+    with pytest.raises(ConfigError, match="rollout.n_samples_per_prompt >= 2"):
+        load_config(RunConfig, None, {"model.path": tiny_model_dir, "rollout.n_samples_per_prompt": "1",
+                                      "trainer.algorithm.name": "my_algorithms:RankAdvantage"})

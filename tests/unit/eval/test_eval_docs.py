@@ -10,7 +10,7 @@ def test_user_answer_extractor_loads_from_a_run_config(tmp_path):
 
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
     with importable_examples("eval.md", tmp_path) as files:
         assert set(files) == {"my_answers.py"}
         cfg = tmp_path / "run.toml"

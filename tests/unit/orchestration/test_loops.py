@@ -44,6 +44,11 @@ class Rollout:
         self._ready = self._groups(self.n)
         return {"rollout/reward_mean": 0.5, "rollout/time_s": 0.0}
 
+    def regenerate_in_flight(self) -> dict:
+        self.events.append(("regenerate", self.weight_version))
+        self._ready = self._groups(self.n)
+        return {"rollout/time_s": 0.0}
+
     def collect(self, n: int | None = None, timeout_s: float | None = None):
         if n is not None:  # fully_async: the producer generated them meanwhile
             self.events.append(("collect", n, timeout_s))
@@ -120,7 +125,7 @@ class InProcessContext(TrainContext):
 
 
 def run(schedule: str, tmp_path: Path, events: list | None = None, fail_push_at: int = 0, fail_train_at: int = 0,
-        **settings) -> tuple[list, InProcessContext]:
+        resume_at: int = 0, batch_in_flight: bool = False, **settings) -> tuple[list, InProcessContext]:
     """Run `schedule` for 4 steps; `events` (if given) receives the record even when the run raises."""
     cfg = RunConfig()
     cfg.loop.schedule = schedule
@@ -132,7 +137,9 @@ def run(schedule: str, tmp_path: Path, events: list | None = None, fail_push_at:
         setattr(getattr(cfg, section), key, value)
     events = [] if events is None else events
     ctx = InProcessContext(cfg, tmp_path, Rollout(events), Trainer(events, fail_push_at, fail_train_at), Sink(),
-                           Progress("test", 4, stream=io.StringIO(), mode="off"))
+                           Progress("test", 4, stream=io.StringIO(), mode="off"),
+                           start_step=resume_at, policy_version=resume_at, weight_version=resume_at,
+                           batch_in_flight=batch_in_flight)
     SCHEDULES.get(schedule)(ctx)
     return events, ctx
 
@@ -213,3 +220,15 @@ def test_a_user_schedule_is_picked_up_from_the_run_config(tmp_path, tiny_model_d
     assert not kinds(events, "evaluate")
     with pytest.raises(Exception, match="loop.schedule: .*must take 1 required positional"):
         load_config(RunConfig, None, {"model.path": tiny_model_dir, "loop.schedule": "miles.orchestration.steps:train_on"})
+
+
+def test_resumed_one_step_off_finishes_the_batch_its_checkpoint_caught_in_flight(tmp_path):
+    events, ctx = run("one_step_off", tmp_path, resume_at=2, batch_in_flight=True)
+    # Step 3's batch was being generated at the step-2 checkpoint: it is completed, not drawn anew.
+    assert [e[0] for e in kinds(events, "regenerate", "generate", "train")] == [
+        "regenerate", "generate", "train", "train"]
+    assert [s for s, _ in ctx.sink.records] == [3, 4]
+    # The last step leaves no batch behind, so the final checkpoint says so.
+    assert ctx.batch_in_flight is False
+    events, _ = run("one_step_off", tmp_path, resume_at=2, batch_in_flight=False)
+    assert kinds(events, "regenerate") == []  # a checkpoint with no batch in flight: a fresh one

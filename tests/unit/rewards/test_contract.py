@@ -58,7 +58,7 @@ def _samples(texts, label="42"):
 def model_dir(tmp_path, monkeypatch):
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "qwen3"}')
     monkeypatch.setattr(_HERE, "MODEL", str(d))
 
 

@@ -19,7 +19,7 @@ from tests.helpers.docs_examples import importable_examples
 def model_dir(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "qwen3"}')
     return str(d)
 
 

@@ -46,3 +46,26 @@ def test_stats_report_per_sample_and_per_group_figures():
     assert m["rollout/response_len_mean"] == 3 and m["rollout/truncated_frac"] == 0.25
     assert m["rollout/zero_std_group_frac"] == 0.5 and m["rollout/group_time_max_s"] == 5.0
     assert m["rollout/tokens_per_s"] == 3.0
+
+
+def test_reward_seconds_are_wall_time_while_any_group_is_scored():
+    import asyncio
+    import time
+
+    stats = SampleStats()
+
+    async def score(delay):
+        await asyncio.sleep(delay)
+        with stats.scoring():
+            await asyncio.sleep(0.2)
+
+    async def main():
+        await asyncio.gather(*(score(0.0) for _ in range(8)), score(0.3))
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    wall = time.perf_counter() - t0
+    # Eight groups scored at once count 0.2 s, not 1.6 s; the late one adds its own 0.2 s (a sum of
+    # per-group latencies would give 1.8 s).
+    reward_s = stats.metrics(elapsed=1.0)["perf/reward_s"]
+    assert 0.38 <= reward_s <= wall and reward_s < 1.0

@@ -72,6 +72,21 @@ def main() -> None:
                                  "ref_version": t.reference.version if t.reference else None}
         del t
 
+    # A checkpoint before the first step (fault.restart_trainer writes one): taking it changes
+    # nothing, and a trainer loaded from it steps as a fresh one does.
+    never_saved = make()
+    fresh = [step(never_saved, 0), step(never_saved, 1)]
+    del never_saved
+    t = make()
+    t.save_checkpoint(str(out / "ckpt_unstarted"))
+    saved = [step(t, 0), step(t, 1)]
+    del t
+    t = make()
+    t.load_checkpoint(str(out / "ckpt_unstarted"))
+    res["resume_unstarted"] = {"straight": fresh, "saved": saved, "resumed": [step(t, 0), step(t, 1)],
+                               "ref_version": None}
+    del t
+
     # LoRA: only adapters train; merged and adapter-only sync; the HF export loads and matches.
     t = make(lora={"rank": 4, "alpha": 8.0, "target_modules": "q_proj,v_proj"})
     trainable = [n for n, p in t.model.named_parameters() if p.requires_grad]

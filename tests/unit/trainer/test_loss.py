@@ -119,7 +119,7 @@ def test_sft_is_an_algorithm_whose_loss_is_the_nll_reported_under_sft():
 
 def test_a_users_module_function_algorithm_comes_from_the_run_config_and_is_the_loss_used(tmp_path):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3"}')
     cfg = load_config(RunConfig, None, {"model.path": str(tmp_path / "model"),
                                         "trainer.algorithm.name": "tests.helpers.user_algorithm:make",
                                         "trainer.algorithm.kl_coef": "0.1"})

@@ -30,13 +30,15 @@ def test_disk_offload_gives_the_same_updates_with_less_state_resident(result):
     assert result["offload_files_between_steps"] == result["offload_buckets"]
 
 
-@pytest.mark.parametrize("name", ["kl", "ppo", "offload"])
+@pytest.mark.parametrize("name", ["kl", "ppo", "offload", "unstarted"])
 def test_resume_from_checkpoint_continues_exactly(result, name):
     r = result[f"resume_{name}"]
     def exact(ms):
         return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in ms]
 
     assert exact(r["resumed"]) == exact(r["straight"])
+    if name == "unstarted":  # saving before the first step left the optimizer as it was
+        assert exact(r["saved"]) == exact(r["straight"])
     if name == "kl":
         assert r["straight"][0]["train/lr"] != r["straight"][1]["train/lr"]  # the schedule moves
         # The reference was refreshed from the policy at step 2 (KL 0 right then), not after.

@@ -1,0 +1,123 @@
+"""The driver itself SIGKILLed mid-run, then `miles train --resume RUN_DIR` in a new process: the run
+completes, and every prompt is trained or discarded exactly once (fully_async; real processes for the
+driver, Ray, the engine and the trainer)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, PROMPTS = 5, 4
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Ray's GCS, raylet and workers under a driver that started Ray)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # The command name may hold spaces; the parent pid is the 2nd field after its ')'.
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def trained_at(run_dir: Path, step: int) -> dict[int, int]:
+    state = json.loads((run_dir / "checkpoints" / f"state_{step}" / "rollout.json").read_text())
+    return {int(k): v for k, v in state["ledger"]["trained_at"].items()}
+
+
+def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "killed"
+    overrides = {"model.path": tiny_model_dir, "run.output_dir": str(tmp_path), "run.name": "killed",
+                 "loop.schedule": "fully_async", "loop.num_steps": STEPS, "loop.save_every": 1,
+                 "eval.every_steps": 0, "eval.num_prompts": 8, "eval.max_new_tokens": 4,
+                 "rollout.prompts_per_step": PROMPTS, "rollout.n_samples_per_prompt": 4,
+                 "rollout.max_new_tokens": 4, "rollout.temperature": 1.5, "buffer.filter": "none",
+                 "buffer.max_inflight_groups": 4, "buffer.capacity": 4, "ray.num_cpus": 2,
+                 "rollout.reward": "tests.e2e.test_resume:digit_fraction", "metrics.progress": "off"}
+    args = [sys.executable, "-m", "miles.cli", "train"]
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)  # its own Ray cluster, which must go down with it
+    log = (tmp_path / "first.log").open("w")
+    driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    started: list[int] = []
+    try:
+        latest = run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 600
+        while not (latest.exists() and int(latest.read_text().strip().split("_")[1]) >= 2):
+            assert driver.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
+            time.sleep(0.2)
+        started = descendants(driver.pid)
+        # The run's own processes: the engine, trainer ranks and rollout manager (Ray actors) and the
+        # Ray node under them. Ray's per-node agents are left out: they notice a dead node only late.
+        run_procs = [p for p in started if any(name in command(p) for name in (
+            "ray::EngineShell", "ray::TrainerShell", "ray::RolloutManager", "raylet", "gcs_server"))]
+        assert len([p for p in run_procs if "ray::" in command(p)]) >= 3
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        killed_at = int(latest.read_text().strip().split("_")[1])
+        assert killed_at < STEPS and not (run_dir / "summary.json").exists()  # it died mid-run
+        # They share the driver's fate (Ray kills what a dead driver owned), so the resumed run starts
+        # with no engine or trainer of the dead one still holding cores.
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in run_procs) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [command(p) for p in run_procs if alive(p)], "processes of the killed run outlived it"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for p in started:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        log.close()
+
+    resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'state_{killed_at}'}" in resumed.stderr
+
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(STEPS + 1))  # the steps redone after the checkpoint are recorded once
+    before, after = trained_at(run_dir, killed_at), trained_at(run_dir, STEPS)
+    assert {i: after[i] for i in before} == before  # what the checkpoint had trained is not trained again
+    assert sorted(after.values()) == sorted(s for s in range(1, STEPS + 1) for _ in range(PROMPTS))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary["ledger"]
+    assert ledger["trained"] == STEPS * PROMPTS
+    assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
+    state = json.loads((run_dir / "checkpoints" / f"state_{STEPS}" / "rollout.json").read_text())
+    assert sorted(map(int, state["ledger"]["states"])) == list(range(ledger["drawn"]))  # nothing skipped

@@ -1,0 +1,34 @@
+"""Going back to a checkpoint cuts metrics.jsonl back to it: no step recorded twice, no torn line kept,
+and a sink that has the file open keeps appending where the cut left it."""
+
+import json
+
+import pytest
+
+from miles.metrics.sink import JsonlSink, read_metrics
+from miles.orchestration.driver import rewind_run_dir
+from miles.trainer.checkpoint import commit
+
+
+def test_rewind_keeps_the_records_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    staging = tmp_path / "checkpoints" / "state_2.staging"
+    staging.mkdir(parents=True)
+    commit(staging, tmp_path / "checkpoints" / "state_2", {"step": 2})
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    for step in range(4):
+        sink.write(step, {"train/loss": float(step)})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "train/lo')  # the process died mid-write
+
+    assert rewind_run_dir(tmp_path) == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    sink.write(3, {"train/loss": 30.0})  # the run goes on from the checkpoint, through the same sink
+    sink.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    assert json.loads(lines[-1])["train/loss"] == 30.0
+
+
+def test_rewind_without_a_checkpoint_names_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="no resumable checkpoint"):
+        rewind_run_dir(tmp_path)
