@@ -32,6 +32,7 @@ from miles.sync.convert import get_converter
 from miles.sync.engine_client import EngineClient
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
 from miles.sync.transports import TRANSPORTS, TransportError
+from miles.versions import INITIAL
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class WeightUpdater:
         self._updates = 0
         self.extensions: frozenset[str] = frozenset()  # the miles extensions every engine offers
         self.started_checked = False  # check_start has verified the transport on these engines
+        self._fresh_engines = False  # every engine reported SGLang's initial version at connect
 
     @property
     def plain(self) -> bool:
@@ -70,11 +72,17 @@ class WeightUpdater:
                 "SGLang's own /update_weights_from_distributed")
         self.engine_urls = urls
         self.transport.connect(self.engine_urls)
+        if self.plain:
+            infos = self._client.post_all(urls, "/get_model_info", None, method="GET")
+            self._fresh_engines = all(i.get("weight_version") == INITIAL for i in infos)
 
     @property
     def needs_start_check(self) -> bool:
-        """Whether verification on these engines needs `check_start` before the first update."""
-        return self.plain and self.cfg.verify_first_update and not self.started_checked
+        """Whether verification on these engines needs `check_start` before the first update: only
+        while every engine still holds the weights it was launched with (version "default"), which
+        for a new run are the trainer's starting weights. Engines a resumed or restarted trainer
+        finds at a later version hold weights the trainer cannot reproduce at connect."""
+        return self.plain and self.cfg.verify_first_update and not self.started_checked and self._fresh_engines
 
     def check_start(self, named) -> dict[str, float]:
         """SGLang's verification flow, once before the run, with the trainer's starting weights (which

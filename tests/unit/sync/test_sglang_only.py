@@ -78,6 +78,12 @@ def test_broadcast_over_sglang_routes_verified_by_the_weights_checker(sglang_eng
         assert metrics["sync/verified_engines"] == 2
     finally:
         updater.close()
+    # A trainer connecting later (a resumed run) finds the engines past their launch weights: the start
+    # check, which needs them to hold the trainer's starting weights, is not attempted.
+    later = _updater(base_model_dir, admin_token, verify_first_update=True)
+    later.connect(urls)
+    assert later.plain and not later.needs_start_check
+    later.close()
     for server in sglang_engines:
         served = server.engine.model.state_dict()
         assert all(torch.equal(served[n], t) for n, t in new.items())
