@@ -62,11 +62,22 @@ class TrainerShell:
 
         return os.getpid()
 
-    def connect_engines(self, urls: list[str]) -> None:
+    def connect_engines(self, urls: list[str]) -> bool:
+        """Rank 0 connects the updater; returns whether it needs `check_engines_start` (engines that
+        speak only SGLang's protocol verify the transport once, before the run)."""
         if self.rank != 0:
-            return
+            return False
         self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
         self.transport.connect(urls)
+        return self.transport.needs_start_check
+
+    def check_engines_start(self) -> dict[str, float]:
+        """Collective: every rank gathers the starting weights; rank 0 runs the updater's check_start."""
+        named = self.trainer.full_named_tensors()
+        try:
+            return self.transport.check_start(named) if self.rank == 0 else {}
+        finally:
+            _drain(named)
 
     def reconnect_engines(self, urls: list[str]) -> None:
         """Point the weight transport at a changed set of engines; the updater keeps its history, so no

@@ -75,7 +75,8 @@ class TrainerGroup:
         return self._all("train_step", split_for_ranks(seqs, n, tp), [totals] * n, [algorithm] * n)[0]
 
     def connect_engines(self, urls: list[str]) -> None:
-        self._all("connect_engines", [urls] * len(self.actors))
+        if self._all("connect_engines", [urls] * len(self.actors))[0]:
+            self._all("check_engines_start")
 
     def reconnect_engines(self, urls: list[str]) -> None:
         """The weight transport follows a changed fleet (engines replaced, added or removed)."""

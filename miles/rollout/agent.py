@@ -25,7 +25,7 @@ from miles.config import ConfigError
 from miles.registry import Registry
 from miles.rollout.environments import build_environment, check_environment
 from miles.rollout.environments.sandbox import SandboxConfig
-from miles.rollout.generate import GenerationError, generate, routed_experts_of
+from miles.rollout.generate import GenerationError, generate, routed_experts_of, versions_of
 from miles.rollout.harness import HarnessConfig, harness
 
 _SEND_ATTEMPTS = 3
@@ -234,7 +234,7 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
             raise RuntimeError(f"{url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
         traj.routed = routed_experts_of(meta, url, traj.want_routed)
         traj.append(ids, logprobs, trained=True)
-        traj.versions.append(int(meta.get("weight_version", 0)))
+        traj.versions.append(min(versions_of(meta)))
         finish = meta["finish_reason"]["type"]
         if finish == "abort":
             traj.status = SampleStatus.ABORTED

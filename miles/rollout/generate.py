@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.rollout.engine.sampler import SamplingParams
+from miles.versions import from_wire
 
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
@@ -68,9 +69,18 @@ def _sample(out: dict, url: str, prompt_ids: list[int], label: str | None, promp
     return Sample(
         prompt_ids=list(prompt_ids), response_ids=ids, rollout_logprobs=logprobs, loss_mask=[1] * len(ids),
         status=_STATUS.get(meta["finish_reason"]["type"], SampleStatus.ABORTED),
-        weight_versions=[int(meta.get("weight_version", 0))], response_text=out.get("text", ""),
+        weight_versions=versions_of(meta), response_text=out.get("text", ""),
         label=label, prompt_index=prompt_index, routed_experts=routed,
     )
+
+
+def versions_of(meta: dict) -> list[int]:
+    """The policy versions that wrote a reply, in order: from SGLang's `weight_versions` spans when the
+    server sends them (an update landed mid-reply gives two), else its one string `weight_version`."""
+    spans = meta.get("weight_versions")
+    if isinstance(spans, list) and spans and all(isinstance(s, dict) and "version" in s for s in spans):
+        return [from_wire(s["version"]) for s in spans]
+    return [from_wire(meta.get("weight_version"))]
 
 
 def routed_experts_of(meta: dict, url: str, asked: bool) -> str | None:

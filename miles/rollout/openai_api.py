@@ -58,6 +58,7 @@ from miles.models.loading import load_tokenizer
 from miles.net import ServerThread, bind, serve_app
 from miles.registry import RegistryError
 from miles.rollout.agent import ChatFormat
+from miles.rollout.generate import versions_of
 from miles.rollout.openai_schema import FIELD_HINTS, RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, \
     ResponsesRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
@@ -304,7 +305,7 @@ class SessionStore:
                 session.response_ids += ids
                 session.loss_mask += [1] * len(ids)
                 session.logprobs += lps
-                session.weight_versions.append(int(meta.get("weight_version", 0)))
+                session.weight_versions.append(min(versions_of(meta)))
                 session.last_finish = "closed" if closed else finish
                 session.last_content = parsed.content or ""
                 session.messages = canon + [{"role": "assistant", "content": parsed.content or "", **(

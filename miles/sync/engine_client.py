@@ -3,6 +3,10 @@
 Every failure becomes a TransportError that names the engine, the endpoint and the engine's own
 reason, and a call to several engines waits for all of them before raising one error naming every
 engine that failed (so no engine is left mid-request when the caller reacts).
+
+Extensions: what an engine offers beyond SGLang's protocol is read from its /get_server_info
+(`miles_extensions`); a plain SGLang server has none, and the trainer uses an extension only where
+every engine advertises it.
 """
 
 from __future__ import annotations
@@ -33,14 +37,29 @@ class EngineClient:
         self._pool = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="miles-sync-http")
 
     def get(self, url: str, path: str) -> dict:
-        return self.post(url, path, None)
+        return self.request("GET", url, path)
+
+    def extensions(self, urls: list[str]) -> frozenset[str]:
+        """The miles extensions every one of `urls` offers (none if any is a plain SGLang server)."""
+        offered = None
+        for info in self.post_all(urls, "/get_server_info", None, method="GET"):
+            mine = info.get("miles_extensions")
+            mine = frozenset(mine) if isinstance(mine, list) else frozenset()
+            offered = mine if offered is None else offered & mine
+        return offered or frozenset()
 
     def post(self, url: str, path: str, body: dict | None) -> dict:
-        """POST `body` (GET when body is None); returns the JSON reply or raises TransportError."""
+        """POST `body` (no body at all when None); returns the reply or raises TransportError."""
+        return self.request("POST", url, path, body)
+
+    def request(self, method: str, url: str, path: str, body: dict | None = None) -> dict:
+        """The JSON reply ({"message": text} for SGLang's plain-text ones, e.g. /flush_cache), or
+        TransportError naming the engine, the route and the engine's reason."""
         import httpx
 
         try:
-            r = self._http.get(url + path) if body is None else self._http.post(url + path, json=body)
+            r = self._http.request(method, url + path, json=body) if body is not None else \
+                self._http.request(method, url + path)
         except httpx.HTTPError as exc:
             raise TransportError(f"engine {url}: {path} failed to respond ({type(exc).__name__}: {exc})") from None
         if r.status_code != 200:
@@ -49,11 +68,15 @@ class EngineClient:
             except ValueError:
                 reason = r.text
             raise TransportError(f"engine {url}: {path} returned HTTP {r.status_code}: {reason}")
-        return r.json()
+        try:
+            return r.json()
+        except ValueError:
+            return {"message": r.text}
 
-    def post_all(self, urls: list[str], path: str, body: dict | Callable[[int, str], dict]) -> list[dict]:
+    def post_all(self, urls: list[str], path: str, body: dict | Callable[[int, str], dict] | None,
+                 method: str = "POST") -> list[dict]:
         """POST to every engine at once (body may depend on (index, url)); raise naming every failure."""
-        futures = [self._pool.submit(self.post, url, path, body(i, url) if callable(body) else body)
+        futures = [self._pool.submit(self.request, method, url, path, body(i, url) if callable(body) else body)
                    for i, url in enumerate(urls)]
         cf.wait(futures)
         errors = [str(f.exception()) for f in futures if f.exception() is not None]

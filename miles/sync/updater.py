@@ -5,6 +5,18 @@
 push = [pause engines in place + noise-fill them, first update only] → prepare + bucket + transport
 + commit → verify (every tensor at the first update; one checksum per bucket afterwards) → continue. A verification
 failure raises VerificationError naming the engines and tensors; it never passes silently.
+
+Against engines without miles' extensions (plain SGLang servers, or built-in engines in SGLang-only
+mode; see engine_client.extensions) only SGLang's protocol is used:
+  * a transport whose engine end is an extension (p2p, disk_delta, colocated) is refused at connect,
+    before the run starts, naming the transport that works (broadcast);
+  * there is no staged commit, so every push is wrapped in /pause_generation (retract) and
+    /continue_generation: no request decodes while the version is partly applied;
+  * verification uses SGLang's /weights_checker actions: once, before the run (`check_start`), the
+    engines snapshot their weights, fill them with noise, receive the trainer's starting weights
+    and compare with the snapshot, so a tensor the transport never writes fails by name; after each
+    later update every engine's checksum must agree (SGLang's checksums cannot be recomputed by the
+    trainer, so they are compared across engines).
 Non-goals: gathering shards (the trainer backend yields full tensors), cadence (the loop decides).
 """
 
@@ -20,6 +32,7 @@ from miles.sync.convert import get_converter
 from miles.sync.engine_client import EngineClient
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
 from miles.sync.transports import TRANSPORTS, TransportError
+from miles.versions import INITIAL
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +47,72 @@ class WeightUpdater:
         self.engine_urls: list[str] = []
         self._client = None
         self._updates = 0
+        self.extensions: frozenset[str] = frozenset()  # the miles extensions every engine offers
+        self.started_checked = False  # check_start has verified the transport on these engines
+        self._fresh_engines = False  # every engine reported SGLang's initial version at connect
+
+    @property
+    def plain(self) -> bool:
+        """Whether the engines speak only SGLang's protocol (no staged commit)."""
+        return "staged_commit" not in self.extensions
 
     def connect(self, engine_urls: list[str]) -> None:
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self.transport.connect(self.engine_urls)
+        urls = [u.rstrip("/") for u in engine_urls]
         if self._client is not None:  # a reconnect to a changed set of engines
             self._client.close()
         self._client = EngineClient(self.admin_token, self.cfg.timeout_s)
+        self.extensions = self._client.extensions(urls)
+        receiver = getattr(self.transport, "Receiver", None)
+        needed = getattr(receiver, "extension", None)
+        if needed is not None and needed not in self.extensions:
+            raise TransportError(
+                f"sync.transport = {self.cfg.transport!r} needs the miles extension {needed!r} on every engine, and "
+                f"not every engine of {urls} advertises it (a plain SGLang server, or a built-in engine started "
+                "with sglang_only, has no miles extensions): use sync.transport = 'broadcast', which runs on "
+                "SGLang's own /update_weights_from_distributed")
+        self.engine_urls = urls
+        self.transport.connect(self.engine_urls)
+        if self.plain:
+            infos = self._client.post_all(urls, "/get_model_info", None, method="GET")
+            self._fresh_engines = all(i.get("weight_version") == INITIAL for i in infos)
+
+    @property
+    def needs_start_check(self) -> bool:
+        """Whether verification on these engines needs `check_start` before the first update: only
+        while every engine still holds the weights it was launched with (version "default"), which
+        for a new run are the trainer's starting weights. Engines a resumed or restarted trainer
+        finds at a later version hold weights the trainer cannot reproduce at connect."""
+        return self.plain and self.cfg.verify_first_update and not self.started_checked and self._fresh_engines
+
+    def check_start(self, named) -> dict[str, float]:
+        """SGLang's verification flow, once before the run, with the trainer's starting weights (which
+        the engines also hold): snapshot, fill with noise, push, compare with the snapshot. A tensor
+        the transport never writes still holds noise, and the engine names it."""
+        t0 = time.perf_counter()
+        paused = self._pause_plain()
+        try:
+            self._client.post_all(self.engine_urls, "/weights_checker", {"action": "snapshot"})
+            self._client.post_all(self.engine_urls, "/weights_checker", {"action": "reset_tensors"})
+            metrics = push_weights(named, self.transport, 0, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
+                                   converter=self.converter)
+            try:
+                self._client.post_all(self.engine_urls, "/weights_checker", {"action": "compare"})
+            except TransportError as exc:
+                raise verify.VerificationError(
+                    f"weight verification failed: after the noise fill and a push of the trainer's starting "
+                    f"weights, an engine's weights differ from its snapshot ({exc})") from None
+        finally:
+            self._continue(paused)
+        self.started_checked = True
+        log.info("verified %s over SGLang's weights_checker on %d engine(s)", self.cfg.transport,
+                 len(self.engine_urls))
+        return {**metrics, "sync/start_check_s": time.perf_counter() - t0}
 
     def push(self, named, version: int) -> dict[str, float]:
         if self._client is None:
             raise RuntimeError("push before connect: the trainer has no route to the engines")
+        if self.plain:
+            return self._push_plain(named, version)
         full_check = self._updates == 0 and self.cfg.verify_first_update
         record = Record(per_tensor=full_check) if full_check or self.cfg.verify_checksums else None
         if full_check:
@@ -77,6 +145,35 @@ class WeightUpdater:
                                converter=self.converter, record=record)
         self._updates += 1
         return metrics
+
+    def _push_plain(self, named, version: int) -> dict[str, float]:
+        """A push to engines without a staged commit: paused (retract) from the first bucket to the
+        version label, so no request decodes from a partly applied version."""
+        paused = self._pause_plain()
+        try:
+            metrics = self._push(named, version, None)
+        except TransportError as exc:
+            raise TransportError(f"{exc}; the engines stay paused, holding a partly applied version, until a "
+                                 "push succeeds") from None
+        t0 = time.perf_counter()
+        try:
+            if self.cfg.verify_checksums:
+                verify.compare_across_engines(self._client, self.engine_urls)
+                metrics["sync/verified_engines"] = len(self.engine_urls)
+        finally:
+            self._continue(paused)
+        metrics["sync/verify_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _pause_plain(self) -> list[str]:
+        # retract, not in_place: SGLang flushes the KV cache after an update, which it refuses while
+        # requests sit in the running batch; retracted ones recompute their KV under the new weights.
+        self._client.post_all(self.engine_urls, "/pause_generation", {"mode": "retract"})
+        return list(self.engine_urls)
+
+    def _continue(self, urls: list[str]) -> None:
+        if urls:
+            self._client.post_all(urls, "/continue_generation", {})
 
     def _pause(self) -> list[str]:
         """Pause in place every engine that is generating; returns the URLs it paused."""

@@ -48,6 +48,16 @@ def bucket_checksum(tensors: Iterable["torch.Tensor"]) -> str:
     return h.hexdigest()
 
 
+def checksum_of_table(checksums: dict[str, str]) -> str:
+    """One digest over a {name: checksum} table, independent of its order."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name in sorted(checksums):
+        h.update(name.encode() + b"\0" + checksums[name].encode() + b"\0")
+    return h.hexdigest()
+
+
 def dtype_name(t: "torch.Tensor") -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -59,7 +69,9 @@ def unique_tensors(model) -> dict[str, "torch.Tensor"]:
     """The model's tensors by HF name, tied aliases dropped (first name wins, as on the trainer)."""
     out, seen = {}, set()
     for name, t in model.state_dict().items():
-        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        # Tied names are one tensor: same first element, same size. Not the storage: tensors received
+        # as one flat bucket are views of one storage without being tied.
+        key = _storage(t)
         if key in seen:
             continue
         seen.add(key)
@@ -100,8 +112,9 @@ def engine_checksums(model, expected: dict[str, list]) -> dict:
             "unexpected": sorted(unexpected), "checked": len(expected)}
 
 
-def _storage(t) -> int:
-    return t.untyped_storage().data_ptr() if t.numel() else id(t)
+def _storage(t) -> tuple | int:
+    """What tied tensors share and untied ones never do."""
+    return (t.data_ptr(), t.numel() * t.element_size()) if t.numel() else id(t)
 
 
 def engine_bucket_checksums(model, buckets: list[list[list[str]]]) -> list[str]:
@@ -148,6 +161,29 @@ def compare_buckets(client, urls: list[str], buckets: list[list[list[str]]], dig
                             f"{_names([buckets[i][0][0] for i in bad])})")
     if problems:
         raise VerificationError("per-bucket checksum mismatch after commit: " + " | ".join(problems))
+
+
+def compare_across_engines(client, urls: list[str]) -> None:
+    """SGLang's per-engine checksums (/weights_checker action "checksum") must agree on every engine;
+    raise VerificationError naming the tensors where an engine differs from the first one."""
+    replies = client.post_all(urls, "/weights_checker", {"action": "checksum"})
+    first = _table(replies[0])
+    problems = []
+    for url, r in zip(urls[1:], replies[1:]):
+        mine = _table(r)
+        diff = sorted(n for n in set(first) | set(mine) if first.get(n) != mine.get(n))
+        if diff:
+            problems.append(f"engine {url} differs from {urls[0]} in {len(diff)} tensor(s): {_names(diff)}")
+    if problems:
+        raise VerificationError("engines hold different weights after the update: " + " | ".join(problems))
+
+
+def _table(reply: dict) -> dict[str, str]:
+    """{tensor name: checksum} over every rank of one engine's checksum reply."""
+    out = {}
+    for rank in reply.get("ranks") or []:
+        out.update(rank.get("checksums", {}))
+    return out
 
 
 def _names(names: list[str], limit: int = 8) -> str:

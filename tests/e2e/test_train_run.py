@@ -53,5 +53,5 @@ def test_run_on_engines_started_outside_the_run(tiny_model_dir, tmp_path, ray_cl
             "loop.num_steps": "2", "eval.every_steps": "0", "rollout.engine_urls": engine.url}))
         assert summary["steps"] == 2
         # The engine serves the trainer's last push and is still up.
-        assert httpx.get(engine.url + "/get_weight_version").json()["weight_version"] == 2
+        assert httpx.get(engine.url + "/get_model_info").json()["weight_version"] == "2"
         assert httpx.get(engine.url + "/health").status_code == 200

@@ -53,9 +53,12 @@ def test_generation_across_an_update_reports_both_versions(tiny_model_dir):
         updater.push(iter(state.items()), version=2)
         assert httpx.post(f"{server.url}/continue_generation", headers=headers).status_code == 200
         meta = running.result(timeout=120)
-        assert meta["weight_versions"] == [1, 2] and meta["weight_version"] == 2
+        # SGLang's spans: which tokens each version wrote, versions as strings.
+        spans = meta["weight_versions"]
+        assert [s["version"] for s in spans] == ["1", "2"] and meta["weight_version"] == "2"
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 300
         assert meta["completion_tokens"] == 300
-        assert _generate(server.url, 4)["weight_versions"] == [2]
+        assert _generate(server.url, 4)["weight_versions"] == [{"version": "2", "start": 0, "end": 4}]
     finally:
         pool.shutdown(wait=False)
         updater.close()

@@ -47,6 +47,10 @@ class EngineConfig:
     """Memory the prefix cache may hold; least recently used blocks are evicted beyond it."""
     offload_dir: str | None = None
     """Where /release_memory_occupation parks the weights; None uses the system temp directory."""
+    sglang_only: bool = False
+    """Serve SGLang's protocol and nothing more: every miles extension (staged commit, p2p buffers,
+    disk deltas, expected-checksum verification, the colocated handoff) is switched off and not
+    advertised, so a trainer drives this engine exactly as it drives a plain SGLang server."""
     reuse_weight_memory: bool = True
     """Keep the memory a weight update displaced as the next update's receive buffers: updates skip
     first-touch page faults, at the cost of a second copy of the weights held between updates."""

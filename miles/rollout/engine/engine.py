@@ -60,8 +60,13 @@ class Engine:
         self.memory = Memory(self.runner, self.scheduler, self.receiver, config.offload_dir)
 
     @property
-    def weight_version(self) -> int:
+    def weight_version(self) -> str:
         return self.runner.weight_version
+
+    def set_weight_version(self, label: str) -> None:
+        """Relabel the weights in force (SGLang's /update_weight_version); the weights stay as they are."""
+        with self.model_lock:
+            self.runner.weight_version = label
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -142,8 +147,8 @@ class Engine:
 
     # ---- weights (called by the weight receiver) --------------------------------------------
 
-    def apply_weights(self, tensors: dict[str, torch.Tensor], weight_version: int | None,
-                      adopt: frozenset[str] | set[str] = frozenset()) -> tuple[int, list[torch.Tensor]]:
+    def apply_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
+                      adopt: frozenset[str] | set[str] = frozenset()) -> tuple[str, list[torch.Tensor]]:
         """Install `tensors` between two decode steps; returns (new weight version, displaced memory).
 
         A tensor named in `adopt` is held by nobody but the caller, so its parameter takes over its

@@ -54,11 +54,12 @@ class Row:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
-    weight_version: int | None = None  # version of the weights that produced the latest token
-    weight_versions: list[int] = field(default_factory=list)  # every version that produced a token, in order
+    weight_version: str | None = None  # version of the weights that produced the latest token
+    # SGLang's spans: [version, first token, end] for each run of tokens one version produced, in order.
+    weight_versions: list[list] = field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens whose KV came from the cache, set at first admission
     answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
-    kv_version: int | None = None  # weight version its KV was computed under; None once mixed
+    kv_version: int | None = None  # weights_epoch its KV was computed under; None once mixed
     routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
 
     @classmethod
@@ -92,7 +93,10 @@ class ModelRunner:
         self.prefix_cache = PrefixCache(config.prefix_block_size,
                                         kv_cache.tokens_in(config.prefix_cache_mb, self.model)
                                         if config.prefix_cache else 0)
-        self.weight_version = 0
+        # The version label in force (a string on the wire; SGLang's servers start at "default"), and a
+        # counter bumped by every weight load: labels may repeat, KV reuse must still see each change.
+        self.weight_version = "default"
+        self.weights_epoch = 0
         self.model_lock = threading.Lock()
         self._generator = torch.Generator().manual_seed(config.seed)  # for rows without their own seed
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
@@ -123,7 +127,7 @@ class ModelRunner:
             lead.append(where[ids])
         routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
         with self.model_lock, torch.inference_mode():
-            version = self.weight_version
+            epoch, version = self.weights_epoch, self.weight_version
             computed_by = self._prefill_shared_prefixes(uniq, routed_uniq)
             cache, mask, logits, cached, routed = self._prefill_forward(uniq, routed_uniq)
             for i, before in computed_by.items():
@@ -146,7 +150,7 @@ class ModelRunner:
                 self.stats["prompt_tokens"] += len(r.req.input_ids)
                 self.stats["cached_tokens"] += r.cached_tokens
             first_of.setdefault(j, r)
-            r.kv_version = version
+            r.kv_version = epoch
         lens = torch.tensor([len(uniq[j]) for j in lead])  # (R,)
         self.kv.merge(cache, mask, lens, tokens)
         self.rows = self.rows + rows
@@ -158,7 +162,7 @@ class ModelRunner:
         kv = self.kv
         mask = torch.cat([kv.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], dim=1)  # (B, L+1)
         with self.model_lock, torch.inference_mode():
-            version = self.weight_version
+            epoch, version = self.weights_epoch, self.weight_version
             # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
             pos = kv.next_pos.clamp(max=self.context_length - 1)[:, None]  # (B, 1)
             capture = any(r.req.return_routed_experts and r.finish is None for r in self.rows)
@@ -170,7 +174,7 @@ class ModelRunner:
                 if row.req.return_routed_experts and row.finish is None:
                     row.routed.append(r)
         for row in self.rows:
-            if row.kv_version != version and row.finish is None:
+            if row.kv_version != epoch and row.finish is None:
                 row.kv_version = None  # its KV now spans two weight versions: never cache it
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
@@ -239,13 +243,13 @@ class ModelRunner:
             rid=row.req.rid, text=text, prompt_tokens=len(row.req.input_ids), output_ids=list(row.output_ids),
             output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
             weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
-            cached_tokens=row.cached_tokens or 0, weight_versions=tuple(row.weight_versions),
+            cached_tokens=row.cached_tokens or 0, weight_versions=tuple(tuple(s) for s in row.weight_versions),
             routed_experts=_routed_experts(row) if row.req.return_routed_experts else None)
 
     # ---- weights ----------------------------------------------------------------------------
 
-    def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: int | None,
-                     adopt: frozenset[str] | set[str]) -> tuple[int, list[torch.Tensor]]:
+    def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
+                     adopt: frozenset[str] | set[str]) -> tuple[str, list[torch.Tensor]]:
         """Install `tensors` (see Engine.apply_weights); caller holds model_lock."""
         with torch.no_grad():
             state = self.model.state_dict()  # shares storage with the parameters; tied weights share too
@@ -259,7 +263,9 @@ class ModelRunner:
                     p.data = t
                 else:
                     state[name].copy_(t)
-            self.weight_version = weight_version if weight_version is not None else self.weight_version + 1
+            if weight_version is not None:  # SGLang's rule: an update without a version keeps the label
+                self.weight_version = weight_version
+            self.weights_epoch += 1
             # KV computed by old weights is never reused by a request that starts under new ones.
             self.prefix_cache.clear()
             return self.weight_version, displaced
@@ -351,13 +357,16 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: list[Row]):
         return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
 
-    def _record(self, rows: list[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> None:
+    def _record(self, rows: list[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: str) -> None:
         for row, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
             if row.finish is not None:
                 continue
             row.weight_version = version
-            if not row.weight_versions or row.weight_versions[-1] != version:
-                row.weight_versions.append(version)
+            spans = row.weight_versions
+            if spans and spans[-1][0] == version:
+                spans[-1][2] += 1
+            else:
+                spans.append([version, len(row.output_ids), len(row.output_ids) + 1])
             row.output_ids.append(t)
             row.logprobs.append(lp)
             self.stats["generated_tokens"] += 1
@@ -390,7 +399,7 @@ class ModelRunner:
         with self.model_lock, torch.inference_mode():
             for i in indices:
                 row = self.rows[i]
-                if row.kv_version != self.weight_version:
+                if row.kv_version != self.weights_epoch:
                     continue
                 # The last sampled token was never fed to the model, so it has no KV yet.
                 ids = row.prefill_ids()[:-1]

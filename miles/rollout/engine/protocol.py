@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles.rollout.engine.sampler import SamplingParams
 from miles.rollout.engine.types import InvalidRequest
@@ -150,72 +153,129 @@ def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling
         no_stop_trim=_bool(d.get("no_stop_trim", False), f("no_stop_trim")))
 
 
-@dataclass(frozen=True)
-class InitGroupRequest:
+# ---- SGLang's control requests, as typed models ---------------------------------------------------
+# Field names, types and defaults follow SGLang's own request structs (io_struct.py of the pinned
+# release). Each `Miles*` subclass adds the fields of a miles extension; an engine in SGLang-only mode
+# parses with the plain model, so a miles field is refused there as SGLang would refuse it. Strict:
+# no coercion (a version sent as 7 instead of "7" is refused, as SGLang's schema refuses it).
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+Selector = Literal["target", "draft", "all"]
+
+
+class InitWeightsUpdateGroup(Body):
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2, le=1 << 16)
     group_name: str = "weight_update_group"
-    backend: str = "gloo"
+    backend: str = "nccl"
 
 
-def parse_init_group(body: dict) -> InitGroupRequest:
-    _no_unknown(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}, "")
-    for k in ("master_address", "master_port", "rank_offset", "world_size"):
-        if k not in body:
-            raise InvalidRequest(f"{k}: required")
-    return InitGroupRequest(
-        master_address=_string(body["master_address"], "master_address"),
-        master_port=_int(body["master_port"], "master_port", lo=1, hi=65535),
-        rank_offset=_int(body["rank_offset"], "rank_offset", lo=1),
-        world_size=_int(body["world_size"], "world_size", lo=2, hi=1 << 16),
-        group_name=_string(body.get("group_name", "weight_update_group"), "group_name"),
-        backend=_string(body.get("backend", "gloo"), "backend"))
-
-
-@dataclass(frozen=True)
-class UpdateWeightsRequest:
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+class DestroyWeightsUpdateGroup(Body):
     group_name: str = "weight_update_group"
-    load_format: str | None = None
-    commit: bool = True
-    weight_version: int | None = None
+
+
+class UpdateWeightsFromDistributed(Body):
+    names: list[str] = Field(max_length=MAX_ITEMS)
+    dtypes: list[str] = Field(max_length=MAX_ITEMS)
+    shapes: list[list[NonNegInt]] = Field(max_length=MAX_ITEMS)
+    group_name: str = "weight_update_group"
     flush_cache: bool = True
-    reset_staging: bool = False
     abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Selector = "all"
+    torch_empty_cache: bool = False
 
 
-def parse_update_weights(body: dict) -> UpdateWeightsRequest:
-    _no_unknown(body, {"names", "dtypes", "shapes", "group_name", "load_format", "commit", "weight_version",
-                       "flush_cache", "reset_staging", "abort_all_requests"}, "")
-    names, dtypes, shapes = body.get("names", []), body.get("dtypes", []), body.get("shapes", [])
-    for k, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
-        if not isinstance(v, list):
-            raise InvalidRequest(f"{k}: expected a list, got {_kind(v)}")
-        _check_len(v, k)
-    for n in names:
-        _string(n, "names")
-    for s in shapes:
-        if not isinstance(s, list) or not all(type(d) is int and d >= 0 for d in s):
-            raise InvalidRequest(f"shapes: {s!r} is not a list of non-negative ints")
-    version = body.get("weight_version")
-    if isinstance(version, str) and version.isdigit():  # SGLang sends versions as strings
-        version = int(version)
-    if version is not None:
-        version = _int(version, "weight_version", lo=0)
-    load_format = body.get("load_format")
-    if load_format is not None:
-        load_format = _string(load_format, "load_format")
-    return UpdateWeightsRequest(
-        names=names, dtypes=[_string(d, "dtypes") for d in dtypes], shapes=shapes,
-        group_name=_string(body.get("group_name", "weight_update_group"), "group_name"),
-        load_format=load_format, commit=_bool(body.get("commit", True), "commit"), weight_version=version,
-        flush_cache=_bool(body.get("flush_cache", True), "flush_cache"),
-        reset_staging=_bool(body.get("reset_staging", False), "reset_staging"),
-        abort_all_requests=_bool(body.get("abort_all_requests", False), "abort_all_requests"))
+class MilesUpdateWeightsFromDistributed(UpdateWeightsFromDistributed):
+    """+ staged commit: commit=false stages the bucket, reset_staging drops what an earlier one left."""
+
+    names: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
+    dtypes: list[str] = Field(default_factory=list, max_length=MAX_ITEMS)
+    shapes: list[list[NonNegInt]] = Field(default_factory=list, max_length=MAX_ITEMS)
+    commit: bool = True
+    reset_staging: bool = False
+
+
+class UpdateWeightFromDisk(Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+
+class MilesUpdateWeightFromDisk(UpdateWeightFromDisk):
+    """+ staged commit (a transport's load_format may stage without applying)."""
+
+    model_path: str | None = None
+    commit: bool = False  # a transport's own load_format stages until told; a checkpoint load always applies
+    reset_staging: bool = False
+
+
+class UpdateWeightVersion(Body):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class CheckWeights(Body):
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Selector = "all"
+
+
+class MilesCheckWeights(CheckWeights):
+    """+ checked weights: a noise seed, an expected checksum table, per-bucket checksums."""
+
+    seed: int = 0
+    expected: dict[str, list[str]] | None = None
+    buckets: list[list[list[str]]] | None = None
+
+
+class PauseGeneration(Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGeneration(Body):
+    torch_empty_cache: bool = True
+
+
+class Abort(Body):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class MemoryTags(Body):
+    tags: list[str] | None = None
+
+
+BodyT = TypeVar("BodyT", bound=Body)
+
+
+def parse_body(model: type[BodyT], body: dict) -> BodyT:
+    """`body` as `model`, or InvalidRequest naming the first bad field and what it should be."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        if err["type"] == "extra_forbidden":
+            known = sorted(model.model_fields)
+            raise InvalidRequest(f"{where}: unknown field; supported fields are {known}") from None
+        raise InvalidRequest(f"{where}: {err['msg']}") from None
 
 
 def _parse_input_ids(ids) -> tuple[list[list[int]], bool]:
@@ -245,11 +305,10 @@ def _per_item(value, n: int, batched: bool, field: str) -> list:
 
 def parse_memory_tags(body: dict, known: tuple[str, ...]) -> tuple[str, ...]:
     """SGLang's optional `tags` list; absent or null means every kind of memory."""
-    _no_unknown(body, {"tags"}, "")
-    tags = body.get("tags")
+    tags = parse_body(MemoryTags, body).tags
     if tags is None:
         return known
-    if not isinstance(tags, list) or not tags or not all(isinstance(t, str) for t in tags):
+    if not tags:
         raise InvalidRequest(f"tags: expected a non-empty list drawn from {list(known)}")
     bad = [t for t in tags if t not in known]
     if bad:

@@ -5,6 +5,9 @@ this one unchanged. Every request body is checked in protocol.py before it reach
 request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving.
 Admin endpoints (weight updates, cache flush) need `Authorization: Bearer <token>` when the engine
 was started with an admin token.
+What miles needs beyond SGLang's protocol is an extension, listed in /get_server_info as
+`miles_extensions`; with `sglang_only` (`miles serve --sglang-only true`) there are none and only
+SGLang's routes and fields are served, which is how miles is tested against SGLang's protocol.
 Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
 
     python -m miles.rollout.engine.server --model DIR --port 30000
@@ -25,8 +28,8 @@ from miles.net import UNAUTHORIZED, ServerThread, bearer_ok, bind, serve_app, ur
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.sampler import SamplingParams
-from miles.rollout.engine.types import MEMORY_TAGS, PAUSE_MODES, InvalidRequest
-from miles.rollout.engine.weight_api import build_weight_router
+from miles.rollout.engine.types import MEMORY_TAGS, InvalidRequest
+from miles.rollout.engine.weight_api import WeightRoutes
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +55,20 @@ def build_app(engine) -> FastAPI:
         return JSONResponse({"error": UNAUTHORIZED}, status_code=401)
 
     async def body_of(request: Request) -> dict:
-        return protocol.parse_json(await request.body())
+        raw = await request.body()
+        return protocol.parse_json(raw) if raw.strip() else {}  # SGLang's control routes take an empty body
+
+    weights = WeightRoutes(engine, require_admin)
+    miles_mode = not engine.config.sglang_only
 
     def model_info() -> dict:
         return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.model_path,
-                "is_generation": True, "weight_version": engine.weight_version}
+                "served_model_name": engine.config.model_path, "is_generation": True,
+                "weight_version": engine.weight_version}
 
     @app.post("/generate")
     async def generate(request: Request):
-        items, batched = protocol.parse_generate(await body_of(request), engine.tokenizer,
+        items, batched = protocol.parse_generate(protocol.parse_json(await request.body()), engine.tokenizer,
                                                  engine.config.default_max_new_tokens)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
         reqs = [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
@@ -99,49 +107,47 @@ def build_app(engine) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info():
         running, waiting = engine.num_requests()
-        return {**engine.config.public_dict(), **model_info(), "context_length": engine.context_length,
+        info = {**engine.config.public_dict(), **model_info(), "context_length": engine.context_length,
                 "vocab_size": engine.vocab_size, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "engine_stats": dict(engine.stats)}
+        if miles_mode:  # a plain SGLang server has no such key: no extensions
+            info["miles_extensions"] = weights.extensions()
+        return info
 
-    @app.get("/get_load")
-    async def get_load():
-        running, waiting = engine.num_requests()
-        return {"num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                "paused": engine.paused, "released": list(engine.released)}
+    if miles_mode:  # the `engine_load` extension: miles' own state routes
+        @app.get("/get_load")
+        async def get_load():
+            running, waiting = engine.num_requests()
+            return {"num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                    "paused": engine.paused, "released": list(engine.released)}
 
-    @app.get("/get_weight_version")
-    async def get_weight_version():
-        return {"weight_version": engine.weight_version}
+        @app.get("/get_weight_version")
+        async def get_weight_version():
+            return {"weight_version": engine.weight_version}
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await body_of(request)
-        rid, abort_all = body.get("rid"), body.get("abort_all", False)
-        if not isinstance(abort_all, bool):
-            raise InvalidRequest("abort_all: expected true or false")
-        if abort_all:
+        req = protocol.parse_body(protocol.Abort, await body_of(request))
+        if req.abort_all:
             require_admin(request)  # a client may abort its own request, only an admin everyone's
-        elif not isinstance(rid, str):
+        elif req.rid is None:
             raise InvalidRequest("rid: send the request id to abort, or abort_all=true")
-        engine.abort(None if abort_all else rid)
+        engine.abort(None if req.abort_all else req.rid)
         return {"success": True}
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         require_admin(request)
-        body = await body_of(request)
-        protocol.no_unknown(body, {"mode"})
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise InvalidRequest(f"mode: {mode!r} is not a pause mode; use one of {list(PAUSE_MODES)}")
+        mode = protocol.parse_body(protocol.PauseGeneration, await body_of(request)).mode
         await asyncio.to_thread(engine.pause, mode)
-        return {"success": True, "message": f"generation paused ({mode})"}
+        return {"success": True, "status": "ok", "message": f"generation paused ({mode})"}
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
         require_admin(request)
+        protocol.parse_body(protocol.ContinueGeneration, await body_of(request))
         engine.continue_generation()
-        return {"success": True, "message": "generation continued"}
+        return {"success": True, "status": "ok", "message": "generation continued"}
 
     def memory_route(name: str, act, done: str) -> None:
         """POST /<name>: an admin call that applies `act` to the memory tags in the body."""
@@ -160,14 +166,15 @@ def build_app(engine) -> FastAPI:
     async def metrics():
         return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
 
-    @app.post("/flush_cache")
-    async def flush_cache(request: Request):
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request, timeout: float = 0.0):
+        # SGLang's form: no body, an optional `timeout` query parameter (nothing here waits on it).
         require_admin(request)
         engine.flush_cache()
         return {"success": True, "message": "cache flushed"}
 
     # Weight routes: the shared ones and each registered transport's (miles/sync/transports/<name>.py).
-    app.include_router(build_weight_router(engine, require_admin))
+    app.include_router(weights.router)
     return app
 
 
@@ -192,12 +199,15 @@ def prometheus_text(engine) -> str:
          st["retracted_reqs"]),
         ("num_running_reqs", "gauge", "Requests in the running batch", running),
         ("num_waiting_reqs", "gauge", "Requests waiting for a batch slot", waiting),
-        ("weight_version", "gauge", "Weight version in force", engine.weight_version),
     ]
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP miles_engine_{name} {help_}", f"# TYPE miles_engine_{name} {kind}",
                 f"miles_engine_{name} {value}"]
+    # Versions are strings (labels), so they ride as a label of a constant gauge, Prometheus' info idiom.
+    label = str(engine.weight_version).replace("\\", "\\\\").replace('"', '\\"')
+    out += ["# HELP miles_engine_weight_version_info Weight version in force (as its label)",
+            "# TYPE miles_engine_weight_version_info gauge", f'miles_engine_weight_version_info{{version="{label}"}} 1']
     return "\n".join(out) + "\n"
 
 
@@ -236,6 +246,7 @@ def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -
 _SERVE_USAGE = """usage: miles serve --model DIR [--port P] [--host H] [--admin-token T] [--KEY VALUE ...]
 
 Serve a model with the built-in miles engine (SGLang-compatible HTTP API).
+--sglang-only true serves SGLang's routes and fields only (no miles extensions).
 Every engine setting is a flag, with dashes or underscores: --dtype bfloat16, --max-batch-size 64,
 --prefix-cache false (--port=P works too). --port 0 picks a free port and prints the URL;
 --no-prefix-cache and --no-reuse-weight-memory turn those off; --log-level sets Python logging."""

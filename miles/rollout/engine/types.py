@@ -53,9 +53,11 @@ class GenerateResult:
     output_ids: list[int]
     output_logprobs: list[float] | None  # one per output token, see sampler.py for the convention
     finish_reason: FinishReason
-    weight_version: int  # the version of the weights that produced the last token
+    weight_version: str  # the version of the weights that produced the last token (a string, as SGLang's)
     cached_tokens: int = 0  # prompt tokens whose KV was reused rather than computed
-    weight_versions: tuple[int, ...] = ()  # versions that produced tokens, in order (two if an update landed mid-way)
+    # (version, start, end) per run of output tokens one version produced, in order (two if an update
+    # landed mid-way): SGLang's meta_info.weight_versions spans.
+    weight_versions: tuple[tuple[str, int, int], ...] = ()
     routed_experts: str | None = None  # base64 int32 (prompt + completion - 1, MoE layers, top_k), see models/moe.py
 
     def to_sglang(self) -> dict:
@@ -66,7 +68,8 @@ class GenerateResult:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason.to_dict(),
             "weight_version": self.weight_version,
-            "weight_versions": list(self.weight_versions) or [self.weight_version],
+            "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in self.weight_versions]
+            or [{"version": self.weight_version, "start": 0, "end": 0}],
         }
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]

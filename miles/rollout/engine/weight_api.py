@@ -1,15 +1,19 @@
 """The engine's weight routes: the ones every transport shares, and a mount point for each
 transport's own (built from its Receiver in miles/sync/transports/<name>.py).
 
-Shared here:
-    POST /update_weights_from_disk    SGLang's {model_path} reloads a safetensors checkpoint; a
-         transport may add a load_format of its own (disk_delta: "miles_delta", {model_path: <version
-         dir>, commit: false} stages, {commit: true, weight_version} applies), and {reset_staging: true}
-         discards whatever is staged.
-    POST /weights_checker             {action: snapshot | reset_tensors | compare | checksum}
+Shared here (SGLang's routes, bodies as SGLang declares them, see protocol.py):
+    POST /update_weights_from_disk    {model_path, weight_version, flush_cache, ...} reloads a
+         safetensors checkpoint and applies it. With the `staged_commit` extension a transport may add a
+         load_format of its own (disk_delta: "miles_delta", {model_path: <version dir>, commit: false}
+         stages, {commit: true, weight_version} applies), and {reset_staging: true} discards staging.
+    POST /update_weight_version       {new_version} relabels the weights in force.
+    GET|POST /weights_checker         {action: snapshot | reset_tensors | compare | checksum}; the
+         `checked_weights` extension adds a noise seed, an expected checksum table and bucket checksums.
 The transports add, among others: /init_weights_update_group, /update_weights_from_distributed
 (broadcast), /update_weights_from_tensor (colocated, p2p), /p2p_open_buffer (p2p), /init_delta_base
-(disk_delta). All of them are admin endpoints. A refused update leaves the engine on its previous weights.
+(disk_delta). All of them are admin endpoints. A refused update leaves the engine on its previous
+weights and answers HTTP 400 {success: false, message}, as SGLang does.
+In SGLang-only mode (EngineConfig.sglang_only) only SGLang's routes and fields are served.
 """
 
 from __future__ import annotations
@@ -23,8 +27,25 @@ from miles.net import UNAUTHORIZED, bearer_ok
 from miles.rollout.engine import protocol
 from miles.rollout.engine.types import InvalidRequest
 
-_DISK_FIELDS = {"model_path", "load_format", "commit", "weight_version", "reset_staging", "flush_cache",
-                "abort_all_requests"}
+# The miles extensions every built-in engine in miles mode has, besides its transports' (their
+# Receivers' `extension`). Listed in /get_server_info as `miles_extensions`.
+BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load")
+
+# What each extension adds to SGLang's protocol: a route of its own (None) or fields on an SGLang
+# route. A client may send these only to an engine that advertises the extension (docs/sglang.md;
+# tests/e2e/test_sglang_conformance.py holds miles to it). Load-format values ("flattened_small",
+# "shm", "miles_delta") ride on SGLang's string `load_format` field.
+EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
+    "staged_commit": {"/update_weights_from_distributed": frozenset({"commit", "reset_staging"}),
+                      "/update_weights_from_disk": frozenset({"commit", "reset_staging"}),
+                      "/update_weights_from_tensor": frozenset({"commit", "reset_staging", "swap_buffers"})},
+    "flattened_small": {},
+    "checked_weights": {"/weights_checker": frozenset({"seed", "expected", "buckets"})},
+    "engine_load": {"/get_load": None, "/get_weight_version": None},
+    "p2p": {"/p2p_open_buffer": None, "/p2p_close_buffer": None},
+    "colocated": {"/update_weights_from_tensor": frozenset({"shm_path", "names", "dtypes", "shapes", "offsets"})},
+    "disk_delta": {"/init_delta_base": None},
+}
 
 
 class WeightRoutes:
@@ -35,14 +56,26 @@ class WeightRoutes:
         self.engine = engine
         self.weights = engine.receiver
         self.require_admin = require_admin  # the server's own admin check (SGLang's routes answer with it)
+        self.sglang_only = engine.config.sglang_only
         self.disk_formats: dict[str, Callable[[str], str]] = {}  # load_format -> stage(model_path) -> message
-        self.post("/update_weights_from_disk", self._from_disk, fields=_DISK_FIELDS)
-        self.post("/weights_checker", self._checker, fields={"action", "seed", "expected", "buckets"})
+        self.post("/update_weights_from_disk", self._from_disk, sglang=True)
+        self.post("/update_weight_version", self._relabel, sglang=True)
+        self.post("/weights_checker", self._checker, sglang=True, methods=["GET", "POST"])
         for part in self.weights.parts.values():
             part.mount(self)
 
+    def extensions(self) -> list[str]:
+        """The miles extensions this engine offers (none in SGLang-only mode)."""
+        if self.sglang_only:
+            return []
+        return [*BASE_EXTENSIONS, *(p.extension for p in self.weights.parts.values() if p.extension)]
+
+    def parse(self, sglang_model, miles_model, body: dict):
+        """The body as SGLang's model, or with the miles extension's fields unless in SGLang-only mode."""
+        return protocol.parse_body(sglang_model if self.sglang_only else miles_model, body)
+
     def post(self, path: str, handler: Callable[[dict], dict], *, fields: set[str] | None = None,
-             thread: bool = True, sglang: bool = False) -> None:
+             thread: bool = True, sglang: bool = False, methods: list[str] | None = None) -> None:
         """Serve `handler(body) -> reply` as an admin POST route, off the event loop unless thread=False.
         fields: the body's allowed keys. sglang: SGLang's routes, refused as the server's other admin
         routes are (their bodies are checked by protocol.parse_*)."""
@@ -52,12 +85,13 @@ class WeightRoutes:
                 self.require_admin(request)
             elif not bearer_ok(request.headers.get("authorization"), self.engine.config.admin_token):
                 raise HTTPException(401, UNAUTHORIZED)
-            body = protocol.parse_json(await request.body())
+            raw = await request.body()
+            body = protocol.parse_json(raw) if raw.strip() else {}  # SGLang's GET forms send no body
             if fields is not None:
                 protocol.no_unknown(body, fields)
             return await asyncio.to_thread(handler, body) if thread else handler(body)
 
-        self.router.post(path)(route)
+        self.router.add_api_route(path, route, methods=methods or ["POST"])
 
     def finish(self, body: dict, staged_msg: str) -> dict:
         """Commit if asked (the staged version becomes the served one, all at once)."""
@@ -88,14 +122,12 @@ class WeightRoutes:
         return v
 
     def _from_disk(self, body: dict) -> dict:
-        fmt = body.get("load_format")
-        path = body.get("model_path")
-        if path is not None and not isinstance(path, str):
-            raise InvalidRequest("model_path: expected a directory path")
+        req = self.parse(protocol.UpdateWeightFromDisk, protocol.MilesUpdateWeightFromDisk, body)
+        fmt, path = req.load_format, req.model_path
         receiver = self.weights
-        if self.flag(body, "reset_staging", False):
+        if getattr(req, "reset_staging", False):
             receiver.reset_staging()
-            if path is None and not self.flag(body, "commit", False):
+            if path is None and not req.commit:
                 return {"success": True, "message": "staging discarded"}
         if fmt in self.disk_formats:
             return self.finish(body, "nothing staged" if path is None else self.disk_formats[fmt](path))
@@ -111,13 +143,19 @@ class WeightRoutes:
             receiver.reset_staging()
             raise
         # SGLang's contract: a checkpoint load is applied at once.
-        return self.finish({**body, "commit": True}, f"loaded {n} tensors")
+        reply = self.finish({**body, "commit": True}, f"loaded {n} tensors")
+        return {**reply, "num_paused_requests": 0}
+
+    def _relabel(self, body: dict) -> dict:
+        req = protocol.parse_body(protocol.UpdateWeightVersion, body)
+        if req.abort_all_requests:
+            self.engine.abort()
+        self.engine.set_weight_version(req.new_version)
+        return {"success": True, "message": f"Weight version updated to {req.new_version}",
+                "new_version": req.new_version}
 
     def _checker(self, body: dict) -> dict:
-        action = body.get("action")
-        if not isinstance(action, str):
-            raise InvalidRequest("action: send one of snapshot, reset_tensors, compare, checksum")
-        return self.weights.check(action, body)
+        return self.weights.check(self.parse(protocol.CheckWeights, protocol.MilesCheckWeights, body))
 
 
 def build_weight_router(engine, require_admin: Callable[[Request], None]) -> APIRouter:
@@ -125,9 +163,7 @@ def build_weight_router(engine, require_admin: Callable[[Request], None]) -> API
     return WeightRoutes(engine, require_admin).router
 
 
-def _version(v) -> int | None:
-    if isinstance(v, str) and v.isdigit():  # SGLang sends versions as strings
-        v = int(v)
-    if v is not None and (type(v) is not int or v < 0):
-        raise InvalidRequest("weight_version: expected a non-negative integer")
+def _version(v) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise InvalidRequest(f"weight_version: expected a string (SGLang's versions are strings), got {v!r}")
     return v

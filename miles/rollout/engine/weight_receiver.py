@@ -54,9 +54,11 @@ class WeightReceiver:
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._snapshot: dict[str, torch.Tensor] | None = None
         self.parts: dict[str, TransportReceiver] = {}
+        self.sglang_only = engine.config.sglang_only
         for name in TRANSPORTS:
             receiver = TRANSPORTS.get(name).Receiver
-            if receiver is not None:
+            # In SGLang-only mode a transport that needs a miles extension has no end on this engine.
+            if receiver is not None and not (self.sglang_only and receiver.extension is not None):
                 self.parts[name] = receiver(self)
 
     def reset_staging(self) -> None:
@@ -68,7 +70,7 @@ class WeightReceiver:
         with self.lock:
             self._spares.clear()
 
-    def commit(self, weight_version: int | None, flush_cache: bool = True, swap_buffers: bool = False) -> int:
+    def commit(self, weight_version: str | None, flush_cache: bool = True, swap_buffers: bool = False) -> str:
         """Apply everything staged. swap_buffers: the sender will write its next version wherever
         `write_next` says, so a whole version staged in one lent buffer may be adopted in place."""
         with self.lock:
@@ -137,41 +139,49 @@ class WeightReceiver:
 
     # ---- weights checker -----------------------------------------------------------------------
 
-    def check(self, action: str, body: dict) -> dict:
-        """/weights_checker: snapshot | reset_tensors | compare | checksum (see miles/sync/verify.py)."""
+    def check(self, req) -> dict:
+        """/weights_checker (SGLang's actions; a MilesCheckWeights body adds the extension's forms):
+        snapshot | reset_tensors (noise, see miles/sync/verify.py) | compare (with the snapshot, or with
+        an `expected` checksum table) | checksum (per tensor, or per bucket of `buckets`).
+        A compare that finds a difference is refused (HTTP 400), as SGLang refuses it."""
         model = self.engine.model
+        action = req.action
+        expected, buckets = getattr(req, "expected", None), getattr(req, "buckets", None)
         with self.engine.model_lock, torch.no_grad():
             if action == "snapshot":
                 self._snapshot = {n: t.clone() for n, t in verify.unique_tensors(model).items()}
-                return {"success": True, "tensors": len(self._snapshot)}
+                return {"success": True, "message": f"snapshot of {len(self._snapshot)} tensors",
+                        "tensors": len(self._snapshot)}
             if action == "reset_tensors":
-                seed = body.get("seed", 0)
-                if type(seed) is not int:
-                    raise WeightUpdateError("seed: expected an integer")
-                return {"success": True, "tensors": verify.noise_fill_(model, seed)}
+                n = verify.noise_fill_(model, getattr(req, "seed", 0))
+                return {"success": True, "message": f"reset {n} tensors", "tensors": n}
+            if action == "compare" and expected is None:
+                if self._snapshot is None:
+                    raise WeightUpdateError("compare: no snapshot taken; send action 'snapshot' first")
+                snapshot, self._snapshot = self._snapshot, None  # SGLang's checker drops it after use
+                now = verify.unique_tensors(model)
+                diff = [n for n, t in snapshot.items() if not torch.equal(t, now[n])]
+                if diff:
+                    raise WeightUpdateError(f"check tensor equality failed: {len(diff)} tensor(s) differ from "
+                                            f"the snapshot: {', '.join(diff[:8])}")
+                return {"success": True, "message": f"{len(now)} tensors equal the snapshot", "checked": len(now)}
             if action == "compare":
-                expected = body.get("expected")
-                if expected is None:  # SGLang's form: compare against the last snapshot
-                    if self._snapshot is None:
-                        raise WeightUpdateError("compare: no snapshot taken; send action 'snapshot' first or "
-                                                "pass 'expected': {name: [dtype, xxh3_128]}")
-                    now = verify.unique_tensors(model)
-                    diff = [n for n, t in self._snapshot.items() if not torch.equal(t, now[n])]
-                    return {"success": not diff, "mismatched": diff, "missing": [], "unexpected": [],
-                            "checked": len(now)}
-                if not isinstance(expected, dict) or not all(
-                        isinstance(v, list) and len(v) == 2 and _parse_dtype(v[0]) is not None
-                        for v in expected.values()):
+                if not all(len(v) == 2 and _parse_dtype(v[0]) is not None for v in expected.values()):
                     raise WeightUpdateError("expected: send {name: [dtype, xxh3_128 hex digest]}")
                 r = verify.engine_checksums(model, expected)
                 return {"success": not (r["mismatched"] or r["missing"] or r["unexpected"]), **r}
+            if action == "checksum" and buckets is None:
+                sums = {n: verify.tensor_checksum(t) for n, t in verify.unique_tensors(model).items()}
+                overall = verify.checksum_of_table(sums)
+                info = {"checksums": sums, "per_gpu_checksum": overall, "parallelism_info": {
+                    "role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                    "pp_size": 1, "rank": 0, "size": 1}}
+                return {"success": True, "message": f"checksums of {len(sums)} tensors", "ranks": [info],
+                        "per_engine_checksum": verify.checksum_of_table({"0": overall})}
             if action == "checksum":
-                buckets = body.get("buckets")
                 meta = self.engine.param_meta
-                if not isinstance(buckets, list) or not all(
-                        isinstance(b, list) and all(isinstance(e, list) and len(e) == 2 and e[0] in meta
-                                                    and _parse_dtype(e[1]) is not None for e in b)
-                        for b in buckets):
+                if not all(all(len(e) == 2 and e[0] in meta and _parse_dtype(e[1]) is not None for e in b)
+                           for b in buckets):
                     raise WeightUpdateError("buckets: send [[[name, dtype], ...], ...] with names of this model")
                 return {"success": True, "checksums": verify.engine_bucket_checksums(model, buckets)}
         raise WeightUpdateError(f"action: {action!r} is unknown; use snapshot, reset_tensors, compare or checksum")

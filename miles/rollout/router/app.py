@@ -24,6 +24,7 @@ from miles.net import UNAUTHORIZED, ServerProcess, ServerThread, bearer_ok, bind
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.policy import Router
+from miles.versions import to_wire
 
 # Paths that act on every engine at once rather than on one chosen engine.
 _BROADCAST_PATHS = ("/abort_request", "/flush_cache")
@@ -79,7 +80,8 @@ def build_app(router: Router):
 
     @app.get("/get_weight_version")
     async def get_weight_version():
-        return {"weight_version": router.current_version()}
+        version = router.current_version()
+        return {"weight_version": None if version is None else to_wire(version)}
 
     @app.get("/get_load")
     async def get_load():

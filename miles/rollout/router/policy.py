@@ -7,7 +7,7 @@ a multi-turn episode returns to the engine holding its prefix KV; if that engine
 key moves.
 
 Liveness (the `health` section, shared with the engine fleet): every `interval_s` each engine's
-/health and /get_weight_version are read. After `failure_threshold` consecutive failures (health
+/health and /get_model_info (its weight_version) are read. After `failure_threshold` consecutive failures (health
 checks or requests that failed before an answer) an engine is quarantined: it gets no new requests.
 It is re-admitted once healthy again AND at the fleet's current weight version, so an engine that
 restarted from an old checkpoint cannot serve stale weights. A request whose engine fails before
@@ -32,6 +32,7 @@ from miles.net import bearer_headers
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.upstream import TimedOut, Unreachable, Upstream
+from miles.versions import from_wire
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +211,9 @@ class Router:
             status, _, _ = await self.client().request("GET", w.url + "/health", timeout=timeout)
             if status != 200:
                 raise RuntimeError(f"/health answered {status}")
-            status, content, _ = await self.client().request("GET", w.url + "/get_weight_version", timeout=timeout)
-            version = json.loads(content).get("weight_version") if status == 200 else None
-            if isinstance(version, str) and version.isdigit():  # SGLang reports versions as strings
-                version = int(version)
+            # SGLang's route for the version in force (a string; "default" before any update).
+            status, content, _ = await self.client().request("GET", w.url + "/get_model_info", timeout=timeout)
+            version = from_wire(json.loads(content).get("weight_version")) if status == 200 else None
         except Exception as exc:  # noqa: BLE001 - any failure is a failed check
             self.record_failure(w, f"health check: {type(exc).__name__}: {exc}")
             return

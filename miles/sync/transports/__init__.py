@@ -3,6 +3,7 @@
 broadcast: one collective per bucket from the trainer's source to every engine.
 p2p: each engine gets its own channel (shared memory on this host, point-to-point sends across hosts).
 disk_delta: only the changed bytes, via files every host patches its local copy with.
+disk: every version as a full checkpoint, loaded by SGLang's /update_weights_from_disk.
 colocated: engines on the trainer's machine read buckets from shared memory the trainer hands over.
 
 Each entry is one file holding its Sender, Receiver and Config; a user's transport is given as
@@ -22,6 +23,7 @@ TRANSPORTS.register("broadcast", "miles.sync.transports.broadcast:BroadcastTrans
 TRANSPORTS.register("p2p", "miles.sync.transports.p2p:P2PTransport")
 TRANSPORTS.register("disk_delta", "miles.sync.transports.disk_delta:DiskDeltaTransport")
 TRANSPORTS.register("colocated", "miles.sync.transports.colocated:ColocatedTransport")
+TRANSPORTS.register("disk", "miles.sync.transports.disk:DiskTransport")
 
 
 def get_transport(name: str, **kwargs) -> Transport:

@@ -74,6 +74,11 @@ class TransportReceiver:
     transport keeps between versions; each defaults to "nothing of mine".
     """
 
+    extension: ClassVar[str | None] = None
+    """The miles extension this end adds to the engine (advertised in /get_server_info as one of
+    `miles_extensions`), or None when it only serves SGLang's own routes. An engine in SGLang-only
+    mode builds no Receiver that has one."""
+
     def __init__(self, weights: Any):
         self.weights = weights
 

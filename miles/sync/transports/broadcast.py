@@ -8,6 +8,11 @@ tensors would cost one more full copy of the bucket on the sender for no saving 
 "flattened_bucket" (SGLang's) flattens everything. Engines reply only after their receive
 completes, so collecting the replies is also the barrier.
 
+Against engines without miles' `staged_commit` extension (plain SGLang servers) each bucket is one
+SGLang request that applies what it carries (load_format "flattened_bucket", flush_cache false), and
+commit() labels the version (/update_weight_version) and flushes the cache (/flush_cache); the
+updater pauses the engines around the whole push, since SGLang has no staging.
+
 Who waits on whom: connect() and send_bucket() block until every engine has replied; an engine
 blocks in its receive until the broadcast arrives. If an engine refuses before joining the collective
 (bad token, unsizeable metadata) the broadcast cannot complete: the error is raised at once and the
@@ -43,6 +48,7 @@ from miles.sync import verify
 from miles.sync.engine_client import reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.versions import to_wire
 
 if TYPE_CHECKING:
     import torch
@@ -90,6 +96,8 @@ class BroadcastTransport:
         if load_format not in ("flattened_small", "flattened_bucket"):
             raise ValueError(f"load_format {load_format!r}: use 'flattened_small' or 'flattened_bucket'")
         self.load_format = load_format
+        self.wire_format = load_format  # what the engines get: load_format if they all offer it (connect)
+        self.staged = True  # the engines stage buckets until commit (miles' `staged_commit` extension)
         self.engine_urls: list[str] = []
         self._store = None
         self._pg = None
@@ -108,6 +116,10 @@ class BroadcastTransport:
         import torch.distributed as dist
 
         self._http = reconnect(self, engine_urls, self.timeout_s + 30)
+        extensions = self._http.extensions(self.engine_urls)
+        self.staged = "staged_commit" in extensions  # else SGLang's apply-as-you-go form
+        self.wire_format = self.load_format if self.load_format in extensions | {"flattened_bucket"} \
+            else "flattened_bucket"
         world = 1 + len(self.engine_urls)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # wait_for_workers=False: engines connect only after our POSTs reach them.
@@ -145,12 +157,14 @@ class BroadcastTransport:
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "group_name": self.group_name,
-            "load_format": self.load_format,
-            "commit": False,
-            "reset_staging": self._fresh,
+            "load_format": self.wire_format,
         }
+        if self.staged:
+            meta.update(commit=False, reset_staging=self._fresh)
+        else:  # applied at once; the cache is flushed once, when the version is complete
+            meta.update(flush_cache=False)
         raw = [t.reshape(-1).view(torch.uint8) for t in tensors]
-        if self.load_format == "flattened_bucket":
+        if self.wire_format == "flattened_bucket":
             messages = [torch.cat(raw)]  # (total_bytes,) uint8, each tensor's bytes in bucket order
         else:
             small = [r for r in raw if r.numel() < SPLIT_BYTES]
@@ -179,6 +193,9 @@ class BroadcastTransport:
 
     def commit(self, weight_version: int) -> None:
         self._check_usable()
+        if not self.staged:
+            self._commit_plain(weight_version)
+            return
         if self._version_failed:
             # Committing the buckets that did arrive would publish a version that never existed.
             self._version_failed, self._fresh = False, True
@@ -189,12 +206,24 @@ class BroadcastTransport:
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed "
                                  "to reach every engine; engines keep their previous weights")
         body = {"names": [], "dtypes": [], "shapes": [], "group_name": self.group_name,
-                "load_format": "flattened_bucket", "commit": True, "weight_version": int(weight_version),
+                "load_format": "flattened_bucket", "commit": True, "weight_version": to_wire(weight_version),
                 "reset_staging": self._fresh}
         replies = [_spawn(self._post, url, "/update_weights_from_distributed", body)
                    for url in self.engine_urls]
         self._fresh = True
         self._wait(None, replies, f"committing weight version {weight_version}")
+
+    def _commit_plain(self, weight_version: int) -> None:
+        """SGLang has applied every bucket already: label the version and drop KV of the old one."""
+        if self._version_failed:
+            self._version_failed = False
+            raise TransportError(f"weight version {weight_version} failed to reach every engine; SGLang applies "
+                                 "buckets as they arrive, so engines hold part of it until the next push")
+        label = {"new_version": to_wire(weight_version), "abort_all_requests": False}
+        # /flush_cache takes no body in SGLang; it succeeds while paused (the queue is ignored then).
+        for path, body in (("/update_weight_version", label), ("/flush_cache", None)):
+            replies = [_spawn(self._post, url, path, body) for url in self.engine_urls]
+            self._wait(None, replies, f"committing weight version {weight_version} ({path})")
 
     def close(self) -> None:
         if self._http is not None and self._pg is not None and self._broken is None:
@@ -263,40 +292,48 @@ class BroadcastReceiver(TransportReceiver):
     def __init__(self, weights):
         super().__init__(weights)
         self._groups: dict[str, _Group] = {}
+        self._api = None  # the engine's weight routes, set by mount
 
     def mount(self, api) -> None:
         # SGLang's routes: their bodies are checked by protocol.parse_*, unauthorized as the server's.
+        self._api = api
         api.post("/init_weights_update_group", self._init_route, sglang=True)
         api.post("/destroy_weights_update_group", self._destroy_route, sglang=True, thread=False)
         api.post("/update_weights_from_distributed", self._update_route, sglang=True)
 
     def _init_route(self, body: dict) -> dict:
         # Joining blocks until every member arrives (the caller runs this off the event loop).
-        req = protocol.parse_init_group(body)
+        req = protocol.parse_body(protocol.InitWeightsUpdateGroup, body)
         message = self.init_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
                                   req.group_name, req.backend)
         return {"success": True, "message": message}
 
     def _destroy_route(self, body: dict) -> dict:
-        self.destroy_group(body.get("group_name", "weight_update_group"))
+        self.destroy_group(protocol.parse_body(protocol.DestroyWeightsUpdateGroup, body).group_name)
         return {"success": True, "message": "group destroyed"}
 
     def _update_route(self, body: dict) -> dict:
-        req = protocol.parse_update_weights(body)
-        if req.reset_staging:
+        req = self._api.parse(protocol.UpdateWeightsFromDistributed, protocol.MilesUpdateWeightsFromDistributed,
+                              body)
+        commit = getattr(req, "commit", True)  # SGLang's form: every request applies what it carries
+        if getattr(req, "reset_staging", False):
             self.weights.reset_staging()
+        if req.load_format == "flattened_small" and self._api.sglang_only:
+            raise WeightUpdateError("load_format: 'flattened_small' is a miles extension, not served in SGLang-only "
+                                    "mode; use 'flattened_bucket' or null")
         try:
             self.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format)
         except WeightUpdateError:
-            if req.commit:  # this request closed its version (SGLang single-shot); it failed as a whole
+            if commit:  # this request closed its version (SGLang single-shot); it failed as a whole
                 self.weights.reset_staging()
             raise
-        if not req.commit:
+        if not commit:
             return {"success": True, "message": f"staged {len(req.names)} tensors"}
         if req.abort_all_requests:
             self.weights.engine.abort()
         version = self.weights.commit(req.weight_version, flush_cache=req.flush_cache)
-        return {"success": True, "message": f"weights updated to version {version}", "weight_version": version}
+        reply = {"success": True, "message": f"Succeeded to update parameter online (version {version})."}
+        return reply if self._api.sglang_only else {**reply, "weight_version": version}
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str = "weight_update_group", backend: str = "gloo") -> str:

@@ -19,6 +19,7 @@ from miles.sync import shm
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.versions import to_wire
 from miles.sync.transports.p2p import is_local
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class ColocatedTransport:
                                  "engines keep their previous weights")
         self._client.post_all(self.engine_urls, "/update_weights_from_tensor",
                               {"names": [], "load_format": "shm", "commit": True,
-                               "weight_version": int(weight_version)})
+                               "weight_version": to_wire(weight_version)})
 
     def close(self) -> None:
         if self._path is not None:
@@ -106,6 +107,8 @@ _TENSOR_FIELDS = {"load_format", "shm_path", "names", "dtypes", "shapes", "offse
 
 class ColocatedReceiver(TransportReceiver):
     """The engine's end: stage buckets out of shared memory on this host (/update_weights_from_tensor)."""
+
+    extension = "colocated"
 
     def __init__(self, weights):
         super().__init__(weights)

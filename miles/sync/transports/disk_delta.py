@@ -42,6 +42,7 @@ from miles.config.loader import ConfigError
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.versions import to_wire
 
 if TYPE_CHECKING:
     import torch
@@ -358,7 +359,7 @@ class DiskDeltaTransport:
             raise TransportError(f"weight version {version} refused, no engine reloaded, every engine keeps "
                                  f"version {self._version}: {exc}") from None
         self._client.post_all(self.engine_urls, "/update_weights_from_disk",
-                              {"load_format": "miles_delta", "commit": True, "weight_version": version})
+                              {"load_format": "miles_delta", "commit": True, "weight_version": to_wire(version)})
         self._prev.update(self._pending)
         self._version = version
         self._begin()
@@ -396,6 +397,8 @@ class DiskDeltaTransport:
 
 class DiskDeltaReceiver(TransportReceiver):
     """The engine's end: the host's local copy, patched by each delta into staging."""
+
+    extension = "disk_delta"
 
     def __init__(self, weights):
         super().__init__(weights)

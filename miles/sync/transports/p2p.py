@@ -33,6 +33,7 @@ from miles.sync import shm
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.versions import to_wire
 from miles.sync.transports.broadcast import BroadcastTransport
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ class P2PTransport:
                     pass  # tcp engines refuse their own commit: that is the point
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed ({why}); "
                                  "engines keep their previous weights")
-        body = {**layout, "load_format": "shm", "commit": True, "weight_version": int(weight_version),
+        body = {**layout, "load_format": "shm", "commit": True, "weight_version": to_wire(weight_version),
                 "reset_staging": fresh, "swap_buffers": True}
         replies, *_ = self._client.run_all(
             [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor",
@@ -213,6 +214,8 @@ def _empty_layout() -> dict[str, list]:
 
 class P2PReceiver(TransportReceiver):
     """The engine's end: shared-memory buffers this engine owns and lends a p2p sender."""
+
+    extension = "p2p"
 
     def __init__(self, weights):
         super().__init__(weights)

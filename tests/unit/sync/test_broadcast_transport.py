@@ -16,6 +16,7 @@ import torch.distributed as dist
 from miles.net import free_port
 from miles.sync.transports import TRANSPORTS, TransportError, get_transport
 from miles.sync.transports.broadcast import BroadcastTransport
+from miles.versions import from_wire
 
 PROMPTS = ["47+38=", "The trainer computes", "999+1="]
 N_NEW = 16
@@ -85,7 +86,10 @@ def _reference(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
 
 
 def _version(url: str) -> int:
-    return httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+    """The engine's weight version: a string on the wire (SGLang's type), read back as the step."""
+    v = httpx.get(f"{url}/get_model_info").json()["weight_version"]
+    assert isinstance(v, str), v
+    return from_wire(v)
 
 
 def test_registry_names_the_choices():
@@ -124,7 +128,7 @@ def test_push_in_buckets_then_commit_switches_every_engine(default_group, engine
             assert got["output_ids"] == out_ids
             torch.testing.assert_close(torch.tensor([lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]]),
                                        lps, atol=1e-5, rtol=0)
-            assert got["meta_info"]["weight_version"] == 7
+            assert got["meta_info"]["weight_version"] == "7"
     # The trainer's own default group was neither used nor disturbed.
     x = torch.ones(2)
     dist.all_reduce(x)

@@ -104,7 +104,7 @@ def test_damaged_delta_is_refused_and_no_engine_reloads(corrupt, delta, engine_p
     _send(delta, good)
     delta.commit(1)
     before = [_generate(u) for u in urls]
-    assert [b["meta_info"]["weight_version"] for b in before] == [1, 1]
+    assert [b["meta_info"]["weight_version"] for b in before] == ["1", "1"]
 
     _send(delta, _state(base_model_dir, seed=7))
     vdir = delta.write(2)
@@ -117,7 +117,7 @@ def test_damaged_delta_is_refused_and_no_engine_reloads(corrupt, delta, engine_p
         assert "tensor 'model." in msg  # names the tensor
     for url, b in zip(urls, before):
         after = _generate(url)
-        assert after["meta_info"]["weight_version"] == 1
+        assert after["meta_info"]["weight_version"] == "1"
         assert after["output_ids"] == b["output_ids"]
         assert after["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
     engine_state = engine_thread.engine.model.state_dict()
@@ -128,7 +128,7 @@ def test_damaged_delta_is_refused_and_no_engine_reloads(corrupt, delta, engine_p
     _send(delta, newer)
     delta.commit(3)
     assert all(torch.equal(engine_state[n], t) for n, t in newer.items())
-    assert _generate(urls[0])["meta_info"]["weight_version"] == 3
+    assert _generate(urls[0])["meta_info"]["weight_version"] == "3"
 
 
 def test_failed_write_refuses_the_commit(delta, engine_thread, base_model_dir, monkeypatch):

@@ -14,6 +14,7 @@ import torch
 from miles.sync.prepare import SyncConfig, push_weights
 from miles.sync.transports import TRANSPORTS, get_transport
 from miles.sync.verify import VerificationError, tensor_checksum
+from miles.versions import from_wire
 
 
 def _perturbed_state(model_dir: str, seed: int) -> dict[str, torch.Tensor]:
@@ -31,7 +32,10 @@ def _perturbed_state(model_dir: str, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _version(url: str) -> int:
-    return httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+    """The engine's weight version: a string on the wire (SGLang's type), read back as the step."""
+    v = httpx.get(f"{url}/get_model_info").json()["weight_version"]
+    assert isinstance(v, str), v
+    return from_wire(v)
 
 
 def _assert_engine_holds(server, state: dict[str, torch.Tensor]) -> None:
@@ -47,10 +51,12 @@ def _kwargs(name: str, admin_token: str, base_model_dir: str, tmp_path) -> dict:
         return {"mode": "tcp", "admin_token": admin_token}
     if name == "colocated":
         return {"admin_token": admin_token, "buffer_bytes": 1 << 16}
+    if name == "disk":
+        return {"admin_token": admin_token, "disk_dir": str(tmp_path / "weights"), "base_path": base_model_dir}
     return {"admin_token": admin_token, "delta_dir": str(tmp_path / "deltas"), "base_path": base_model_dir}
 
 
-@pytest.mark.parametrize("name", ["p2p-shm", "p2p-tcp", "colocated", "disk_delta"])
+@pytest.mark.parametrize("name", ["p2p-shm", "p2p-tcp", "colocated", "disk_delta", "disk"])
 def test_transport_delivers_exact_bytes(name, engine_proc, engine_thread, base_model_dir, admin_token, tmp_path):
     transport = get_transport(name.split("-")[0], **_kwargs(name, admin_token, base_model_dir, tmp_path))
     urls = [engine_proc.url, engine_thread.url]
@@ -121,7 +127,7 @@ def test_verified_updates_pass_and_later_ones_use_bucket_checksums(engine_thread
         # Engines were held during the noise-filled window and are generating again.
         assert httpx.get(f"{engine_thread.url}/get_load").json()["paused"] is False
         assert httpx.post(f"{engine_thread.url}/generate", json={"input_ids": [5, 6], "sampling_params": {
-            "max_new_tokens": 2}}, timeout=60).json()["meta_info"]["weight_version"] == 31
+            "max_new_tokens": 2}}, timeout=60).json()["meta_info"]["weight_version"] == "31"
         second = updater.push(iter(_perturbed_state(base_model_dir, seed=4).items()), version=32)
         assert second["sync/verified_buckets"] == second["sync/buckets"] >= 1
         # The engine is fp32, the wire bf16: the engine holds exactly the upcast bf16 values.
@@ -131,8 +137,10 @@ def test_verified_updates_pass_and_later_ones_use_bucket_checksums(engine_thread
         updater.close()
 
 
-def test_registry_lists_all_four_transports():
-    assert set(TRANSPORTS) == {"broadcast", "p2p", "disk_delta", "colocated"}
+
+
+def test_registry_lists_every_transport():
+    assert set(TRANSPORTS) == {"broadcast", "p2p", "disk_delta", "disk", "colocated"}
 
 
 def test_broadcast_sends_large_tensors_unflattened_and_exact(engine_thread, base_model_dir, admin_token, monkeypatch):

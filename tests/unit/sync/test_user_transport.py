@@ -42,7 +42,7 @@ def test_a_user_transport_from_the_run_config_delivers_and_commits(engine_thread
     finally:
         updater.close()
     assert metrics["sync/buckets"] >= 2 and metrics["sync/verified_tensors"] == len(state)
-    assert engine.weight_version == 77
+    assert engine.weight_version == "77"
     served = engine.model.state_dict()
     assert all(torch.equal(served[n], t) for n, t in state.items())
     assert updater.transport.written and all("usertest" in p for p in updater.transport.written)

@@ -88,7 +88,7 @@ def test_bad_item_rejects_the_whole_batch_before_any_runs(client):
 def test_admin_endpoints_need_the_token(client, path, body):
     assert client.post(path, json=body).status_code == 401
     assert client.post(path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert client.get("/get_weight_version").json()["weight_version"] == 0
+    assert client.get("/get_weight_version").json()["weight_version"] == "default"
 
 
 def test_flush_cache_with_token(client, admin_token):

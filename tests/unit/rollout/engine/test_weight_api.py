@@ -21,13 +21,36 @@ def test_reload_from_disk_and_checker_snapshot_compare(post, engine_thread, base
 
     assert post("/weights_checker", {"action": "reset_tensors", "seed": 3}).json()["success"]
     assert post("/weights_checker", {"action": "snapshot"}).json()["success"]
-    r = post("/update_weights_from_disk", {"model_path": base_model_dir, "weight_version": 50})
-    assert r.status_code == 200 and r.json()["weight_version"] == 50, r.text
+    r = post("/update_weights_from_disk", {"model_path": base_model_dir, "weight_version": "50"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "50", r.text
+    assert r.json()["success"] is True and r.json()["num_paused_requests"] == 0  # SGLang's reply
     base = load_model(base_model_dir).state_dict()
     engine = engine_thread.engine.model.state_dict()
     assert all(torch.equal(engine[n], t) for n, t in base.items())
-    diff = post("/weights_checker", {"action": "compare"}).json()
-    assert not diff["success"] and len(diff["mismatched"]) == diff["checked"]  # every tensor was rewritten
+    diff = post("/weights_checker", {"action": "compare"})  # SGLang's answer to a difference: 400
+    assert diff.status_code == 400 and not diff.json()["success"], diff.text
+    assert "differ from the snapshot" in diff.json()["message"]  # every tensor was rewritten
+    again = post("/weights_checker", {"action": "compare"})  # the snapshot is used up, as in SGLang
+    assert again.status_code == 400 and "no snapshot" in again.json()["message"]
+
+
+def test_weight_version_is_a_string_relabelled_by_update_weight_version(post, engine_thread):
+    r = post("/update_weights_from_disk", {"model_path": "/x", "weight_version": 3})
+    assert r.status_code == 400 and "weight_version" in r.json()["error"], r.text
+    r = post("/update_weight_version", {"new_version": "v7", "abort_all_requests": False})
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Weight version updated to v7",
+                                                 "new_version": "v7"}
+    assert httpx.get(engine_thread.url + "/get_model_info").json()["weight_version"] == "v7"
+
+
+def test_checker_checksum_in_sglang_form(post):
+    r = post("/weights_checker", {"action": "checksum"})
+    body = r.json()
+    assert r.status_code == 200 and body["success"] and isinstance(body["per_engine_checksum"], str)
+    sums = body["ranks"][0]["checksums"]
+    assert "model.norm.weight" in sums and all(isinstance(v, str) for v in sums.values())
+    post("/weights_checker", {"action": "reset_tensors", "seed": 1})
+    assert post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"] != body["per_engine_checksum"]
 
 
 @pytest.mark.parametrize("path, body, needle", [

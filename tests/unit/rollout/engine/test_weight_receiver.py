@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from miles.versions import from_wire
+
 TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -25,7 +27,7 @@ class RawTrainer:
         self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
         reply = self.pool.submit(self.post, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": self.store.port, "rank_offset": 1, "world_size": 2,
-            "group_name": group_name})
+            "group_name": group_name, "backend": "gloo"})
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, self.store), 0, 2, TIMEOUT)
         assert reply.result().status_code == 200, reply.result().text
 
@@ -59,8 +61,8 @@ def test_single_shot_update_applies_and_sets_version(trainer, engine_thread):
            "model.layers.1.input_layernorm.weight": torch.full((128,), 2.0)}
     r = trainer.update(new, weight_version="12")  # SGLang sends versions as strings
     assert r.status_code == 200, r.text
-    assert r.json()["weight_version"] == 12
-    assert httpx.get(engine_thread.url + "/get_weight_version").json() == {"weight_version": 12}
+    assert r.json()["weight_version"] == "12"
+    assert httpx.get(engine_thread.url + "/get_model_info").json()["weight_version"] == "12"
     for name, t in new.items():
         assert torch.equal(_param(engine_thread, name), t)
 
@@ -77,7 +79,7 @@ def test_wrong_shape_after_receive_keeps_group_in_step(trainer, engine_thread):
     r = trainer.update({"model.norm.weight": torch.full((128,), 0.25)})
     assert r.status_code == 200, r.text
     assert torch.equal(_param(engine_thread, "model.norm.weight"), torch.full((128,), 0.25))
-    assert engine_thread.engine.weight_version == version + 1  # no version given: incremented
+    assert engine_thread.engine.weight_version == version  # no version given: SGLang keeps the label
 
 
 def test_non_finite_weights_are_refused(trainer, engine_thread):
@@ -94,10 +96,10 @@ def test_staged_buckets_wait_for_commit(trainer, engine_thread):
     r = trainer.update({"model.norm.weight": torch.full((128,), 3.0)}, commit=False, reset_staging=True)
     assert r.status_code == 200, r.text
     assert torch.equal(_param(engine_thread, "model.norm.weight"), before)
-    r = trainer.post("/update_weights_from_distributed", {"names": [], "commit": True, "weight_version": 40})
+    r = trainer.post("/update_weights_from_distributed", {"names": [], "commit": True, "weight_version": "40"})
     assert r.status_code == 200, r.text
     assert torch.equal(_param(engine_thread, "model.norm.weight"), torch.full((128,), 3.0))
-    assert engine_thread.engine.weight_version == 40
+    assert engine_thread.engine.weight_version == "40"
 
 
 def test_every_output_matches_the_version_it_reports(trainer, engine_thread):
@@ -127,14 +129,14 @@ def test_every_output_matches_the_version_it_reports(trainer, engine_thread):
         t.start()
     while len(results) < 6:  # the race only means something once requests are flowing
         time.sleep(0.005)
-    r = trainer.update(new, weight_version=old_v + 1)
+    r = trainer.update(new, weight_version=str(from_wire(old_v) + 1))
     results.append(logprob_now())
     stop.set()
     for t in threads:
         t.join()
     assert r.status_code == 200, r.text
     new_lp, new_v = logprob_now()
-    assert new_v == old_v + 1 and abs(new_lp - old_lp) > 1e-3
+    assert new_v == str(from_wire(old_v) + 1) and abs(new_lp - old_lp) > 1e-3
     for lp, v in results:
         assert v in (old_v, new_v)
         assert lp == pytest.approx(old_lp if v == old_v else new_lp, abs=1e-6)
@@ -207,7 +209,7 @@ def test_p2p_versions_land_in_alternating_buffers_without_touching_served_weight
             transport.commit(version)
             state = engine.model.state_dict()
             assert all(torch.equal(state[n], t) for n, t in new.items())
-            assert engine.weight_version == version
+            assert engine.weight_version == str(version)
             ptrs.append(_ptr(engine_thread, name))
         assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0]
     finally:

@@ -88,7 +88,7 @@ def test_proxy_keeps_every_request_and_response_field_byte_for_byte():
     async def health():
         return {"ok": True}
 
-    @app.get("/get_weight_version")
+    @app.get("/get_model_info")
     async def version():
         return {"weight_version": "7"}
 
@@ -101,7 +101,7 @@ def test_proxy_keeps_every_request_and_response_field_byte_for_byte():
         assert resp.status_code == 200
         assert resp.content == answer
         assert seen == [sent]
-        assert httpx.get(r.url + "/get_weight_version").json() == {"weight_version": 7}
+        assert httpx.get(r.url + "/get_weight_version").json() == {"weight_version": "7"}
     finally:
         r.stop()
         edge.stop()

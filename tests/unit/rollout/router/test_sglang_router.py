@@ -51,7 +51,7 @@ def test_sglang_router_serves_built_in_engines(engines, sglang_router):
     got, want = out["meta_info"]["output_token_logprobs"], direct["meta_info"]["output_token_logprobs"]
     assert [t for _, t, _ in got] == [t for _, t, _ in want]
     assert all(abs(a[0] - b[0]) < 1e-5 for a, b in zip(got, want))
-    assert out["meta_info"]["weight_version"] == 0
+    assert out["meta_info"]["weight_version"] == "default"
     many = [httpx.post(url + "/generate", json={**body, "rid": f"sg-{i}"}, timeout=60) for i in range(6)]
     assert all(m.status_code == 200 and m.json()["output_ids"] == direct["output_ids"] for m in many)
 

@@ -1,0 +1,175 @@
+"""miles speaks SGLang's protocol as SGLang's own source defines it (sglang==0.5.23, read with `ast`
+by tests/helpers/sglang_protocol.py; nothing of SGLang is imported).
+
+1. A real `miles train` run against a built-in engine in SGLang-only mode (no miles extension
+   offered), through a recording proxy: every request miles sends goes to a route SGLang has, by a
+   method SGLang serves, with only fields SGLang declares, each of the JSON type SGLang declares.
+   The runs cover generation, evaluation, the broadcast and the full-disk weight sync with
+   pause/continue around them, and SGLang's verification flow (weights_checker snapshot,
+   reset_tensors, compare, checksum). In miles mode, every request that departs from SGLang's
+   protocol is part of an extension the engine advertised (broadcast, p2p, disk_delta runs).
+2. The built-in engine answers SGLang's request shapes with the status codes SGLang's handlers use,
+   on success and on a failed update.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers.recording_proxy import RecordingProxy
+from tests.helpers.runs import small_config
+from tests.helpers.sglang_protocol import fetch_wheel, matches, read_protocol
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "conformance-token"
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    return read_protocol(fetch_wheel())
+
+
+def _violations(proto, recorded) -> list[tuple[str, str | None, str]]:
+    """(path, field or None for the route itself, what is wrong) for every departure from SGLang's protocol."""
+    bad = []
+    for r in recorded:
+        where = f"{r.method} {r.path}"
+        route = proto.routes.get(r.path)
+        if route is None:
+            bad.append((r.path, None, f"{where}: SGLang has no such route"))
+            continue
+        if r.method not in route.methods:
+            bad.append((r.path, None, f"{where}: SGLang serves it by {sorted(route.methods)}"))
+        if r.body is None:
+            continue
+        if route.body_type is None:
+            bad.append((r.path, None, f"{where}: SGLang's handler takes no JSON body, got {r.body!r}"))
+            continue
+        declared = proto.fields(r.path)
+        for key, value in r.body.items():
+            if key not in declared:
+                bad.append((r.path, key, f"{where}: field {key!r} is not declared by {route.body_type}"))
+            elif not matches(value, declared[key]):
+                bad.append((r.path, key, f"{where}: field {key!r} = {value!r} is not of SGLang's type"))
+        if r.path == "/generate":
+            params = r.body.get("sampling_params") or {}
+            for p in params if isinstance(params, list) else [params]:
+                for key, value in p.items():
+                    if key not in proto.sampling:
+                        bad.append((r.path, f"sampling_params.{key}",
+                                    f"{where}: sampling_params.{key} is not declared by SGLang's SamplingParams"))
+                    elif not matches(value, proto.sampling[key]):
+                        bad.append((r.path, f"sampling_params.{key}",
+                                    f"{where}: sampling_params.{key} = {value!r} is not of SGLang's type"))
+    return bad
+
+
+def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, **overrides):
+    """A short `miles train` on one engine the run did not start, through a recording proxy; returns
+    (what miles sent, the engine's /get_server_info, its weight version at the end)."""
+    from miles.orchestration.driver import run_train
+    from miles.rollout.engine.process import EngineProcess
+
+    flag = ["--sglang-only", "true" if sglang_only else "false"]
+    with EngineProcess(model_dir, admin_token=TOKEN, extra_args=flag) as engine:
+        proxy = RecordingProxy(engine.url)
+        try:
+            monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", TOKEN)
+            summary = run_train(small_config(model_dir, tmp_path, **{
+                "loop.num_steps": "2", "eval.every_steps": "2", "rollout.engine_urls": proxy.url,
+                "sync.verify_first_update": "true", "sync.verify_checksums": "true", **overrides}))
+        finally:
+            proxy.stop()
+        assert summary["steps"] == 2
+        info = httpx.get(engine.url + "/get_server_info").json()
+        version = httpx.get(engine.url + "/get_model_info").json()["weight_version"]
+    return proxy.requests, info, version
+
+
+SYNC_PATHS = {
+    "broadcast": {"/init_weights_update_group", "/update_weights_from_distributed", "/update_weight_version",
+                  "/flush_cache"},
+    "disk": {"/update_weights_from_disk"},
+}
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "disk"])
+def test_a_train_run_on_sglang_only_engines_sends_only_sglang_requests(sglang, transport, tiny_model_dir, tmp_path,
+                                                                       ray_cluster, monkeypatch):
+    recorded, info, version = _train_through_proxy(tiny_model_dir, tmp_path, monkeypatch, sglang_only=True, **{
+        "sync.transport": transport, "sync.disk_dir": str(tmp_path / "weights")} if transport == "disk" else {
+        "sync.transport": transport})
+    assert "miles_extensions" not in info and version == "2"
+    violations = [why for _, _, why in _violations(sglang, recorded)]
+    assert not violations, "\n".join(violations[:20])
+    # The run exercised what it claims: generation, the sync paused around, SGLang's checker.
+    paths = {r.path for r in recorded}
+    assert {"/health", "/get_server_info", "/generate", "/pause_generation", "/continue_generation",
+            "/weights_checker"} | SYNC_PATHS[transport] <= paths, paths
+    actions = {r.body["action"] for r in recorded if r.path == "/weights_checker"}
+    assert actions == {"snapshot", "reset_tensors", "compare", "checksum"}
+    if transport == "broadcast":
+        versions = [r.body["new_version"] for r in recorded if r.path == "/update_weight_version"]
+    else:
+        versions = [r.body["weight_version"] for r in recorded if r.path == "/update_weights_from_disk"]
+    assert versions == ["0", "1", "2"]  # the start check's push of the starting weights, then each step
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "p2p", "disk_delta"])
+def test_in_miles_mode_every_departure_from_sglang_is_an_advertised_extension(sglang, transport, tiny_model_dir,
+                                                                              tmp_path, ray_cluster, monkeypatch):
+    from miles.rollout.engine.weight_api import EXTENSION_SURFACE
+
+    extra = {"sync.delta_dir": str(tmp_path / "deltas")} if transport == "disk_delta" else {}
+    recorded, info, version = _train_through_proxy(tiny_model_dir, tmp_path, monkeypatch, sglang_only=False,
+                                                   **{"sync.transport": transport, **extra})
+    assert version == "2"
+    advertised = set(info["miles_extensions"])
+    allowed_routes = {p for e in advertised for p, f in EXTENSION_SURFACE[e].items() if f is None}
+    allowed_fields = {(p, k) for e in advertised for p, f in EXTENSION_SURFACE[e].items() if f for k in f}
+    unexplained, used = [], set()
+    for path, field, why in _violations(sglang, recorded):
+        if field is None and path in allowed_routes or (path, field) in allowed_fields:
+            used.add((path, field))
+        else:
+            unexplained.append(why)
+    assert not unexplained, "\n".join(unexplained[:20])
+    assert used, "a miles-mode run used no extension at all: the check above proves nothing"
+
+
+def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sglang, base_model_dir, tmp_path):
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+
+    server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=TOKEN, sglang_only=True))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    def call(path: str, body: dict | None = None, method: str = "POST") -> httpx.Response:
+        r = httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)
+        codes = sglang.routes[path].status_codes or {200}
+        assert r.status_code in codes, f"{path} answered {r.status_code}; SGLang's handler answers {codes}: {r.text}"
+        return r
+
+    try:
+        ok = call("/update_weights_from_disk", {"model_path": base_model_dir, "weight_version": "3"})
+        assert ok.status_code == 200 and ok.json()["success"] is True and isinstance(ok.json()["message"], str)
+        failed = call("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
+        assert failed.status_code == 400 and failed.json()["success"] is False and failed.json()["message"]
+        failed = call("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                           "shapes": [[64]], "group_name": "nobody"})
+        assert failed.status_code == 400 and failed.json()["success"] is False and "nobody" in failed.json()["message"]
+        assert call("/update_weight_version", {"new_version": "v9"}).json()["new_version"] == "v9"
+        assert call("/get_model_info", method="GET").json()["weight_version"] == "v9"
+        assert call("/weights_checker", {"action": "compare"}).status_code == 400  # no snapshot: refused
+        assert call("/weights_checker", {"action": "snapshot"}).status_code == 200
+        assert call("/weights_checker", {"action": "compare"}).json()["success"] is True
+        checksum = call("/weights_checker", {"action": "checksum"}).json()
+        assert isinstance(checksum["per_engine_checksum"], str) and checksum["ranks"][0]["checksums"]
+        assert call("/pause_generation", {"mode": "retract"}).status_code == 200
+        assert call("/flush_cache").status_code == 200
+        assert call("/continue_generation", {}).status_code == 200
+        assert call("/health", method="GET").status_code == 200
+    finally:
+        server.stop()

@@ -1,0 +1,156 @@
+"""The trainer against engines that speak only SGLang's protocol (built-in engines started with
+`sglang_only`): broadcast runs over SGLang's routes with a pause around each push, verification runs
+over SGLang's /weights_checker actions, and transports that need a miles extension are refused at
+connect, naming the one that works."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from miles.config.loader import load_config
+from miles.config.run import RunConfig
+from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.server import start_server_thread
+from miles.sync.transports import TransportError
+from miles.sync.updater import WeightUpdater
+from miles.sync.verify import VerificationError
+
+
+@pytest.fixture(scope="module")
+def sglang_engines(base_model_dir, admin_token):
+    servers = [start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=admin_token, sglang_only=True))
+               for _ in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def _state(model_dir: str, seed: int | None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (tied ones once), perturbed unless seed is None."""
+    from miles.models.loading import load_model
+
+    g = torch.Generator().manual_seed(seed or 0)
+    out, seen = {}, set()
+    for name, t in load_model(model_dir).state_dict().items():
+        if t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t.clone() if seed is None else t + 0.05 * torch.randn(t.shape, generator=g)
+    return out
+
+
+def _updater(base_model_dir: str, admin_token: str, transport: str = "broadcast", **sync) -> WeightUpdater:
+    overrides = {"model.path": base_model_dir, "sync.transport": transport, "sync.bucket_size_mb": "1",
+                 **{f"sync.{k}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in sync.items()}}
+    return WeightUpdater(load_config(RunConfig, None, overrides).sync, admin_token, base_model_dir)
+
+
+def _admin(token: str) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_an_sglang_only_engine_offers_no_extension_and_refuses_miles_fields(sglang_engines, admin_token):
+    url = sglang_engines[0].url
+    info = httpx.get(url + "/get_server_info").json()
+    assert "miles_extensions" not in info and info["weight_version"] == "default"
+    for path in ("/get_load", "/get_weight_version"):
+        assert httpx.get(url + path).status_code == 404
+    assert httpx.post(url + "/p2p_open_buffer", json={"nbytes": 64}, headers=_admin(admin_token)).status_code == 404
+    r = httpx.post(url + "/update_weights_from_distributed", headers=_admin(admin_token),
+                   json={"names": [], "dtypes": [], "shapes": [], "commit": False})
+    assert r.status_code == 400 and r.json()["error"].startswith("commit: unknown field"), r.text
+    r = httpx.post(url + "/weights_checker", headers=_admin(admin_token), json={"action": "compare", "expected": {}})
+    assert r.status_code == 400 and r.json()["error"].startswith("expected: unknown field"), r.text
+
+
+def test_broadcast_over_sglang_routes_verified_by_the_weights_checker(sglang_engines, base_model_dir, admin_token):
+    urls = [s.url for s in sglang_engines]
+    updater = _updater(base_model_dir, admin_token, verify_first_update=True, verify_checksums=True)
+    updater.connect(urls)
+    try:
+        assert updater.plain and updater.needs_start_check
+        metrics = updater.check_start(iter(_state(base_model_dir, None).items()))
+        assert metrics["sync/buckets"] >= 2 and not updater.needs_start_check
+        new = _state(base_model_dir, seed=3)
+        metrics = updater.push(iter({n: t.clone() for n, t in new.items()}.items()), version=5)
+        assert metrics["sync/verified_engines"] == 2
+    finally:
+        updater.close()
+    # A trainer connecting later (a resumed run) finds the engines past their launch weights: the start
+    # check, which needs them to hold the trainer's starting weights, is not attempted.
+    later = _updater(base_model_dir, admin_token, verify_first_update=True)
+    later.connect(urls)
+    assert later.plain and not later.needs_start_check
+    later.close()
+    for server in sglang_engines:
+        served = server.engine.model.state_dict()
+        assert all(torch.equal(served[n], t) for n, t in new.items())
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "5"
+        # The push paused the engine and continued it: it generates again, under the new version.
+        out = httpx.post(server.url + "/generate", timeout=60, json={
+            "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+        assert out["meta_info"]["weight_version"] == "5"
+
+
+class DroppingTransport:
+    """A faulty wire: forwards every bucket but one tensor."""
+
+    def __init__(self, inner, skip: str):
+        self.inner, self.skip = inner, skip
+        self.Receiver = getattr(inner, "Receiver", None)
+
+    def send_bucket(self, bucket):
+        self.inner.send_bucket([(n, t) for n, t in bucket if n != self.skip])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_start_check_names_a_tensor_the_transport_never_wrote(sglang_engines, base_model_dir, admin_token):
+    url = sglang_engines[0].url
+    # Back to the checkpoint the trainer starts from, over SGLang's full reload.
+    r = httpx.post(url + "/update_weights_from_disk", headers=_admin(admin_token), timeout=60,
+                   json={"model_path": base_model_dir, "weight_version": "0"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    updater = _updater(base_model_dir, admin_token, verify_first_update=True)
+    updater.connect([url])
+    skip = "model.layers.0.mlp.up_proj.weight"
+    updater.transport = DroppingTransport(updater.transport, skip)
+    try:
+        with pytest.raises(VerificationError, match=r"1 tensor\(s\) differ from the snapshot: " + skip):
+            updater.check_start(iter(_state(base_model_dir, None).items()))
+    finally:
+        updater.close()
+    assert httpx.get(sglang_engines[0].url + "/health_generate", timeout=60).status_code == 200  # not left paused
+
+
+@pytest.mark.parametrize("transport", ["p2p", "disk_delta", "colocated"])
+def test_transports_that_need_an_extension_are_refused_naming_broadcast(sglang_engines, base_model_dir,
+                                                                        admin_token, transport, tmp_path):
+    extra = {"delta_dir": tmp_path / "deltas"} if transport == "disk_delta" else {}
+    updater = _updater(base_model_dir, admin_token, transport, **extra)
+    with pytest.raises(TransportError, match=rf"'{transport}'.*use sync.transport = 'broadcast'"):
+        updater.connect([sglang_engines[0].url])
+    updater.close()
+
+
+def test_disk_sync_over_sglang_full_reload(sglang_engines, base_model_dir, admin_token, tmp_path):
+    """sync.transport = 'disk': each version a full checkpoint, loaded by SGLang's /update_weights_from_disk;
+    the previous version's directory is removed once every engine loaded the next."""
+    urls = [s.url for s in sglang_engines]
+    updater = _updater(base_model_dir, admin_token, "disk", disk_dir=tmp_path / "weights", verify_checksums=True)
+    updater.connect(urls)
+    try:
+        for version, seed in ((7, 7), (8, 8)):
+            new = _state(base_model_dir, seed=seed)
+            metrics = updater.push(iter({n: t.clone() for n, t in new.items()}.items()), version=version)
+            assert metrics["sync/buckets"] >= 2 and metrics["sync/verified_engines"] == 2
+            for server in sglang_engines:
+                served = server.engine.model.state_dict()
+                assert all(torch.equal(served[n], t) for n, t in new.items())
+                assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == str(version)
+        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000008"]
+    finally:
+        updater.close()
