@@ -76,6 +76,11 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
         tok_loss = tok_loss - acfg.entropy_coef * out.entropy
         _acc(sums, "entropy", (out.entropy.detach() * mb.mask).sum())
     loss = (tok_loss * mb.weights).sum() + extra_loss
+    for key, per_token in metrics.items():
+        # An algorithm's own metrics ("name/...") are token means; summed on placeholders too (zero
+        # there), so every rank all-reduces the same keys.
+        if "/" in key:
+            _acc(sums, key, (per_token.detach() * mb.mask).sum())
     if real:
         with torch.no_grad():
             # The reported loss is the aggregated one: undo the data-parallel scale-up of the weights.
@@ -114,6 +119,7 @@ def step_metrics(algorithm: Algorithm, red: dict[str, float]) -> dict[str, float
             if k in red:
                 out[f"{prefix}/{k}"] = red[k] / n
         out.update(tis_metrics(red, n))
+    out.update({k: v / n for k, v in red.items() if "/" in k})
     return out
 
 

@@ -31,7 +31,8 @@ class AlgorithmConfig:
     """What the shared loss core composes; each algorithm's own knobs live in its nested `Config`."""
 
     name: str = "grpo"
-    """Algorithm by name (grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo, sft) or
+    """Algorithm by name (grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo, sft,
+    decoupled_ppo, seq_mis) or
     a `module:function` factory taking this config and returning an Algorithm."""
     clip_eps_low: float | None = None
     """Lower clip range of the importance ratio (None = the algorithm's default, 0.2 for most)."""
@@ -212,6 +213,8 @@ ALGORITHMS.register("reinforce_pp_baseline", "miles.trainer.algorithms.reinforce
 ALGORITHMS.register("rloo", "miles.trainer.algorithms.rloo:RLOO")
 ALGORITHMS.register("ppo", "miles.trainer.algorithms.ppo:PPO")
 ALGORITHMS.register("sft", "miles.trainer.algorithms.sft:SFT")
+ALGORITHMS.register("decoupled_ppo", "miles.trainer.algorithms.decoupled_ppo:DecoupledPPO")
+ALGORITHMS.register("seq_mis", "miles.trainer.algorithms.seq_mis:SeqMIS")
 
 
 def get_algorithm(cfg: AlgorithmConfig) -> Algorithm:
