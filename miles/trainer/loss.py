@@ -33,6 +33,7 @@ class ForwardOutputs:
     entropy: torch.Tensor | None = None        # when algorithm.needs_entropy
     ref_logprobs: torch.Tensor | None = None   # when algorithm.needs_reference
     values: torch.Tensor | None = None         # critic, with gradient, when algorithm.needs_critic
+    teacher_logprobs: torch.Tensor | None = None  # frozen teacher, when algorithm.needs_teacher
 
 
 def sequence_weights(algorithm: Algorithm, seqs: list[TrainSequence], totals: BatchTotals,
@@ -54,7 +55,7 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
     acfg = algorithm.cfg
     logp = out.logprobs
     x = LossInputs(logp, mb.old_logprobs, mb.advantages, mb.mask, mb.seq_ids, entropy=out.entropy,
-                   ref_logprobs=out.ref_logprobs)
+                   ref_logprobs=out.ref_logprobs, teacher_logprobs=out.teacher_logprobs)
     if x.ref_logprobs is not None and acfg.kl_mode == "reward":
         x.advantages = kl_reward_penalty(x.advantages, logp.detach(), x.ref_logprobs, mb.mask, mb.seq_ids,
                                          acfg.kl_coef)
