@@ -26,12 +26,14 @@ def teacher_dir(tmp_path_factory):
     return str(build_tiny_model("tiny-qwen3", tmp_path_factory.mktemp("teacher"), seed=0, init_std=0.05))
 
 
-def test_pure_distillation_run_reports_reverse_kl_from_the_teacher(tiny_model_dir, teacher_dir, tmp_path, ray_cluster):
+@pytest.mark.parametrize("schedule", ["sync", "fully_async"])
+def test_pure_distillation_run_reports_reverse_kl_from_the_teacher(tiny_model_dir, teacher_dir, tmp_path, ray_cluster,
+                                                                   schedule):
     from miles.orchestration.driver import run_train
 
     before = digest(teacher_dir)
     cfg = small_config(tiny_model_dir, tmp_path, **{
-        "run.name": "opd", "loop.num_steps": "2", "eval.every_steps": "0", "buffer.filter": "none",
+        "run.name": "opd", "loop.schedule": schedule, "loop.num_steps": "2", "eval.every_steps": "0", "buffer.filter": "none",
         "rollout.max_new_tokens": "6", "rollout.n_samples_per_prompt": "1",
         "trainer.algorithm.name": "opd", "trainer.algorithm.opd.teacher_path": teacher_dir})
     run_train(cfg)
@@ -43,5 +45,8 @@ def test_pure_distillation_run_reports_reverse_kl_from_the_teacher(tiny_model_di
         assert r["opd/teacher_logprob"] < 0
         assert math.isfinite(r["opd/reverse_kl"]) and r["opd/reverse_kl"] != 0
         assert r["train/loss_tokens"] > 0
-    assert steps[-1]["rollout/weight_version"] == 1  # the student's engines got the student's new weights
+    if schedule == "sync":
+        assert steps[-1]["rollout/weight_version"] == 1  # the student's engines got the student's new weights
+    else:
+        assert all(r["buffer/staleness_max"] <= 2 for r in steps)  # buffer.max_staleness, the default
     assert digest(teacher_dir) == before
