@@ -95,3 +95,17 @@ def test_a_step_reports_the_algorithms_own_metrics_as_token_means_under_its_pref
     assert out["decoupled_ppo/behav_weight_mean"] == pytest.approx(1.5)
     assert out["decoupled_ppo/behav_weight_le_1.25"] == pytest.approx(0.5)
     assert out["train/loss"] == pytest.approx(-0.5)
+
+
+def test_a_stale_token_that_plain_ppo_clips_to_no_gradient_still_teaches_under_decoupled_ppo():
+    # The policy moved since sampling: π_θ/π_behav = 1.5 on a token with A > 0. GRPO's clip around the
+    # behaviour policy (1.2) leaves it no gradient; decoupled PPO weighs its policy gradient by 1.5.
+    def grad(name):
+        lp = log([0.6]).clone().requires_grad_(True)
+        x = LossInputs(lp, log([0.4]), torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+        loss, _ = algo(name).token_loss(x)
+        loss.sum().backward()
+        return lp.grad.item()
+
+    assert grad("grpo") == 0.0
+    assert grad("decoupled_ppo") == pytest.approx(-1.5, rel=1e-5)
