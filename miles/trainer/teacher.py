@@ -20,7 +20,8 @@ def tokenizer_mismatch(student_path: str, teacher_path: str) -> str | None:
         return f"the student's vocabulary has {len(sv)} tokens, the teacher's {len(tv)}"
     differ = sorted(tok for tok in sv if tv.get(tok) != sv[tok])
     if differ:
-        return f"{len(differ)} tokens have other ids in the teacher (e.g. {differ[0]!r}: {sv[differ[0]]} vs {tv.get(differ[0])})"
+        first = differ[0]
+        return f"{len(differ)} tokens have other ids in the teacher (e.g. {first!r}: {sv[first]} vs {tv.get(first)})"
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         if getattr(s, name) != getattr(t, name):
             return f"{name} is {getattr(s, name)} for the student and {getattr(t, name)} for the teacher"

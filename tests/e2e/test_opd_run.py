@@ -27,8 +27,8 @@ def teacher_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("schedule", ["sync", "fully_async"])
-def test_pure_distillation_run_reports_reverse_kl_from_the_teacher(tiny_model_dir, teacher_dir, tmp_path, ray_cluster,
-                                                                   schedule):
+def test_pure_distillation_run_reports_reverse_kl_from_the_teacher(tiny_model_dir, teacher_dir, tmp_path,
+                                                                   ray_cluster, schedule):
     from miles.orchestration.driver import run_train
 
     before = digest(teacher_dir)
