@@ -124,10 +124,12 @@ def sections(cls, prefix: str = "", doc: str = ""):
         if variant is not cls:
             by_class.setdefault(variant, []).append(name)
     for variant, names in by_class.items():
-        extra, _ = rows_of(variant, prefix, skip={f.name for f in dataclasses.fields(cls)})
+        extra, extra_tables = rows_of(variant, prefix, skip={f.name for f in dataclasses.fields(cls)})
+        chosen = ", ".join(f"`{n}`" for n in names)
         if extra:
-            chosen = ", ".join(f"`{n}`" for n in names)
             yield f"`[{prefix}]` with {chosen}", f"Further keys of `[{prefix}]` when {chosen} is chosen.", extra
+        for tp, dotted, d in extra_tables:  # a choice's own sub-tables (e.g. [trainer.algorithm.opd])
+            yield from sections(tp, dotted, f"{d} (when {chosen} is chosen)")
     for tp, dotted, d in nested:
         yield from sections(tp, dotted, d)
 

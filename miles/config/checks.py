@@ -13,11 +13,13 @@ from miles.models.loading import context_limit, read_model_config
 from miles.registry import RegistryError
 from miles.sync.transports import TRANSPORTS
 from miles.trainer.algorithms.base import ALGORITHMS
+from miles.trainer.teacher import tokenizer_mismatch
 
 
 def check_run(run) -> None:
     """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
-    for check in (check_schedule, check_group_size, check_context, check_sync, check_routing_replay, check_fleet):
+    for check in (check_schedule, check_group_size, check_context, check_sync, check_routing_replay, check_fleet,
+                  check_teacher):
         check(run)
 
 
@@ -133,3 +135,15 @@ def check_fleet(run) -> None:
     if engine_faults and not (run.health.enabled and run.health.restart):
         raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s need health.enabled = true and "
                           "health.restart = true, or nothing would replace the engines they break")
+
+
+def check_teacher(run) -> None:
+    """A distillation teacher scores the policy's token ids: its tokenizer must be the policy's."""
+    opd = getattr(run.trainer.algorithm, "opd", None)
+    if opd is None or not opd.teacher_path or not run.model.path:
+        return
+    why = tokenizer_mismatch(run.model.path, opd.teacher_path)
+    if why:
+        raise ConfigError(f"trainer.algorithm.opd.teacher_path {opd.teacher_path!r} has another tokenizer than "
+                          f"model.path ({why}); the teacher scores the student's token ids, so pick a teacher "
+                          "trained with the student's tokenizer")

@@ -33,6 +33,7 @@ class ForwardOutputs:
     entropy: torch.Tensor | None = None        # when algorithm.needs_entropy
     ref_logprobs: torch.Tensor | None = None   # when algorithm.needs_reference
     values: torch.Tensor | None = None         # critic, with gradient, when algorithm.needs_critic
+    teacher_logprobs: torch.Tensor | None = None  # frozen teacher, when algorithm.needs_teacher
 
 
 def sequence_weights(algorithm: Algorithm, seqs: list[TrainSequence], totals: BatchTotals,
@@ -54,7 +55,7 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
     acfg = algorithm.cfg
     logp = out.logprobs
     x = LossInputs(logp, mb.old_logprobs, mb.advantages, mb.mask, mb.seq_ids, entropy=out.entropy,
-                   ref_logprobs=out.ref_logprobs)
+                   ref_logprobs=out.ref_logprobs, teacher_logprobs=out.teacher_logprobs)
     if x.ref_logprobs is not None and acfg.kl_mode == "reward":
         x.advantages = kl_reward_penalty(x.advantages, logp.detach(), x.ref_logprobs, mb.mask, mb.seq_ids,
                                          acfg.kl_coef)
@@ -76,6 +77,11 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
         tok_loss = tok_loss - acfg.entropy_coef * out.entropy
         _acc(sums, "entropy", (out.entropy.detach() * mb.mask).sum())
     loss = (tok_loss * mb.weights).sum() + extra_loss
+    for key, per_token in metrics.items():
+        # An algorithm's own metrics ("name/...") are token means; summed on placeholders too (zero
+        # there), so every rank all-reduces the same keys.
+        if "/" in key:
+            _acc(sums, key, (per_token.detach() * mb.mask).sum())
     if real:
         with torch.no_grad():
             # The reported loss is the aggregated one: undo the data-parallel scale-up of the weights.
@@ -114,6 +120,7 @@ def step_metrics(algorithm: Algorithm, red: dict[str, float]) -> dict[str, float
             if k in red:
                 out[f"{prefix}/{k}"] = red[k] / n
         out.update(tis_metrics(red, n))
+    out.update({k: v / n for k, v in red.items() if "/" in k})
     return out
 
 

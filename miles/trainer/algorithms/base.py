@@ -31,7 +31,8 @@ class AlgorithmConfig:
     """What the shared loss core composes; each algorithm's own knobs live in its nested `Config`."""
 
     name: str = "grpo"
-    """Algorithm by name (grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo, sft) or
+    """Algorithm by name (grpo, dr_grpo, dapo, gspo, reinforce_pp, reinforce_pp_baseline, rloo, ppo, sft,
+    decoupled_ppo, seq_mis, opd) or
     a `module:function` factory taking this config and returning an Algorithm."""
     clip_eps_low: float | None = None
     """Lower clip range of the importance ratio (None = the algorithm's default, 0.2 for most)."""
@@ -117,6 +118,7 @@ class LossInputs:
     seq_ids: "torch.Tensor"
     ref_logprobs: "torch.Tensor | None" = None
     entropy: "torch.Tensor | None" = None
+    teacher_logprobs: "torch.Tensor | None" = None  # a distillation teacher's, on the sampled tokens
 
 
 class Algorithm(Protocol):
@@ -159,6 +161,8 @@ class AlgorithmBase:
     on_rollouts: ClassVar[bool] = True
     """Trains on sampled rollouts: logprobs at the rollout temperature, compared with the engine's."""
     metric_prefix: ClassVar[str] = "train"
+    needs_teacher: ClassVar[bool] = False
+    """Scores its tokens with a frozen teacher (its `teacher_path`), as distillation does."""
     group_relative: ClassVar[bool] = False
     """Its advantages compare a sample with the others of its group: a group of one has no signal."""
     default_clip: ClassVar[tuple[float, float]] = (0.2, 0.2)
@@ -212,6 +216,9 @@ ALGORITHMS.register("reinforce_pp_baseline", "miles.trainer.algorithms.reinforce
 ALGORITHMS.register("rloo", "miles.trainer.algorithms.rloo:RLOO")
 ALGORITHMS.register("ppo", "miles.trainer.algorithms.ppo:PPO")
 ALGORITHMS.register("sft", "miles.trainer.algorithms.sft:SFT")
+ALGORITHMS.register("decoupled_ppo", "miles.trainer.algorithms.decoupled_ppo:DecoupledPPO")
+ALGORITHMS.register("seq_mis", "miles.trainer.algorithms.seq_mis:SeqMIS")
+ALGORITHMS.register("opd", "miles.trainer.algorithms.opd:OPD")
 
 
 def get_algorithm(cfg: AlgorithmConfig) -> Algorithm:

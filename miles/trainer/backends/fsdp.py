@@ -9,7 +9,8 @@ The backend is algorithm-blind: it runs the forward passes the algorithm declare
 critic) and backpropagates the loss that trainer/loss.py composes from them.
 With `trainer.quantization`, the policy's Linear layers compute with their weights as that format
 stores them (precision/linear.py: quantization-aware training, straight-through gradients).
-Around the policy: an optional reference model (KL), an optional value model (PPO), LoRA adapters,
+Around the policy: an optional reference model (KL), an optional frozen teacher (distillation), an
+optional value model (PPO), LoRA adapters,
 an LR schedule, optimizer-state offload and distributed checkpoints (see the sibling modules).
 Tensor/expert parallel layouts come from transformers' distributed config (trainer/parallel.py).
 """
@@ -70,6 +71,10 @@ class FSDPTrainer:
         self.reference = None
         if self.algorithm.needs_reference:
             self.reference = ReferenceModel(model_path)
+        self.teacher = None
+        if getattr(self.algorithm, "needs_teacher", False):
+            # A frozen copy of the teacher: loaded once, never refreshed, never sent weights.
+            self.teacher = ReferenceModel(self.algorithm.teacher_path)
         self.critic = self.critic_optim = None
         if self.algorithm.needs_critic:
             self._build_critic()
@@ -172,6 +177,9 @@ class FSDPTrainer:
         if algorithm.needs_reference and self.reference is not None:
             out.ref_logprobs = self.reference.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
                                                        temperature)
+        if getattr(algorithm, "needs_teacher", False) and self.teacher is not None:
+            out.teacher_logprobs = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
+                                                         temperature)
         if algorithm.needs_critic and self.critic is not None:
             critic = self.critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
             out.values = critic.logits[:, :-1, 0].float()  # (B, T-1): value of the state before each next token

@@ -152,7 +152,7 @@ def test_sft_loss_is_negative_log_likelihood():
 
 def test_every_algorithm_is_registered_and_has_a_config_default():
     assert set(ALGORITHMS) == {"grpo", "dr_grpo", "dapo", "gspo", "reinforce_pp", "reinforce_pp_baseline",
-                               "rloo", "ppo", "sft"}
+                               "rloo", "ppo", "sft", "decoupled_ppo", "seq_mis", "opd"}
     for name in ALGORITHMS:
         a = algo(name)
         assert a.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")

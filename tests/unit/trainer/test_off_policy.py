@@ -1,0 +1,111 @@
+"""The off-policy objectives for stale samples, on small hand-worked tensors: decoupled PPO's capped
+behaviour weight around the proximal policy, sequence-level masked IS, their refusals, and their
+metrics as a step reports them (trainer/loss.py)."""
+
+import math
+
+import pytest
+import torch
+
+from miles.config import ConfigError
+from miles.config.loader import build
+from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
+from miles.trainer.algorithms.base import LossInputs
+from miles.trainer.batching import build_micro_batch
+from miles.trainer.loss import ForwardOutputs, micro_batch_loss, step_metrics
+from miles.trainer.types import TrainSequence
+
+
+def algo(name, **kw):
+    return get_algorithm(build(AlgorithmConfig, {"name": name, **kw}))
+
+
+def log(values):
+    return torch.log(torch.tensor([values], dtype=torch.float32))
+
+
+def test_decoupled_ppo_weights_by_prox_over_behaviour_and_drops_tokens_over_the_cap():
+    # π_θ = π_prox = (0.5, 0.4, 0.9), π_behav = (0.25, 0.4, 0.1): w = 2, 1, 9; the cap 5 drops the third.
+    logits = log([0.5, 0.4, 0.9]).clone().requires_grad_(True)
+    x = LossInputs(logits, log([0.25, 0.4, 0.1]), torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3),
+                   torch.zeros(1, 3, dtype=torch.long))
+    loss, m = algo("decoupled_ppo", behav_weight_cap=5.0).token_loss(x)
+    # r = π_θ/π_prox = 1 in value, so loss = -w·A and ∂loss/∂log π_θ = -w·A.
+    assert loss[0].tolist() == pytest.approx([-2.0, 1.0, 0.0], abs=1e-6)
+    loss.sum().backward()
+    assert logits.grad[0].tolist() == pytest.approx([-2.0, 1.0, 0.0], abs=1e-6)
+    assert m["decoupled_ppo/clipped_frac_weight_cap"][0].tolist() == [0.0, 0.0, 1.0]
+    assert m["decoupled_ppo/clipped_frac_ratio"][0].tolist() == [0.0, 0.0, 0.0]  # one update per batch: never binds
+    assert m["decoupled_ppo/behav_weight_mean"][0].tolist() == pytest.approx([2.0, 1.0, 9.0], rel=1e-5)
+    assert m["decoupled_ppo/behav_weight_le_1.25"][0].tolist() == [0.0, 1.0, 0.0]
+    assert m["decoupled_ppo/behav_weight_le_2"][0].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_decoupled_ppo_without_a_cap_keeps_every_token():
+    x = LossInputs(log([0.9]), log([0.1]), torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+    loss, _ = algo("decoupled_ppo", behav_weight_cap=0.0).token_loss(x)
+    assert loss.item() == pytest.approx(-9.0, rel=1e-5)
+
+
+def test_seq_mis_keeps_or_drops_whole_sequences_by_their_weight():
+    # Two packed sequences. Sequence 0: ratios 2 and 1.5, ρ = 3 > 2, dropped. Sequence 1: 0.8 and 1.25, ρ = 1.
+    prox = log([0.6, 0.3, 0.4, 0.5])
+    behav = log([0.3, 0.2, 0.5, 0.4])
+    x = LossInputs(prox, behav, torch.ones(1, 4), torch.ones(1, 4), torch.tensor([[0, 0, 1, 1]]))
+    loss, m = algo("seq_mis").token_loss(x)
+    assert loss[0].tolist() == pytest.approx([0.0, 0.0, -1.0, -1.0], abs=1e-5)
+    assert m["seq_mis/masked_frac_seq_weight"][0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert m["seq_mis/seq_weight_mean"][0].tolist() == pytest.approx([3.0, 3.0, 1.0, 1.0], rel=1e-5)
+    # Geometric: ρ0 = sqrt(3) ≈ 1.73 is inside the band; every token of sequence 0 weighs it.
+    loss, _ = algo("seq_mis", geometric=True).token_loss(x)
+    assert loss[0].tolist() == pytest.approx([-math.sqrt(3)] * 2 + [-1.0, -1.0], rel=1e-5)
+
+
+def test_a_token_off_the_mask_does_not_move_the_sequence_weight():
+    prox, behav = log([0.6, 0.3, 0.9]), log([0.3, 0.3, 0.1])  # the masked third token has ratio 9
+    x = LossInputs(prox, behav, torch.ones(1, 3), torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([[0, 0, -1]]))
+    loss, _ = algo("seq_mis", seq_is_high=2.5).token_loss(x)
+    assert loss[0, :2].tolist() == pytest.approx([-2.0, -2.0], rel=1e-5)
+
+
+@pytest.mark.parametrize("name,kw,match", [
+    ("decoupled_ppo", {"tis_mode": "truncate"}, "tis_mode = 'off'"),
+    ("decoupled_ppo", {"behav_weight_cap": -1.0}, "behav_weight_cap must be >= 0"),
+    ("seq_mis", {"seq_is_low": 1.5}, "seq_is_low < 1 < seq_is_high"),
+    ("seq_mis", {"tis_mode": "mask"}, "tis_mode = 'off'"),
+])
+def test_bad_settings_are_refused_naming_the_key(name, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        build(AlgorithmConfig, {"name": name, **kw}).validate()
+
+
+def test_a_step_reports_the_algorithms_own_metrics_as_token_means_under_its_prefix():
+    # One sequence of 2 response tokens (prompt 1): engine logprobs log 0.25 and log 0.5 against the
+    # trainer's log 0.5 and log 0.5, so w = 2 and 1; cap 1.5 drops the first token.
+    seq = TrainSequence(tokens=[1, 2, 3], prompt_len=1, loss_mask=[1, 1],
+                        old_logprobs=[math.log(0.25), math.log(0.5)], advantage=1.0)
+    mb = build_micro_batch([seq], [0.5], False, 0)
+    logp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(True)
+    a = algo("decoupled_ppo", behav_weight_cap=1.5)
+    sums: dict = {}
+    loss = micro_batch_loss(a, mb, ForwardOutputs(logp), sums, 1, True)
+    assert loss.item() == pytest.approx(-0.5)  # token mean of (0, -1)
+    out = step_metrics(a, sums)
+    assert out["decoupled_ppo/clipped_frac_weight_cap"] == pytest.approx(0.5)
+    assert out["decoupled_ppo/behav_weight_mean"] == pytest.approx(1.5)
+    assert out["decoupled_ppo/behav_weight_le_1.25"] == pytest.approx(0.5)
+    assert out["train/loss"] == pytest.approx(-0.5)
+
+
+def test_a_stale_token_that_plain_ppo_clips_to_no_gradient_still_teaches_under_decoupled_ppo():
+    # The policy moved since sampling: π_θ/π_behav = 1.5 on a token with A > 0. GRPO's clip around the
+    # behaviour policy (1.2) leaves it no gradient; decoupled PPO weighs its policy gradient by 1.5.
+    def grad(name):
+        lp = log([0.6]).clone().requires_grad_(True)
+        x = LossInputs(lp, log([0.4]), torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+        loss, _ = algo(name).token_loss(x)
+        loss.sum().backward()
+        return lp.grad.item()
+
+    assert grad("grpo") == 0.0
+    assert grad("decoupled_ppo") == pytest.approx(-1.5, rel=1e-5)
