@@ -65,9 +65,11 @@ def build_app(router: Router):
     async def generate(request: Request):
         return await forward(request, "/generate")
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST"])
     async def openai(request: Request, rest: str):
         return await forward(request, "/v1/" + rest)
+
+    for method in ("GET", "POST"):  # one route per method, so each has its own OpenAPI operation id
+        app.add_api_route("/v1/{rest:path}", openai, methods=[method], name=f"openai_{method.lower()}")
 
     @app.get("/health")
     async def health():
