@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from miles.rollout.engine import protocol
 
@@ -234,3 +236,128 @@ def test_session_api_refuses_hostile_messages_with_400_and_keeps_serving(session
     assert r.status_code == 400 and "stop" in r.text, r.text
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+# ---- schema-driven fuzzing ---------------------------------------------------------------------
+# Field names and bounds come from the live servers' /openapi.json; values are drawn near and past
+# each bound and from arbitrary JSON, so both the checks and what lies past them are exercised.
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10)
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+
+def _near_bounds(schema: dict):
+    """Values at, inside and past the bounds a (sub)schema publishes, or arbitrary JSON."""
+    options = [JSON]
+    for s in [schema, *schema.get("anyOf", [])]:
+        kind = s.get("type")
+        if kind in ("integer", "number"):
+            edges = [2**63, 2**64, -(2**63) - 1, -1, 0, 1]
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if key in s:
+                    edges += [s[key] - 1, s[key], s[key] + 1]
+            options.append(st.sampled_from(edges) if kind == "integer"
+                           else st.sampled_from(edges) | st.floats(-4, 4))
+        elif kind == "array":
+            n = s.get("maxItems", 4)
+            options.append(st.lists(st.text(min_size=1, max_size=4) | st.integers(0, 50), max_size=3)
+                           | st.just(["x"] * (n + 1)))
+        elif kind in ("string", "boolean"):
+            options.append(st.text(max_size=8) if kind == "string" else st.booleans())
+    return st.one_of(options)
+
+
+def _object(schema: dict, fixed: dict | None = None):
+    props = schema.get("properties", {})
+    return st.fixed_dictionaries(fixed or {}, optional={k: _near_bounds(v) for k, v in props.items()
+                                                        if k not in (fixed or {})})
+
+
+@pytest.fixture(scope="module")
+def generate_schema(engine):
+    spec = httpx.get(f"{engine}/openapi.json", timeout=30).json()
+    return spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+@pytest.fixture(scope="module")
+def honest_traffic(engine, router):
+    """Greedy requests sent through the router for as long as the fuzzing runs: all must come back
+    with exactly what the engine answers when idle."""
+    alone = _generate(engine).json()["output_ids"]
+    stop, outputs = threading.Event(), []
+
+    def loop():
+        while not stop.is_set():
+            r = _generate(router)
+            outputs.append(r.json()["output_ids"] if r.status_code == 200 else r.status_code)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield
+    stop.set()
+    t.join(timeout=120)
+    assert outputs and all(o == alone for o in outputs), outputs[:5]
+
+
+def _check(r: httpx.Response) -> None:
+    assert r.status_code < 500, r.text[:500]
+    if r.status_code >= 400:
+        r.json()  # a JSON refusal that says what is wrong
+
+
+def test_fuzz_generate_from_the_published_schema(engine, router, generate_schema, honest_traffic):
+    before = _fingerprint(engine)
+    sp_schema = next(s for s in generate_schema["properties"]["sampling_params"]["anyOf"] if "properties" in s)
+    body = _object(generate_schema, {
+        "input_ids": st.lists(st.integers(0, 200), min_size=1, max_size=8) | _near_bounds({"type": "array"}),
+        "sampling_params": _object(sp_schema, {"max_new_tokens": st.integers(0, 4) | st.sampled_from(
+            [-1, 2**31, 2**63])})})
+
+    @FUZZ
+    @given(body=body, via=st.sampled_from(["engine", "router"]))
+    def run(body, via):
+        try:
+            raw = json.dumps(body).encode()
+        except (ValueError, OverflowError):
+            return
+        _check(httpx.post(f"{engine if via == 'engine' else router}/generate", content=raw,
+                          headers={"content-type": "application/json"}, timeout=60))
+
+    run()
+    assert _fingerprint(engine) == before
+
+
+def test_fuzz_every_post_route_without_the_token(stack, honest_traffic):
+    engine, router, sessions = stack
+    before = _fingerprint(engine)
+    routes = [(u, p) for u in (engine, router) for p in _post_routes(u)] + [(sessions, "/sessions")]
+
+    @FUZZ
+    @given(route=st.sampled_from(routes), body=st.dictionaries(st.text(max_size=12), JSON, max_size=4)
+           | st.dictionaries(st.sampled_from(["rid", "abort_all", "tags", "mode", "names", "model_path",
+                                              "weight_version", "action", "url"]), JSON, max_size=3))
+    def run(route, body):
+        url, path = route
+        _check(httpx.post(url + path, json=body, timeout=60))
+
+    run()
+    assert _fingerprint(engine) == before
+
+
+def test_fuzz_the_session_api_messages(sessions, honest_traffic):
+    sid = httpx.post(f"{sessions}/sessions", json={}, timeout=30).json()["session_id"]
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "assistant", "x"]),
+                                     "content": st.text(max_size=40) | JSON})
+
+    @FUZZ
+    @given(messages=st.lists(message, max_size=3) | JSON, extra=st.dictionaries(
+        st.sampled_from(["temperature", "top_p", "max_tokens", "seed", "stop", "tools", "n", "stream"]),
+        JSON, max_size=3))
+    def run(messages, extra):
+        body = {"messages": messages, "max_tokens": 2, **extra}
+        _check(httpx.post(f"{sessions}/sessions/{sid}/v1/chat/completions", json=body, timeout=60))
+
+    run()
