@@ -175,7 +175,7 @@ def test_every_post_route_answers_garbage_with_a_4xx(stack):
     routes = [(u, p) for u in (engine, router) for p in _post_routes(u)] + [
         (sessions, "/sessions"), (sessions, "/sessions/x/v1/chat/completions"), (sessions, "/sessions/x/v1/responses")]
     assert len(routes) > 20
-    garbage = [DEEP, SURROGATE, b"{not json", b"[1, 2]", b'{"zzz": 1}', b"\xff\xfe", b'"' + b"a" * 100_000]
+    garbage = [DEEP, SURROGATE, b"{not json", b"[1, 2]", b'{"zzz": 1}', b"\xff\xfe"]
     seen = []
     for url, path in routes:
         for raw in garbage:
@@ -246,7 +246,7 @@ JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=16),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=10)
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
 
 def _near_bounds(schema: dict):
@@ -302,6 +302,13 @@ def honest_traffic(engine, router):
     assert outputs and all(o == alone for o in outputs), outputs[:5]
 
 
+def _post_json(url: str, body) -> httpx.Response:
+    """POST `body` as JSON, non-finite floats included (as the non-standard NaN/Infinity a hostile
+    client may send)."""
+    return httpx.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
+                      timeout=60)
+
+
 def _check(r: httpx.Response) -> None:
     assert r.status_code < 500, r.text[:500]
     if r.status_code >= 400:
@@ -341,7 +348,7 @@ def test_fuzz_every_post_route_without_the_token(stack, honest_traffic):
                                               "weight_version", "action", "url"]), JSON, max_size=3))
     def run(route, body):
         url, path = route
-        _check(httpx.post(url + path, json=body, timeout=60))
+        _check(_post_json(url + path, body))
 
     run()
     assert _fingerprint(engine) == before
@@ -352,12 +359,12 @@ def test_fuzz_the_session_api_messages(sessions, honest_traffic):
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "assistant", "x"]),
                                      "content": st.text(max_size=40) | JSON})
 
-    @FUZZ
+    @settings(FUZZ, max_examples=20)  # each accepted turn generates: fewer examples
     @given(messages=st.lists(message, max_size=3) | JSON, extra=st.dictionaries(
         st.sampled_from(["temperature", "top_p", "max_tokens", "seed", "stop", "tools", "n", "stream"]),
         JSON, max_size=3))
     def run(messages, extra):
         body = {"messages": messages, "max_tokens": 2, **extra}
-        _check(httpx.post(f"{sessions}/sessions/{sid}/v1/chat/completions", json=body, timeout=60))
+        _check(_post_json(f"{sessions}/sessions/{sid}/v1/chat/completions", body))
 
     run()
