@@ -1,5 +1,6 @@
 """Network plumbing every miles server and client shares: listening sockets, free ports, the one
-bearer-token check for admin routes, and running a server until it answers, either on a daemon
+bearer-token check for admin routes, the rule that admin is never open beyond loopback, the request
+body size limit, and running a server until it answers, either on a daemon
 thread of this process (`ServerThread`, `serve_app`) or as a child process (`ServerProcess`).
 
 uvicorn and httpx are imported inside the functions that use them: loading a run config imports
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import hmac
+import ipaddress
+import json
 import os
 import re
 import socket
@@ -20,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Self
+
+from miles.config import ConfigError
 
 UNAUTHORIZED = "admin endpoint: send header 'Authorization: Bearer <admin token>'"
 """The 401 body every admin route answers with when the token is missing or wrong."""
@@ -62,6 +67,79 @@ def bearer_ok(authorization: str | None, token: str | None) -> bool:
     if token is None:
         return True
     return hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve to any interface
+
+
+def check_admin_exposure(host: str, admin_token: str | None, insecure_admin: bool, what: str) -> None:
+    """Refuse to serve admin routes without a token on an address other machines can reach.
+
+    Without a token every admin route (weight updates, aborting everyone's requests, worker
+    membership) is open to whoever reaches the port, so such a server must stay on loopback unless
+    its operator says in so many words that the network is trusted.
+    """
+    if admin_token is None and not insecure_admin and not is_loopback(host):
+        raise ConfigError(f"{what} host = {host!r} without an admin token would open every admin route to "
+                          "the network: set --admin-token T (clients send 'Authorization: Bearer T'), bind "
+                          "--host 127.0.0.1, or pass --insecure-admin if the network is trusted")
+
+
+DEFAULT_MAX_BODY_MB = 64.0
+"""Largest request body a miles server reads by default; far above any real request."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body larger than `max_bytes` is answered 413 before the app sees it.
+
+    The body is read here (up to the limit) and replayed to the app, so a chunked upload without a
+    Content-Length is bounded too, and no handler ever buffers more than the limit.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send, int(declared))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(send, size)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: int) -> None:
+        content = json.dumps({"error": f"body: {size} bytes is more than this server's limit of {self.max_bytes} "
+                              "bytes; send a smaller request"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(content)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": content})
 
 
 def wait_until_answers(url: str, timeout_s: float, alive: Callable[[], bool]) -> bool:

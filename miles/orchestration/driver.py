@@ -145,6 +145,15 @@ def _ray(cfg: RunConfig):
             ray.shutdown()
 
 
+def run_admin_token(external: bool) -> str | None:
+    """The admin token of a run: a fresh random one for the engines and the router the run starts, so
+    their admin routes are never open; for engines started outside the run, their operator's
+    (MILES_ENGINE_ADMIN_TOKEN), if any."""
+    if external:
+        return os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None
+    return secrets.token_hex(16)
+
+
 def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
            ) -> tuple[TrainContext, RunningRouter | None, Callable[[], TrainerGroup]]:
     """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
@@ -152,7 +161,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     stack.enter_context(_ray(cfg))
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
-    admin_token = (os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None) if external else secrets.token_hex(16)
+    admin_token = run_admin_token(external=bool(external))
     wiring: dict = {}
     fleet, router = None, None
     if external:

@@ -55,12 +55,14 @@ from pydantic import ValidationError
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
-from miles.net import ServerThread, bind, serve_app
+from miles.net import DEFAULT_MAX_BODY_MB, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
 from miles.rollout.agent import ChatFormat
+from miles.rollout.engine.protocol import openapi_body, parse_json
+from miles.rollout.engine.types import InvalidRequest
 from miles.rollout.generate import versions_of
 from miles.rollout.openai_schema import FIELD_HINTS, RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, \
-    ResponsesRequest
+    CreateSessionRequest, ResponsesRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -255,8 +257,10 @@ class SessionStore:
             if session.exhausted:
                 raise SessionError(f"this session's budget is spent ({session.exhausted}); the episode is over")
             first = not session.messages
+            # Rendering and tokenizing cost in proportion to the messages: on a thread, off the event loop.
             if first:
-                new_ids = self._render_first([_template_message(m) for m in req.messages], tools)
+                new_ids = await asyncio.to_thread(self._render_first, [_template_message(m) for m in req.messages],
+                                                  tools)
                 session_tools = tools
             else:
                 if tools != session.tools:
@@ -273,8 +277,8 @@ class SessionStore:
                     raise SessionError("messages: nothing new since the last reply; append a message")
                 if any(m.role == "assistant" for m in appended):
                     raise SessionError("messages: assistant turns come from the model; append only tool/user turns")
-                new_ids = self._render_suffix([_template_message(m) for m in appended],
-                                              closed=session.last_finish == "closed")
+                new_ids = await asyncio.to_thread(self._render_suffix, [_template_message(m) for m in appended],
+                                                  session.last_finish == "closed")
                 session_tools = session.tools
             params = self._sampling(req, session, 0 if first else len(new_ids))  # the prompt is not budgeted
             input_ids = new_ids if first else session.prompt_ids + session.response_ids + new_ids
@@ -431,29 +435,33 @@ def completion_chunks(c: Completion, model: str, tokenizer, include_usage: bool)
     return out
 
 
+async def _json_body(request: Request, empty_ok: bool = False) -> dict:
+    """The body as a JSON object, or a SessionError (400) saying what is wrong with it: malformed,
+    nested too deeply, holding text that is not Unicode (see protocol.parse_json)."""
+    raw = await request.body()
+    if empty_ok and not raw.strip():
+        return {}
+    try:
+        return await asyncio.to_thread(parse_json, raw)
+    except InvalidRequest as e:
+        raise SessionError(str(e)) from None
+
+
 def build_session_router(store: SessionStore) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/sessions")
+    @router.post("/sessions", openapi_extra=openapi_body(CreateSessionRequest))
     async def create(request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except ValueError:
-            raise SessionError("the request body is not valid JSON") from None
-        sid = body.get("session_id") if isinstance(body, dict) else None
+        body = await _json_body(request, empty_ok=True)
+        sid = body.get("session_id")
         if sid is not None and (not isinstance(sid, str) or not sid.replace("-", "").replace("_", "").isalnum()):
             raise SessionError("session_id: use letters, digits, '-' and '_' only", param="session_id")
         s = store.create(sid)
         return {"session_id": s.id, "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{s.id}/v1"}
 
-    @router.post("/sessions/{sid}/v1/chat/completions")
+    @router.post("/sessions/{sid}/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(sid: str, request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise SessionError("the request body is not valid JSON") from None
-        req = parse_request(body)
+        req = parse_request(await _json_body(request))
         c = await store.complete(sid, req, request.headers.get("authorization"))
         if not req.stream:
             return completion_body(c, store.model_name)
@@ -467,13 +475,9 @@ def build_session_router(store: SessionStore) -> APIRouter:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @router.post("/sessions/{sid}/v1/responses")
+    @router.post("/sessions/{sid}/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def responses(sid: str, request: Request):
-        try:
-            body = await request.json()
-        except ValueError:
-            raise SessionError("the request body is not valid JSON") from None
-        req = parse_request(body, ResponsesRequest, RESPONSES_HINTS)
+        req = parse_request(await _json_body(request), ResponsesRequest, RESPONSES_HINTS)
         auth = request.headers.get("authorization")
         session = store.authorize(sid, auth)
         if req.previous_response_id is not None:
@@ -507,8 +511,9 @@ def build_session_router(store: SessionStore) -> APIRouter:
     return router
 
 
-def build_app(store: SessionStore) -> FastAPI:
+def build_app(store: SessionStore, max_request_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:
     app = FastAPI(title="miles sessions")
+    app.add_middleware(BodyLimit, max_bytes=int(max_request_mb * (1 << 20)))
 
     @app.exception_handler(SessionError)
     async def _refused(_request, exc: SessionError):

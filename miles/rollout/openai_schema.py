@@ -99,6 +99,12 @@ class ResponseFormat(_Model):
     type: Literal["text"]
 
 
+class CreateSessionRequest(_Model):
+    """POST /sessions: an optional id of the caller's choosing (a fresh one when absent)."""
+
+    session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+
+
 class ChatCompletionRequest(_Model):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)

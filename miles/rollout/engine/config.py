@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from miles.config.loader import ConfigError
+from miles.net import DEFAULT_MAX_BODY_MB, check_admin_exposure
 from miles.precision.types import FORMATS
 
 
@@ -22,7 +23,8 @@ class EngineConfig:
     dequantized in each matmul: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
     Match trainer.quantization so the trainer trains the policy the engine serves."""
     host: str = "127.0.0.1"
-    """Interface the HTTP server binds to; loopback unless the engine must be reached from other hosts."""
+    """Interface the HTTP server binds to; loopback unless the engine must be reached from other hosts
+    (which needs admin_token, or insecure_admin)."""
     port: int = 0
     """HTTP port; 0 picks a free one (read the chosen URL from the running server)."""
     max_batch_size: int = 256
@@ -30,7 +32,13 @@ class EngineConfig:
     context_length: int | None = None
     """Longest prompt + completion in tokens; None uses the model's max_position_embeddings."""
     admin_token: str | None = None
-    """When set, admin endpoints (weight updates, cache flush) need `Authorization: Bearer <token>`."""
+    """When set, admin endpoints (weight updates, cache flush) need `Authorization: Bearer <token>`;
+    `miles train` always sets a fresh random one."""
+    insecure_admin: bool = False
+    """Allow binding a non-loopback host without admin_token, leaving every admin route open to the
+    network; only for a network whose every user is trusted."""
+    max_request_mb: float = DEFAULT_MAX_BODY_MB
+    """Largest request body the HTTP server reads; larger ones are answered 413."""
     num_threads: int = 1
     """torch intra-op threads in the engine process; keep it to the cores this engine owns."""
     seed: int = 0
@@ -76,6 +84,13 @@ class EngineConfig:
                               f"{', '.join(FORMATS)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"engine port = {self.port}: set it in 0..65535 (0 picks a free port)")
+        if self.max_request_mb <= 0:
+            raise ConfigError(f"engine max_request_mb = {self.max_request_mb}: set it > 0 (64 is the default)")
+
+    def check_admin_exposure(self) -> None:
+        """Refuse a tokenless engine on a non-loopback host (see net.check_admin_exposure). Not part of
+        validate(): a run's engine section gets its token only when the run starts the engine."""
+        check_admin_exposure(self.host, self.admin_token, self.insecure_admin, "engine")
 
     def public_dict(self) -> dict:
         """The fields safe to show to any client: everything but the admin token."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
@@ -21,6 +22,17 @@ from miles.rollout.engine.types import InvalidRequest
 # Bound on any single list a client may send, far above any real request; keeps a hostile body
 # from costing more than its parse.
 MAX_ITEMS = 1 << 20
+# Stop strings are matched against the decoded tail of every row at every decode step, so their
+# number and length are bounded well below anything a client could need.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_RID_CHARS = 1024
+# top_k beyond the vocabulary means the whole vocabulary; bounded so it fits the sampler's int64 tensors.
+MAX_TOP_K = (1 << 31) - 1
+# A prompt as text may not be longer than this many characters per token of context: no tokenizer
+# packs more into one token, and it keeps tokenizing a hostile prompt cheap.
+MAX_CHARS_PER_TOKEN = 64
 # Below this SGLang treats the temperature as greedy; dividing by it would overflow anyway.
 GREEDY_EPS = 1e-6
 
@@ -39,7 +51,13 @@ _INERT_AT_DEFAULT = {"model": None, "return_hidden_states": False, "background":
 _BOOKKEEPING = {"log_metrics", "no_logs"}
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> dict:
+    """A JSON object, or InvalidRequest for anything else: malformed, NaN or Infinity, nested past
+    Python's recursion limit, or holding a lone UTF-16 surrogate (it has no UTF-8 form, so it could
+    reach neither the tokenizer nor a response)."""
     def no_constants(name):
         raise InvalidRequest(f"body: {name} is not valid JSON; send finite numbers")
 
@@ -47,11 +65,38 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw or b"null", parse_constant=no_constants)
     except InvalidRequest:
         raise
+    except RecursionError:
+        raise InvalidRequest("body: JSON nested too deeply; no request nests more than a few levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body: malformed JSON ({exc})") from None
     if not isinstance(body, dict):
         raise InvalidRequest("body: expected a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # paired surrogates are fine; look closer only when there are any
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{_surrogate_at(body)}: holds a lone UTF-16 surrogate, which is not text; "
+                                 "send valid Unicode") from None
     return body
+
+
+def _surrogate_at(body: dict) -> str:
+    """The path of the first string (key or value) that cannot be encoded as UTF-8."""
+    stack = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, child in items:
+            name = str(k).encode(errors="backslashreplace").decode()  # the path itself must be printable
+            here = f"{path}.{name}".lstrip(".") if isinstance(v, dict) else f"{path}[{k}]"
+            for s in ((k, child) if isinstance(v, dict) else (child,)):
+                if isinstance(s, str):
+                    try:
+                        s.encode()
+                    except UnicodeEncodeError:
+                        return here
+            stack.append((here, child))
+    return "body"
 
 
 @dataclass(frozen=True)
@@ -63,8 +108,11 @@ class GenerateItem:
     return_routed_experts: bool = False
 
 
-def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[list[GenerateItem], bool]:
-    """Returns the items and whether the client sent a batch (and so expects a JSON list back)."""
+def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
+                   context_length: int | None = None) -> tuple[list[GenerateItem], bool]:
+    """Returns the items and whether the client sent a batch (and so expects a JSON list back).
+
+    Tokenizes text prompts, so callers on an event loop run it on a thread."""
     _no_unknown(body, _GENERATE_KEYS | set(_INERT_AT_DEFAULT) | _BOOKKEEPING, "")
     for k, default in _INERT_AT_DEFAULT.items():
         if k in body and body[k] != default:
@@ -94,6 +142,9 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise InvalidRequest(f"text{_at(i, batched)}: expected a string, got {_kind(t)}")
+            if context_length is not None and len(t) > MAX_CHARS_PER_TOKEN * context_length:
+                raise InvalidRequest(f"text{_at(i, batched)}: {len(t)} characters cannot fit the context of "
+                                     f"{context_length} tokens; shorten the prompt")
         prompts = [tokenizer.encode(t) for t in texts]
     n = len(prompts)
     if batched and n == 0:
@@ -111,6 +162,8 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int) -> tuple[
         rid = rids[i]
         if rid is not None and not isinstance(rid, str):
             raise InvalidRequest(f"rid: expected a string, got {_kind(rid)}")
+        if rid is not None and not 0 < len(rid) <= MAX_RID_CHARS:
+            raise InvalidRequest(f"rid: send 1 to {MAX_RID_CHARS} characters, got {len(rid)}")
         items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed))
     return items, batched
 
@@ -127,8 +180,8 @@ def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling
     if top_p == 0.0:
         raise InvalidRequest(f"{f('top_p')}: must be in (0, 1]")
     top_k = _int(d.get("top_k", -1), f("top_k"))
-    if top_k == 0 or top_k < -1:
-        raise InvalidRequest(f"{f('top_k')}: must be -1 (whole vocabulary) or >= 1, got {top_k}")
+    if top_k == 0 or top_k < -1 or top_k > MAX_TOP_K:
+        raise InvalidRequest(f"{f('top_k')}: must be -1 (whole vocabulary) or in [1, {MAX_TOP_K}], got {top_k}")
     min_p = _float(d.get("min_p", 0.0), f("min_p"), lo=0.0, hi=1.0)
     mnt = d.get("max_new_tokens")
     max_new_tokens = default_max_new_tokens if mnt is None else _int(mnt, f("max_new_tokens"), lo=0)
@@ -136,11 +189,15 @@ def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequest(f"{f('stop')}: expected a non-empty string or a list of them")
-    _check_len(stop, f("stop"))
+    _check_len(stop, f("stop"), MAX_STOP_STRINGS)
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise InvalidRequest(f"{f('stop')}: a stop string of {len(longest)} characters is longer than the limit of "
+                             f"{MAX_STOP_CHARS}")
     stop_ids = d.get("stop_token_ids") or []
     if not isinstance(stop_ids, list):
         raise InvalidRequest(f"{f('stop_token_ids')}: expected a list of token ids, got {_kind(stop_ids)}")
-    _check_len(stop_ids, f("stop_token_ids"))
+    _check_len(stop_ids, f("stop_token_ids"), MAX_STOP_TOKEN_IDS)
     stop_ids = [_int(t, f("stop_token_ids"), lo=0) for t in stop_ids]
     seed = d.get("sampling_seed")
     if seed is not None:
@@ -151,6 +208,63 @@ def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling
         ignore_eos=_bool(d.get("ignore_eos", False), f("ignore_eos")), seed=seed,
         skip_special_tokens=_bool(d.get("skip_special_tokens", True), f("skip_special_tokens")),
         no_stop_trim=_bool(d.get("no_stop_trim", False), f("no_stop_trim")))
+
+
+# ---- /generate's body, published ---------------------------------------------------------------
+# parse_generate checks the body by hand (batches, per-item lists, messages naming the field); these
+# models only publish its shape in the OpenAPI schema, so schema-driven clients and fuzzers see it.
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class SamplingParamsBody(BaseModel):
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="-1 or >= 1")
+    min_p: float = Field(0.0, ge=0, le=1)
+    max_new_tokens: int | None = Field(None, ge=0)
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[NonNegInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: Literal[1] = 1
+
+
+class GenerateBody(BaseModel):
+    """One prompt, or a batch (lists of prompts, with one value or a list of values per field)."""
+
+    input_ids: list[NonNegInt] | list[list[NonNegInt]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
+    return_logprob: bool | list[bool] = False
+    rid: str | list[str] | None = None
+    stream: Literal[False] = False
+    return_text_in_logprobs: bool = False
+    logprob_start_len: int | None = Field(None, ge=-1)
+    top_logprobs_num: Literal[0] | None = 0
+    return_routed_experts: bool = False
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` of a route that reads its JSON body by hand: publishes `model` as the body."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None:
+                return inline(defs[ref.rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 # ---- SGLang's control requests, as typed models ---------------------------------------------------
@@ -164,7 +278,6 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-NonNegInt = Annotated[int, Field(ge=0)]
 Selector = Literal["target", "draft", "all"]
 
 
@@ -326,9 +439,9 @@ def _no_unknown(d: dict, known: set[str], prefix: str) -> None:
         raise InvalidRequest(f"{prefix}{unknown[0]}: unknown field; supported fields are {sorted(known)}")
 
 
-def _check_len(v, field: str) -> None:
-    if len(v) > MAX_ITEMS:
-        raise InvalidRequest(f"{field}: {len(v)} items is more than the limit of {MAX_ITEMS}")
+def _check_len(v, field: str, limit: int = MAX_ITEMS) -> None:
+    if len(v) > limit:
+        raise InvalidRequest(f"{field}: {len(v)} items is more than the limit of {limit}")
 
 
 def _int(v, field: str, lo: int | None = None, hi: int | None = None) -> int:

@@ -122,7 +122,7 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     vocab = probs.shape[-1]
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)  # (S, V)
     ranks = torch.arange(vocab)[None, :]
-    k = torch.tensor([k if k > 0 else vocab for k in top_k])[:, None]
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])[:, None]
     keep = ranks < k
     sorted_probs = sorted_probs * keep
     # Mass strictly before each token; the most likely token is always kept.

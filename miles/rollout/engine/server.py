@@ -3,8 +3,10 @@
 Clients that drive SGLang servers (the router, generate functions, weight-sync transports) drive
 this one unchanged. Every request body is checked in protocol.py before it reaches the engine; a bad
 request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving.
-Admin endpoints (weight updates, cache flush) need `Authorization: Bearer <token>` when the engine
-was started with an admin token.
+Admin endpoints (weight updates, cache flush, pausing, aborting every request) need
+`Authorization: Bearer <token>` when the engine was started with an admin token; an engine without
+one serves on loopback only, unless started with `--insecure-admin`. Bodies are bounded in size
+(413), parsed and tokenized off the event loop, and published in the OpenAPI schema (/openapi.json).
 What miles needs beyond SGLang's protocol is an extension, listed in /get_server_info as
 `miles_extensions`; with `sglang_only` (`miles serve --sglang-only true`) there are none and only
 SGLang's routes and fields are served, which is how miles is tested against SGLang's protocol.
@@ -24,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from miles.config.flags import load_server_config
-from miles.net import UNAUTHORIZED, ServerThread, bearer_ok, bind, serve_app, url_of
+from miles.config import ConfigError
+from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.sampler import SamplingParams
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 
 def build_app(engine) -> FastAPI:
     app = FastAPI(title="miles engine")
+    app.add_middleware(BodyLimit, max_bytes=int(engine.config.max_request_mb * (1 << 20)))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(_request, exc: InvalidRequest):
@@ -66,13 +70,17 @@ def build_app(engine) -> FastAPI:
                 "served_model_name": engine.config.model_path, "is_generation": True,
                 "weight_version": engine.weight_version}
 
-    @app.post("/generate")
-    async def generate(request: Request):
-        items, batched = protocol.parse_generate(protocol.parse_json(await request.body()), engine.tokenizer,
-                                                 engine.config.default_max_new_tokens)
+    def checked_generate(raw: bytes) -> tuple[list, bool]:
+        items, batched = protocol.parse_generate(protocol.parse_json(raw), engine.tokenizer,
+                                                 engine.config.default_max_new_tokens, engine.context_length)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
-        reqs = [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
-                for it in items]
+        return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
+                for it in items], batched
+
+    @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
+    async def generate(request: Request):
+        # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
+        reqs, batched = await asyncio.to_thread(checked_generate, await request.body())
         futures = [engine.submit(r) for r in reqs]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -125,7 +133,7 @@ def build_app(engine) -> FastAPI:
         async def get_weight_version():
             return {"weight_version": engine.weight_version}
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=protocol.openapi_body(protocol.Abort))
     async def abort_request(request: Request):
         req = protocol.parse_body(protocol.Abort, await body_of(request))
         if req.abort_all:
@@ -135,14 +143,14 @@ def build_app(engine) -> FastAPI:
         engine.abort(None if req.abort_all else req.rid)
         return {"success": True}
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", openapi_extra=protocol.openapi_body(protocol.PauseGeneration))
     async def pause_generation(request: Request):
         require_admin(request)
         mode = protocol.parse_body(protocol.PauseGeneration, await body_of(request)).mode
         await asyncio.to_thread(engine.pause, mode)
         return {"success": True, "status": "ok", "message": f"generation paused ({mode})"}
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", openapi_extra=protocol.openapi_body(protocol.ContinueGeneration))
     async def continue_generation(request: Request):
         require_admin(request)
         protocol.parse_body(protocol.ContinueGeneration, await body_of(request))
@@ -157,7 +165,8 @@ def build_app(engine) -> FastAPI:
             await asyncio.to_thread(act, tags)
             return {"success": True, "message": f"{done} {list(tags)}"}
 
-        app.add_api_route(f"/{name}", route, methods=["POST"], name=name)
+        app.add_api_route(f"/{name}", route, methods=["POST"], name=name,
+                          openapi_extra=protocol.openapi_body(protocol.MemoryTags))
 
     memory_route("release_memory_occupation", engine.release_memory, "released")
     memory_route("resume_memory_occupation", engine.resume_memory, "resumed")
@@ -233,6 +242,7 @@ def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -
     """Load the engine, serve it on a daemon thread, and return once /health answers."""
     from miles.rollout.engine.engine import Engine  # torch: only once an engine is built, never at --help
 
+    config.check_admin_exposure()
     engine = Engine(config)
     try:
         http = serve_app(build_app(engine), bind(config.host, config.port), config.host, what="engine server",
@@ -243,12 +253,14 @@ def start_server_thread(config: EngineConfig, startup_timeout_s: float = 60.0) -
     return RunningServer(http.url, engine, http)
 
 
-_SERVE_USAGE = """usage: miles serve --model DIR [--port P] [--host H] [--admin-token T] [--KEY VALUE ...]
+_SERVE_USAGE = """usage: miles serve --model DIR [--port P] [--host H] [--admin-token T | --insecure-admin] [--KEY VALUE ...]
 
 Serve a model with the built-in miles engine (SGLang-compatible HTTP API).
 --sglang-only true serves SGLang's routes and fields only (no miles extensions).
 Every engine setting is a flag, with dashes or underscores: --dtype bfloat16, --max-batch-size 64,
---prefix-cache false (--port=P works too). --port 0 picks a free port and prints the URL;
+--prefix-cache false (--port=P works too). --port 0 picks a free port and prints the URL.
+Without --admin-token the engine binds loopback only; --insecure-admin lets it bind another
+--host with every admin route open (only on a trusted network).
 --no-prefix-cache and --no-reuse-weight-memory turn those off; --log-level sets Python logging."""
 
 
@@ -270,7 +282,13 @@ def parse_args(argv=None) -> tuple[EngineConfig, str]:
         raise SystemExit(2)
     cfg = load_server_config(EngineConfig, argv, prog="miles serve", usage=_SERVE_USAGE, aliases={"model": "model_path"},
                              switches={"no_prefix_cache": ("prefix_cache", "false"),
+                                       "insecure_admin": ("insecure_admin", "true"),
                                        "no_reuse_weight_memory": ("reuse_weight_memory", "false")})
+    try:
+        cfg.check_admin_exposure()
+    except ConfigError as exc:
+        print(f"miles serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return cfg, log_level
 
 

@@ -4,7 +4,10 @@ foreground (`miles router`, `python -m miles.rollout.router`).
 
 The app speaks the engines' SGLang HTTP API: /generate and /v1/* go to one engine chosen by the
 policy; /abort_request and /flush_cache go to every engine; /add_worker and /remove_worker change
-the set at run time (as in sglang-router) and need the admin token when one is set.
+the set at run time (as in sglang-router). Admin calls (membership, /flush_cache, aborting every
+request) need the admin token when one is set, and only an authorized call is forwarded with the
+router's own token; a router without one serves on loopback only unless given `--insecure-admin`.
+An engine's refusal (4xx) comes back as that refusal, from one engine or from all of them.
 Non-goals: the routing decisions themselves (policy.py).
 
     miles router --port 30000 --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002
@@ -20,20 +23,19 @@ from dataclasses import dataclass, field
 
 from miles.config import ConfigError
 from miles.config.flags import load_server_config
-from miles.net import UNAUTHORIZED, ServerProcess, ServerThread, bearer_ok, bind, serve_app, url_of
+from miles.net import UNAUTHORIZED, BodyLimit, ServerProcess, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.policy import Router
 from miles.versions import to_wire
 
-# Paths that act on every engine at once rather than on one chosen engine.
-_BROADCAST_PATHS = ("/abort_request", "/flush_cache")
-
-
 def build_app(router: Router):
     """The FastAPI app serving `router`; its lifespan runs the liveness checks."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+    from miles.rollout.engine import protocol  # pydantic: only once a router is built
+    from miles.rollout.engine.types import InvalidRequest
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -46,6 +48,7 @@ def build_app(router: Router):
             await router.close()
 
     app = FastAPI(title="miles router", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=int(router.config.max_request_mb * (1 << 20)))
 
     def admin(request: Request) -> JSONResponse | None:
         if not bearer_ok(request.headers.get("authorization"), router.config.admin_token):
@@ -58,13 +61,15 @@ def build_app(router: Router):
                                                  request.headers.get("content-type"), key)
         return Response(content=body, status_code=status, media_type=ctype)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
     async def generate(request: Request):
         return await forward(request, "/generate")
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST"])
     async def openai(request: Request, rest: str):
         return await forward(request, "/v1/" + rest)
+
+    for method in ("GET", "POST"):  # one route per method, so each has its own OpenAPI operation id
+        app.add_api_route("/v1/{rest:path}", openai, methods=[method], name=f"openai_{method.lower()}")
 
     @app.get("/health")
     async def health():
@@ -110,15 +115,33 @@ def build_app(router: Router):
             return JSONResponse({"error": f"url: {url!r} is not a worker; see /list_workers"}, status_code=404)
         return {"success": True}
 
-    for path in _BROADCAST_PATHS:
-        async def to_all(request: Request, path=path):
-            body = await request.body()
-            if path == "/flush_cache" and (denied := admin(request)) is not None:
-                return denied
-            results = await router.broadcast(path, body)
-            ok = all(r["status"] == 200 for r in results)
-            return JSONResponse({"success": ok, "workers": results}, status_code=200 if ok else 502)
-        app.add_api_route(path, to_all, methods=["POST"])
+    def broadcast_answer(results: list[dict]) -> JSONResponse:
+        # Every engine refused (4xx): the request was bad, and the client hears so as the engines said.
+        # Any engine unreachable or failing (5xx) is the router's gateway error.
+        statuses = [r["status"] for r in results]
+        ok = all(s == 200 for s in statuses)
+        refused = [s for s in statuses if s is not None and 400 <= s < 500]
+        status = 200 if ok else refused[0] if refused and len(refused) == len(statuses) else 502
+        return JSONResponse({"success": ok, "workers": results}, status_code=status)
+
+    @app.post("/abort_request", openapi_extra=protocol.openapi_body(protocol.Abort))
+    async def abort_request(request: Request):
+        body = await request.body()
+        try:
+            req = protocol.parse_body(protocol.Abort, protocol.parse_json(body) if body.strip() else {})
+        except InvalidRequest as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        # A client may abort its own request by id; aborting everyone's is an admin call, and only an
+        # authorized caller's abort goes out with the router's token.
+        if req.abort_all and (denied := admin(request)) is not None:
+            return denied
+        return broadcast_answer(await router.broadcast("/abort_request", body, authorized=req.abort_all))
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        if (denied := admin(request)) is not None:
+            return denied
+        return broadcast_answer(await router.broadcast("/flush_cache", await request.body(), authorized=True))
 
     @app.get("/metrics")
     async def metrics():
@@ -142,6 +165,7 @@ class RunningRouter:
 def start_router_thread(config: RouterConfig, worker_urls: list[str], health: HealthConfig | None = None,
                         startup_timeout_s: float = 30.0) -> RunningRouter:
     """Serve a built-in router on a daemon thread of this process; returns once it answers."""
+    config.check_admin_exposure()
     router = Router(config, worker_urls, health)
     http = serve_app(build_app(router), bind(config.host, config.port), config.host, what="router",
                      ready_path="/list_workers", startup_timeout_s=startup_timeout_s, lifespan="on",
@@ -186,17 +210,27 @@ _ALIASES = {**{k: f"router.{k}" for k in ("host", "port", "admin_token", "routin
                                           "request_timeout_s", "kind")},
             "health_check_interval_s": "health.interval_s", "health_check_timeout_s": "health.timeout_s",
             "failure_threshold": "health.failure_threshold"}
-_USAGE = """usage: miles router [--host H] [--port P] [--worker-urls URL ...] [--admin-token T] [--KEY VALUE ...]
+_USAGE = """usage: miles router [--host H] [--port P] [--worker-urls URL ...] [--admin-token T | --insecure-admin]
+                    [--KEY VALUE ...]
 
 Serve the built-in miles router in front of engines that speak the SGLang HTTP API.
 Every key of the router and health sections is a flag: --router.max_retries 3, --health.interval_s 0.5
-(--port=P works too). --port defaults to 30000; 0 picks a free one and prints the URL."""
+(--port=P works too). --port defaults to 30000; 0 picks a free one and prints the URL.
+Without --admin-token the router binds loopback only; --insecure-admin lets it bind another --host
+with every admin route open (only on a trusted network)."""
 
 
 def parse_args(argv=None) -> RouterServeConfig:
     argv = sys.argv[1:] if argv is None else list(argv)
-    return load_server_config(RouterServeConfig, argv, prog="miles router", usage=_USAGE,
-                              defaults={"router.port": "30000"}, aliases=_ALIASES, lists=("worker_urls",))
+    cfg = load_server_config(RouterServeConfig, argv, prog="miles router", usage=_USAGE,
+                             defaults={"router.port": "30000"}, aliases=_ALIASES, lists=("worker_urls",),
+                             switches={"insecure_admin": ("router.insecure_admin", "true")})
+    try:
+        cfg.router.check_admin_exposure()
+    except ConfigError as exc:
+        print(f"miles router: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles.config import ConfigError
+from miles.net import DEFAULT_MAX_BODY_MB, check_admin_exposure
 
 ROUTER_KINDS = ("miles", "sglang")
 
@@ -18,7 +19,8 @@ class RouterConfig:
     kind: str = "miles"
     """Which router fronts the engines: "miles" (built in) or "sglang" (the Rust sglang-router package)."""
     host: str = "127.0.0.1"
-    """Interface the router binds to; loopback unless clients on other hosts must reach it."""
+    """Interface the router binds to; loopback unless clients on other hosts must reach it (which
+    needs admin_token, or insecure_admin)."""
     port: int = 0
     """HTTP port; 0 picks a free one."""
     routing_key_header: str = "X-Routing-Key"
@@ -28,8 +30,14 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     """Longest a proxied request may take; a timed-out request is answered 504 and not retried."""
     admin_token: str | None = None
-    """When set, /add_worker, /remove_worker and broadcasts need `Authorization: Bearer <token>`;
-    it is also sent to the engines on broadcasts."""
+    """When set, /add_worker, /remove_worker, /flush_cache and aborting every request need
+    `Authorization: Bearer <token>`; the router forwards it to the engines only on such authorized
+    calls. `miles train` always sets a fresh random one."""
+    insecure_admin: bool = False
+    """Allow binding a non-loopback host without admin_token, leaving every admin route open to the
+    network; only for a network whose every user is trusted."""
+    max_request_mb: float = DEFAULT_MAX_BODY_MB
+    """Largest request body the router reads; larger ones are answered 413."""
 
     def validate(self) -> None:
         if self.kind not in ROUTER_KINDS:
@@ -40,6 +48,13 @@ class RouterConfig:
             raise ConfigError(f"router.request_timeout_s = {self.request_timeout_s}: set it > 0 (seconds)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router.port = {self.port}: set it in 0..65535 (0 picks a free port)")
+        if self.max_request_mb <= 0:
+            raise ConfigError(f"router.max_request_mb = {self.max_request_mb}: set it > 0 (64 is the default)")
+
+    def check_admin_exposure(self) -> None:
+        """Refuse a tokenless router on a non-loopback host (see net.check_admin_exposure). Not part of
+        validate(): a run's router gets its token only when the run starts it."""
+        check_admin_exposure(self.host, self.admin_token, self.insecure_admin, "router")
 
     def check_features(self, *, return_routed_experts: bool = False) -> None:
         """Refuse a router that would silently drop what a feature of this run needs."""

@@ -193,8 +193,10 @@ class Router:
         return 503, _json({"error": f"no engine could serve the request ({why}); check /list_workers"}), \
             "application/json"
 
-    async def broadcast(self, path: str, body: bytes) -> list[dict]:
-        headers = {"content-type": "application/json", **bearer_headers(self.config.admin_token)}
+    async def broadcast(self, path: str, body: bytes, authorized: bool) -> list[dict]:
+        """POST `body` to every engine; with the router's admin token only when the caller was authorized."""
+        headers = {"content-type": "application/json",
+                   **(bearer_headers(self.config.admin_token) if authorized else {})}
 
         async def one(w: Worker) -> dict:
             try:

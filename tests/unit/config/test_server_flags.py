@@ -35,10 +35,34 @@ def test_router_takes_its_flags_as_router_and_health_keys():
     assert (cfg.router.port, cfg.router.admin_token, cfg.router.max_retries) == (0, "x", 1)
     assert cfg.worker_urls == ["http://a:1", "http://b:2"]
     assert (cfg.health.interval_s, cfg.health.failure_threshold) == (0.2, 3)
-    assert router_args(["--host", "0.0.0.0"]).router.port == 30000  # the router's own default port
+    assert router_args(["--host", "0.0.0.0", "--admin-token", "t"]).router.port == 30000  # the router's own default
 
 
 def test_router_refuses_a_url_that_is_not_one(capsys):
     with pytest.raises(SystemExit) as e:
         router_args(["--worker-urls", "10.0.0.5:30000"])
     assert e.value.code == 2 and "http://host:port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "node7"])
+def test_without_a_token_serve_and_router_refuse_a_host_other_than_loopback(capsys, host):
+    for parse, argv in ((serve_args, ["--model", "/m", "--host", host]), (router_args, ["--host", host])):
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--admin-token" in err and "--insecure-admin" in err, err
+    # The token, or an explicit --insecure-admin, lets them bind it; loopback never needs either.
+    assert serve_args(["--model", "/m", "--host", host, "--admin-token", "t"])[0].host == host
+    assert serve_args(["--model", "/m", "--host", host, "--insecure-admin"])[0].insecure_admin
+    assert router_args(["--host", host, "--insecure-admin"]).router.insecure_admin
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert serve_args(["--model", "/m", "--host", loopback])[0].admin_token is None
+        assert router_args(["--host", loopback]).router.admin_token is None
+
+
+def test_a_router_started_in_process_without_a_token_refuses_a_public_host():
+    from miles.config import ConfigError
+    from miles.rollout.router import RouterConfig, start_router_thread
+
+    with pytest.raises(ConfigError, match="admin token"):
+        start_router_thread(RouterConfig(host="0.0.0.0"), [])

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from miles.metrics.sink import JsonlSink, read_metrics
-from miles.orchestration.driver import rewind_run_dir
+from miles.orchestration.driver import rewind_run_dir, run_admin_token
 from miles.trainer.checkpoint import commit
 
 
@@ -32,3 +32,14 @@ def test_rewind_keeps_the_records_up_to_the_checkpoint_and_drops_a_torn_line(tmp
 def test_rewind_without_a_checkpoint_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="no resumable checkpoint"):
         rewind_run_dir(tmp_path)
+
+
+def test_a_run_always_locks_the_engines_and_router_it_starts_with_a_fresh_token(monkeypatch):
+    monkeypatch.delenv("MILES_ENGINE_ADMIN_TOKEN", raising=False)
+    tokens = {run_admin_token(external=False) for _ in range(3)}
+    assert len(tokens) == 3 and all(len(t) == 32 and int(t, 16) >= 0 for t in tokens)
+    # Engines the run did not start keep their operator's token, read from the environment only.
+    assert run_admin_token(external=True) is None
+    monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", "theirs")
+    assert run_admin_token(external=True) == "theirs"
+    assert run_admin_token(external=False) != "theirs"

@@ -160,7 +160,7 @@ def test_history_rewriting_template_cannot_make_recorded_tokens_drift(server, en
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]}, "arguments must be"),
-    ([1, 2], "must be a JSON object"),
+    ([1, 2], "expected a JSON object"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, field):
     sid = server.new_session().id
