@@ -277,12 +277,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated contenders: trl, miles_sync, miles_fully_async")
     p.add_argument("--quick", action="store_true",
-                   help="smoke-sized: tiny-qwen3 with 2 SFT steps unless --sft-model, 2 steps of 4 prompts, "
+                   help="smoke-sized: tiny-qwen3 with 2 SFT steps unless --sft-model, 1 step of 4 prompts, "
                         "32 new tokens in the long workload, 16 eval prompts")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.long_steps = min(args.steps, 2), min(args.long_steps, 2)
+        args.steps, args.long_steps = min(args.steps, 1), min(args.long_steps, 1)
         args.prompts_per_step, args.long_prompts = 4, 4
         args.long_max_new_tokens, args.long_sft_steps, args.eval_prompts = 32, 4, 16
     names = [n for n in args.workloads.split(",") if n]
