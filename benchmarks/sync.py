@@ -83,11 +83,14 @@ def named_bf16(model):
     return out
 
 
-def time_push(transport, named, version: int, bucket_bytes: int) -> float:
+def time_push(transport, named, version: int, bucket_bytes: int, parts: list | None = None) -> float:
+    """Seconds for one whole push; `parts` gets its split (bucket sends, then the commit)."""
     from miles.sync.prepare import push_weights
 
     t0 = time.perf_counter()
-    push_weights(iter(named), transport, version, bucket_bytes)
+    m = push_weights(iter(named), transport, version, bucket_bytes)
+    if parts is not None:
+        parts.append((m["sync/transport_s"], m["sync/commit_s"]))
     return time.perf_counter() - t0
 
 
@@ -195,6 +198,7 @@ def main(argv=None) -> int:
         raw = None
         try:
             results: dict[str, list[float]] = {"broadcast": [], "raw": [], "p2p": [], "colocated": [], "memcpy": []}
+            parts: dict[str, list[tuple[float, float]]] = {"broadcast": [], "p2p": [], "colocated": []}
             transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300,
                                                      load_format=a.load_format),
                           "p2p": get_transport("p2p", admin_token=token, timeout_s=300, buffer_bytes=bucket_bytes),
@@ -215,7 +219,7 @@ def main(argv=None) -> int:
             for _ in range(a.repeats):
                 for name, t in transports.items():
                     version += 1
-                    results[name].append(time_push(t, named, version, bucket_bytes))
+                    results[name].append(time_push(t, named, version, bucket_bytes, parts[name]))
                 results["raw"].append(raw.round())
                 results["memcpy"].append(memcpy(named))
             for t in transports.values():
@@ -257,6 +261,9 @@ def main(argv=None) -> int:
         "delta_density": round(stats["delta/changed_bytes"] / stats["delta/full_bytes"], 6),
         "delta_wire_bytes": stats["delta/wire_bytes"], "full_bytes": stats["delta/full_bytes"],
         "delta_s": round(delta_s, 4), "delta_engines_verified": ok,
+        # Where each push's time goes (medians): sending the buckets, and the commit on every engine.
+        "breakdown": {k: {"send_s": round(med([x[0] for x in v]), 4), "commit_s": round(med([x[1] for x in v]), 4)}
+                      for k, v in parts.items()},
         "raw_runs": {k: [round(x, 4) for x in v] for k, v in results.items()},
     }
     print(json.dumps(out))
