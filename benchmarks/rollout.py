@@ -86,13 +86,13 @@ def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[flo
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        past, nxt = out.past_key_values, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
+        past, nxt = out.cache, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
         last = pos[:, -1:]
         for _ in range(new_tokens - 1):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             last = last + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, past_key_values=past, use_cache=True)
-            past, nxt = out.past_key_values, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, cache=past, use_cache=True)
+            past, nxt = out.cache, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
     return time.perf_counter() - t0, len(batch) * new_tokens
 
 
