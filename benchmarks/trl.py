@@ -52,9 +52,23 @@ TRL_VERSION = "1.16.0"  # pyproject's test extra; the settings below are mapped 
 EXAMPLE = HERE.parent / "examples" / "arithmetic"
 LONG_REWARD = f"{HERE / '_answer_first.py'}:answer_first"
 
+MATCHED = [
+    "checkpoint: the same SFT (short) or long-format (long) folder, float32 on both sides",
+    "prompts and order: the task's train split from run.seed, TRL's dataset unshuffled in miles' order",
+    "reward: the same Python function (miles' exact_match, or benchmarks/_answer_first.py)",
+    "group size (8), prompts per step, max new tokens, temperature 1.0, no top-k/top-p",
+    "learning rate (grpo.toml's 3e-4, constant), AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), "
+    "grad clip 1.0, one optimizer step per training step",
+    "loss: clipped surrogate, clip range 0.2/0.2, no KL (TRL beta 0), token mean over the batch (TRL loss_type "
+    "dapo), advantages normalised within the group",
+    "number of training steps; eval: one function (greedy, same held-out problems) on every final checkpoint",
+]
+
 UNMATCHED = [
     "zero-variance groups: miles drops them (buffer.filter = nonzero_std, as shipped); TRL keeps them "
-    "with zero advantage in the token-mean denominator",
+    "with zero advantage in the token-mean denominator. So a miles sync step trains fewer samples than "
+    "it generates, and a fully_async step draws more prompts until prompts_per_step groups pass; the "
+    "figure counts prompts_per_step x samples per step for every contender",
     "group std: miles divides by the population std + 1e-6; TRL by the sample std (n-1) + 1e-4",
     "sampling RNG: miles seeds each sample on its engine, TRL draws from one torch generator, so the "
     "sampled tokens differ from the first step",
@@ -351,7 +365,7 @@ def main(argv=None) -> int:
             "settings": {k: v for k, v in w.items() if k != "model"},
             "runs": {c: {k: v for k, v in r.items() if k != "model"} for c, r in runs.items()}}
     ray.shutdown()
-    line.update({"unmatched_settings": UNMATCHED, "trl_version": TRL_VERSION, "eval_prompts": args.eval_prompts,
+    line.update({"matched_settings": MATCHED, "unmatched_settings": UNMATCHED, "trl_version": TRL_VERSION, "eval_prompts": args.eval_prompts,
                  "cores": ncores(), "sft_model": sft_model, "long_model": long_model or None,
                  "wall_s": time.perf_counter() - t_start})
     print(json.dumps(line), flush=True)
