@@ -91,10 +91,11 @@ def workload(name: str, args, sft_model: str, long_model: str) -> dict:
     """The settings both sides share for one workload."""
     if name == "short":
         return {"name": "short", "model": sft_model, "steps": args.steps, "prompts_per_step": args.prompts_per_step,
-                "samples": 8, "max_new_tokens": 6, "reward": "exact_match", "lr": 3e-4, "eval_new_tokens": 6}
+                "samples": 8, "max_new_tokens": 6, "reward": "exact_match", "lr": 3e-4, "eval_new_tokens": 6,
+                "filter": args.miles_filter}
     return {"name": "long", "model": long_model, "steps": args.long_steps, "prompts_per_step": args.long_prompts,
             "samples": 8, "max_new_tokens": args.long_max_new_tokens, "reward": LONG_REWARD, "lr": 3e-4,
-            "eval_new_tokens": 6}
+            "eval_new_tokens": 6, "filter": args.miles_filter}
 
 
 def reward_fn(spec: str):
@@ -248,7 +249,7 @@ def run_miles(w: dict, out: Path, schedule: str, seed: int, max_staleness: int) 
             "run.seed": str(seed), "loop.num_steps": str(w["steps"]), "loop.save_every": "0",
             "rollout.prompts_per_step": str(pps), "rollout.n_samples_per_prompt": str(w["samples"]),
             "rollout.max_new_tokens": str(w["max_new_tokens"]), "rollout.reward": w["reward"],
-            "trainer.lr": str(w["lr"]), "eval.every_steps": "0", "eval.num_prompts": "8",
+            "trainer.lr": str(w["lr"]), "buffer.filter": w["filter"], "eval.every_steps": "0", "eval.num_prompts": "8",
             "eval.max_new_tokens": str(w["eval_new_tokens"]), "metrics.progress": "plain"}
     if schedule == "sync":
         over.update({"placement.mode": "colocated", "rollout.engine.num_threads": str(cores),
@@ -288,23 +289,30 @@ def main(argv=None) -> int:
     p.add_argument("--sft-steps", type=int, default=1500, help="SFT steps when building the checkpoint")
     p.add_argument("--eval-prompts", type=int, default=256)
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--miles-filter", default="nonzero_std",
+                   help="miles' buffer.filter (as shipped: nonzero_std; none keeps zero-variance groups, as TRL does)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="", help="comma-separated contenders: trl, miles_sync, miles_fully_async")
     p.add_argument("--quick", action="store_true",
                    help="smoke-sized: tiny-qwen3 with 2 SFT steps unless --sft-model, 1 step of 4 prompts, "
-                        "32 new tokens in the long workload, 16 eval prompts")
+                        "16 new tokens in the long workload, 8 eval prompts, --miles-filter none (a model "
+                        "that never answers right gives only zero-variance groups, and fully_async would "
+                        "wait for a group that passes)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.long_steps = min(args.steps, 1), min(args.long_steps, 1)
         args.prompts_per_step, args.long_prompts = 4, 4
-        args.long_max_new_tokens, args.long_sft_steps, args.eval_prompts = 32, 4, 16
+        args.long_max_new_tokens, args.long_sft_steps, args.eval_prompts = 16, 2, 8
+        args.miles_filter = "none"
     names = [n for n in args.workloads.split(",") if n]
     if set(names) - {"short", "long"}:
         p.error(f"--workloads: unknown {sorted(set(names) - {'short', 'long'})}; choose from short, long")
     contenders = [c for c in args.only.split(",") if c] or ["trl", "miles_sync", "miles_fully_async"]
     if set(contenders) - {"trl", "miles_sync", "miles_fully_async"}:
         p.error("--only: choose from trl, miles_sync, miles_fully_async")
+    if args.miles_filter not in ("nonzero_std", "none"):
+        p.error("--miles-filter: choose nonzero_std (as shipped) or none")
     if min(args.steps, args.long_steps) < 1 or args.long_max_new_tokens < 8:
         p.error("--steps and --long-steps must be >= 1, --long-max-new-tokens >= 8")
 
@@ -365,7 +373,10 @@ def main(argv=None) -> int:
             "settings": {k: v for k, v in w.items() if k != "model"},
             "runs": {c: {k: v for k, v in r.items() if k != "model"} for c, r in runs.items()}}
     ray.shutdown()
-    line.update({"matched_settings": MATCHED, "unmatched_settings": UNMATCHED, "trl_version": TRL_VERSION, "eval_prompts": args.eval_prompts,
+    unmatched = UNMATCHED if args.miles_filter == "nonzero_std" else UNMATCHED[1:]
+    matched = MATCHED if args.miles_filter == "nonzero_std" else [
+        *MATCHED, "zero-variance groups: kept and trained on both sides (--miles-filter none)"]
+    line.update({"matched_settings": matched, "unmatched_settings": unmatched, "trl_version": TRL_VERSION, "eval_prompts": args.eval_prompts,
                  "cores": ncores(), "sft_model": sft_model, "long_model": long_model or None,
                  "wall_s": time.perf_counter() - t_start})
     print(json.dumps(line), flush=True)
