@@ -348,6 +348,7 @@ def main(argv=None) -> int:
     line: dict = {}
     for name in names:
         w = workload(name, args, sft_model, long_model)
+        start_accuracy = evaluate(w["model"], held_out, reward_fn(w["reward"]), w["eval_new_tokens"])
         runs: dict[str, dict] = {}
         for c in contenders:
             t = time.perf_counter()
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
             "ratio": rate("miles_fully_async") / rate("trl") if rate("miles_fully_async") and rate("trl") else None,
             "sync_ratio": rate("miles_sync") / rate("trl") if rate("miles_sync") and rate("trl") else None,
             "trl_eval_accuracy": acc("trl"), "miles_eval_accuracy": acc(miles_best),
-            "miles_sync_eval_accuracy": acc("miles_sync"),
+            "miles_sync_eval_accuracy": acc("miles_sync"), "start_eval_accuracy": start_accuracy,
             "eval_gap_points": 100 * (acc("trl") - acc(miles_best)) if acc("trl") is not None and
             acc(miles_best) is not None else None,
             "settings": {k: v for k, v in w.items() if k != "model"},
