@@ -9,6 +9,10 @@ sides produce exactly those lengths). The same prompts and limits go
     samples, each batch running to its longest limit (the static-batching cost), outputs cut to each
     sample's own limit.
 Throughput counts only the tokens each sample asked for. Both sides use one torch thread.
+Raw decode (the ceiling for a batch on this CPU): the same model in a hand-written static-batch KV
+decode loop (one prefill, then one forward per token for the whole batch, multinomial sampling, no
+scheduler, no HTTP), against the engine on the same prompts with uniform lengths (every sample
+`--uniform-tokens`, EOS ignored): `raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
 Multi-turn workload: episodes share a system prompt and grow their history turn by turn (TITO: the
 next prompt is the previous prompt + its output ids + the new user turn), routed by episode key.
 Prefix-cache hit rates are read from the engine's counters around each workload.
@@ -64,6 +68,32 @@ def run_hf(model, prompts, n, limits, batch_size: int, pad_id: int) -> tuple[flo
                                  max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
         tokens += sum(min(m, out.shape[1] - L) for _, m in batch)
     return time.perf_counter() - t0, tokens
+
+
+def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[float, int]:
+    """Every sample in one static batch: prefill once, then `new_tokens - 1` single-token forwards
+    reusing the KV cache. Nothing is spent on anything but the model and the sampling."""
+    import torch
+
+    batch = [p for p in prompts for _ in range(n)]
+    L = max(len(p) for p in batch)
+    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), L), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        past, nxt = out.cache, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
+        last = pos[:, -1:]
+        for _ in range(new_tokens - 1):
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            last = last + 1
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, cache=past, use_cache=True)
+            past, nxt = out.cache, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
+    return time.perf_counter() - t0, len(batch) * new_tokens
 
 
 async def run_miles_grpo(url: str, prompts, n, limits, seed: int) -> tuple[float, int]:
@@ -139,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-max-new-tokens", type=int, default=16)
+    p.add_argument("--uniform-tokens", type=int, default=0,
+                   help="tokens per sample of the raw-decode comparison (default: --max-new-tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2,
                    help="alternate the two sides this many times, so a load change on a shared machine "
@@ -160,9 +192,10 @@ def main(argv=None) -> int:
     prompts = _prompts(tok, rng, a.prompts)
     limits = _lengths(rng, a.prompts * a.samples, a.max_new_tokens)
 
+    uniform = a.uniform_tokens or a.max_new_tokens
     model = load_model(model_dir).eval()
-    hf_wall = miles_wall = 0.0
-    hf_tokens = miles_tokens = 0
+    hf_wall = miles_wall = raw_wall = uni_wall = 0.0
+    hf_tokens = miles_tokens = raw_tokens = uni_tokens = 0
     with EngineProcess(model_dir, extra_args=["--num-threads", "1", "--max-batch-size", "256"]) as engine:
         # Its own process, as `miles router` runs: sharing the client's interpreter would make the two
         # take turns on one GIL.
@@ -183,6 +216,14 @@ def main(argv=None) -> int:
                 for k in grpo:
                     grpo[k] += c1[k] - c0[k]
                 print(f"round {r}: miles engine via router {t} tokens in {w:.2f}s", flush=True)
+                w, t = run_raw_decode(model, prompts, a.samples, uniform, tok.pad_token_id)
+                raw_wall, raw_tokens = raw_wall + w, raw_tokens + t
+                print(f"round {r}: raw static-batch decode {t} tokens in {w:.2f}s", flush=True)
+                _flush(engine.url)
+                w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, [uniform] * len(limits),
+                                                  a.seed + 1000 * r + 500))
+                uni_wall, uni_tokens = uni_wall + w, uni_tokens + t
+                print(f"round {r}: miles engine, uniform lengths, {t} tokens in {w:.2f}s", flush=True)
             _flush(engine.url)
             c_mt = _counters(engine.url)
             mt_wall = asyncio.run(run_multi_turn(router.url, tok, a.episodes, a.turns, a.turn_max_new_tokens, a.seed))
@@ -192,6 +233,10 @@ def main(argv=None) -> int:
     result = {
         "miles_tokens_per_s": round(miles_tps, 1), "hf_generate_tokens_per_s": round(hf_tps, 1),
         "ratio": round(miles_tps / hf_tps, 2),
+        "raw_decode_tokens_per_s": round(raw_tokens / raw_wall, 1),
+        "miles_uniform_tokens_per_s": round(uni_tokens / uni_wall, 1),
+        "raw_decode_fraction": round((uni_tokens / uni_wall) / (raw_tokens / raw_wall), 3),
+        "uniform_tokens": uniform,
         "grpo_prefix_cache_hit_rate": round(grpo["cached"] / grpo["prompt"], 3),
         "multi_turn_prefix_cache_hit_rate": round(_hit_rate(c_mt, c2), 3),
         "miles_wall_s": round(miles_wall, 2),

@@ -6,7 +6,10 @@ in their own processes (bf16). Then, in one run:
   * broadcast_s       miles' broadcast transport: buckets, HTTP metadata, one gloo broadcast per bucket,
                       engine staging and the atomic commit on both engines
   * raw_gloo_broadcast_s  the same bucket bytes broadcast with bare torch.distributed (gloo) to two
-                      receiver processes that do nothing else (the baseline)
+                      receiver processes that do nothing else (the baseline): long-lived, their process
+                      group formed once, buffers pre-faulted, warmed like the transports
+  * p2p_vs_copy_limit p2p_s / (engines x memcpy_s): the shared-memory transport against copying each
+                      engine's bytes once (the trainer writes every engine's copy)
   * memcpy_s          one in-memory copy of the same bytes (what any transfer costs at least)
   * p2p_s / colocated_s   the shared-memory transports to the same two engines
   * after real AdamW steps at lr 1e-6 on the fp32 master weights: the disk-delta update of the bf16
@@ -31,12 +34,14 @@ import sys, datetime, torch, torch.distributed as dist
 torch.set_num_threads(1)
 host, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 sizes = [int(s) for s in sys.argv[5].split(",")]
-repeats = int(sys.argv[6])
-t = datetime.timedelta(seconds=300)
+rounds = int(sys.argv[6])
+t = datetime.timedelta(seconds=600)
 store = dist.TCPStore(host, port, world, is_master=False, timeout=t)
 pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, t)
-bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-for _ in range(repeats):
+# Receive buffers allocated once and written once, so no round pays first-touch page faults.
+bufs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+pg.allreduce([torch.zeros(1)]).wait()  # ready
+for _ in range(rounds):
     for b in bufs:
         pg.broadcast([b]).wait()
     pg.allreduce([torch.zeros(1)]).wait()
@@ -78,41 +83,60 @@ def named_bf16(model):
     return out
 
 
-def time_push(transport, named, version: int, bucket_bytes: int) -> float:
+def time_push(transport, named, version: int, bucket_bytes: int, parts: list | None = None) -> float:
+    """Seconds for one whole push; `parts` gets its split (bucket sends, then the commit)."""
     from miles.sync.prepare import push_weights
 
     t0 = time.perf_counter()
-    push_weights(iter(named), transport, version, bucket_bytes)
+    m = push_weights(iter(named), transport, version, bucket_bytes)
+    if parts is not None:
+        parts.append((m["sync/transport_s"], m["sync/commit_s"]))
     return time.perf_counter() - t0
 
 
-def raw_gloo(named, bucket_bytes: int, repeats: int) -> list[float]:
-    """Broadcast the same bucket bytes with bare torch.distributed to two receiver processes."""
-    import datetime
+class RawGloo:
+    """The baseline: the same bucket bytes (pre-flattened) broadcast with bare torch.distributed gloo
+    to receiver processes that do nothing else. The receivers live for the whole benchmark, their
+    process group is formed once and their buffers are pre-faulted, so a round costs the broadcast
+    alone: the tightest bar a broadcast transport can be held to on this host."""
 
-    import torch
-    import torch.distributed as dist
+    def __init__(self, named, bucket_bytes: int, receivers: int, rounds: int):
+        import datetime
 
-    from miles.sync.prepare import buckets
+        import torch
+        import torch.distributed as dist
 
-    flats = [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in b]) for b in buckets(iter(named), bucket_bytes)]
-    sizes = ",".join(str(f.numel()) for f in flats)
-    world = 3
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
-    procs = [subprocess.Popen([sys.executable, "-c", _RECEIVER, "127.0.0.1", str(store.port), str(r), str(world),
-                               sizes, str(repeats)]) for r in (1, 2)]
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, world, timeout)
-    times = []
-    for _ in range(repeats):
+        from miles.sync.prepare import buckets
+
+        self.flats = [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in b])
+                      for b in buckets(iter(named), bucket_bytes)]
+        sizes = ",".join(str(f.numel()) for f in self.flats)
+        world = receivers + 1
+        timeout = datetime.timedelta(seconds=600)
+        self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.procs = [subprocess.Popen([sys.executable, "-c", _RECEIVER, "127.0.0.1", str(self.store.port), str(r),
+                                        str(world), sizes, str(rounds)]) for r in range(1, world)]
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.store), 0, world, timeout)
+        self.pg.allreduce([torch.zeros(1)]).wait()  # every receiver is up with its buffers touched
+
+    def round(self) -> float:
+        import torch
+
         t0 = time.perf_counter()
-        for f in flats:
-            pg.broadcast([f]).wait()
-        pg.allreduce([torch.zeros(1)]).wait()  # every receiver has every byte
-        times.append(time.perf_counter() - t0)
-    for p in procs:
-        p.wait(60)
-    return times
+        for f in self.flats:
+            self.pg.broadcast([f]).wait()
+        self.pg.allreduce([torch.zeros(1)]).wait()  # every receiver has every byte
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.wait(60)
+
+    def stop(self) -> None:
+        """Receivers left waiting by a failed run are ended, not left blocked for the gloo timeout."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def memcpy(named) -> float:
@@ -171,8 +195,10 @@ def main(argv=None) -> int:
                                  startup_timeout_s=300) for _ in range(2)]
         urls = [e.url for e in engines]
         version = 0
+        raw = None
         try:
             results: dict[str, list[float]] = {"broadcast": [], "raw": [], "p2p": [], "colocated": [], "memcpy": []}
+            parts: dict[str, list[tuple[float, float]]] = {"broadcast": [], "p2p": [], "colocated": []}
             transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300,
                                                      load_format=a.load_format),
                           "p2p": get_transport("p2p", admin_token=token, timeout_s=300, buffer_bytes=bucket_bytes),
@@ -180,21 +206,25 @@ def main(argv=None) -> int:
                                                      buffer_bytes=bucket_bytes)}
             for t in transports.values():
                 t.connect(urls)
+            raw = RawGloo(named, bucket_bytes, len(engines), rounds=2 + a.repeats)
             # Warm-up (two rounds): receive buffers grow to a whole version and their pages get mapped;
             # first-touch page faults are set-up, not the steady-state cost of a transfer.
             for _ in range(2):
                 for name, t in transports.items():
                     version += 1
                     time_push(t, named, version, bucket_bytes)
+                raw.round()
+                memcpy(named)
             # Interleaved rounds, so a neighbour's load spreads over every method alike.
             for _ in range(a.repeats):
                 for name, t in transports.items():
                     version += 1
-                    results[name].append(time_push(t, named, version, bucket_bytes))
-                results["raw"].extend(raw_gloo(named, bucket_bytes, 1))
+                    results[name].append(time_push(t, named, version, bucket_bytes, parts[name]))
+                results["raw"].append(raw.round())
                 results["memcpy"].append(memcpy(named))
             for t in transports.values():
                 t.close()
+            raw.close()
 
             optimizer_steps(model, a.steps, a.lr)
             updated = named_bf16(model)
@@ -211,21 +241,29 @@ def main(argv=None) -> int:
             # The engines really hold the updated weights.
             ok = all(r["success"] for r in _compare(urls, token, updated))
         finally:
+            if raw is not None:
+                raw.stop()
             for e in engines:
                 e.stop()
 
-    bc, raw, p2p = med(results["broadcast"]), med(results["raw"]), med(results["p2p"])
+    bc, raw_s, p2p = med(results["broadcast"]), med(results["raw"]), med(results["p2p"])
+    memcpy_s, n_engines = med(results["memcpy"]), len(urls)
     out = {
-        "bytes": nbytes, "bucket_mb": a.bucket_mb, "engines": 2, "repeats": a.repeats,
-        "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw, 4),
-        "memcpy_s": round(med(results["memcpy"]), 4),
-        "broadcast_efficiency": round(raw / bc, 3),
+        "bytes": nbytes, "bucket_mb": a.bucket_mb, "engines": n_engines, "repeats": a.repeats,
+        "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw_s, 4),
+        "memcpy_s": round(memcpy_s, 4),
+        "broadcast_efficiency": round(raw_s / bc, 3),
         "p2p_s": round(p2p, 4), "p2p_speedup_vs_broadcast": round(bc / p2p, 3),
+        # The copy limit: each engine's bytes copied once, one engine after another.
+        "p2p_vs_copy_limit": round(p2p / (n_engines * memcpy_s), 3),
         "colocated_s": round(med(results["colocated"]), 4),
         "delta_steps": a.steps, "delta_lr": a.lr,
         "delta_density": round(stats["delta/changed_bytes"] / stats["delta/full_bytes"], 6),
         "delta_wire_bytes": stats["delta/wire_bytes"], "full_bytes": stats["delta/full_bytes"],
         "delta_s": round(delta_s, 4), "delta_engines_verified": ok,
+        # Where each push's time goes (medians): sending the buckets, and the commit on every engine.
+        "breakdown": {k: {"send_s": round(med([x[0] for x in v]), 4), "commit_s": round(med([x[1] for x in v]), 4)}
+                      for k, v in parts.items()},
         "raw_runs": {k: [round(x, 4) for x in v] for k, v in results.items()},
     }
     print(json.dumps(out))
