@@ -3,7 +3,7 @@ list of messages (or when rollout.task.apply_chat_template wraps text as a user 
 
 An optional system prompt goes first (unless the messages bring their own), and template kwargs
 (enable_thinking, ...) pass through to `apply_chat_template(add_generation_prompt=True)`.
-Non-goal: multi-turn episodes after the first prompt (rollout/agent.py's ChatFormat).
+Non-goal: multi-turn episodes after the first prompt (rollout/chat_format.py).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
 from miles.net import DEFAULT_MAX_BODY_MB, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
-from miles.rollout.agent import ChatFormat
+from miles.rollout.chat_format import ChatFormat
 from miles.rollout.engine.protocol import openapi_body, parse_json
 from miles.rollout.engine.types import InvalidRequest
 from miles.rollout.generate import versions_of

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from miles.buffer.types import SampleStatus
-from miles.rollout.agent import AgentConfig, ChatFormat, run_episode
+from miles.rollout.agent import AgentConfig, run_episode
+from miles.rollout.chat_format import ChatFormat
 from miles.rollout.data_source import Prompt
 from miles.rollout.environments.contract import StepResult
 from miles.rollout.generate import SamplingParams
