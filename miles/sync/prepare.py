@@ -51,7 +51,9 @@ class SyncConfig:
     version is rolled back on every engine (none commits it) and retried."""
     retries: int = 1
     """How many more times a failed or timed-out version is pushed over the same transport before
-    moving on to the transports of `fallback`."""
+    moving on to the transports of `fallback`. With any retry or fallback the trainer's source rank
+    keeps the version's tensors until it commits (one more copy of the model there); 0 and no
+    fallback keep nothing."""
     fallback: list[str] = dataclasses.field(default_factory=list)
     """Transports to push a version with, in order, once `transport` has failed it `retries` + 1 times
     (e.g. ["broadcast", "disk"]; "disk" then writes under the system temp directory: one host only).
