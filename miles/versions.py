@@ -31,9 +31,10 @@ def from_wire(value) -> int:
     return 0
 
 
-def moves_forward(current: str, new: str) -> bool:
+def never_backwards(current: str, new: str) -> bool:
     """Whether an engine at `current` may commit `new`: once an engine holds a version miles numbered,
-    only a higher number follows it (a stale or replayed commit can never roll an engine back)."""
+    only that number (a retried push of the same version) or a higher one follows it, so a stale or
+    replayed commit can never roll an engine back."""
     if not (isinstance(current, str) and current.isdigit()):
         return True  # "default" or a label someone else gave: any version miles sends is newer
-    return isinstance(new, str) and new.isdigit() and int(new) > int(current)
+    return isinstance(new, str) and new.isdigit() and int(new) >= int(current)

@@ -136,6 +136,7 @@ class WeightUpdater:
                 metrics = self._attempt(name, source.view() if source else named, version,
                                         fresh=attempt > 0 or self._disconnected)
             except TransportError as exc:
+                last = exc
                 errors.append(f"attempt {attempt + 1} over {name}: {exc}")
                 rollbacks += 1
                 self._rollback(version)
@@ -144,8 +145,8 @@ class WeightUpdater:
             if name != self.cfg.transport:
                 metrics["sync/fell_back"] = 1
             return metrics
-        raise TransportError(f"weight version {version} failed on every attempt; every engine keeps its previous "
-                             "version: " + " | ".join(errors))
+        # The last attempt's kind (a VerificationError stays one), with every attempt's reason.
+        raise type(last)(f"weight version {version} failed on every attempt: " + " | ".join(errors))
 
     def _attempt(self, name: str, named, version: int, fresh: bool) -> dict[str, float]:
         """One push of the version over transport `name` (a fresh sender after a failure), run on a
@@ -223,13 +224,13 @@ class WeightUpdater:
         metrics["sync/verify_s"] = time.perf_counter() - t0
         for k, v in getattr(self.transport, "last_stats", {}).items():
             metrics[f"sync/{k}"] = v
+        self._updates += 1  # only a verified version counts: a retry of a failed first one is noise-checked again
         return metrics
 
     def _push(self, named, version: int, record) -> dict[str, float]:
         transport = self.transport if self.plain else _ReadyFirst(self.transport, self._ready)
         metrics = push_weights(named, transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
                                converter=self.converter, record=record)
-        self._updates += 1
         return metrics
 
     def _push_plain(self, named, version: int) -> dict[str, float]:
@@ -248,6 +249,7 @@ class WeightUpdater:
                 metrics["sync/verified_engines"] = len(self.engine_urls)
         finally:
             self._continue(paused)
+        self._updates += 1
         metrics["sync/verify_s"] = time.perf_counter() - t0
         return metrics
 

@@ -16,7 +16,7 @@ The transports add, among others: /init_weights_update_group, /update_weights_fr
 (broadcast), /update_weights_from_tensor (colocated, p2p), /p2p_open_buffer (p2p), /init_delta_base
 (disk_delta). All of them are admin endpoints. A refused update leaves the engine on its previous
 weights and answers HTTP 400 {success: false, message}, as SGLang does, and keeps nothing it staged.
-A commit needs something staged and a version that moves forward (miles.versions.moves_forward).
+A commit needs something staged and a version no older than the one in force (miles.versions.never_backwards).
 In SGLang-only mode (EngineConfig.sglang_only) only SGLang's routes and fields are served.
 """
 

@@ -97,10 +97,10 @@ class WeightReceiver:
                 raise WeightUpdateError("commit refused: nothing is staged (send the version's tensors first); "
                                         f"the engine keeps version {self.engine.weight_version}")
             current = self.engine.weight_version
-            if weight_version is not None and not versions.moves_forward(current, weight_version):
+            if weight_version is not None and not versions.never_backwards(current, weight_version):
                 self.clear()
-                raise WeightUpdateError(f"weight_version: {weight_version!r} does not move forward from the "
-                                        f"version in force ({current!r}); staged weights were discarded and the "
+                raise WeightUpdateError(f"weight_version: {weight_version!r} is older than the version in "
+                                        f"force ({current!r}); staged weights were discarded and the "
                                         "engine keeps its weights (send a higher version)")
             staged, owned, lent_from = self._staging, self._owned, self._lent_from
             self._clear_staging()
