@@ -116,6 +116,9 @@ class WeightReceiver:
                     self._spares.setdefault(flat.numel(), []).append(flat)
             for part in self.parts.values():
                 part.committed(source if swap else None)
+            if not self._session and self.engine.covers_parameters(staged):
+                # Every tensor was overwritten, noise included; inside a session its compare decides.
+                self.engine.scheduler.set_unservable(None)
             if flush_cache:
                 self.engine.flush_cache()
             return version
