@@ -29,3 +29,12 @@ def from_wire(value) -> int:
     if type(value) is int and value >= 0:  # servers older than string versions
         return value
     return 0
+
+
+def never_backwards(current: str, new: str) -> bool:
+    """Whether an engine at `current` may commit `new`: once an engine holds a version miles numbered,
+    only that number (a retried push of the same version) or a higher one follows it, so a stale or
+    replayed commit can never roll an engine back."""
+    if not (isinstance(current, str) and current.isdigit()):
+        return True  # "default" or a label someone else gave: any version miles sends is newer
+    return isinstance(new, str) and new.isdigit() and int(new) >= int(current)

@@ -66,3 +66,17 @@ def engine_thread(base_model_dir, admin_token):
     server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=admin_token))
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _engines_restart_their_numbering(request, admin_token):
+    """Engines shared by a module's tests hold the version an earlier test committed, and versions only
+    move forward: each test that uses them starts the numbering afresh, as a new run on long-lived
+    engines does, with SGLang's explicit relabel."""
+    import httpx
+
+    for name in ("engine_proc", "engine_thread"):
+        if name in request.fixturenames:
+            url = request.getfixturevalue(name).url
+            httpx.post(f"{url}/update_weight_version", json={"new_version": "default"}, timeout=60,
+                       headers={"Authorization": f"Bearer {admin_token}"}).raise_for_status()

@@ -45,7 +45,19 @@ class SyncConfig:
     verify_checksums: bool = True
     """After every later update, compare one xxh3-128 checksum per bucket between trainer and engines."""
     timeout_s: float = 120.0
-    """How long one transfer or engine call may take before the update fails."""
+    """Deadline of one bucket's transfer (and of any one engine call) before the update fails."""
+    version_timeout_s: float = 600.0
+    """Deadline of one whole version's push (every bucket, the commit, the verification); past it the
+    version is rolled back on every engine (none commits it) and retried."""
+    retries: int = 1
+    """How many more times a failed or timed-out version is pushed over the same transport before
+    moving on to the transports of `fallback`. With any retry or fallback the trainer's source rank
+    keeps the version's tensors until it commits (one more copy of the model there); 0 and no
+    fallback keep nothing."""
+    fallback: list[str] = dataclasses.field(default_factory=list)
+    """Transports to push a version with, in order, once `transport` has failed it `retries` + 1 times
+    (e.g. ["broadcast", "disk"]; "disk" then writes under the system temp directory: one host only).
+    Each fallback and rollback is counted (sync/fallbacks, sync/rollbacks)."""
 
     @classmethod
     def variant(cls, data: dict) -> type[SyncConfig]:
@@ -79,6 +91,13 @@ class SyncConfig:
         transport_config(self.transport)
         if self.timeout_s <= 0:
             raise ConfigError("sync.timeout_s must be > 0")
+        if self.version_timeout_s < self.timeout_s:
+            raise ConfigError(f"sync.version_timeout_s = {self.version_timeout_s} is shorter than one bucket's "
+                              f"deadline sync.timeout_s = {self.timeout_s}: raise it")
+        if self.retries < 0:
+            raise ConfigError(f"sync.retries = {self.retries}: set it >= 0")
+        for name in self.fallback:
+            transport_config(name)  # a typo fails here, not at the first failed push
         if self.converter not in ("auto", "hf"):
             try:
                 get_converter(self.converter)

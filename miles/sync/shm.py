@@ -70,6 +70,12 @@ def check_path(path: str) -> None:
         raise ValueError(f"shared-memory path {path!r} must be a file named {PREFIX}* directly in {SHM_DIR}")
 
 
+def free_bytes() -> int:
+    """Bytes still free in SHM_DIR (a tmpfs: past this, touching a buffer's page raises SIGBUS)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def unlink(path: str) -> None:
     try:
         os.unlink(path)

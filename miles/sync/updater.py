@@ -22,9 +22,12 @@ Non-goals: gathering shards (the trainer backend yields full tensors), cadence (
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import tempfile
+import threading
 import time
 
 from miles.sync import verify
@@ -41,7 +44,9 @@ class WeightUpdater:
     def __init__(self, cfg: SyncConfig, admin_token: str | None = None, base_path: str = "",
                  noise_seed: int = 0):
         cfg = cfg.resolved()
-        self.cfg, self.admin_token, self.noise_seed = cfg, admin_token, noise_seed
+        self.cfg, self.admin_token, self.noise_seed, self.base_path = cfg, admin_token, noise_seed, base_path
+        self._abandoned: list[threading.Thread] = []  # attempts given up on at their deadline
+        self._disconnected = True  # self.transport has no channel yet (before connect, after a rollback)
         self.transport = TRANSPORTS.get(cfg.transport).from_config(cfg, admin_token, base_path)
         self.converter = get_converter(cfg.converter, _model_type(base_path))
         self.engine_urls: list[str] = []
@@ -72,6 +77,7 @@ class WeightUpdater:
                 "SGLang's own /update_weights_from_distributed")
         self.engine_urls = urls
         self.transport.connect(self.engine_urls)
+        self._disconnected = False
         if self.plain:
             infos = self._client.post_all(urls, "/get_model_info", None, method="GET")
             self._fresh_engines = all(i.get("weight_version") == INITIAL for i in infos)
@@ -109,10 +115,90 @@ class WeightUpdater:
         return {**metrics, "sync/start_check_s": time.perf_counter() - t0}
 
     def push(self, named, version: int) -> dict[str, float]:
+        """Push one version. Each attempt has a deadline (sync.version_timeout_s; each bucket has
+        sync.timeout_s); a failed or timed-out attempt is rolled back on every engine (staging discarded,
+        nothing committed) and retried, sync.retries more times over this transport, then over each
+        transport of sync.fallback in turn. Raises TransportError once every attempt has failed."""
         if self._client is None:
             raise RuntimeError("push before connect: the trainer has no route to the engines")
         if self.plain:
             return self._push_plain(named, version)
+        plan = [name for name in [self.cfg.transport, *self.cfg.fallback] for _ in range(self.cfg.retries + 1)]
+        source = _Replay(named) if len(plan) > 1 else None
+        rollbacks = fallbacks = 0
+        errors = []
+        for attempt, name in enumerate(plan):
+            if attempt and name != plan[attempt - 1]:
+                fallbacks += 1
+                log.warning("weight version %d: moving from sync.transport %r to fallback %r", version,
+                            plan[attempt - 1], name)
+            try:
+                metrics = self._attempt(name, source.view() if source else named, version,
+                                        fresh=attempt > 0 or self._disconnected)
+            except TransportError as exc:
+                last = exc
+                errors.append(f"attempt {attempt + 1} over {name}: {exc}")
+                rollbacks += 1
+                self._rollback(version)
+                continue
+            metrics["sync/rollbacks"], metrics["sync/fallbacks"] = rollbacks, fallbacks
+            if name != self.cfg.transport:
+                metrics["sync/fell_back"] = 1
+            return metrics
+        # The last attempt's kind (a VerificationError stays one), with every attempt's reason.
+        raise type(last)(f"weight version {version} failed on every attempt: " + " | ".join(errors))
+
+    def _attempt(self, name: str, named, version: int, fresh: bool) -> dict[str, float]:
+        """One push of the version over transport `name` (a fresh sender after a failure), run on a
+        thread so that a stalled transport costs at most sync.version_timeout_s."""
+        result: dict = {}
+
+        def run():
+            try:
+                if fresh:
+                    self.transport = self._build(name)
+                    self.transport.connect(self.engine_urls)
+                    self._disconnected = False
+                result["metrics"] = self._push_checked(named, version)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                result["error"] = exc
+
+        worker = threading.Thread(target=run, name="miles-weight-push", daemon=True)
+        worker.start()
+        worker.join(self.cfg.version_timeout_s)
+        if worker.is_alive():
+            self._abandoned.append(worker)  # stuck in a transport call; its sender is dropped below
+            raise TransportError(f"the version did not reach every engine within sync.version_timeout_s = "
+                                 f"{self.cfg.version_timeout_s}s")
+        if "error" in result:
+            exc = result["error"]
+            if isinstance(exc, TransportError):
+                raise exc
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+        return result["metrics"]
+
+    def _build(self, name: str):
+        cfg = dataclasses.replace(self.cfg, transport=name).resolved()
+        if name == "disk" and not getattr(cfg, "disk_dir", ""):
+            cfg = dataclasses.replace(cfg, disk_dir=tempfile.mkdtemp(prefix="miles-sync-fallback-"))
+        return TRANSPORTS.get(name).from_config(cfg, self.admin_token, self.base_path)
+
+    def _rollback(self, version: int) -> None:
+        """Discard whatever the failed attempt staged on every engine that answers, and drop its sender
+        (closing it on a thread of its own: a stalled channel may never answer)."""
+        failed, self._disconnected = self.transport, True
+        self.transport = self._build(self.cfg.transport)  # unconnected: the next attempt connects its own
+        threading.Thread(target=_close_quietly, args=(failed,), daemon=True).start()
+        quick = EngineClient(self.admin_token, min(self.cfg.timeout_s, 10.0))
+        try:
+            quick.post_all(self.engine_urls, "/update_weights_from_disk", {"reset_staging": True})
+        except TransportError as exc:
+            log.warning("weight version %d rolled back; some engines did not answer the rollback (%s): they "
+                        "hold nothing committed, and their staging is discarded by the next attempt", version, exc)
+        finally:
+            quick.close()
+
+    def _push_checked(self, named, version: int) -> dict[str, float]:
         full_check = self._updates == 0 and self.cfg.verify_first_update
         record = Record(per_tensor=full_check) if full_check or self.cfg.verify_checksums else None
         if full_check:
@@ -138,12 +224,13 @@ class WeightUpdater:
         metrics["sync/verify_s"] = time.perf_counter() - t0
         for k, v in getattr(self.transport, "last_stats", {}).items():
             metrics[f"sync/{k}"] = v
+        self._updates += 1  # only a verified version counts: a retry of a failed first one is noise-checked again
         return metrics
 
     def _push(self, named, version: int, record) -> dict[str, float]:
-        metrics = push_weights(named, self.transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
+        transport = self.transport if self.plain else _ReadyFirst(self.transport, self._ready)
+        metrics = push_weights(named, transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
                                converter=self.converter, record=record)
-        self._updates += 1
         return metrics
 
     def _push_plain(self, named, version: int) -> dict[str, float]:
@@ -162,6 +249,7 @@ class WeightUpdater:
                 metrics["sync/verified_engines"] = len(self.engine_urls)
         finally:
             self._continue(paused)
+        self._updates += 1
         metrics["sync/verify_s"] = time.perf_counter() - t0
         return metrics
 
@@ -189,6 +277,18 @@ class WeightUpdater:
                             "running during it may see the noise fill", url, exc)
         return paused
 
+    def _ready(self) -> None:
+        """Before any engine commits: every engine must answer at once. An engine that stalls (a stopped
+        process, a wedged host) fails the version here, while no engine has committed it, instead of
+        leaving the fleet on two versions."""
+        quick = EngineClient(self.admin_token, min(self.cfg.timeout_s, 10.0))
+        try:
+            quick.post_all(self.engine_urls, "/health", None, method="GET")
+        except TransportError as exc:
+            raise TransportError(f"not committing: an engine is not answering ({exc})") from None
+        finally:
+            quick.close()
+
     def close(self) -> None:
         self.transport.close()
         if self._client is not None:
@@ -202,3 +302,54 @@ def _model_type(path: str) -> str | None:
             return json.load(f).get("model_type")
     except (OSError, ValueError):
         return None
+
+
+class _ReadyFirst:
+    """A transport whose commit first checks that every engine answers (WeightUpdater._ready)."""
+
+    def __init__(self, inner, ready):
+        self._inner, self._ready_check = inner, ready
+
+    def send_bucket(self, bucket) -> None:
+        self._inner.send_bucket(bucket)
+
+    def commit(self, weight_version: int) -> None:
+        self._ready_check()
+        self._inner.commit(weight_version)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _Replay:
+    """A version's (name, tensor) pairs, kept as the first attempt draws them, so that a retry sends the
+    same tensors again (the trainer's gather runs once). Only the newest view draws: an attempt given
+    up on at its deadline that wakes later gets nothing more."""
+
+    def __init__(self, named):
+        self._source, self._seen, self._lock, self._current = iter(named), [], threading.Lock(), 0
+
+    def view(self):
+        with self._lock:
+            self._current += 1
+            mine = self._current
+        i = 0
+        while True:
+            with self._lock:
+                if mine != self._current:  # fail the stale attempt rather than let it commit a part
+                    raise TransportError("this attempt was given up on at its deadline; a newer one sends the version")
+                if i == len(self._seen):
+                    item = next(self._source, None)
+                    if item is None:
+                        return
+                    self._seen.append(item)
+                item = self._seen[i]
+            i += 1
+            yield item
+
+
+def _close_quietly(transport) -> None:
+    try:
+        transport.close()
+    except Exception as exc:  # noqa: BLE001 - a failed channel may fail to close too
+        log.debug("closing a failed weight transport: %s", exc)

@@ -39,6 +39,17 @@ def tensor_checksum(t: "torch.Tensor") -> str:
     return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
 
 
+def bound_checksum(name: str, dtype: str, shape, data) -> str:
+    """xxh3-128 over a tensor's name, dtype and shape, then its bytes: a digest that vouches for these
+    bytes AS this tensor, so entries swapped between two tensors of equal shape fail it."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(f"{name}\0{dtype}\0{','.join(str(d) for d in shape)}\0".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
 def bucket_checksum(tensors: Iterable["torch.Tensor"]) -> str:
     import xxhash
 
@@ -129,6 +140,9 @@ def engine_bucket_checksums(model, buckets: list[list[list[str]]]) -> list[str]:
 
 
 def noise_fill(client, urls: list[str], seed: int = 0) -> None:
+    # The engine fills with noise only inside a verification session, and holds generation until
+    # the session's compare passes.
+    client.post_all(urls, "/weights_checker", {"action": "begin_session"})
     client.post_all(urls, "/weights_checker", {"action": "reset_tensors", "seed": seed})
 
 

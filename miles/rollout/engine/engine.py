@@ -118,6 +118,11 @@ class Engine:
         return self.scheduler.paused
 
     @property
+    def unservable(self) -> str | None:
+        """Why generation is held because the weights are not the served model's (None: they are)."""
+        return self.scheduler.unservable
+
+    @property
     def released(self) -> tuple[str, ...]:
         return self.scheduler.released
 

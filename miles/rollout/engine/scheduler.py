@@ -47,6 +47,7 @@ class Scheduler:
         self._inflight: set[str] = set()  # rids admitted to the running batch and not yet finished
         self._stopping = False
         self._paused = False  # set by /pause_generation, cleared by /continue_generation
+        self._unservable: str | None = None  # why the weights may not be served (a verification's noise)
         self._released: set[str] = set()  # memory tags released (memory.py); generation waits while non-empty
         self._control: list[tuple[str, threading.Event]] = []  # quiesce requests for the loop
         self._thread = threading.Thread(target=self._loop, name="miles-engine-scheduler", daemon=True)
@@ -120,6 +121,16 @@ class Scheduler:
             self._released.difference_update(tags)
             self._cond.notify()
 
+    @property
+    def unservable(self) -> str | None:
+        return self._unservable
+
+    def set_unservable(self, reason: str | None) -> None:
+        """Generate nothing while `reason` is set (the weights hold verification noise); None serves again."""
+        with self._cond:
+            self._unservable = reason
+            self._cond.notify()
+
     def quiesce(self, mode: str, timeout: float) -> None:
         """Return once the loop is between steps, having retracted the running batch if mode is "retract"."""
         done = threading.Event()
@@ -138,7 +149,7 @@ class Scheduler:
     # ---- the loop ---------------------------------------------------------------------------
 
     def _held(self) -> bool:
-        return self._paused or bool(self._released)
+        return self._paused or bool(self._released) or self._unservable is not None
 
     def _loop(self) -> None:
         # OpenMP thread counts are per calling thread: without this the scheduler thread would use

@@ -97,7 +97,7 @@ def build_app(engine) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
-        if engine.paused or engine.released:
+        if engine.paused or engine.released or engine.unservable:
             return JSONResponse({"error": "generation is paused or memory is released; call "
                                  "/continue_generation or /resume_memory_occupation"}, status_code=503)
         req = engine.make_request([engine.pad_token_id], SamplingParams(temperature=0.0, max_new_tokens=1))

@@ -8,11 +8,15 @@ Shared here (SGLang's routes, bodies as SGLang declares them, see protocol.py):
          stages, {commit: true, weight_version} applies), and {reset_staging: true} discards staging.
     POST /update_weight_version       {new_version} relabels the weights in force.
     GET|POST /weights_checker         {action: snapshot | reset_tensors | compare | checksum}; the
-         `checked_weights` extension adds a noise seed, an expected checksum table and bucket checksums.
+         `checked_weights` extension adds a noise seed, an expected checksum table, bucket checksums
+         and action begin_session. reset_tensors is refused outside a verification session (opened by
+         snapshot or begin_session, closed by compare), and generation is held from the noise fill
+         until a compare vouches for the weights.
 The transports add, among others: /init_weights_update_group, /update_weights_from_distributed
 (broadcast), /update_weights_from_tensor (colocated, p2p), /p2p_open_buffer (p2p), /init_delta_base
 (disk_delta). All of them are admin endpoints. A refused update leaves the engine on its previous
-weights and answers HTTP 400 {success: false, message}, as SGLang does.
+weights and answers HTTP 400 {success: false, message}, as SGLang does, and keeps nothing it staged.
+A commit needs something staged and a version no older than the one in force (miles.versions.never_backwards).
 In SGLang-only mode (EngineConfig.sglang_only) only SGLang's routes and fields are served.
 """
 
@@ -58,7 +62,7 @@ class WeightRoutes:
         self.require_admin = require_admin  # the server's own admin check (SGLang's routes answer with it)
         self.sglang_only = engine.config.sglang_only
         self.disk_formats: dict[str, Callable[[str], str]] = {}  # load_format -> stage(model_path) -> message
-        self.post("/update_weights_from_disk", self._from_disk, sglang=True)
+        self.post("/update_weights_from_disk", self._from_disk, sglang=True, stages=True)
         self.post("/update_weight_version", self._relabel, sglang=True)
         self.post("/weights_checker", self._checker, sglang=True, methods=["GET", "POST"])
         for part in self.weights.parts.values():
@@ -75,10 +79,12 @@ class WeightRoutes:
         return protocol.parse_body(sglang_model if self.sglang_only else miles_model, body)
 
     def post(self, path: str, handler: Callable[[dict], dict], *, fields: set[str] | None = None,
-             thread: bool = True, sglang: bool = False, methods: list[str] | None = None) -> None:
+             thread: bool = True, sglang: bool = False, methods: list[str] | None = None,
+             stages: bool = False) -> None:
         """Serve `handler(body) -> reply` as an admin POST route, off the event loop unless thread=False.
         fields: the body's allowed keys. sglang: SGLang's routes, refused as the server's other admin
-        routes are (their bodies are checked by protocol.parse_*)."""
+        routes are (their bodies are checked by protocol.parse_*). stages: the route puts weights into
+        staging, so a refusal of it discards staging (and poisons a version sent in several requests)."""
 
         async def route(request: Request):
             if sglang:
@@ -87,9 +93,14 @@ class WeightRoutes:
                 raise HTTPException(401, UNAUTHORIZED)
             raw = await request.body()
             body = protocol.parse_json(raw) if raw.strip() else {}  # SGLang's GET forms send no body
-            if fields is not None:
-                protocol.no_unknown(body, fields)
-            return await asyncio.to_thread(handler, body) if thread else handler(body)
+            try:
+                if fields is not None:
+                    protocol.no_unknown(body, fields)
+                return await asyncio.to_thread(handler, body) if thread else handler(body)
+            except InvalidRequest as exc:
+                if stages:  # all or nothing: a refused update leaves nothing a later commit could apply
+                    await asyncio.to_thread(self.weights.refused, str(exc), body.get("commit") is False)
+                raise
 
         self.router.add_api_route(path, route, methods=methods or ["POST"])
 

@@ -33,7 +33,9 @@ import threading
 
 import torch
 
-from miles.sync import verify
+from miles import versions
+from miles.rollout.engine import protocol
+from miles.sync import files, verify
 from miles.sync.transports import TRANSPORTS, TransportReceiver, WeightUpdateError
 
 __all__ = ["WeightReceiver", "WeightUpdateError"]
@@ -53,6 +55,8 @@ class WeightReceiver:
         self._lent_from: dict[str, str] = {}  # staged name -> the lent buffer its bytes are in
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._session = False  # a verification session is open: reset_tensors is allowed until compare
+        self._snapshot_is_clean = False  # the snapshot predates any noise fill (its compare may end the hold)
         self.parts: dict[str, TransportReceiver] = {}
         self.sglang_only = engine.config.sglang_only
         for name in TRANSPORTS:
@@ -64,6 +68,15 @@ class WeightReceiver:
     def reset_staging(self) -> None:
         with self.lock:
             self.clear()
+
+    def refused(self, reason: str, stage_only: bool) -> None:
+        """A weight-update request was refused: nothing it brought may stay staged. A refused bucket of
+        a multi-request version (stage_only) also poisons that version, so its commit is refused too."""
+        with self.lock:
+            if stage_only:
+                self.fail(reason)
+            else:
+                self.clear()
 
     def drop_spares(self) -> None:
         """Free the kept receive buffers (the engine is releasing its memory)."""
@@ -79,6 +92,16 @@ class WeightReceiver:
                 self.clear()
                 raise WeightUpdateError(f"commit refused: an earlier bucket of this version failed ({why}); "
                                         "the old weights stay in force, resend the whole version")
+            if not self._staging:
+                self.clear()
+                raise WeightUpdateError("commit refused: nothing is staged (send the version's tensors first); "
+                                        f"the engine keeps version {self.engine.weight_version}")
+            current = self.engine.weight_version
+            if weight_version is not None and not versions.never_backwards(current, weight_version):
+                self.clear()
+                raise WeightUpdateError(f"weight_version: {weight_version!r} is older than the version in "
+                                        f"force ({current!r}); staged weights were discarded and the "
+                                        "engine keeps its weights (send a higher version)")
             staged, owned, lent_from = self._staging, self._owned, self._lent_from
             self._clear_staging()
             sources = set(lent_from.get(n) for n in staged)
@@ -93,6 +116,9 @@ class WeightReceiver:
                     self._spares.setdefault(flat.numel(), []).append(flat)
             for part in self.parts.values():
                 part.committed(source if swap else None)
+            if not self._session and self.engine.covers_parameters(staged):
+                # Every tensor was overwritten, noise included; inside a session its compare decides.
+                self.engine.scheduler.set_unservable(None)
             if flush_cache:
                 self.engine.flush_cache()
             return version
@@ -124,13 +150,19 @@ class WeightReceiver:
         """Stage every tensor of a Hugging Face safetensors checkpoint directory (SGLang's full reload)."""
         from safetensors.torch import load_file
 
-        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-        if not files:
+        shards = sorted(glob.glob(os.path.join(glob.escape(model_path), "*.safetensors")))
+        if not shards:
             raise WeightUpdateError(f"model_path: no *.safetensors files in {model_path!r}")
         with self.lock:
             tensors = {}
-            for f in files:
-                tensors.update(load_file(f))
+            for f in shards:
+                try:
+                    files.check_regular(f)
+                    tensors.update(load_file(f))
+                except files.UnsafePath as exc:
+                    raise self.fail(f"model_path: {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - safetensors' own errors: not a checkpoint
+                    raise self.fail(f"model_path: {f} is not a safetensors file ({exc})") from None
             err = self.validate(tensors)
             if err is not None:
                 raise self.fail(err)
@@ -147,29 +179,52 @@ class WeightReceiver:
         model = self.engine.model
         action = req.action
         expected, buckets = getattr(req, "expected", None), getattr(req, "buckets", None)
+        miles = isinstance(req, protocol.MilesCheckWeights)
+        if action == "reset_tensors":
+            if not self._session:
+                raise WeightUpdateError("reset_tensors: allowed only inside a verification session; send action "
+                                        "'snapshot' (or, with the checked_weights extension, 'begin_session') "
+                                        "first, then push the weights and 'compare'")
+            # Held before the fill: no step may run on noise; served again once a compare passes.
+            self.engine.scheduler.set_unservable("the weights hold a verification's noise fill until a compare "
+                                                 "passes")
         with self.engine.model_lock, torch.no_grad():
+            if action == "begin_session" and miles:
+                self._session = True
+                return {"success": True, "message": "verification session open: reset_tensors, push, compare"}
             if action == "snapshot":
                 self._snapshot = {n: t.clone() for n, t in verify.unique_tensors(model).items()}
+                self._snapshot_is_clean = self.engine.scheduler.unservable is None
+                self._session = True
                 return {"success": True, "message": f"snapshot of {len(self._snapshot)} tensors",
                         "tensors": len(self._snapshot)}
             if action == "reset_tensors":
+                # Only a snapshot of the weights from before the noise can vouch for them afterwards.
+                self._snapshot_is_clean = self._snapshot is not None
                 n = verify.noise_fill_(model, getattr(req, "seed", 0))
                 return {"success": True, "message": f"reset {n} tensors", "tensors": n}
             if action == "compare" and expected is None:
                 if self._snapshot is None:
                     raise WeightUpdateError("compare: no snapshot taken; send action 'snapshot' first")
                 snapshot, self._snapshot = self._snapshot, None  # SGLang's checker drops it after use
+                self._session = False
                 now = verify.unique_tensors(model)
                 diff = [n for n, t in snapshot.items() if not torch.equal(t, now[n])]
                 if diff:
                     raise WeightUpdateError(f"check tensor equality failed: {len(diff)} tensor(s) differ from "
                                             f"the snapshot: {', '.join(diff[:8])}")
+                if self._snapshot_is_clean:
+                    self.engine.scheduler.set_unservable(None)
                 return {"success": True, "message": f"{len(now)} tensors equal the snapshot", "checked": len(now)}
             if action == "compare":
                 if not all(len(v) == 2 and _parse_dtype(v[0]) is not None for v in expected.values()):
                     raise WeightUpdateError("expected: send {name: [dtype, xxh3_128 hex digest]}")
                 r = verify.engine_checksums(model, expected)
-                return {"success": not (r["mismatched"] or r["missing"] or r["unexpected"]), **r}
+                ok = not (r["mismatched"] or r["missing"] or r["unexpected"])
+                self._session = False
+                if ok:
+                    self.engine.scheduler.set_unservable(None)
+                return {"success": ok, **r}
             if action == "checksum" and buckets is None:
                 sums = {n: verify.tensor_checksum(t) for n, t in verify.unique_tensors(model).items()}
                 overall = verify.checksum_of_table(sums)
@@ -184,7 +239,8 @@ class WeightReceiver:
                            for b in buckets):
                     raise WeightUpdateError("buckets: send [[[name, dtype], ...], ...] with names of this model")
                 return {"success": True, "checksums": verify.engine_bucket_checksums(model, buckets)}
-        raise WeightUpdateError(f"action: {action!r} is unknown; use snapshot, reset_tensors, compare or checksum")
+        more = ", begin_session" if miles else ""
+        raise WeightUpdateError(f"action: {action!r} is unknown; use snapshot{more}, reset_tensors, compare or checksum")
 
     # ---- for transports' receivers (call with self.lock held) --------------------------------
 

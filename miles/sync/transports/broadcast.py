@@ -292,14 +292,15 @@ class BroadcastReceiver(TransportReceiver):
     def __init__(self, weights):
         super().__init__(weights)
         self._groups: dict[str, _Group] = {}
+        self._groups_lock = threading.Lock()  # guards _groups only; never held across a network wait
         self._api = None  # the engine's weight routes, set by mount
 
     def mount(self, api) -> None:
         # SGLang's routes: their bodies are checked by protocol.parse_*, unauthorized as the server's.
         self._api = api
         api.post("/init_weights_update_group", self._init_route, sglang=True)
-        api.post("/destroy_weights_update_group", self._destroy_route, sglang=True, thread=False)
-        api.post("/update_weights_from_distributed", self._update_route, sglang=True)
+        api.post("/destroy_weights_update_group", self._destroy_route, sglang=True)
+        api.post("/update_weights_from_distributed", self._update_route, sglang=True, stages=True)
 
     def _init_route(self, body: dict) -> dict:
         # Joining blocks until every member arrives (the caller runs this off the event loop).
@@ -346,16 +347,31 @@ class BroadcastReceiver(TransportReceiver):
             raise WeightUpdateError(f"rank_offset: {rank_offset} must be in [1, world_size={world_size}); "
                                     "rank 0 is the trainer's source")
         w = self.weights
-        with w.lock:
+        # The rendezvous runs under no lock: a trainer that never shows up (a closed port, a dead peer)
+        # costs this request its deadline and nothing else; /destroy_weights_update_group, /health and
+        # the other weight routes answer meanwhile. One deadline covers the store and the group.
+        limit = w.timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        try:
             store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=w.timeout)
+            left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
             # The prefix keeps several groups (or a re-initialised one) from colliding in one store.
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank_offset, world_size, w.timeout)
-            self._groups[group_name] = _Group(pg, store, rank_offset, world_size)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank_offset, world_size, left)
+        except Exception as exc:  # noqa: BLE001 - torch's store and gloo errors: the rendezvous failed
+            raise WeightUpdateError(f"master_address/master_port: joining weight-update group {group_name!r} at "
+                                    f"{master_address}:{master_port} failed within the {limit:g}s deadline "
+                                    f"(engine weight_update_timeout_s): {type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        with w.lock:
+            with self._groups_lock:
+                self._groups[group_name] = _Group(pg, store, rank_offset, world_size)
             w.clear()
         return f"joined {group_name!r} as rank {rank_offset} of {world_size}"
 
     def destroy_group(self, group_name: str) -> None:
-        with self.weights.lock:
+        # Not the weight lock: a receive in progress keeps its own reference to the group and ends
+        # at its deadline, while this answers at once.
+        with self._groups_lock:
             self._groups.pop(group_name, None)
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
@@ -365,7 +381,8 @@ class BroadcastReceiver(TransportReceiver):
             return
         w = self.weights
         with w.lock:
-            group = self._groups.get(group_name)
+            with self._groups_lock:
+                group = self._groups.get(group_name)
             if group is None:
                 raise WeightUpdateError(f"group_name: no weight-update group {group_name!r}; call "
                                         "/init_weights_update_group first")
@@ -380,7 +397,9 @@ class BroadcastReceiver(TransportReceiver):
             except WeightUpdateError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a dead or late peer; the group is unusable now
-                self._groups.pop(group_name, None)
+                with self._groups_lock:
+                    if self._groups.get(group_name) is group:
+                        self._groups.pop(group_name)
                 raise w.fail(f"receiving from group {group_name!r} failed ({exc}); re-initialise the "
                              "group with /init_weights_update_group") from None
             err = w.validate(received, nonfinite)

@@ -117,7 +117,8 @@ class ColocatedReceiver(TransportReceiver):
         self._foreign: dict[str, "torch.Tensor"] = {}
 
     def mount(self, api) -> None:
-        api.post("/update_weights_from_tensor", lambda body: self._route(api, body), fields=_TENSOR_FIELDS)
+        api.post("/update_weights_from_tensor", lambda body: self._route(api, body), fields=_TENSOR_FIELDS,
+                 stages=True)
 
     def _route(self, api, body: dict) -> dict:
         if "serialized_named_tensors" in body:

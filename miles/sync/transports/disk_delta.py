@@ -10,7 +10,10 @@ Layout of one version (written by the trainer, read by every engine host):
 Encoding: per tensor, XOR of its bytes (in the engine's wire dtype) against the previous version's
 bytes, zstd-compressed. Bytes that did not change XOR to zero and compress to almost nothing, so the
 wire size follows the fraction of changed bytes. `xxh3_128` is the checksum of the RESULTING tensor,
-so a host proves it rebuilt exactly the trainer's tensor, whatever went wrong on the way.
+bound to its name, dtype and shape (verify.bound_checksum), so a host proves it rebuilt exactly the
+trainer's tensor under that name, whatever went wrong on the way (entries swapped between two tensors
+of one shape included). Shards are plain file names inside the version directory, read only as
+regular files (sync/files.py); a malformed index is refused field by field.
 Every file is written atomically (temp file, fsync, rename; then the directory is fsynced).
 
 The base (version `base_version`, default 0) is the run's starting checkpoint: each engine copies it
@@ -36,9 +39,10 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from miles.config.loader import ConfigError
+from miles.sync import files, verify
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
@@ -47,7 +51,7 @@ from miles.versions import to_wire
 if TYPE_CHECKING:
     import torch
 
-FORMAT = "miles-delta/1"
+FORMAT = "miles-delta/2"  # /2: checksums bound to the name, dtype and shape
 ENCODING = "xor-zstd"
 INDEX = "index.json"
 
@@ -116,55 +120,83 @@ class DeltaCopy:
     tensors: dict  # name -> tensor in the wire dtype (base tensors are cast on first use)
 
     @classmethod
-    def from_base(cls, base_path: str, local_dir: str, base_version: int = 0) -> "DeltaCopy":
-        os.makedirs(local_dir, exist_ok=True)
-        src = [base_path] if os.path.isfile(base_path) else [
-            os.path.join(base_path, f) for f in sorted(os.listdir(base_path)) if f.endswith(".safetensors")]
+    def from_base(cls, base_path: str, local_dir: str, base_version: int = 0,
+                  check: Callable[[dict], str | None] | None = None) -> "DeltaCopy":
+        """Load the base checkpoint, refuse it if `check` names a problem (tensors the served model does
+        not have), and only then copy its files into `local_dir`: nothing is copied for a refused base."""
+        if os.path.isfile(base_path):
+            src = [base_path]
+        elif os.path.isdir(base_path):
+            src = [os.path.join(base_path, f) for f in sorted(os.listdir(base_path)) if f.endswith(".safetensors")]
+        else:
+            raise DeltaError(f"base checkpoint {base_path!r} is neither a checkpoint directory nor a file")
         if not src:
             raise DeltaError(f"base checkpoint {base_path!r} has no *.safetensors files")
+        try:
+            for f in src:
+                files.check_regular(f)
+            tensors = load_base(base_path)
+        except files.UnsafePath as exc:
+            raise DeltaError(f"base checkpoint: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error types: not a checkpoint
+            if isinstance(exc, DeltaError):
+                raise
+            raise DeltaError(f"base checkpoint {base_path!r} is not a safetensors checkpoint ({exc})") from None
+        err = check(tensors) if check is not None else None
+        if err is not None:
+            raise DeltaError(f"base checkpoint {base_path!r} does not fit the served model: {err}")
+        if os.path.exists(local_dir) and not os.path.isdir(local_dir):
+            raise DeltaError(f"local_dir {local_dir!r} exists and is not a directory")
+        os.makedirs(local_dir, exist_ok=True)
         for f in src:  # copied once per host: engines sharing a local dir find it already there
             dst = os.path.join(local_dir, os.path.basename(f))
-            if not (os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(f)):
+            if not (os.path.isfile(dst) and os.path.getsize(dst) == os.path.getsize(f)):
                 tmp = f"{dst}.tmp-{os.getpid()}"
                 shutil.copyfile(f, tmp)
                 os.replace(tmp, dst)
-        return cls(base_version, load_base(local_dir))
+        return cls(base_version, tensors)
 
     def patch(self, vdir: str) -> tuple[int, dict]:
         """Decode and verify every tensor of the delta in `vdir`; returns (version, new tensors).
         Leaves this copy unchanged (advance() applies the result after the fleet commits)."""
         import numpy as np
         import torch
-        import xxhash
         import zstandard
 
-        index = self._read_index(vdir)
-        version, base_version = index["version"], index["base_version"]
+        if not os.path.isdir(vdir):
+            raise DeltaError(f"model_path: {vdir!r} is not a directory (send a delta version directory)")
+        version, base_version, entries = _check_index(self._read_index(vdir), os.path.join(vdir, INDEX))
         if base_version != self.version:
             raise DeltaError(f"delta {vdir} is built on version {base_version} but this host's local copy is at "
                              f"version {self.version}: refusing to apply it (the trainer must send a delta "
                              f"against version {self.version})")
+        if version <= self.version:
+            raise DeltaError(f"delta {vdir} is version {version}, not newer than this host's local copy "
+                             f"(version {self.version})")
         out = {}
         shards: dict[str, bytes] = {}
         dctx = zstandard.ZstdDecompressor()
-        for name, e in index["tensors"].items():
-            where = f"tensor {name!r} (shard {e['shard']} of {vdir})"
+        for name, e in entries.items():
+            where = f"tensor {name!r} (shard {e['shard']!r} of {vdir})"
             prev = self.tensors.get(name)
             dtype = getattr(torch, e["dtype"], None)
             if prev is None:
                 raise DeltaError(f"{where}: the local copy has no tensor of that name")
             if not isinstance(dtype, torch.dtype):
                 raise DeltaError(f"{where}: unknown dtype {e['dtype']!r}")
-            prev = prev.to(dtype)
             if list(prev.shape) != e["shape"]:
                 raise DeltaError(f"{where}: shape {e['shape']} does not match the local copy's {list(prev.shape)}")
+            prev = prev.to(dtype)
+            size = prev.numel() * prev.element_size()
+            if e["nbytes"] != size:  # checked before decoding: it bounds what the decoder may allocate
+                raise DeltaError(f"{where}: nbytes {e['nbytes']} is not the tensor's size ({size} bytes)")
             if e["shard"] not in shards:
-                path = os.path.join(vdir, e["shard"])
                 try:
-                    with open(path, "rb") as f:
-                        shards[e["shard"]] = f.read()
+                    shards[e["shard"]] = files.read_inside(vdir, e["shard"])
                 except FileNotFoundError:
                     raise DeltaError(f"{where}: the shard file is missing") from None
+                except files.UnsafePath as exc:
+                    raise DeltaError(f"{where}: {exc}") from None
             data = shards[e["shard"]]
             end = e["offset"] + e["length"]
             if len(data) < end:
@@ -177,9 +209,10 @@ class DeltaCopy:
             if len(raw) != e["nbytes"]:
                 raise DeltaError(f"{where}: decoded {len(raw)} bytes, expected {e['nbytes']}")
             new = _xor(np.frombuffer(raw, dtype=np.uint8), prev.reshape(-1).view(torch.uint8).numpy())
-            if xxhash.xxh3_128_hexdigest(new) != e["xxh3_128"]:
-                raise DeltaError(f"{where}: checksum mismatch after applying the delta (xxh3-128 "
-                                 f"{xxhash.xxh3_128_hexdigest(new)} != {e['xxh3_128']})")
+            digest = verify.bound_checksum(name, e["dtype"], e["shape"], new)
+            if digest != e["xxh3_128"]:
+                raise DeltaError(f"{where}: checksum mismatch after applying the delta (xxh3-128 of the tensor's "
+                                 f"name, dtype, shape and bytes {digest} != {e['xxh3_128']})")
             out[name] = torch.from_numpy(new).view(dtype).reshape(e["shape"])
         return version, out
 
@@ -191,15 +224,44 @@ class DeltaCopy:
     def _read_index(vdir: str) -> dict:
         path = os.path.join(vdir, INDEX)
         try:
-            with open(path) as f:
-                index = json.load(f)
+            index = json.loads(files.read_inside(vdir, INDEX))
         except FileNotFoundError:
             raise DeltaError(f"delta index {path} is missing (the version was never completely written)") from None
-        except (ValueError, UnicodeDecodeError) as exc:
+        except files.UnsafePath as exc:
+            raise DeltaError(f"delta index {exc}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise DeltaError(f"delta index {path} is unreadable ({exc})") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("encoding") != ENCODING:
             raise DeltaError(f"delta index {path} is not a {FORMAT} / {ENCODING} index")
         return index
+
+
+# What each tensor's index entry holds, and the type each field must have.
+_ENTRY = {"shard": str, "offset": int, "length": int, "nbytes": int, "dtype": str, "shape": list, "xxh3_128": str}
+
+
+def _check_index(index: dict, path: str) -> tuple[int, int, dict]:
+    """(version, base_version, entries) of an index, every field checked: a malformed index is a
+    DeltaError naming the field, never a crash and never a version that is not a number."""
+    version, base = index.get("version"), index.get("base_version")
+    for key, v in (("version", version), ("base_version", base)):
+        if type(v) is not int or v < 0:
+            raise DeltaError(f"delta index {path}: {key} must be a non-negative integer, got {v!r}")
+    entries = index.get("tensors")
+    if not isinstance(entries, dict) or not entries:
+        raise DeltaError(f"delta index {path}: tensors must be a non-empty object {{name: entry}}")
+    for name, e in entries.items():
+        if not isinstance(e, dict) or set(e) != set(_ENTRY):
+            raise DeltaError(f"delta index {path}: the entry of tensor {name!r} must have exactly the fields "
+                             f"{sorted(_ENTRY)}")
+        for key, kind in _ENTRY.items():
+            v = e[key]
+            if type(v) is not kind or (kind is int and v < 0):
+                raise DeltaError(f"delta index {path}: tensor {name!r} field {key!r} must be a "
+                                 f"{'non-negative integer' if kind is int else kind.__name__}, got {v!r}")
+        if not all(type(d) is int and d >= 0 for d in e["shape"]):
+            raise DeltaError(f"delta index {path}: tensor {name!r} shape must be a list of non-negative integers")
+    return version, base, entries
 
 
 # ---- trainer side: the transport --------------------------------------------------------------
@@ -272,7 +334,6 @@ class DiskDeltaTransport:
 
     def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
         import torch
-        import xxhash
         import zstandard
 
         self._check()
@@ -299,9 +360,10 @@ class DiskDeltaTransport:
                 frames.append(frame)
                 self._stats["delta/changed_bytes"] += int(x.size - (x == 0).sum())
                 self._stats["delta/full_bytes"] += x.size
+                dtype = str(t.dtype).removeprefix("torch.")
                 self._entries[name] = {"shard": shard, "offset": offset, "length": len(frame), "nbytes": int(x.size),
-                                       "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                       "xxh3_128": xxhash.xxh3_128_hexdigest(new)}
+                                       "dtype": dtype, "shape": list(t.shape),
+                                       "xxh3_128": verify.bound_checksum(name, dtype, list(t.shape), new)}
                 self._pending[name] = t.clone()
                 offset += len(frame)
             _write_atomic(os.path.join(self._vdir_tmp(), shard), frames)
@@ -423,7 +485,7 @@ class DiskDeltaReceiver(TransportReceiver):
 
     def init_base(self, base_path: str, local_dir: str, base_version: int = 0) -> str:
         """Copy the run's base checkpoint into this host's local dir (once) and load it as the local copy."""
-        copy = DeltaCopy.from_base(base_path, local_dir, base_version)
+        copy = DeltaCopy.from_base(base_path, local_dir, base_version, check=self.weights.validate)
         with self.weights.lock:
             self._copy, self._pending = copy, None
         return f"local copy of {base_path} at version {base_version} in {local_dir}"

@@ -23,6 +23,7 @@ Non-goals: RDMA (a GPU build would register the receive buffers with the NIC ins
 
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,10 @@ from miles.sync.transports.broadcast import BroadcastTransport
 
 if TYPE_CHECKING:
     import torch
+
+# The most shared-memory buffers one engine lends at once (a version's, the one it serves from, the
+# next one, and room for a sender that reconnects).
+MAX_BUFFERS = 8
 
 
 def is_local(url: str) -> bool:
@@ -100,7 +105,8 @@ class P2PTransport:
         local = [u for u in self.engine_urls if self.mode == "shm" or (self.mode == "auto" and is_local(u))]
         remote = [u for u in self.engine_urls if u not in local]
         for url, r in zip(local, self._client.post_all(local, "/p2p_open_buffer", {"nbytes": self.buffer_bytes})):
-            self._shm[url] = (r["shm_path"], shm.attach(r["shm_path"], self.buffer_bytes))
+            size = r.get("nbytes", self.buffer_bytes)  # an engine lends at most its model's size
+            self._shm[url] = (r["shm_path"], shm.attach(r["shm_path"], size)[:size])
         for i, url in enumerate(remote):
             self._tcp[url] = BroadcastTransport(master_address=self.master_address, admin_token=self.admin_token,
                                                 timeout_s=self.timeout_s, group_name=f"miles_p2p_{i}")
@@ -131,10 +137,13 @@ class P2PTransport:
                 # take a bigger one, with headroom so that this happens about once per run.
                 self._client.post(url, "/update_weights_from_tensor", {
                     **announced, "shm_path": path, "load_format": "shm", "commit": False, "reset_staging": reset})
-                size = (start + nbytes) * 5 // 4
                 self._client.post(url, "/p2p_close_buffer", {"shm_path": path})
-                path = self._client.post(url, "/p2p_open_buffer", {"nbytes": size})["shm_path"]
-                buf = shm.attach(path, size)
+                r = self._client.post(url, "/p2p_open_buffer", {"nbytes": (start + nbytes) * 5 // 4})
+                path, size = r["shm_path"], r.get("nbytes", (start + nbytes) * 5 // 4)
+                if size < start + nbytes:
+                    raise TransportError(f"engine {url}: lent a buffer of {size} bytes, smaller than this version "
+                                         f"needs ({start + nbytes} bytes): is the sender's model the engine's?")
+                buf = shm.attach(path, size)[:size]
                 self._shm[url] = (path, buf)
             shm.write_bucket(buf, bucket, offsets)
 
@@ -225,13 +234,33 @@ class P2PReceiver(TransportReceiver):
 
     def mount(self, api) -> None:
         api.post("/p2p_open_buffer", self._open_route, fields={"nbytes"})
-        api.post("/p2p_close_buffer", self._close_route, fields={"shm_path"}, thread=False)
+        api.post("/p2p_close_buffer", self._close_route, fields={"shm_path"})
 
     def _open_route(self, body: dict) -> dict:
         nbytes = body.get("nbytes")
-        if type(nbytes) is not int or not 0 < nbytes <= 1 << 40:
+        if type(nbytes) is not int or nbytes <= 0:
             raise WeightUpdateError("nbytes: expected a positive integer (the largest bucket in bytes)")
-        return {"success": True, "shm_path": self.open_buffer(nbytes)}
+        # A whole version never needs more than the model's size (with alignment and headroom): a larger
+        # ask is lent that much, and the reply says how much it got.
+        nbytes = min(nbytes, self.max_buffer_bytes())
+        with self.weights.lock:
+            if len(self._buffers) >= MAX_BUFFERS:
+                raise WeightUpdateError(f"nbytes: this engine already lends {len(self._buffers)} buffers, the "
+                                        f"most it holds; close one (/p2p_close_buffer) before opening another")
+        free = shm.free_bytes()
+        if nbytes > free:
+            # Pages of a full tmpfs fail on first touch (SIGBUS kills the engine): refuse instead.
+            raise WeightUpdateError(f"nbytes: {nbytes} bytes do not fit in the {free} bytes free in {shm.SHM_DIR}; "
+                                    "free shared memory or use sync.transport = 'broadcast'")
+        return {"success": True, "shm_path": self.open_buffer(nbytes), "nbytes": nbytes}
+
+    def max_buffer_bytes(self) -> int:
+        """The largest buffer a sender needs: the whole model at 4 bytes (or its own dtype's, if wider)
+        per element, each tensor 64-byte aligned, with the sender's 5/4 growth headroom and 1 MiB more."""
+        meta = self.weights.engine.param_meta
+        payload = sum(math.prod(shape) * max(4, dtype.itemsize) + 64
+                      for shape, dtype in meta.values())
+        return payload * 5 // 4 + (1 << 20)
 
     def _close_route(self, body: dict) -> dict:
         self.close_buffer(str(body.get("shm_path")))

@@ -59,3 +59,14 @@ def test_weights_ship_in_the_engines_dtype_unless_told(tiny_model_dir):
     assert wire_dtype(_load(tiny_model_dir)) is None  # fp32 engines: the trainer's fp32 as it is
     cfg = _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16", "sync.dtype": "float16"})
     assert wire_dtype(cfg) == "float16"
+
+
+def test_push_deadlines_retries_and_fallback_load_and_refuse_what_cannot_work(tiny_model_dir):
+    cfg = load_config(RunConfig, None, {"model.path": tiny_model_dir, "sync.fallback": ["broadcast", "disk"],
+                                        "sync.retries": 2, "sync.version_timeout_s": 300.0})
+    assert cfg.sync.fallback == ["broadcast", "disk"] and cfg.sync.retries == 2
+    for overrides, fix in (({"sync.version_timeout_s": 5.0}, "sync.version_timeout_s"),
+                           ({"sync.retries": -1}, "sync.retries"),
+                           ({"sync.fallback": ["pigeon"]}, "pigeon")):
+        with pytest.raises(ConfigError, match=fix):
+            load_config(RunConfig, None, {"model.path": tiny_model_dir, **overrides})

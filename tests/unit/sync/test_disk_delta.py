@@ -49,6 +49,11 @@ def _send(transport, state, bucket_bytes=128 * 1024):
 
 @pytest.fixture
 def delta(engine_proc, engine_thread, base_model_dir, admin_token, tmp_path):
+    # Each test restarts the numbering at the base on engines an earlier test advanced: versions only
+    # move forward, so the engines are relabelled first (SGLang's explicit /update_weight_version).
+    for url in (engine_proc.url, engine_thread.url):
+        httpx.post(f"{url}/update_weight_version", json={"new_version": "default"}, timeout=60,
+                   headers={"Authorization": f"Bearer {admin_token}"}).raise_for_status()
     t = DiskDeltaTransport(delta_dir=str(tmp_path / "deltas"), base_path=base_model_dir, admin_token=admin_token,
                            local_dir=str(tmp_path / "local"))
     t.connect([engine_proc.url, engine_thread.url])

@@ -110,7 +110,10 @@ class DroppingTransport:
 
 def test_the_start_check_names_a_tensor_the_transport_never_wrote(sglang_engines, base_model_dir, admin_token):
     url = sglang_engines[0].url
-    # Back to the checkpoint the trainer starts from, over SGLang's full reload.
+    # Back to the checkpoint the trainer starts from, over SGLang's full reload (relabelled first:
+    # versions never move backwards on their own).
+    httpx.post(url + "/update_weight_version", headers=_admin(admin_token), timeout=60,
+               json={"new_version": "default"}).raise_for_status()
     r = httpx.post(url + "/update_weights_from_disk", headers=_admin(admin_token), timeout=60,
                    json={"model_path": base_model_dir, "weight_version": "0"})
     assert r.status_code == 200 and r.json()["success"], r.text
@@ -123,7 +126,14 @@ def test_the_start_check_names_a_tensor_the_transport_never_wrote(sglang_engines
             updater.check_start(iter(_state(base_model_dir, None).items()))
     finally:
         updater.close()
-    assert httpx.get(sglang_engines[0].url + "/health_generate", timeout=60).status_code == 200  # not left paused
+    assert sglang_engines[0].engine.paused is False  # the updater's pause is lifted
+    # ... but the tensor that kept its noise is never served: no compare vouched for the weights.
+    assert httpx.get(url + "/health_generate", timeout=60).status_code == 503
+    # A full reload outside a session overwrites every tensor, noise included: the engine serves again.
+    r = httpx.post(url + "/update_weights_from_disk", headers=_admin(admin_token), timeout=60,
+                   json={"model_path": base_model_dir, "weight_version": "0"})
+    assert r.status_code == 200, r.text
+    assert httpx.get(url + "/health_generate", timeout=60).status_code == 200
 
 
 @pytest.mark.parametrize("transport", ["p2p", "disk_delta", "colocated"])

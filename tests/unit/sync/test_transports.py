@@ -99,7 +99,9 @@ def test_noise_fill_catches_a_tensor_the_transport_never_wrote(engine_thread, ba
     from miles.sync.updater import WeightUpdater
 
     skipped = "model.layers.1.mlp.down_proj.weight"
-    updater = WeightUpdater(SyncConfig(transport="colocated", bucket_size_mb=1), admin_token, base_model_dir)
+    # retries=0: a retry would build a fresh (non-skipping) sender and pass, which is the point of retries
+    updater = WeightUpdater(SyncConfig(transport="colocated", bucket_size_mb=1, retries=0), admin_token,
+                            base_model_dir)
     updater.transport = SkippingTransport(updater.transport, skipped)
     updater.connect([engine_thread.url])
     try:

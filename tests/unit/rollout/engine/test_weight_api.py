@@ -19,17 +19,21 @@ def post(engine_thread, admin_token):
 def test_reload_from_disk_and_checker_snapshot_compare(post, engine_thread, base_model_dir):
     from miles.models.loading import load_model
 
-    assert post("/weights_checker", {"action": "reset_tensors", "seed": 3}).json()["success"]
+    # SGLang's verification flow: snapshot (opens the session), noise, reload, compare.
     assert post("/weights_checker", {"action": "snapshot"}).json()["success"]
+    assert post("/weights_checker", {"action": "reset_tensors", "seed": 3}).json()["success"]
+    assert engine_thread.engine.unservable is not None  # noise is never served
+    noisy = post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"]
     r = post("/update_weights_from_disk", {"model_path": base_model_dir, "weight_version": "50"})
     assert r.status_code == 200 and r.json()["weight_version"] == "50", r.text
     assert r.json()["success"] is True and r.json()["num_paused_requests"] == 0  # SGLang's reply
     base = load_model(base_model_dir).state_dict()
     engine = engine_thread.engine.model.state_dict()
     assert all(torch.equal(engine[n], t) for n, t in base.items())
-    diff = post("/weights_checker", {"action": "compare"})  # SGLang's answer to a difference: 400
-    assert diff.status_code == 400 and not diff.json()["success"], diff.text
-    assert "differ from the snapshot" in diff.json()["message"]  # every tensor was rewritten
+    assert post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"] != noisy
+    same = post("/weights_checker", {"action": "compare"})  # every tensor is back to the snapshot
+    assert same.status_code == 200 and same.json()["success"], same.text
+    assert engine_thread.engine.unservable is None  # the compare vouched for the weights
     again = post("/weights_checker", {"action": "compare"})  # the snapshot is used up, as in SGLang
     assert again.status_code == 400 and "no snapshot" in again.json()["message"]
 
@@ -43,18 +47,22 @@ def test_weight_version_is_a_string_relabelled_by_update_weight_version(post, en
     assert httpx.get(engine_thread.url + "/get_model_info").json()["weight_version"] == "v7"
 
 
-def test_checker_checksum_in_sglang_form(post):
+def test_checker_checksum_in_sglang_form(post, base_model_dir):
     r = post("/weights_checker", {"action": "checksum"})
     body = r.json()
     assert r.status_code == 200 and body["success"] and isinstance(body["per_engine_checksum"], str)
     sums = body["ranks"][0]["checksums"]
     assert "model.norm.weight" in sums and all(isinstance(v, str) for v in sums.values())
+    post("/weights_checker", {"action": "snapshot"})
     post("/weights_checker", {"action": "reset_tensors", "seed": 1})
     assert post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"] != body["per_engine_checksum"]
+    post("/update_weights_from_disk", {"model_path": base_model_dir})
+    assert post("/weights_checker", {"action": "compare"}).json()["success"]
+    assert post("/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"] == body["per_engine_checksum"]
 
 
 @pytest.mark.parametrize("path, body, needle", [
-    ("/weights_checker", {"action": "shuffle"}, "snapshot, reset_tensors, compare or checksum"),
+    ("/weights_checker", {"action": "shuffle"}, "snapshot, begin_session, reset_tensors, compare or checksum"),
     ("/update_weights_from_tensor", {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
                                      "offsets": [0], "shm_path": "/etc/passwd"}, "/dev/shm"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "load_format 'shm'"),

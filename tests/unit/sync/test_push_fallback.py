@@ -1,0 +1,89 @@
+"""No weight push hangs or silently does nothing: an engine that stalls mid-push (SIGSTOP: alive,
+holding its port, answering nothing) fails the version at its deadline, the version is rolled back
+(no engine commits it, so no engine is on a mixed version), and the next transport of sync.fallback
+delivers it, verified, once the engine answers again; the metrics say so."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from miles.sync.prepare import SyncConfig
+from miles.sync.transports import TransportError
+from miles.sync.transports.disk_delta import load_base
+from miles.sync.updater import WeightUpdater
+
+
+def _relabel(urls, token):
+    for url in urls:
+        httpx.post(f"{url}/update_weight_version", json={"new_version": "default"}, timeout=60,
+                   headers={"Authorization": f"Bearer {token}"}).raise_for_status()
+
+
+def _state(base_model_dir, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + torch.randn(t.shape, generator=g) * 0.05 for n, t in load_base(base_model_dir).items()}
+
+
+def test_a_stalled_engine_is_rolled_back_and_the_fallback_transport_delivers(engine_proc, engine_thread,
+                                                                             base_model_dir, admin_token):
+    urls = [engine_proc.url, engine_thread.url]
+    _relabel(urls, admin_token)
+    cfg = SyncConfig(transport="p2p", bucket_size_mb=1, timeout_s=3.0, version_timeout_s=30.0, retries=0,
+                     fallback=["broadcast"], verify_first_update=False)
+    updater = WeightUpdater(cfg, admin_token, base_path=base_model_dir)
+    updater.connect(urls)
+    state = _state(base_model_dir, seed=21)
+    seen = {}
+
+    def resume_later():
+        time.sleep(5.0)
+        seen["during_stall"] = engine_thread.engine.weight_version  # the engine that kept answering
+        os.kill(engine_proc.proc.pid, signal.SIGCONT)
+
+    os.kill(engine_proc.proc.pid, signal.SIGSTOP)
+    waker = threading.Thread(target=resume_later, daemon=True)
+    waker.start()
+    t0 = time.monotonic()
+    try:
+        metrics = updater.push(iter(state.items()), version=7)
+    finally:
+        waker.join(10)
+        os.kill(engine_proc.proc.pid, signal.SIGCONT)
+        updater.close()
+    assert time.monotonic() - t0 < 60
+    assert seen["during_stall"] == "default"  # nothing committed while the other engine stalled
+    assert metrics["sync/rollbacks"] == 1 and metrics["sync/fallbacks"] == 1, metrics
+    assert metrics["sync/verified_buckets"] > 0  # the engines' checksums were compared with the trainer's
+    for url in urls:
+        assert httpx.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"] == "7"
+    engine = engine_thread.engine.model.state_dict()
+    assert all(torch.equal(engine[n], t) for n, t in state.items())
+
+
+def test_when_every_attempt_fails_no_engine_moves_and_the_error_says_so(engine_proc, engine_thread,
+                                                                        base_model_dir, admin_token):
+    urls = [engine_proc.url, engine_thread.url]
+    _relabel(urls, admin_token)
+    cfg = SyncConfig(transport="p2p", bucket_size_mb=1, timeout_s=2.0, version_timeout_s=8.0, retries=1,
+                     verify_first_update=False)
+    updater = WeightUpdater(cfg, admin_token, base_path=base_model_dir)
+    updater.connect(urls)
+    os.kill(engine_proc.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TransportError, match="failed on every attempt") as err:
+            updater.push(iter(_state(base_model_dir, seed=22).items()), version=8)
+        assert "attempt 2 over p2p" in str(err.value)
+        assert time.monotonic() - t0 < 2 * (8.0 + 10.0) + 5  # two attempts, each within its deadline + rollback
+        assert engine_thread.engine.weight_version == "default"
+    finally:
+        os.kill(engine_proc.proc.pid, signal.SIGCONT)
+        updater.close()
+    assert httpx.get(f"{engine_proc.url}/get_weight_version", timeout=30).json()["weight_version"] == "default"
