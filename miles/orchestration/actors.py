@@ -88,6 +88,10 @@ class TrainerShell:
             return self.connect_engines(urls)
         self.transport.connect(urls)
 
+    def relabel_engines(self, version: int) -> None:
+        if self.rank == 0 and self.transport is not None:
+            self.transport.relabel(version)
+
     def sync_weights(self, version: int) -> dict[str, float]:
         """Collective: every rank gathers; rank 0 converts, buckets, sends and verifies (sync/updater.py)."""
         if self.rank == 0 and self.transport is None:

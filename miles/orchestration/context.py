@@ -128,6 +128,10 @@ class TrainContext:
         self.call(self.rollout.load_buffer_state_dict, json.loads((ckpt / "rollout.json").read_text()))
         self.start_step, self.policy_version = meta["step"], meta["policy_version"]
         self.batch_in_flight = meta.get("batch_in_flight", False)
+        # Engines that outlived a failed trainer hold a later version than the checkpoint; a commit never
+        # moves a version backwards, so they are relabelled to the checkpoint's before its weights go out.
+        with self.weights_lock():
+            self.trainer.relabel_engines(meta["policy_version"])
         self.sync_weights(meta["policy_version"])
         self.weight_version = meta["policy_version"]
         self.call(self.rollout.set_versions, self.policy_version, self.weight_version)

@@ -89,6 +89,10 @@ class TrainerGroup:
     def pids(self) -> list[int]:
         return self._ray.get([a.pid.remote() for a in self.actors])
 
+    def relabel_engines(self, version: int) -> None:
+        """Label the engines' weights as `version` without moving them (before going back to a checkpoint)."""
+        self._all("relabel_engines", [version] * len(self.actors))
+
     def sync_weights(self, version: int) -> dict[str, float]:
         metrics = dict(self._all("sync_weights", [version] * len(self.actors))[0])
         if self.cfg.lora.rank:

@@ -61,6 +61,12 @@ class WeightUpdater:
         """Whether the engines speak only SGLang's protocol (no staged commit)."""
         return "staged_commit" not in self.extensions
 
+    def relabel(self, version: int) -> None:
+        """Label every engine's weights as `version` (SGLang's /update_weight_version), without moving
+        them: a run that goes back to a checkpoint pushes an older number than the engines hold, and
+        a commit never moves an engine's version backwards."""
+        self._client.post_all(self.engine_urls, "/update_weight_version", {"new_version": str(version)})
+
     def connect(self, engine_urls: list[str]) -> None:
         urls = [u.rstrip("/") for u in engine_urls]
         if self._client is not None:  # a reconnect to a changed set of engines
