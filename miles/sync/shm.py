@@ -21,6 +21,8 @@ import tempfile
 import uuid
 from typing import TYPE_CHECKING
 
+from miles.owners import alive as owner_alive
+
 if TYPE_CHECKING:
     import torch
 
@@ -99,7 +101,7 @@ def reclaim_stale() -> list[str]:
         if not (hidden or name.startswith(PREFIX)) or path in _held:
             continue
         parts = name.lstrip(".")[len(PREFIX):].rsplit("-", 2)
-        if len(parts) != 3 or not parts[1].isdigit() or _alive(int(parts[1])):
+        if len(parts) != 3 or not parts[1].isdigit() or owner_alive(int(parts[1])):
             continue
         if hidden:
             unlink(path)
@@ -123,15 +125,6 @@ def reclaim_stale() -> list[str]:
             os.close(fd)
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def layout(bucket) -> tuple[list[int], int]:

@@ -18,6 +18,8 @@ import signal
 import time
 from pathlib import Path
 
+from miles.owners import alive as owner_alive
+
 ROOT = Path("/sys/fs/cgroup")
 PREFIX = "miles-sandbox-"
 
@@ -98,7 +100,7 @@ def sweep_stale() -> list[Path]:
     removed = []
     for path in parent.glob(f"{PREFIX}*"):
         owner = path.name[len(PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not owner_alive(int(owner)):
             _remove(path)
             removed.append(path)
     return removed
@@ -147,15 +149,6 @@ def _words(path: Path) -> list[str]:
     except OSError:
         return []
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path, timeout_s: float = 5.0) -> None:

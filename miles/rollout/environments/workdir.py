@@ -23,6 +23,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from miles.owners import alive as owner_alive
+
 SOURCE_PREFIX = "miles-sandbox-work-"
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
@@ -131,7 +133,7 @@ def sweep_stale() -> list[str]:
     removed = []
     for mountpoint, source in _own_mounts():
         owner = source[len(SOURCE_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not owner_alive(int(owner)):
             _unmount(Path(mountpoint))
             try:
                 remove_tree(Path(mountpoint))
@@ -237,13 +239,3 @@ def _own_mounts() -> list[tuple[str, str]]:
             # mountinfo escapes space, tab, newline and backslash as octal.
             out.append((fields[4].encode().decode("unicode_escape"), tail[1]))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

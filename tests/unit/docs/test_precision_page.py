@@ -1,24 +1,9 @@
-"""docs/precision.md backs each claim with a test it names; every name must be a test that exists."""
+"""docs/precision.md lists every format the code knows (its cited tests are checked in
+test_pages_name_real_tests.py)."""
 
-import ast
-import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def test_every_test_the_precision_page_names_exists():
-    page = (ROOT / "docs" / "precision.md").read_text()
-    refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", page)
-    assert len(refs) >= 20  # the page keeps citing its evidence
-    missing = []
-    for path, name in set(refs):
-        file = ROOT / path
-        defined = {n.name for n in ast.walk(ast.parse(file.read_text())) if isinstance(n, ast.FunctionDef)} \
-            if file.is_file() else set()
-        if name not in defined:
-            missing.append(f"{path}::{name}")
-    assert not missing, f"docs/precision.md names tests that do not exist: {missing}"
 
 
 def test_every_format_the_code_knows_is_on_the_page():
