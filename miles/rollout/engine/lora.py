@@ -40,7 +40,8 @@ _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 # Config switches PEFT writes that change what the adapter computes; accepted only at these values.
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
                 "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
-                "trainable_token_indices": None}
+                "trainable_token_indices": None, "target_parameters": None, "layer_replication": None,
+                "use_qalora": False, "alora_invocation_tokens": None}
 
 
 @dataclass(frozen=True, eq=False)
