@@ -40,6 +40,9 @@ class LoraConfig:
             raise ConfigError("trainer.lora.rank >= 0, trainer.lora.alpha > 0 and 0 <= trainer.lora.dropout < 1")
         if self.sync not in ("merged", "adapter"):
             raise ConfigError("trainer.lora.sync must be 'merged' or 'adapter'")
+        if self.adapter_dir and self.sync != "adapter":
+            raise ConfigError("trainer.lora.adapter_dir is where lora.sync = 'adapter' writes adapters: set "
+                              "trainer.lora.sync = 'adapter', or leave adapter_dir empty")
         if self.rank and not self.targets:
             raise ConfigError("trainer.lora.target_modules is empty: name the linear layers, e.g. \"q_proj,v_proj\"")
 

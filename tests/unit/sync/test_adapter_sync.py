@@ -123,3 +123,10 @@ def test_engines_that_would_serve_the_base_model_are_refused_at_connect(base_mod
     finally:
         sync.close()
         plain.stop()
+
+
+def test_an_adapter_dir_without_adapter_sync_is_refused_naming_the_key():
+    from miles.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.lora.adapter_dir .* set trainer.lora.sync = 'adapter'"):
+        LoraConfig(rank=4, adapter_dir="/shared/adapters").validate()
