@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
 from miles.rollout.engine.types import InvalidRequest
 
@@ -58,8 +59,6 @@ class Adapter:
 
 def read_adapter(name: str, path: str, model: torch.nn.Module, pinned: bool = False) -> Adapter:
     """The adapter at `path`, checked against `model`; InvalidRequest naming what is wrong."""
-    from safetensors import safe_open
-
     cfg_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     if not os.path.isdir(path):
         raise InvalidRequest(f"lora_path: {path!r} is not a directory on the engine's host; send the directory "
@@ -188,8 +187,9 @@ class AdapterSet:
             raise InvalidRequest(f"lora_name: an adapter named {name!r} is already loaded; unload it first or "
                                  "load under another name")
         if len(self._loaded) >= self.limit:
-            raise InvalidRequest(f"lora_name: {len(self._loaded)} adapters are loaded, the engine's "
-                                 f"max_lora_adapters; unload one first")
+            raise InvalidRequest(f"lora_name: the engine holds at most {self.limit} adapters (max_lora_adapters, "
+                                 f"`miles serve --max-lora-adapters N`) and {len(self._loaded)} are loaded; unload "
+                                 "one first")
 
     def add(self, adapter: Adapter) -> None:
         self.check_new(adapter.name)

@@ -99,18 +99,21 @@ def test_logprobs_with_an_adapter_loaded_equal_the_merged_models_and_unload_rest
 def test_requests_on_different_adapters_decode_together_each_on_its_own(server, adapters, ref):
     (path_a, merged_a), (path_b, merged_b) = adapters["a"], adapters["b"]
     assert _post(server, "/load_lora_adapter", {"lora_name": "a", "lora_path": path_a}).status_code == 200
-    assert _post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": path_b, "pinned": True}).status_code == 200
+    r = _post(server, "/load_lora_adapter", {"lora_name": "b", "lora_path": path_b, "pinned": True})
+    assert r.status_code == 200
     try:
         # One batched request: a, b, the default (b, loaded last), and a again on another prompt.
         prompts = [PROMPT, PROMPT, PROMPT, PROMPT[:4]]
-        r = _post(server, "/generate", {"input_ids": prompts, "lora_path": ["a", "b", None, "a"], "return_logprob": True,
+        r = _post(server, "/generate", {"input_ids": prompts, "lora_path": ["a", "b", None, "a"],
+                                        "return_logprob": True,
                                         "sampling_params": {"temperature": 0, "max_new_tokens": 10}})
         assert r.status_code == 200, r.text
         for out, ids, reference in zip(r.json(), prompts, [merged_a, merged_b, merged_b, merged_a]):
             lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
             torch.testing.assert_close(lps, reference.logprobs(ids, out["output_ids"], 0.0), atol=1e-4, rtol=0)
-        assert r.json()[0]["output_ids"] != r.json()[1]["output_ids"] or not torch.allclose(
-            merged_a.logprobs(PROMPT, r.json()[0]["output_ids"]), merged_b.logprobs(PROMPT, r.json()[0]["output_ids"]))
+        # The two adapters disagree, so a row served with the other one would have failed above.
+        out0 = r.json()[0]["output_ids"]
+        assert not torch.allclose(merged_a.logprobs(PROMPT, out0), merged_b.logprobs(PROMPT, out0), atol=1e-2)
     finally:
         for name in ("a", "b"):
             _post(server, "/unload_lora_adapter", {"lora_name": name})
@@ -128,7 +131,8 @@ def _broken(adapters, name: str, edit) -> str:
 
 
 @pytest.mark.parametrize("case, body_of, reason", [
-    ("unknown name on unload", lambda a: ("/unload_lora_adapter", {"lora_name": "nobody"}), "no adapter named 'nobody'"),
+    ("unknown name on unload", lambda a: ("/unload_lora_adapter", {"lora_name": "nobody"}),
+     "no adapter named 'nobody'"),
     ("missing directory", lambda a: ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent/adapter"}),
      "is not a directory"),
     ("missing weights file", lambda a: ("/load_lora_adapter", {"lora_name": "x", "lora_path": _broken(
