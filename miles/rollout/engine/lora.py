@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from miles.rollout.engine.types import InvalidRequest
+from miles.sync.files import UnsafePath, check_regular
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -64,9 +65,13 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, pinned: bool = Fa
         raise InvalidRequest(f"lora_path: {path!r} is not a directory on the engine's host; send the directory "
                              "PEFT's save_pretrained wrote")
     for f in (cfg_path, weights_path):
-        if not os.path.isfile(f):
+        if not os.path.lexists(f):
             raise InvalidRequest(f"lora_path: {path!r} has no {os.path.basename(f)}; send a directory PEFT's "
                                  "save_pretrained wrote (adapter_config.json + adapter_model.safetensors)")
+        try:
+            check_regular(f)  # a FIFO or a device would block the reading thread
+        except UnsafePath as exc:
+            raise InvalidRequest(f"lora_path: {exc}") from None
     try:
         with open(cfg_path) as fh:
             cfg = json.load(fh)

@@ -10,6 +10,8 @@ one serves on loopback only, unless started with `--insecure-admin`. Bodies are 
 What miles needs beyond SGLang's protocol is an extension, listed in /get_server_info as
 `miles_extensions`; with `sglang_only` (`miles serve --sglang-only true`) there are none and only
 SGLang's routes and fields are served, which is how miles is tested against SGLang's protocol.
+LoRA adapters are loaded and unloaded with SGLang's /load_lora_adapter and /unload_lora_adapter
+(admin routes; what a request without `lora_path` uses is in lora.py).
 Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
 
     python -m miles.rollout.engine.server --model DIR --port 30000

@@ -6,6 +6,7 @@ load or a request naming no loaded adapter gets a 400 that names the problem and
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import httpx
@@ -137,6 +138,9 @@ def _broken(adapters, name: str, edit) -> str:
      "is not a directory"),
     ("missing weights file", lambda a: ("/load_lora_adapter", {"lora_name": "x", "lora_path": _broken(
         a, "noweights", lambda c, d: (d / "adapter_model.safetensors").unlink())}), "no adapter_model.safetensors"),
+    ("weights file is a FIFO", lambda a: ("/load_lora_adapter", {"lora_name": "x", "lora_path": _broken(
+        a, "fifo", lambda c, d: ((d / "adapter_model.safetensors").unlink(),
+                                 os.mkfifo(d / "adapter_model.safetensors")))}), "not a regular file"),
     ("wrong rank", lambda a: ("/load_lora_adapter", {"lora_name": "x", "lora_path": _broken(
         a, "rank", lambda c, d: c.update(r=8))}), "rank r = 8"),
     ("target module the model lacks", lambda a: ("/load_lora_adapter", {"lora_name": "x", "lora_path": _broken(
