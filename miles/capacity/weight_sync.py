@@ -46,6 +46,8 @@ BROADCAST_NODE_EXPONENT = 0.568
 """FITTED. The share falls as (16 / nodes) ** this; capped at the whole NIC for small fleets."""
 P2P_RATE_IN_NICS = 3.25
 """FITTED. P2P moves one engine copy's bytes at this many NICs' bandwidth (162 GB/s on 50 GB/s NICs)."""
+FITTED_NODES = (8, 32)
+"""Engine nodes the fitted rows span; a projection outside says so."""
 REQUANT_GBPS_PER_DEVICE = 36.9
 """FITTED (one figure). An engine device requantizes its share of an FP8 update at this rate: Kimi-K2's
 0.884 s post_load_weights for 1.04 TB over 32 devices per engine."""
@@ -95,9 +97,11 @@ def estimate(transport: str, shape: ModelShape, device: DeviceSpec, layout: Layo
     node_bytes = wire * device.devices_per_node / layout.devices_per_engine
     if transport == "broadcast":
         frac = broadcast_nic_fraction(nodes)
+        outside = "" if FITTED_NODES[0] <= nodes <= FITTED_NODES[1] else \
+            f"; outside the fitted {FITTED_NODES[0]}-{FITTED_NODES[1]} nodes"
         return SyncEstimate(transport, wire / (nic * frac) + post, wire * layout.engines,
                             f"each engine device receives {wire / GB:.0f} GB at {frac:.2f} of its NIC "
-                            f"({nodes} engine nodes)")
+                            f"({nodes} engine nodes{outside})")
     if transport == "p2p":
         rate = wire / (P2P_RATE_IN_NICS * nic)
         per_sender = wire * layout.engines / layout.trainer_devices / nic
