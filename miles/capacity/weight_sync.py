@@ -70,7 +70,7 @@ class SyncEstimate:
     seconds: float
     """Wall time of one update of every engine."""
     wire_bytes: float
-    """Bytes that leave the trainer for one update (all engines)."""
+    """Bytes the transport moves for one update: every engine's copy over the network, or the files written."""
     basis: str
     """What bounds it, in words."""
 

@@ -32,3 +32,16 @@ def test_simulate_without_a_model_size_or_calibration_names_the_flag():
         main(["--device", "cpu"])
     with pytest.raises(SystemExit, match="744B"):
         main(["--model-size", "big"])
+
+
+def test_simulate_on_this_host_projects_the_sync_benchmark_from_a_bench_line(capsys, tmp_path):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"bytes": 100_000_000, "engines": 2, "raw_gloo_broadcast_s": 0.2,
+                                 "memcpy_s": 0.05, "broadcast_efficiency": 0.5, "p2p_vs_copy_limit": 1.5}) + "\n")
+    assert main(["--device", "cpu", "--calibrate-from", str(bench), "--model-size", "100M"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    projected = out["projected_bench_sync"]
+    # 200 MB (100M bf16 parameters) is twice the calibrated push: every figure doubles.
+    assert projected["raw_gloo_broadcast_s"] == pytest.approx(0.4)
+    assert projected["broadcast_s"] == pytest.approx(0.8)
+    assert projected["p2p_s"] == pytest.approx(2 * 0.1 * 1.5)  # each engine's 200 MB copied once, x p2p over copy
