@@ -113,7 +113,8 @@ def estimate(transport: str, shape: ModelShape, device: DeviceSpec, layout: Layo
     if transport == "disk_delta":
         delta = wire * delta_density
         write = delta / (device.nvme_write_gbps * GB * NVME_EFFICIENCY)
-        fetch = delta * min(layout.engines, nodes) / (nic * device.devices_per_node)  # each engine node reads it
+        # Every engine node reads the delta from the node that wrote it, whose NICs serve them all.
+        fetch = delta * nodes / (nic * device.devices_per_node)
         patch = node_bytes * delta_density / (device.nvme_write_gbps * GB * NVME_EFFICIENCY)
         reload = node_bytes / (device.nvme_read_gbps * GB * NVME_EFFICIENCY)
         return SyncEstimate(transport, write + fetch + patch + reload + post, delta,
