@@ -30,6 +30,9 @@ class TrainerGroup:
         n = trainer_cfg.num_ranks
         port = free_port()
         cls = remote(TrainerShell)
+        if trainer_cfg.device == "cuda":
+            # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): one per rank.
+            cls = cls.options(num_gpus=1)
         self.cfg = trainer_cfg
         self.algorithm = get_algorithm(trainer_cfg.algorithm)
         self.actors = [cls.remote(trainer_cfg, sync_cfg, model_path, r, n, port, seed, temperature, cores,
