@@ -147,9 +147,13 @@ def _slowloris(urls: list[str], stop: threading.Event, opened: list) -> None:
         s.close()
 
 
-def attack(engine: str, router: str, workers: int) -> dict:
-    """Flood until stdin closes; returns what the attack saw."""
-    attacks = _attacks(engine, router)
+CLASSES = ("garbage", "out_of_bounds", "oversized", "admin_without_token", "slowloris")
+
+
+def attack(engine: str, router: str, workers: int, classes: tuple[str, ...] = CLASSES) -> dict:
+    """Flood with `classes` until stdin closes; returns what the attack saw."""
+    attacks = [a for a in _attacks(engine, router) if a[0] in classes]
+    workers = workers if attacks else 0
     statuses: dict[str, Counter] = {}
     samples_5xx: list[str] = []
     hangs, lock, stop = [0], threading.Lock(), threading.Event()
@@ -162,7 +166,7 @@ def attack(engine: str, router: str, workers: int) -> dict:
                 kind, base, path, body = attacks[i % len(attacks)]
                 i += workers
                 try:
-                    if i % 50 < workers:  # now and then, a head that declares a body past the limit
+                    if i % 50 < workers and "oversized" in classes:  # now and then, a head declaring too much
                         kind, status = "oversized", _declared_oversized(base)
                     else:
                         status = client.post(base + path, content=body, headers=JSON).status_code
@@ -178,7 +182,8 @@ def attack(engine: str, router: str, workers: int) -> dict:
                         samples_5xx.append(f"{status} {kind} {base}{path}")
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
-    threads.append(threading.Thread(target=_slowloris, args=([engine, router], stop, opened)))
+    if "slowloris" in classes:
+        threads.append(threading.Thread(target=_slowloris, args=([engine, router], stop, opened)))
     for t in threads:
         t.start()
     print("ready", flush=True)
@@ -193,9 +198,10 @@ def attack(engine: str, router: str, workers: int) -> dict:
 class Attacker:
     """The attacker process: floods from `start` until `stop`, which returns its report."""
 
-    def __init__(self, engine: str, router: str, workers: int):
+    def __init__(self, engine: str, router: str, workers: int, classes: tuple[str, ...] = CLASSES):
         self.proc = subprocess.Popen([sys.executable, __file__, "--attack", engine, router, "--attackers",
-                                      str(workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                      str(workers), "--classes", ",".join(classes)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.proc.kill()
@@ -209,7 +215,7 @@ class Attacker:
 # ---- the measurement --------------------------------------------------------------------------
 
 def measure(engine: str, router: str, *, clients: int = 2, requests: int = 24, rounds: int = 2,
-            attackers: int = 4, new_tokens: int = 32) -> dict:
+            attackers: int = 4, new_tokens: int = 32, classes: tuple[str, ...] = CLASSES) -> dict:
     """Honest latency and outputs idle and under attack, alternating `rounds` times."""
     honest_phase(router, clients, clients, new_tokens)  # warm-up: connections, first forwards
     idle: list[float] = []
@@ -225,7 +231,7 @@ def measure(engine: str, router: str, *, clients: int = 2, requests: int = 24, r
         for k, o in outs.items():
             reference.setdefault(k, o[0])
             identical &= all(x == reference[k] for x in o)
-        attacker = Attacker(engine, router, attackers)
+        attacker = Attacker(engine, router, attackers, classes)
         try:
             lat, outs, st = honest_phase(router, clients, requests, new_tokens)
         finally:
@@ -248,6 +254,7 @@ def measure(engine: str, router: str, *, clients: int = 2, requests: int = 24, r
         "attack_statuses": {k: dict(sorted(c.items())) for k, c in seen.items()},
         "slow_connections": slow, "samples_5xx": samples[:5], "honest_requests": len(idle) + len(under),
         "clients": clients, "rounds": rounds, "attackers": attackers, "new_tokens": new_tokens,
+        "classes": list(classes),
     }
 
 
@@ -258,11 +265,17 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="idle/attack phase pairs")
     p.add_argument("--attackers", type=int, default=4, help="attacker workers (threads of one process)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per honest request")
+    p.add_argument("--classes", default=",".join(CLASSES), help="attack classes, comma-separated: "
+                   + ", ".join(CLASSES))
     p.add_argument("--model", default=None, help="checkpoint directory; default builds tiny-qwen3")
     p.add_argument("--attack", nargs=2, metavar=("ENGINE", "ROUTER"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    classes = tuple(c for c in a.classes.split(",") if c)
+    unknown = sorted(set(classes) - set(CLASSES))
+    if unknown:
+        p.error(f"--classes: unknown {unknown}; choose from {', '.join(CLASSES)}")
     if a.attack:  # the attacker process
-        print(json.dumps(attack(*a.attack, a.attackers)), flush=True)
+        print(json.dumps(attack(*a.attack, a.attackers, classes)), flush=True)
         return 0
 
     from miles.models.presets import build_tiny_model
@@ -273,7 +286,7 @@ def main(argv=None) -> int:
     with EngineProcess(model, admin_token=TOKEN, extra_args=["--num-threads", "1"]) as engine, \
             RouterProcess([engine.url], extra_args=["--admin-token", TOKEN]) as router:
         result = measure(engine.url, router.url, clients=a.clients, requests=a.requests, rounds=a.rounds,
-                         attackers=a.attackers, new_tokens=a.new_tokens)
+                         attackers=a.attackers, new_tokens=a.new_tokens, classes=classes)
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     result["cpus"] = os.cpu_count()
     print(json.dumps(result), flush=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,8 @@ from miles.rollout.engine.types import MEMORY_TAGS, EngineStepFailed, InvalidReq
 from miles.rollout.engine.weight_api import WeightRoutes
 
 log = logging.getLogger(__name__)
+
+LARGE_BODY = 1 << 20  # bytes: a /generate body past this is parsed on the one large-body thread
 
 
 def build_app(engine) -> FastAPI:
@@ -89,10 +92,18 @@ def build_app(engine) -> FastAPI:
         return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
                 for it in items], batched
 
+    # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
+    # Bodies past LARGE_BODY queue for one thread of their own: a flood of them then holds the GIL
+    # from one thread at a time, and the scheduler's thread keeps its share; small ones never wait.
+    large_lane = ThreadPoolExecutor(1, thread_name_prefix="miles-engine-large-body")
+
     @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
     async def generate(request: Request):
-        # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
-        reqs, batched = await asyncio.to_thread(checked_generate, await request.body())
+        raw = await request.body()
+        if len(raw) > LARGE_BODY:
+            reqs, batched = await asyncio.get_running_loop().run_in_executor(large_lane, checked_generate, raw)
+        else:
+            reqs, batched = await asyncio.to_thread(checked_generate, raw)
         futures = [engine.submit(r) for r in reqs]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
