@@ -13,6 +13,8 @@ with the hostile-input classes of docs/security.md, several workers at once:
   * admin without the token: abort every request, pause generation, flush the cache, fill the
     weights with noise, add a worker;
   * slowloris: connections that send their head, or their body, a byte at a time and never finish.
+`--classes` picks some of them; `--classes benign` is the control: as many valid requests that cost
+the engine nothing but their HTTP round trip, to tell what hostility costs from what traffic costs.
 Idle and attack phases alternate `--rounds` times, so a load change on a shared machine hits both.
 The attacker runs in its own process (it would otherwise share the honest client's interpreter).
 
@@ -24,7 +26,8 @@ Last line, one JSON object:
   honest_5xx, attack_5xx responses >= 500 (the target is 0 for both); attack_hangs: attack
                          requests that got no answer within their timeout
   attack_requests        hostile requests answered, by class; attack_statuses: their status codes
-  slow_connections       slowloris connections opened; load_avg_1m: the machine's load at the end
+  attack_requests_per_s  hostile requests answered per second of the attack phases
+  slow_connections       slowloris connections opened; load_avg_1m_start/_end: the machine's load
 
     miles bench hostile [--clients 2 --requests 24 --rounds 2 --attackers 4 --new-tokens 32]
 """
@@ -107,6 +110,9 @@ def _attacks(engine: str, router: str) -> list[tuple[str, str, str, bytes]]:
             ("/flush_cache", b""), ("/weights_checker", b'{"action": "reset_tensors"}'),
             ("/release_memory_occupation", b"{}"))]
     out.append(("admin_without_token", router, "/add_worker?url=http://127.0.0.1:9", b""))
+    # The control, not an attack: valid requests that cost the engine nothing but their HTTP round
+    # trip (aborting a request that does not exist), sent at the same rate.
+    out += [("benign", base, "/abort_request", b'{"rid": "nobody"}') for base in (engine, router)]
     return out
 
 
@@ -148,6 +154,7 @@ def _slowloris(urls: list[str], stop: threading.Event, opened: list) -> None:
 
 
 CLASSES = ("garbage", "out_of_bounds", "oversized", "admin_without_token", "slowloris")
+CONTROL = "benign"  # `--classes benign`: as many valid no-op requests, to tell hostility from traffic
 
 
 def attack(engine: str, router: str, workers: int, classes: tuple[str, ...] = CLASSES) -> dict:
@@ -223,7 +230,7 @@ def measure(engine: str, router: str, *, clients: int = 2, requests: int = 24, r
     reference: dict[int, list] = {}
     identical, honest_5xx = True, 0
     seen: dict[str, Counter] = {}
-    hangs, slow, samples = 0, 0, []
+    hangs, slow, samples, attack_s = 0, 0, [], 0.0
     for _ in range(rounds):
         lat, outs, st = honest_phase(router, clients, requests, new_tokens)
         idle += lat
@@ -232,9 +239,11 @@ def measure(engine: str, router: str, *, clients: int = 2, requests: int = 24, r
             reference.setdefault(k, o[0])
             identical &= all(x == reference[k] for x in o)
         attacker = Attacker(engine, router, attackers, classes)
+        t0 = time.perf_counter()
         try:
             lat, outs, st = honest_phase(router, clients, requests, new_tokens)
         finally:
+            attack_s += time.perf_counter() - t0
             report = attacker.stop()
         under += lat
         honest_5xx += sum(n for s, n in st.items() if s >= 500)
@@ -251,6 +260,7 @@ def measure(engine: str, router: str, *, clients: int = 2, requests: int = 24, r
         "identical_outputs": bool(identical), "honest_5xx": honest_5xx,
         "attack_5xx": sum(n for c in seen.values() for s, n in c.items() if s >= 500),
         "attack_hangs": hangs, "attack_requests": {k: sum(c.values()) for k, c in seen.items()},
+        "attack_requests_per_s": round(sum(n for c in seen.values() for n in c.values()) / attack_s, 1),
         "attack_statuses": {k: dict(sorted(c.items())) for k, c in seen.items()},
         "slow_connections": slow, "samples_5xx": samples[:5], "honest_requests": len(idle) + len(under),
         "clients": clients, "rounds": rounds, "attackers": attackers, "new_tokens": new_tokens,
@@ -266,14 +276,14 @@ def main(argv=None) -> int:
     p.add_argument("--attackers", type=int, default=4, help="attacker workers (threads of one process)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per honest request")
     p.add_argument("--classes", default=",".join(CLASSES), help="attack classes, comma-separated: "
-                   + ", ".join(CLASSES))
+                   + ", ".join(CLASSES) + f"; or {CONTROL} (valid no-op requests at the same rate, the control)")
     p.add_argument("--model", default=None, help="checkpoint directory; default builds tiny-qwen3")
     p.add_argument("--attack", nargs=2, metavar=("ENGINE", "ROUTER"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     classes = tuple(c for c in a.classes.split(",") if c)
-    unknown = sorted(set(classes) - set(CLASSES))
+    unknown = sorted(set(classes) - set(CLASSES) - {CONTROL})
     if unknown:
-        p.error(f"--classes: unknown {unknown}; choose from {', '.join(CLASSES)}")
+        p.error(f"--classes: unknown {unknown}; choose from {', '.join(CLASSES + (CONTROL,))}")
     if a.attack:  # the attacker process
         print(json.dumps(attack(*a.attack, a.attackers, classes)), flush=True)
         return 0
@@ -282,12 +292,14 @@ def main(argv=None) -> int:
     from miles.rollout.engine.process import EngineProcess
     from miles.rollout.router import RouterProcess
 
+    load_before = os.getloadavg()[0]
     model = a.model or str(build_tiny_model("tiny-qwen3", tempfile.mkdtemp(prefix="miles-bench-hostile-")))
     with EngineProcess(model, admin_token=TOKEN, extra_args=["--num-threads", "1"]) as engine, \
             RouterProcess([engine.url], extra_args=["--admin-token", TOKEN]) as router:
         result = measure(engine.url, router.url, clients=a.clients, requests=a.requests, rounds=a.rounds,
                          attackers=a.attackers, new_tokens=a.new_tokens, classes=classes)
-    result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    result["load_avg_1m_start"] = round(load_before, 2)
+    result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     result["cpus"] = os.cpu_count()
     print(json.dumps(result), flush=True)
     return 0
