@@ -22,7 +22,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    # "local": a cluster of our own, even where `ray start` left one running (or its address behind).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
     yield
     ray.shutdown()
 

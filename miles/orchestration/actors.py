@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from miles.orchestration.placement import pin_current_process
 from miles.rollout.engine.server import start_server_thread
+from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
 
 class EngineShell:
@@ -67,9 +68,18 @@ class TrainerShell:
         speak only SGLang's protocol verify the transport once, before the run)."""
         if self.rank != 0:
             return False
-        self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
+        lora = self.trainer.cfg.lora
+        if self.adapter_only:  # only the adapter travels, loaded by the engines themselves
+            self.transport = AdapterSync(lora, self.admin_token, self.trainer.model_path, self.sync_cfg.timeout_s)
+        else:
+            self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
         self.transport.connect(urls)
         return self.transport.needs_start_check
+
+    @property
+    def adapter_only(self) -> bool:
+        """trainer.lora.sync = "adapter": weight sync is miles/sync/adapter.py, not a transport."""
+        return bool(self.trainer.cfg.lora.rank) and self.trainer.cfg.lora.sync == "adapter"
 
     def check_engines_start(self) -> dict[str, float]:
         """Collective: every rank gathers the starting weights; rank 0 runs the updater's check_start."""
@@ -103,6 +113,8 @@ class TrainerShell:
         transport of their own (the engines already serving are not paused or touched)."""
         import dataclasses
 
+        if self.adapter_only:  # new engines hold the base weights already: they need the adapter in force
+            return self.transport.push_current(urls, version) if self.rank == 0 else {}
         named = self.trainer.full_named_tensors()
         updater = None
         try:

@@ -105,7 +105,10 @@ def _body_type(fn: ast.AsyncFunctionDef | ast.FunctionDef) -> str | None:
 def _status_codes(fn) -> set[int]:
     codes = set()
     for node in ast.walk(fn):
-        if isinstance(node, ast.keyword) and node.arg == "status_code":
+        # `status_code=...` in a response, or `status_code = ...` assigned first (the LoRA handlers' form).
+        named = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "status_code"
+                                                     for t in node.targets)
+        if named or isinstance(node, ast.keyword) and node.arg == "status_code":
             for value in ast.walk(node.value):
                 if isinstance(value, ast.Constant) and isinstance(value.value, int):
                     codes.add(value.value)

@@ -59,6 +59,8 @@ class EngineConfig:
     """Serve SGLang's protocol and nothing more: every miles extension (staged commit, p2p buffers,
     disk deltas, expected-checksum verification, the colocated handoff) is switched off and not
     advertised, so a trainer drives this engine exactly as it drives a plain SGLang server."""
+    max_lora_adapters: int = 8
+    """Most LoRA adapters loaded at once (/load_lora_adapter); a load beyond it is refused until one is unloaded."""
     reuse_weight_memory: bool = True
     """Keep the memory a weight update displaced as the next update's receive buffers: updates skip
     first-touch page faults, at the cost of a second copy of the weights held between updates."""
@@ -84,6 +86,8 @@ class EngineConfig:
                               f"{', '.join(FORMATS)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"engine port = {self.port}: set it in 0..65535 (0 picks a free port)")
+        if self.max_lora_adapters < 0:
+            raise ConfigError(f"engine max_lora_adapters = {self.max_lora_adapters}: set it >= 0 (0 serves no adapters)")
         if self.max_request_mb <= 0:
             raise ConfigError(f"engine max_request_mb = {self.max_request_mb}: set it > 0 (64 is the default)")
 

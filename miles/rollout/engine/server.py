@@ -12,6 +12,8 @@ one serves on loopback only, unless started with `--insecure-admin`. Bodies are 
 What miles needs beyond SGLang's protocol is an extension, listed in /get_server_info as
 `miles_extensions`; with `sglang_only` (`miles serve --sglang-only true`) there are none and only
 SGLang's routes and fields are served, which is how miles is tested against SGLang's protocol.
+LoRA adapters are loaded and unloaded with SGLang's /load_lora_adapter and /unload_lora_adapter
+(admin routes; what a request without `lora_path` uses is in lora.py).
 Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
 
     python -m miles.rollout.engine.server --model DIR --port 30000
@@ -89,8 +91,8 @@ def build_app(engine) -> FastAPI:
         items, batched = protocol.parse_generate(protocol.parse_json(raw), engine.tokenizer,
                                                  engine.config.default_max_new_tokens, engine.context_length)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
-        return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
-                for it in items], batched
+        return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts,
+                                    it.lora_path) for it in items], batched
 
     # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
     # Bodies past LARGE_BODY queue for one thread of their own: a flood of them then holds the GIL
@@ -143,6 +145,7 @@ def build_app(engine) -> FastAPI:
                 "engine_stats": dict(engine.stats)}
         if miles_mode:  # a plain SGLang server has no such key: no extensions
             info["miles_extensions"] = weights.extensions()
+        info["loaded_lora_adapters"] = engine.lora_adapters()
         return info
 
     if miles_mode:  # the `engine_load` extension: miles' own state routes
@@ -193,6 +196,27 @@ def build_app(engine) -> FastAPI:
 
     memory_route("release_memory_occupation", engine.release_memory, "released")
     memory_route("resume_memory_occupation", engine.resume_memory, "resumed")
+
+    async def lora_route(request: Request, body_model, act):
+        """SGLang's LoRA routes: 200 {success, loaded_adapters}, or 400 {success: false, error_message}
+        with the engine unchanged."""
+        require_admin(request)
+        try:
+            req = protocol.parse_body(body_model, await body_of(request))
+            loaded = await asyncio.to_thread(act, req)
+        except InvalidRequest as exc:
+            return JSONResponse({"success": False, "error_message": str(exc), "error": str(exc),
+                                 "loaded_adapters": engine.lora_adapters()}, status_code=400)
+        return {"success": True, "error_message": None, "loaded_adapters": loaded}
+
+    @app.post("/load_lora_adapter", openapi_extra=protocol.openapi_body(protocol.LoadLoRAAdapter))
+    async def load_lora_adapter(request: Request):
+        return await lora_route(request, protocol.LoadLoRAAdapter,
+                                lambda r: engine.load_lora_adapter(r.lora_name, r.lora_path, r.pinned))
+
+    @app.post("/unload_lora_adapter", openapi_extra=protocol.openapi_body(protocol.UnloadLoRAAdapter))
+    async def unload_lora_adapter(request: Request):
+        return await lora_route(request, protocol.UnloadLoRAAdapter, lambda r: engine.unload_lora_adapter(r.lora_name))
 
     @app.get("/metrics")
     async def metrics():
