@@ -67,6 +67,11 @@ class Row:
     answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
     kv_version: int | None = None  # weights_epoch its KV was computed under; None once mixed
     routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
+    # Failure isolation (scheduler.py): "suspect" while it waits to run a step alone after a step it
+    # was in raised, "cleared" once it did without failing; `unblamed` counts failed steps it was in
+    # that no request could be blamed for.
+    isolation: str | None = None
+    unblamed: int = 0
 
     @classmethod
     def of(cls, req: GenerateRequest, future: Future) -> Row:
@@ -108,7 +113,8 @@ class ModelRunner:
         self._generator = torch.Generator().manual_seed(config.seed)  # for rows without their own seed
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
-                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0}
+                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0,
+                      "failed_steps": 0, "isolated_reqs": 0, "failed_reqs": 0}
         # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
@@ -228,14 +234,16 @@ class ModelRunner:
         self.kv.select(keep)
         self.rows = [self.rows[i] for i in keep]
 
-    def retract(self) -> list[Row]:
+    def retract(self, count: bool = True) -> list[Row]:
         """Take every running row out of the batch (to be queued again); its KV survives in the prefix
-        cache, so coming back re-prefills little."""
+        cache, so coming back re-prefills little. `count`: a retraction (pause, memory release) rather
+        than the end of a row's run alone (failure isolation)."""
         live = [i for i, r in enumerate(self.rows) if r.finish is None]
         self._cache_rows(live)
         rows = [self.rows[i] for i in live]
         self.reset()
-        self.stats["retracted_reqs"] += len(rows)
+        if count:
+            self.stats["retracted_reqs"] += len(rows)
         return rows
 
     def reset(self) -> None:

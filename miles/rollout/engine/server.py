@@ -2,7 +2,9 @@
 
 Clients that drive SGLang servers (the router, generate functions, weight-sync transports) drive
 this one unchanged. Every request body is checked in protocol.py before it reaches the engine; a bad
-request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving.
+request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving. A request that
+passes the checks and still makes the engine's step raise gets 422, and the requests batched with it
+go on (503, retry, where no single request can be blamed; scheduler.py).
 Admin endpoints (weight updates, cache flush, pausing, aborting every request) need
 `Authorization: Bearer <token>` when the engine was started with an admin token; an engine without
 one serves on loopback only, unless started with `--insecure-admin`. Bodies are bounded in size
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -33,10 +36,12 @@ from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, se
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.sampler import SamplingParams
-from miles.rollout.engine.types import MEMORY_TAGS, InvalidRequest
+from miles.rollout.engine.types import MEMORY_TAGS, EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.weight_api import WeightRoutes
 
 log = logging.getLogger(__name__)
+
+LARGE_BODY = 1 << 20  # bytes: a /generate body past this is parsed on the one large-body thread
 
 
 def build_app(engine) -> FastAPI:
@@ -46,6 +51,16 @@ def build_app(engine) -> FastAPI:
     @app.exception_handler(InvalidRequest)
     async def _invalid(_request, exc: InvalidRequest):
         return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=400)
+
+    # A step that raised on one request is that request's failure alone (scheduler.py, failure isolation).
+    @app.exception_handler(RequestFailed)
+    async def _failed(_request, exc: RequestFailed):
+        return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=422)
+
+    @app.exception_handler(EngineStepFailed)
+    async def _step_failed(_request, exc: EngineStepFailed):
+        return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=503,
+                            headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _internal(_request, exc: Exception):
@@ -79,15 +94,23 @@ def build_app(engine) -> FastAPI:
         return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts,
                                     it.lora_path) for it in items], batched
 
+    # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
+    # Bodies past LARGE_BODY queue for one thread of their own: a flood of them then holds the GIL
+    # from one thread at a time, and the scheduler's thread keeps its share; small ones never wait.
+    large_lane = ThreadPoolExecutor(1, thread_name_prefix="miles-engine-large-body")
+
     @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
     async def generate(request: Request):
-        # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
-        reqs, batched = await asyncio.to_thread(checked_generate, await request.body())
+        raw = await request.body()
+        if len(raw) > LARGE_BODY:
+            reqs, batched = await asyncio.get_running_loop().run_in_executor(large_lane, checked_generate, raw)
+        else:
+            reqs, batched = await asyncio.to_thread(checked_generate, raw)
         futures = [engine.submit(r) for r in reqs]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except asyncio.CancelledError:
-            for r in reqs:  # the client went away: free the batch slots
+        except (asyncio.CancelledError, RequestFailed, EngineStepFailed):
+            for r in reqs:  # the client went away, or one item failed the call: free the others' slots
                 engine.abort(r.rid)
             raise
         out = [r.to_sglang() for r in results]
@@ -230,6 +253,9 @@ def prometheus_text(engine) -> str:
         ("decode_forwards_total", "counter", "Decode forwards", st["decode_forwards"]),
         ("retracted_requests_total", "counter", "Requests retracted by pause or memory release",
          st["retracted_reqs"]),
+        ("failed_steps_total", "counter", "Batch steps that raised (their requests then ran alone)",
+         st["failed_steps"]),
+        ("failed_requests_total", "counter", "Requests failed by a step that raised (422 or 503)", st["failed_reqs"]),
         ("num_running_reqs", "gauge", "Requests in the running batch", running),
         ("num_waiting_reqs", "gauge", "Requests waiting for a batch slot", waiting),
     ]

@@ -22,6 +22,16 @@ class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the offending field (HTTP 400)."""
 
 
+class RequestFailed(Exception):
+    """An accepted request whose step raised even when it ran alone (HTTP 422): sent again as it is, it
+    fails again. The requests batched with it were not affected."""
+
+
+class EngineStepFailed(Exception):
+    """A request whose batch step raised twice while no request of it failed alone (HTTP 503): the
+    fault lies in the combination or in the engine, so a retry may succeed."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     rid: str
