@@ -482,6 +482,17 @@ class EngineFleet:
                                     if done else None),
                 "events": recs}
 
+    def metrics(self) -> dict[str, float]:
+        """fleet/... figures for the step's record: engines serving and waiting now, and the run's totals."""
+        with self._lock:
+            states = [s.state for s in self.slots]
+            recs = list(self.replacements)
+        return {"fleet/serving_engines": float(states.count("serving")),
+                "fleet/down_engines": float(states.count("down")),
+                "fleet/engines_declared_dead": float(len(recs)),
+                "fleet/replacements": float(sum(r.kind == "replaced" and r.admitted_at is not None for r in recs)),
+                "fleet/readmissions": float(sum(r.kind == "readmitted" and r.admitted_at is not None for r in recs))}
+
     def close(self) -> None:
         self._stop.set()
         if self._monitor is not None:
