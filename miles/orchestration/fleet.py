@@ -16,6 +16,9 @@ probes and the same admission, but miles cannot restart them:
     declared dead ─► the router drops it (routed around), its slot waits ("down"); no kill
         ─► probed every interval_s until it answers again (restarted by its operator, un-stalled)
         ─► bring_up(url): full weight push at the trainer's version ─► router admission ─► serving
+    An engine restarted faster than its probes missed is caught by its weight version: once it held a
+    version miles pushed (a number), a label miles never sends ("default", SGLang's first) means a new
+    process holding other weights, and it is routed around and brought up the same way.
 
 The run never pauses for this: the other engines keep generating; the router retries the dead
 engine's in-flight requests on live engines, and groups that still fail go back to the buffer as
@@ -49,6 +52,7 @@ from miles.rollout.liveness import HealthConfig
 log = logging.getLogger(__name__)
 
 _MAX_FAILED_READMISSIONS = 3  # an engine that answers but keeps failing its bring-up is left out
+_RESTARTED = "restarted"       # a probe's verdict that takes an engine out at once, whatever the threshold
 
 
 @dataclass
@@ -90,6 +94,7 @@ class Slot:
     first_miss: float | None = None
     failed_readmissions: int = 0     # in a row, for an external engine that answers but cannot be brought up
     record: Replacement | None = None  # a "down" slot's record, completed when its engine is re-admitted
+    holds_pushed: bool = False       # an external engine reported a version miles pushed since its admission
 
 
 @dataclass
@@ -225,6 +230,21 @@ class EngineFleet:
             return None  # paused on purpose (a verified weight push, a pause mode): alive and answering
         return f"/health_generate answered {r.status_code}: {r.text[:120]}"
 
+    def _probe_slot(self, slot: Slot, url: str) -> str | None:
+        """probe(url), and for a serving engine the run did not start, whether it was restarted meanwhile."""
+        err = self.probe(url)
+        if err is not None or slot.state != "serving" or not slot.engine.external:
+            return err
+        try:
+            version = self._http.get(url + "/get_model_info", timeout=self.cfg.timeout_s).json().get("weight_version")
+        except Exception:  # noqa: BLE001 - it answered /health_generate; the next round reads it again
+            return None
+        pushed = isinstance(version, str) and version.isdigit()  # miles/versions.py: what miles sends
+        if slot.holds_pushed and not pushed:
+            return f"{_RESTARTED}: it held a version miles pushed and now reports {version!r}"
+        slot.holds_pushed = slot.holds_pushed or pushed
+        return None
+
     def _monitor_main(self) -> None:
         with cf.ThreadPoolExecutor(16, thread_name_prefix="miles-probe") as pool:
             while not self._stop.wait(self.cfg.interval_s):
@@ -238,7 +258,7 @@ class EngineFleet:
             serving = [(s, s.engine.url) for s in self.slots if s.state == "serving"]
             down = [(s, s.engine.url) for s in self.slots if s.state == "down"]
         now = time.time()
-        results = list(pool.map(lambda su: self.probe(su[1]), serving + down))
+        results = list(pool.map(lambda su: self._probe_slot(*su), serving + down))
         for (slot, url), err in zip(down, results[len(serving):]):
             with self._lock:
                 back = err is None and slot.state == "down" and not self._stop.is_set()
@@ -260,7 +280,7 @@ class EngineFleet:
                     continue
                 slot.misses += 1
                 slot.first_miss = slot.first_miss or now
-                if slot.misses < threshold:
+                if slot.misses < threshold and not err.startswith(_RESTARTED):
                     continue
                 slot.state = "replacing"
             failed.append(slot.index)
@@ -307,7 +327,7 @@ class EngineFleet:
                     "answers again", rec.old_url, rec.reason)
         self._router("remove_worker", rec.old_url, missing_ok=True)
         with self._lock:
-            slot.state, slot.misses, slot.first_miss = "down", 0, None
+            slot.state, slot.misses, slot.first_miss, slot.holds_pushed = "down", 0, None, False
             slot.record = rec
         self.on_change(self.serving_urls())
 

@@ -7,6 +7,7 @@ re-admitted, at the fleet's weights, once their operator restarts them."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -176,6 +177,22 @@ def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after
             assert sorted(fleet.serving_urls()) == sorted([dead.url, survivor.url])
             assert _generate(dead.url).json()["output_ids"] == _generate(survivor.url).json()["output_ids"]
             assert fleet.report()["readmissions"] == 1
+
+            # Restarted faster than the probes count misses (here: never enough misses): the engine's
+            # weight version gives it away ("default" where miles had pushed "1"), and it is caught up again.
+            fleet.cfg = dataclasses.replace(fleet.cfg, failure_threshold=10**6)
+            procs[0].proc.kill()
+            procs[0].proc.wait()
+            procs[0] = _engine_process(tiny_model_dir, port)
+            t0 = time.monotonic()
+            while not (len(fleet.replacements) == 2 and fleet.replacements[1].admitted_at) \
+                    and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            again = fleet.replacements[1]
+            assert again.admitted_at is not None and again.reason.startswith("restarted"), again
+            assert fleet.pushed == [dead.url, dead.url] and fleet.report()["readmissions"] == 2
+            assert httpx.get(dead.url + "/get_weight_version").json()["weight_version"] in (1, "1")
+            assert sorted(_active(fleet.router_url)) == sorted([dead.url, survivor.url])
         # The fleet never stops engines it did not start.
         assert all(p.proc.poll() is None for p in procs)
     finally:
