@@ -71,6 +71,8 @@ def test_a_chat_completion_is_generate_on_the_chat_templated_prompt(openai_clien
     ({"messages": MESSAGES, "stop": ["x"] * 65}, "stop"),
     ({"messages": MESSAGES, "n": 2}, "n"),
     ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
+    ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": MESSAGES, "seed": -1}, "seed"),
 ])
 def test_a_bad_chat_request_gets_400_naming_the_field(engine_url, body, field):
     r = httpx.post(f"{engine_url}/v1/chat/completions", json={"max_tokens": 2, **body} if "max_tokens" not in body
