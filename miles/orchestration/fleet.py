@@ -182,7 +182,11 @@ class EngineFleet:
         with self._lock:
             slot = Slot(len(self.slots), None, state="replacing")
             self.slots.append(slot)
-        engine = self._take_engine(slot.index)
+        try:
+            engine = self._take_engine(slot.index)
+        except BaseException:
+            slot.state = "removed"  # never started: nothing to route around or wait for
+            raise
         self._admit(slot, engine)
         return engine.url
 

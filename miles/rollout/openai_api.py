@@ -31,7 +31,9 @@ samples under the run's temperature/top_p/top_k whatever the request asks, becau
 logprobs assume them.
 
 Served by `miles sessions --engine-url URL --tokenizer DIR` (main below), or in-process with
-start_session_server.
+start_session_server. What one chat turn needs whatever serves it (request parsing, the first
+rendering, the OpenAI bodies and chunks) is chat_completion.py's, shared with the engine's own
+stateless /v1/chat/completions.
 
 Non-goals: n > 1 (refused: one session is one trajectory), constrained decoding (`tool_choice =
 "required"` or a named function does not force a call), the legacy /v1/completions route, streamed
