@@ -44,7 +44,7 @@ class TrainContext:
     trainer: TrainerGroup
     sink: Sink
     progress: Progress
-    fleet: EngineFleet | None = None      # replaces dead engines while the loop runs (None: external engines)
+    fleet: EngineFleet | None = None      # keeps engines serving while the loop runs (None: no engines to watch)
     faults: FaultInjector | None = None   # set when the config asks for faults
     policy_version: int = 0     # optimizer steps the trainer has taken
     weight_version: int = 0     # the newest version pushed to the engines

@@ -14,7 +14,8 @@ What miles needs beyond SGLang's protocol is an extension, listed in /get_server
 SGLang's routes and fields are served, which is how miles is tested against SGLang's protocol.
 LoRA adapters are loaded and unloaded with SGLang's /load_lora_adapter and /unload_lora_adapter
 (admin routes; what a request without `lora_path` uses is in lora.py).
-Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
+SGLang's OpenAI-compatible /v1/models and /v1/chat/completions are openai_routes.py's.
+Non-goals: streaming /generate, multi-node engines.
 
     python -m miles.rollout.engine.server --model DIR --port 30000
 """
@@ -35,6 +36,7 @@ from miles.config import ConfigError
 from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.openai_routes import add_openai_routes
 from miles.rollout.engine.sampler import SamplingParams
 from miles.rollout.engine.types import MEMORY_TAGS, EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.weight_api import WeightRoutes
@@ -231,6 +233,8 @@ def build_app(engine) -> FastAPI:
 
     # Weight routes: the shared ones and each registered transport's (miles/sync/transports/<name>.py).
     app.include_router(weights.router)
+    # OpenAI-compatible routes (SGLang serves them in both modes: they are SGLang's own).
+    add_openai_routes(app, engine, model_info()["served_model_name"])
     return app
 
 

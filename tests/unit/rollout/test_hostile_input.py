@@ -364,7 +364,8 @@ def test_fuzz_every_post_route_without_the_token(stack, honest_traffic):
     assert _fingerprint(engine) == before
 
 
-def test_fuzz_the_session_api_messages(sessions, honest_traffic):
+def test_fuzz_the_session_api_messages(engine, sessions, honest_traffic):
+    """The session API and the engine's own /v1/chat/completions take the same chat bodies."""
     sid = httpx.post(f"{sessions}/sessions", json={}, timeout=30).json()["session_id"]
     message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "tool", "assistant", "x"]),
                                      "content": st.text(max_size=40) | JSON})
@@ -376,6 +377,7 @@ def test_fuzz_the_session_api_messages(sessions, honest_traffic):
     def run(messages, extra):
         body = {"messages": messages, "max_tokens": 2, **extra}
         _check(_post_json(f"{sessions}/sessions/{sid}/v1/chat/completions", body))
+        _check(_post_json(f"{engine}/v1/chat/completions", body))
 
     run()
 
