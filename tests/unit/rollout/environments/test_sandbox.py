@@ -146,8 +146,7 @@ def test_close_removes_the_directory(tmp_path):
 
 
 def test_refuses_rather_than_running_unconfined(monkeypatch):
-    monkeypatch.setattr(sandbox_mod, "_probe_result", None)
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {})
     monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 1000)
     with pytest.raises(SandboxUnavailable, match="needs root.*refusing to run terminal tasks unconfined"):
-        Sandbox()
-    monkeypatch.setattr(sandbox_mod, "_probe_result", None)
+        Sandbox(SandboxConfig(backend="root"))
