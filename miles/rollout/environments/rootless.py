@@ -31,11 +31,13 @@ import resource
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from miles.owners import alive as owner_alive
 from miles.rollout.environments.workdir import SandboxUnavailable, WorkDir, tmpfs_options
 
 INNER_WORKDIR = "/var/tmp/work"
@@ -45,6 +47,8 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 LINK_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "nsswitch.conf")
 TOKEN_VAR = "MILES_SANDBOX_TOKEN"
+# The host-side mount point of a holder's tmpfs, named after the owner so a dead owner's is swept.
+HOST_DIR_PREFIX = "miles-sandbox-rootless-"
 _TOOLS = ("bwrap", "unshare", "nsenter", "prlimit", "tail")
 _PR_SET_PDEATHSIG = 1
 # In the holder's namespaces: mount the working directory's tmpfs, say so, then live as long as the owner.
@@ -96,9 +100,11 @@ class RootlessBackend:
         self.token = secrets.token_hex(8)
         if os.geteuid() == 0:
             self.uid = self.gid = 200_000 + secrets.randbelow(1_000_000_000)
+            _require_traversable(Path(parent_dir or tempfile.gettempdir()))
         else:
             self.uid, self.gid = os.getuid(), os.getgid()
-        self._host_dir = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent_dir))
+        sweep_stale(parent_dir)
+        self._host_dir = Path(tempfile.mkdtemp(prefix=f"{HOST_DIR_PREFIX}{os.getpid()}-", dir=parent_dir))
         if os.geteuid() == 0:
             os.chown(self._host_dir, self.uid, self.gid)
         try:
@@ -206,6 +212,33 @@ class RootlessBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _require_traversable(folder: Path) -> None:
+    # Started as root, the holder runs as a throwaway uid, which must be able to reach the mount point.
+    for d in [folder.resolve(), *folder.resolve().parents]:
+        if not d.stat().st_mode & stat.S_IXOTH:
+            raise SandboxUnavailable(f"the rootless sandbox, started as root, runs as a throwaway uid that cannot "
+                                     f"enter {d} (mode {stat.filemode(d.stat().st_mode)}): give it a parent_dir "
+                                     "that every user may traverse (o+x), such as the default temp directory")
+
+
+def sweep_stale(parent_dir: str | None) -> list[str]:
+    """Remove the mount points that owners killed before their close() left in `parent_dir`.
+
+    They are empty on the host (the files lived in the holder's tmpfs, which went with the holder
+    when its owner died), so a plain rmdir is all it takes; one that is not empty is left alone.
+    """
+    removed = []
+    for d in Path(parent_dir or tempfile.gettempdir()).glob(f"{HOST_DIR_PREFIX}*"):
+        owner = d.name[len(HOST_DIR_PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not owner_alive(int(owner)):
+            try:
+                d.rmdir()
+                removed.append(str(d))
+            except OSError:
+                pass
+    return removed
 
 
 def await_gone(backend: RootlessBackend, timeout_s: float = 5.0) -> None:

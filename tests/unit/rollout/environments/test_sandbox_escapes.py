@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from miles.rollout.environments.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailable, check_available
 from miles.rollout.environments.workdir import remove_tree
 
 REPO = Path(__file__).resolve().parents[4]
@@ -64,6 +65,7 @@ def parent_dir():
     d = Path(tempfile.mkdtemp(prefix="miles-escape-"))
     if os.geteuid() == 0:
         os.chown(d, NOBODY, NOBODY)
+        d.chmod(0o755)  # a rootless sandbox started as root runs as a throwaway uid that must reach it
     yield d
     remove_tree(d)
 
@@ -220,3 +222,66 @@ def test_huge_output_is_truncated_and_a_flood_is_stopped(backend, parent_dir):
     assert any("output flood" in v for v in flood["violations"]) and not flood["timed_out"]
     assert len(flood["stdout"]) == 4096 and flood["processes"] == []
     assert time.monotonic() - t0 < 15
+
+
+_OWNER = r"""
+import json, os, sys, threading, time
+from miles.rollout.environments.sandbox import Sandbox, SandboxConfig
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+sb = Sandbox(SandboxConfig(backend="rootless"), parent_dir=sys.argv[1])
+sb.write_file("x.txt", "x")
+threading.Thread(target=sb.run, args=("sleep 876543",), daemon=True).start()
+time.sleep(1.0)
+print(json.dumps({"workdir": str(sb.workdir), "running": sb.processes()}), flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_killed_owner_of_a_rootless_sandbox_leaves_no_process_and_no_directory(parent_dir):
+    try:
+        check_available("rootless")
+    except SandboxUnavailable as e:
+        pytest.skip(f"no rootless sandbox here: {e}")
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(parent_dir)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        info = json.loads(owner.stdout.readline())
+        assert info["running"] and Path(info["workdir"], "x.txt").exists()
+    finally:
+        owner.kill()
+        owner.wait()
+    # The command dies with its owner's thread (parent-death signal), the holder with its owner
+    # (and the working directory's tmpfs with the holder); only an empty mount point stays on the host.
+    deadline = time.monotonic() + 5
+    while (host_processes_with_cmdline("sleep", "876543") or Path(info["workdir"]).exists()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_processes_with_cmdline("sleep", "876543") == []
+    assert not Path(info["workdir"]).exists()
+    assert [p.name for p in parent_dir.iterdir()] and all(not any(p.iterdir()) for p in parent_dir.iterdir())
+    with Sandbox(SandboxConfig(backend="rootless"), parent_dir=str(parent_dir)):
+        assert len(list(parent_dir.iterdir())) == 1  # the next sandbox swept the dead owner's; its own is there
+    assert list(parent_dir.iterdir()) == []
+
+
+def test_the_rootless_backend_started_as_root_runs_commands_as_a_throwaway_uid(parent_dir):
+    if os.geteuid() != 0:
+        pytest.skip("this case is about starting the rootless backend as root")
+    try:
+        check_available("rootless")
+    except SandboxUnavailable as e:
+        pytest.skip(f"no rootless sandbox here: {e}")
+    with Sandbox(SandboxConfig(backend="rootless"), parent_dir=str(parent_dir)) as sb:
+        assert sb.backend == "rootless" and sb.uid >= 200_000
+        sb.write_file("task/in.txt", "from the host\n")
+        r = sb.run("cat task/in.txt > task/out.txt && echo more >> task/out.txt && (sleep 3 &) && "
+                   "cat /proc/self/status | grep -E '^(Uid|CapEff)'")
+        assert r.ok, r.stderr
+        assert sb.read_file("task/out.txt") == "from the host\nmore\n"
+        assert "CapEff:\t0000000000000000" in r.stdout
+        assert sb.processes() == []
+        assert sb.run("ln -s /etc task/link").ok
+        with pytest.raises(SandboxError, match="passes through a symlink"):
+            sb.write_file("task/link/evil", "x")
+    assert not Path("/etc/evil").exists()
