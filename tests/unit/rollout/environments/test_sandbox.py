@@ -61,7 +61,8 @@ def test_host_side_file_access_refuses_paths_and_symlinks_that_leave(sandbox):
 def test_fork_bomb_is_contained_and_leaves_no_process(sandbox):
     t0 = time.monotonic()
     r = sandbox.run("b(){ b | b & }; b; sleep 30", timeout_s=3)
-    assert r.timed_out and any("timeout" in v for v in r.violations)
+    # It ends at the timeout, or sooner when its first shell can no longer fork (the process limit).
+    assert (r.timed_out and any("timeout" in v for v in r.violations)) or "fork" in r.stderr.lower(), r
     assert time.monotonic() - t0 < 10
     assert processes_of(sandbox.uid) == []
     assert sandbox.run("echo still usable").stdout == "still usable\n"
