@@ -47,6 +47,9 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 LINK_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "nsswitch.conf")
 TOKEN_VAR = "MILES_SANDBOX_TOKEN"
+# Kernel settings that turn unprivileged user namespaces off, and the value that does it.
+USERNS_KNOBS = (("/proc/sys/kernel/unprivileged_userns_clone", "0"), ("/proc/sys/user/max_user_namespaces", "0"),
+                ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1"))
 # The host-side mount point of a holder's tmpfs, named after the owner so a dead owner's is swept.
 HOST_DIR_PREFIX = "miles-sandbox-rootless-"
 _TOOLS = ("bwrap", "unshare", "nsenter", "prlimit", "tail")
@@ -66,8 +69,7 @@ def probe() -> str:
     missing = [t for t in _TOOLS if shutil.which(t, path=SAFE_PATH) is None]
     if missing:
         return f"the rootless sandbox needs {', '.join(missing)} (util-linux, coreutils) on PATH" + hint
-    for knob, off in (("/proc/sys/kernel/unprivileged_userns_clone", "0"), ("/proc/sys/user/max_user_namespaces", "0"),
-                      ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1")):
+    for knob, off in USERNS_KNOBS:
         try:
             value = Path(knob).read_text().strip()
         except OSError:

@@ -103,14 +103,15 @@ class SandboxConfig:
     cpu_time_s: int = 10
     """CPU seconds per command (RLIMIT_CPU); past it the command gets SIGXCPU, then SIGKILL."""
     memory_mb: int = 1024
-    """Memory of all the sandbox's processes together in MiB (a memory cgroup; files its commands write
-    to the working directory count too); each process also gets it as its address-space limit."""
+    """Memory in MiB: each process's address-space limit, and on the root backend also the limit of all
+    the sandbox's processes together (a memory cgroup, where files written to the working directory count too)."""
     disk_mb: int = 64
     """Size of the working directory in MiB (a tmpfs: writes past it fail with 'No space left')."""
     max_file_mb: int = 16
     """Largest file a command may write, in MiB (RLIMIT_FSIZE)."""
     max_processes: int = 64
-    """Most processes the command may have at once (RLIMIT_NPROC, per sandbox uid)."""
+    """Most processes the command may have at once (RLIMIT_NPROC, counted per sandbox uid on the root backend
+    and per user namespace on the rootless one)."""
     wall_timeout_s: float = 20.0
     """Wall-clock seconds per command; then every process of the command is killed."""
     max_output_bytes: int = 8192

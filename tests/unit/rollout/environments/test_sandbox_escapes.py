@@ -285,3 +285,38 @@ def test_the_rootless_backend_started_as_root_runs_commands_as_a_throwaway_uid(p
         with pytest.raises(SandboxError, match="passes through a symlink"):
             sb.write_file("task/link/evil", "x")
     assert not Path("/etc/evil").exists()
+
+
+def test_the_backend_is_chosen_by_config_and_a_missing_piece_is_named(monkeypatch, tmp_path):
+    import miles.rollout.environments.rootless as rootless_mod
+    import miles.rollout.environments.sandbox as sandbox_mod
+    from miles.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sandbox.backend = 'docker': write one of 'auto', 'root', 'rootless'"):
+        SandboxConfig(backend="docker").validate()
+    with pytest.raises(ConfigError, match="sandbox.extra_ro_paths: 'opt/tool' is not an absolute path"):
+        SandboxConfig(extra_ro_paths=["opt/tool"]).validate()
+    # No bwrap: the rootless backend says so, and how to install it.
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {})
+    monkeypatch.setattr(rootless_mod.shutil, "which", lambda name, path=None: None if name == "bwrap" else "/x")
+    with pytest.raises(SandboxUnavailable, match=r"`bwrap` is not installed \(run scripts/install-system.sh"):
+        Sandbox(SandboxConfig(backend="rootless"))
+    # User namespaces switched off by the kernel: the setting that does it is named.
+    monkeypatch.undo()
+    knob = tmp_path / "max_user_namespaces"
+    knob.write_text("0\n")
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {})
+    monkeypatch.setattr(rootless_mod, "USERNS_KNOBS", ((str(knob), "0"),))
+    with pytest.raises(SandboxUnavailable, match=f"user namespaces are disabled on this machine \\({knob} = 0\\)"):
+        check_available("rootless")
+    # auto: root when root and the root backend works, rootless otherwise; nothing works -> both reasons.
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {"root": "no cgroup", "rootless": "no bwrap"})
+    with pytest.raises(SandboxUnavailable, match="no sandbox backend works here; .*rootless: no bwrap"):
+        check_available("auto")
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {"root": "", "rootless": ""})
+    monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 1000)
+    assert check_available("auto") == "rootless"
+    monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 0)
+    assert check_available("auto") == "root"
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {"root": "no cgroup", "rootless": ""})
+    assert check_available("auto") == "rootless"
