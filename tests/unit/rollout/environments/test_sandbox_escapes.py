@@ -169,6 +169,17 @@ def test_no_background_process_survives_the_command(backend, parent_dir):
     assert host_processes_with_cmdline("sleep", tag) == []
 
 
+def test_cpu_file_size_memory_and_wall_clock_limits_hold(backend, parent_dir):
+    out = confine(backend, parent_dir, "while :; do :; done", "head -c 5000000 /dev/zero > big",
+                  "python3 -c 'x = bytearray(600 << 20)'", ("sleep 1000 & sleep 1000", 1),
+                  cpu_time_s=1, max_file_mb=1, memory_mb=256)
+    cpu, fsize, mem, wall = out["steps"]
+    assert "cpu time limit exceeded" in cpu["violations"] and not cpu["timed_out"], cpu
+    assert "file size limit exceeded" in fsize["violations"] and fsize["workdir_bytes"] == 1 << 20, fsize
+    assert mem["exit_code"] != 0 and "MemoryError" in mem["stderr"]
+    assert wall["timed_out"] and wall["elapsed_s"] < 5 and wall["processes"] == []
+
+
 @pytest.fixture
 def listener():
     """A TCP server on 127.0.0.1, like an engine's port; records whatever connects."""
