@@ -29,6 +29,7 @@ import ctypes
 import os
 import resource
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -54,6 +55,7 @@ USERNS_KNOBS = (("/proc/sys/kernel/unprivileged_userns_clone", "0"), ("/proc/sys
 HOST_DIR_PREFIX = "miles-sandbox-rootless-"
 _TOOLS = ("bwrap", "unshare", "nsenter", "prlimit", "tail")
 _PR_SET_PDEATHSIG = 1
+_HOLDER_START_S = 30.0
 # In the holder's namespaces: mount the working directory's tmpfs, say so, then live as long as the owner.
 _HOLD = 'mount -t tmpfs -o "$2" miles-sandbox-work "$1" || exit 1; echo ready; exec tail --pid="$3" -f /dev/null >/dev/null 2>&1'
 
@@ -119,7 +121,10 @@ class RootlessBackend:
         except OSError as e:
             os.rmdir(self._host_dir)
             raise SandboxUnavailable(f"starting the rootless sandbox's namespace holder failed: {e}") from None
-        ready = self.holder.stdout.readline()
+        # A kernel that stalls here must not hang the episode: wait for "ready" a bounded time.
+        ready = b""
+        if select.select([self.holder.stdout], [], [], _HOLDER_START_S)[0]:
+            ready = self.holder.stdout.readline()
         if ready.strip() != b"ready":
             self.holder.kill()
             err = self.holder.communicate()[1].decode(errors="replace").strip()
@@ -179,7 +184,10 @@ class RootlessBackend:
         return apply
 
     def processes(self) -> list[int]:
-        """Host PIDs of the sandbox's commands still running (found by the token in their environment)."""
+        """Host PIDs of the sandbox's commands still running, found by the token in their environment.
+
+        A command that execs with a cleared environment hides from this count, not from cleanup: the
+        end of its PID namespace kills it all the same."""
         marker = f"{TOKEN_VAR}={self.token}".encode()
         out = []
         for entry in Path("/proc").iterdir():
