@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+import miles.rollout.environments.rootless as rootless_mod
+import miles.rollout.environments.sandbox as sandbox_mod
+from miles.config import ConfigError
 from miles.rollout.environments.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailable, check_available
 from miles.rollout.environments.workdir import remove_tree
 
@@ -299,10 +302,6 @@ def test_the_rootless_backend_started_as_root_runs_commands_as_a_throwaway_uid(p
 
 
 def test_the_backend_is_chosen_by_config_and_a_missing_piece_is_named(monkeypatch, tmp_path):
-    import miles.rollout.environments.rootless as rootless_mod
-    import miles.rollout.environments.sandbox as sandbox_mod
-    from miles.config import ConfigError
-
     with pytest.raises(ConfigError, match="sandbox.backend = 'docker': write one of 'auto', 'root', 'rootless'"):
         SandboxConfig(backend="docker").validate()
     with pytest.raises(ConfigError, match="sandbox.extra_ro_paths: 'opt/tool' is not an absolute path"):
