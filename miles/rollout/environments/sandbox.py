@@ -45,6 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Protocol
 
 from miles.config import ConfigError
 from miles.rollout.environments import cgroup, rootless, workdir
@@ -222,6 +223,32 @@ def _probe() -> str:
     return ""
 
 
+class SandboxBackend(Protocol):
+    """How one sandbox confines its commands; Sandbox runs them and captures their output."""
+
+    workdir: WorkDir
+    uid: int                   # the host uid its commands run as
+    cgroup: MemoryCgroup | None
+
+    def argv(self, command: str) -> list[str]:
+        """The host command line that runs `command` confined."""
+
+    def preexec(self) -> Callable[[], None]:
+        """What the child runs between fork and exec (limits, parent-death signal, uid)."""
+
+    def oom_kills(self) -> int:
+        """Processes the memory limit has killed so far (0 where there is no memory cgroup)."""
+
+    def processes(self) -> list[int]:
+        """Host PIDs of its commands still running."""
+
+    def await_gone(self) -> None:
+        """After a kill: wait until every process of the command is gone."""
+
+    def close(self) -> None:
+        """Kill what is left and remove the working directory; never raises."""
+
+
 class _Root:
     """One root-backend sandbox: a throwaway uid, a tmpfs working directory on the host, a memory cgroup."""
 
@@ -314,7 +341,7 @@ class _Rootless:
         self._b.close()
 
 
-_BACKEND_CLASSES = {"root": _Root, "rootless": _Rootless}
+BACKEND_CLASSES: dict[str, type[SandboxBackend]] = {"root": _Root, "rootless": _Rootless}
 
 
 class Sandbox:
@@ -328,7 +355,7 @@ class Sandbox:
         self.config = config or SandboxConfig()
         self._closed = True  # until everything below exists, close() has nothing to undo
         self.backend = check_available(self.config.backend)
-        self._backend = _BACKEND_CLASSES[self.backend](self.config, parent_dir)
+        self._backend: SandboxBackend = BACKEND_CLASSES[self.backend](self.config, parent_dir)
         self._dir = self._backend.workdir
         self.uid = self._backend.uid
         self.cgroup = self._backend.cgroup  # None on the rootless backend
