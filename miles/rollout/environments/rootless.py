@@ -57,7 +57,8 @@ _TOOLS = ("bwrap", "unshare", "nsenter", "prlimit", "tail")
 _PR_SET_PDEATHSIG = 1
 _HOLDER_START_S = 30.0
 # In the holder's namespaces: mount the working directory's tmpfs, say so, then live as long as the owner.
-_HOLD = 'mount -t tmpfs -o "$2" miles-sandbox-work "$1" || exit 1; echo ready; exec tail --pid="$3" -f /dev/null >/dev/null 2>&1'
+_HOLD = ('mount -t tmpfs -o "$2" miles-sandbox-work "$1" || exit 1; echo ready; '
+         'exec tail --pid="$3" -f /dev/null >/dev/null 2>&1')
 
 
 def probe() -> str:
@@ -78,7 +79,8 @@ def probe() -> str:
             continue
         if value == off:
             return (f"unprivileged user namespaces are disabled on this machine ({knob} = {value}); "
-                    f"set it to {'1' if off == '0' else '0'} (sysctl), or use sandbox.backend = \"root\" as root" + hint)
+                    f"set it to {'1' if off == '0' else '0'} (sysctl), or use sandbox.backend = \"root\" as root"
+                    + hint)
     try:
         with RootlessBackend(disk_mb=1, parent_dir=None) as b:
             argv = b.argv("echo ok", max_processes=8)

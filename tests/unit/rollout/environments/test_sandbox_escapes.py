@@ -164,7 +164,8 @@ def test_no_background_process_survives_the_command(backend, parent_dir):
     tag = str(900000 + os.getpid() % 1000)
     out = confine(backend, parent_dir,
                   f"(sleep {tag} &); nohup sleep {tag} >/dev/null 2>&1 & setsid sleep {tag} & "
-                  f"python3 -c \"import os\nif os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', '{tag}'])\"; "
+                  "python3 -c \"import os\nif os.fork() == 0:\n    os.setsid()\n"
+                  f"    os.execvp('sleep', ['sleep', '{tag}'])\"; "
                   "echo started", "echo next")
     first, nxt = out["steps"]
     assert first["stdout"] == "started\n" and not first["timed_out"] and first["elapsed_s"] < 5
