@@ -101,15 +101,13 @@ class TrainerShell:
     def push_full(self, urls: list[str], version: int) -> dict[str, float]:
         """Collective: bring new engines to `version` with a full push, noise-fill verified, over a
         transport of their own (the engines already serving are not paused or touched)."""
-        import dataclasses
-
         named = self.trainer.full_named_tensors()
         updater = None
         try:
             if self.rank != 0:
                 return {}
-            cfg = dataclasses.replace(self.sync_cfg, verify_first_update=True)
-            updater = WeightUpdater(cfg, self.admin_token, base_path=self.trainer.model_path)
+            updater = WeightUpdater(self.sync_cfg.for_new_engines(), self.admin_token,
+                                    base_path=self.trainer.model_path)
             updater.connect(urls)
             return updater.push(named, version)
         finally:
