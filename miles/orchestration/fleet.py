@@ -39,6 +39,8 @@ from miles.rollout.liveness import HealthConfig
 
 log = logging.getLogger(__name__)
 
+ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
+
 
 @dataclass
 class EngineHandle:
@@ -383,13 +385,27 @@ class EngineFleet:
 
     # ---- router -------------------------------------------------------------------------------------
 
+    def _router_call(self, method: str, path: str, **kwargs):
+        """One call to the router; while nothing answers (a router process being restarted), again
+        until ROUTER_OUTAGE_S have passed."""
+        import httpx
+
+        deadline = time.monotonic() + ROUTER_OUTAGE_S
+        while True:
+            try:
+                return self._http.request(method, f"{self.router_url}{path}", **kwargs)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise
+                time.sleep(0.2)
+
     def _router(self, action: str, url: str, missing_ok: bool = False) -> None:
-        r = self._http.post(f"{self.router_url}/{action}", params={"url": url})
+        r = self._router_call("POST", f"/{action}", params={"url": url})
         if r.status_code != 200 and not (missing_ok and r.status_code == 404):
             raise FleetError(f"router {self.router_url}/{action}?url={url} answered {r.status_code}: {r.text[:200]}")
 
     def _router_active(self, url: str) -> bool:
-        workers = self._http.get(f"{self.router_url}/list_workers").json()["workers"]
+        workers = self._router_call("GET", "/list_workers").json()["workers"]
         return any(w["url"] == url and not w["quarantined"] for w in workers)
 
     # ---- report and shutdown -------------------------------------------------------------------------
