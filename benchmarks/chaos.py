@@ -14,8 +14,11 @@ scheduled by training step (not wall time: a fast machine gets the same kills at
   driver          this program SIGKILLs the driver (`miles train`, and with it its Ray cluster) once a
                   given step's checkpoint exists, then runs `miles train --resume RUN_DIR`
 
-The reward is text parity (as in `miles bench faults`): an untrained tiny model earns it about half
-the time, so every step trains, and eval accuracy (greedy, parity of the response length) moves.
+The reward is the share of digits in the response (`digit_fraction` below): an untrained tiny model
+already varies on it, so every step trains, and RL moves it. Eval accuracy is then the share of the
+64 held-out prompts whose greedy response holds a digit at all (eval counts a score > 0 as correct):
+exact-match accuracy of an untrained tiny model is 0 with or without faults, which would compare
+nothing.
 
 Last line, one JSON object:
   kills, by_kind           kills injected, in all and per kind (the driver's counted here)
@@ -24,11 +27,15 @@ Last line, one JSON object:
                            failed (engine failure, timeout, abort) or unaccounted for
   prompts_trained_twice    groups trained in the recorded steps beyond the prompts the final ledger
                            holds as trained (a prompt trained in two recorded steps counts once here)
-  hung_pushes              weight pushes (perf/sync_s) longer than sync.version_timeout_s
+  hung_pushes              weight pushes (perf/sync_s) longer than their deadlines allow (3 tries of
+                           (sync.retries + 1) attempts of sync.version_timeout_s), plus runs that
+                           outlived --timeout (hung_runs)
   eval_accuracy, eval_accuracy_without_faults   the last evaluation of each run
   wall_s, wall_s_without_faults
+  checkpoints, checkpoints_without_faults   resumable checkpoints written (one a step, loop.save_every
+                           = 1), their mean seconds and that as a share of the mean step time
 
-    miles bench chaos [--steps 16] [--seed 0] [--kills-per-kind 3] [--driver-kill-at 8]
+    miles bench chaos [--steps 16] [--seed 0] [--kills-per-kind 3] [--driver-kill-at 2]
 """
 
 from __future__ import annotations
@@ -46,9 +53,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "arithmetic" / "grpo.toml"
 FAILURE_REASONS = ("engine_failure", "timeout", "aborted")
+SYNC_TIMEOUT_S, VERSION_TIMEOUT_S, SYNC_RETRIES = 30.0, 60.0, 1
+# The longest a push may take by design: the fleet tries a version up to 3 times (an engine died in
+# it), each a run of (sync.retries + 1) attempts with a deadline of sync.version_timeout_s each.
+PUSH_BOUND_S = 3 * (SYNC_RETRIES + 1) * VERSION_TIMEOUT_S
 KINDS = ("engine", "reward_worker", "trainer", "router")
 KEYS = {"engine": "fault.kill_engine_at_steps", "reward_worker": "fault.kill_reward_worker_at_steps",
         "trainer": "fault.kill_trainer_at_steps", "router": "fault.kill_router_at_steps"}
+
+
+def digit_fraction(response: str, label) -> float:
+    """The run's reward: the share of the response's characters that are digits."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 def kill_plan(steps: int, per_kind: int, driver_at: int) -> dict[str, list[int]]:
@@ -67,10 +83,14 @@ def run_overrides(model: Path, out: Path, name: str, steps: int, seed: int) -> d
         "model.path": str(model), "run.output_dir": str(out), "run.name": name, "run.seed": str(seed),
         "loop.schedule": "fully_async", "loop.num_steps": str(steps), "loop.save_every": "1",
         "rollout.num_engines": "2", "rollout.prompts_per_step": "8", "rollout.n_samples_per_prompt": "4",
-        "rollout.max_new_tokens": "6", "rollout.reward": "text_parity", "rollout.reward_config.num_workers": "1",
+        "rollout.max_new_tokens": "6", "rollout.reward": f"{Path(__file__).resolve()}:digit_fraction",
+        "rollout.reward_config.num_workers": "1",
         "buffer.max_inflight_groups": "16", "buffer.capacity": "16", "buffer.max_staleness": "2",
         "trainer.micro_batch_size": "64", "trainer.algorithm.tis_mode": "truncate", "trainer.lr": "1e-3",
         "eval.every_steps": "0", "eval.num_prompts": "64", "sync.bucket_size_mb": "64",
+        # Deltas: a killed engine's replacement joins through a catch-up delta from the base.
+        "sync.transport": "disk_delta", "sync.delta_dir": str(out / f"{name}-deltas"),
+        "sync.timeout_s": str(SYNC_TIMEOUT_S), "sync.version_timeout_s": str(VERSION_TIMEOUT_S),
         "health.interval_s": "0.5", "health.timeout_s": "5", "ray.num_cpus": "2", "metrics.progress": "off",
     }
 
@@ -133,25 +153,31 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def summary_of(run_dir: Path) -> dict | None:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def lost_prompts(ledger: dict) -> int:
     events = ledger.get("events", {})
     unaccounted = ledger["drawn"] - ledger["trained"] - ledger["discarded"] - ledger["pending"]
     return unaccounted + sum(events.get(f"discarded_{r}", 0) for r in FAILURE_REASONS)
 
 
-def ledger_figures(run_dir: Path, steps: int, version_timeout_s: float) -> dict:
+def ledger_figures(run_dir: Path, steps: int) -> dict:
     """What the run directory says about the run: completed, lost, trained twice, hung pushes."""
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    summary = summary_of(run_dir)
     recs = [r for r in records(run_dir) if r["step"] > 0]
     recorded = [r["step"] for r in recs]
     completed = summary is not None and recorded == list(range(1, steps + 1))
     trained_groups = sum(int(r.get("buffer/groups_trained", 0)) for r in recs)
     out = {"run_completed": completed, "steps_recorded": len(recorded),
            "prompts_lost": None, "prompts_trained_twice": None,
-           "hung_pushes": sum(r.get("perf/sync_s", 0.0) > version_timeout_s for r in recs),
+           "hung_pushes": sum(r.get("perf/sync_s", 0.0) > PUSH_BOUND_S for r in recs),
+           "max_push_s": max((r.get("perf/sync_s", 0.0) for r in recs), default=None),
            "eval_accuracy": summary["eval_accuracy_after"] if summary else None,
            "trainer_restarts": summary.get("trainer_restarts") if summary else None,
+           "checkpoints": summary.get("checkpoints") if summary else None,
            "ledger": summary["ledger"] if summary else None}
     if summary is not None:
         out["prompts_lost"] = lost_prompts(summary["ledger"])
@@ -165,22 +191,20 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16, help="training steps of each run")
     p.add_argument("--seed", type=int, default=0, help="run.seed of both runs")
     p.add_argument("--kills-per-kind", type=int, default=3, help="step-scheduled kills of each process kind")
-    p.add_argument("--driver-kill-at", type=int, default=-1,
-                   help="kill the driver once this step's checkpoint exists, then resume (0: never; "
-                        "default: half-way)")
+    p.add_argument("--driver-kill-at", type=int, default=2,
+                   help="kill the driver once this step's checkpoint exists, then resume (0: never); early, so "
+                        "that the resumed driver's summary covers every other kill")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free run")
     p.add_argument("--timeout", type=float, default=1800, help="seconds each `miles train` may take")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
-    driver_at = args.steps // 2 if args.driver_kill_at < 0 else args.driver_kill_at
+    driver_at = args.driver_kill_at
 
     from miles.models.presets import build_tiny_model
-    from miles.sync.prepare import SyncConfig
 
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model("tiny-qwen3", out / "model")
-    version_timeout_s = SyncConfig().version_timeout_s
     plan = kill_plan(args.steps, args.kills_per_kind, driver_at)
     line: dict = {"steps": args.steps, "seed": args.seed, "plan": {**plan, "driver": [driver_at] if driver_at else []}}
 
@@ -193,13 +217,15 @@ def main(argv=None) -> int:
     if first["killed"]:
         resumed = run([sys.executable, "-m", "miles.cli", "train", "--resume", str(chaos_dir)], out / "chaos.log",
                       args.timeout)
-    figures = ledger_figures(chaos_dir, args.steps, version_timeout_s)
+    figures = ledger_figures(chaos_dir, args.steps)
     faults = figures.pop("faults", None) or {}
     by_kind = {k.removeprefix("kill_"): v for k, v in (faults.get("by_kind") or {}).items()}
     if first["killed"]:
         by_kind["driver"] = 1
     line.update({"kills": sum(by_kind.values()), "by_kind": by_kind, **figures,
-                 "engines_recovered": faults.get("recovered"), "wall_s": time.monotonic() - t0,
+                 "engines_recovered": faults.get("recovered"), "mean_engine_recovery_s": faults.get("mean_recovery_s"),
+                 "router_restarts": ((summary_of(chaos_dir) or {}).get("router") or {}).get("restarts"),
+                 "wall_s": time.monotonic() - t0,
                  "hung_runs": int(first["timed_out"] or bool(resumed and resumed["timed_out"]))})
 
     if not args.no_baseline:
@@ -207,8 +233,9 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         base = run(_command(run_overrides(model, out / "runs", "baseline", args.steps, args.seed)),
                    out / "baseline.log", args.timeout)
-        base_figures = ledger_figures(base_dir, args.steps, version_timeout_s)
+        base_figures = ledger_figures(base_dir, args.steps)
         line.update({"eval_accuracy_without_faults": base_figures["eval_accuracy"],
+                     "checkpoints_without_faults": base_figures["checkpoints"],
                      "run_completed_without_faults": base_figures["run_completed"],
                      "wall_s_without_faults": time.monotonic() - t0, "baseline_hung": int(base["timed_out"])})
         if line["eval_accuracy"] is not None and base_figures["eval_accuracy"] is not None:

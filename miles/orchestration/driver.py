@@ -336,6 +336,7 @@ def _finish(ctx: TrainContext, before: dict, t_start: float, router=None) -> dic
         "schedule": cfg.loop.schedule, "ledger": ledger, "trainer_restarts": ctx.trainer_restarts,
         "fleet": fleet.report() if fleet is not None else None,
         "router": router.report() if isinstance(router, SupervisedRouter) else None,
+        "checkpoints": ctx.checkpoint_cost(),
     }
     if ctx.faults is not None:
         summary["faults"] = ctx.faults.report(summary["fleet"]["events"] if fleet is not None else [])

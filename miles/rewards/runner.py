@@ -259,7 +259,8 @@ class RewardRunner:
 
     # -- metrics and lifetime --------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:
-        """reward/calls, reward/errors, reward/timeouts, reward/worker_restarts and the means of extra metrics since the last call."""
+        """reward/calls, reward/errors, reward/timeouts, reward/worker_restarts and the means of extra
+        metrics since the last call."""
         with self._lock:
             out = {f"reward/{k}": float(v) for k, v in self._m.items()}
             out.update({f"reward/{k}": self._sums[k] / n for k, n in self._counts.items() if n})
