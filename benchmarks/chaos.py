@@ -31,6 +31,7 @@ Last line, one JSON object:
                            (sync.retries + 1) attempts of sync.version_timeout_s), plus runs that
                            outlived --timeout (hung_runs)
   eval_accuracy, eval_accuracy_without_faults   the last evaluation of each run
+  reward_last_steps, reward_last_steps_without_faults   mean training reward of the last 4 steps
   wall_s, wall_s_without_faults
   checkpoints, checkpoints_without_faults   resumable checkpoints written (one a step, loop.save_every
                            = 1), their mean seconds and that as a share of the mean step time
@@ -57,6 +58,7 @@ SYNC_TIMEOUT_S, VERSION_TIMEOUT_S, SYNC_RETRIES = 30.0, 60.0, 1
 # The longest a push may take by design: the fleet tries a version up to 3 times (an engine died in
 # it), each a run of (sync.retries + 1) attempts with a deadline of sync.version_timeout_s each.
 PUSH_BOUND_S = 3 * (SYNC_RETRIES + 1) * VERSION_TIMEOUT_S
+LAST = 4  # steps whose mean training reward is compared between the two runs
 KINDS = ("engine", "reward_worker", "trainer", "router")
 KEYS = {"engine": "fault.kill_engine_at_steps", "reward_worker": "fault.kill_reward_worker_at_steps",
         "trainer": "fault.kill_trainer_at_steps", "router": "fault.kill_router_at_steps"}
@@ -153,6 +155,10 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 def summary_of(run_dir: Path) -> dict | None:
     path = run_dir / "summary.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -176,6 +182,7 @@ def ledger_figures(run_dir: Path, steps: int) -> dict:
            "hung_pushes": sum(r.get("perf/sync_s", 0.0) > PUSH_BOUND_S for r in recs),
            "max_push_s": max((r.get("perf/sync_s", 0.0) for r in recs), default=None),
            "eval_accuracy": summary["eval_accuracy_after"] if summary else None,
+           "reward_last_steps": _mean([r["rollout/reward_mean"] for r in recs[-LAST:] if "rollout/reward_mean" in r]),
            "trainer_restarts": summary.get("trainer_restarts") if summary else None,
            "checkpoints": summary.get("checkpoints") if summary else None,
            "ledger": summary["ledger"] if summary else None}
@@ -235,6 +242,7 @@ def main(argv=None) -> int:
                    out / "baseline.log", args.timeout)
         base_figures = ledger_figures(base_dir, args.steps)
         line.update({"eval_accuracy_without_faults": base_figures["eval_accuracy"],
+                     "reward_last_steps_without_faults": base_figures["reward_last_steps"],
                      "checkpoints_without_faults": base_figures["checkpoints"],
                      "run_completed_without_faults": base_figures["run_completed"],
                      "wall_s_without_faults": time.monotonic() - t0, "baseline_hung": int(base["timed_out"])})
