@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,6 +156,14 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def injected(run_dir: Path) -> dict[str, int]:
+    """Faults injected per kind, from the run's faults.jsonl (written as each fires, so it holds those
+    of a driver that was killed later, and of a run that failed)."""
+    path = run_dir / "faults.jsonl"
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()] if path.exists() else []
+    return dict(Counter(k.removeprefix("kill_") for k in kinds))
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -226,7 +235,7 @@ def main(argv=None) -> int:
                       args.timeout)
     figures = ledger_figures(chaos_dir, args.steps)
     faults = figures.pop("faults", None) or {}
-    by_kind = {k.removeprefix("kill_"): v for k, v in (faults.get("by_kind") or {}).items()}
+    by_kind = injected(chaos_dir)
     if first["killed"]:
         by_kind["driver"] = 1
     line.update({"kills": sum(by_kind.values()), "by_kind": by_kind, **figures,
