@@ -89,7 +89,7 @@ def run_overrides(model: Path, out: Path, name: str, steps: int, seed: int) -> d
         "rollout.max_new_tokens": "6", "rollout.reward": f"{Path(__file__).resolve()}:digit_fraction",
         "rollout.reward_config.num_workers": "1",
         "buffer.max_inflight_groups": "16", "buffer.capacity": "16", "buffer.max_staleness": "2",
-        "trainer.micro_batch_size": "64", "trainer.algorithm.tis_mode": "truncate", "trainer.lr": "1e-3",
+        "trainer.micro_batch_size": "64", "trainer.algorithm.tis_mode": "truncate",
         "eval.every_steps": "0", "eval.num_prompts": "64", "sync.bucket_size_mb": "64",
         # Deltas: a killed engine's replacement joins through a catch-up delta from the base.
         "sync.transport": "disk_delta", "sync.delta_dir": str(out / f"{name}-deltas"),
