@@ -32,3 +32,6 @@ def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     assert line["engines_recovered"] == 1 and line["trainer_restarts"] == 1
     assert line["router_restarts"] == 1
     assert 0.0 <= line["eval_accuracy"] <= 1.0
+    # One save a step (loop.save_every = 1) from the resumed driver's first step on, and the final one.
+    saves = line["checkpoints"]
+    assert saves["saves"] == 8 - 2 + 1 and saves["mean_save_s"] > 0 and saves["save_share_of_step"] > 0
