@@ -60,7 +60,10 @@ SYNC_TIMEOUT_S, VERSION_TIMEOUT_S, SYNC_RETRIES = 30.0, 60.0, 1
 # it), each a run of (sync.retries + 1) attempts with a deadline of sync.version_timeout_s each.
 PUSH_BOUND_S = 3 * (SYNC_RETRIES + 1) * VERSION_TIMEOUT_S
 LAST = 4  # steps whose mean training reward is compared between the two runs
-KINDS = ("engine", "reward_worker", "trainer", "router")
+# The order kinds take turns in. A trainer kill rewinds the run to the checkpoint before it, taking
+# the records of the step it hit with it, so it comes right after an engine kill (whose recovery is
+# recorded in the fleet's report, not in step records) and well before a reward worker's restart.
+KINDS = ("engine", "trainer", "reward_worker", "router")
 KEYS = {"engine": "fault.kill_engine_at_steps", "reward_worker": "fault.kill_reward_worker_at_steps",
         "trainer": "fault.kill_trainer_at_steps", "router": "fault.kill_router_at_steps"}
 
@@ -241,6 +244,7 @@ def main(argv=None) -> int:
     line.update({"kills": sum(by_kind.values()), "by_kind": by_kind, **figures,
                  "engines_recovered": faults.get("recovered"), "mean_engine_recovery_s": faults.get("mean_recovery_s"),
                  "router_restarts": ((summary_of(chaos_dir) or {}).get("router") or {}).get("restarts"),
+                 "reward_worker_restarts": sum(r.get("reward/worker_restarts", 0) for r in records(chaos_dir)),
                  "wall_s": time.monotonic() - t0,
                  "hung_runs": int(first["timed_out"] or bool(resumed and resumed["timed_out"]))})
 
