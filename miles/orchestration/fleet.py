@@ -7,11 +7,15 @@
         (a standby already started, or a fresh start; the slot's cores, a new port)
         ─► bring_up(url): full weight push at the trainer's version, noise-fill verified
         ─► router /add_worker, which admits it only at the fleet's weight version ─► serving
-        (the main weight transport reconnects to the changed set at the start of the next push)
+        (the main weight transport reconnects to the changed set at the start of the next push; with
+        disk_delta that push brings the newcomer's local copy from the base to the fleet's version)
 
 The run never pauses for this: the other engines keep generating; the router retries the dead
 engine's in-flight requests on live engines, and groups that still fail go back to the buffer as
 "gave up" (retried). A weight push that an engine dies in is retried on the engines still serving.
+
+Calls to the router that find nothing listening (a router process being restarted, see
+router_supervisor.py) are made again for up to ROUTER_OUTAGE_S.
 
 Who waits on whom: replacement and the loop's train/push share `weights_lock`, so a new engine is
 brought up against weights that match the version it is told (never a half-trained state), and
