@@ -61,8 +61,9 @@ SYNC_TIMEOUT_S, VERSION_TIMEOUT_S, SYNC_RETRIES = 30.0, 60.0, 1
 PUSH_BOUND_S = 3 * (SYNC_RETRIES + 1) * VERSION_TIMEOUT_S
 LAST = 4  # steps whose mean training reward is compared between the two runs
 # The order kinds take turns in. A trainer kill rewinds the run to the checkpoint before it, taking
-# the records of the step it hit with it, so it comes right after an engine kill (whose recovery is
-# recorded in the fleet's report, not in step records) and well before a reward worker's restart.
+# the record of the step it hit with it: so each one follows an engine kill (whose recovery is in
+# the fleet's report, not in step records) and comes three steps after the last reward worker kill,
+# whose restart is recorded by then.
 KINDS = ("engine", "trainer", "reward_worker", "router")
 KEYS = {"engine": "fault.kill_engine_at_steps", "reward_worker": "fault.kill_reward_worker_at_steps",
         "trainer": "fault.kill_trainer_at_steps", "router": "fault.kill_router_at_steps"}
@@ -97,6 +98,7 @@ def run_overrides(model: Path, out: Path, name: str, steps: int, seed: int) -> d
         # Deltas: a killed engine's replacement joins through a catch-up delta from the base.
         "sync.transport": "disk_delta", "sync.delta_dir": str(out / f"{name}-deltas"),
         "sync.timeout_s": str(SYNC_TIMEOUT_S), "sync.version_timeout_s": str(VERSION_TIMEOUT_S),
+        "sync.retries": str(SYNC_RETRIES),
         "health.interval_s": "0.5", "health.timeout_s": "5", "ray.num_cpus": "2", "metrics.progress": "off",
     }
 
