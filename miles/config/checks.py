@@ -128,16 +128,25 @@ def check_fleet(run) -> None:
         raise ConfigError(f"router.kind = {run.router.kind!r}: `miles train` runs the built-in router, which the "
                           "health monitor drives to replace engines; set router.kind = 'miles' (the sglang "
                           "router is for `miles router`-style serving)")
-    engine_faults = run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
+    if run.fault.kill_router_at_steps and not run.router.own_process:
+        raise ConfigError("fault.kill_router_at_steps needs router.own_process = true: otherwise the router is a "
+                          "thread of the driver, and killing it is killing the driver")
+    if run.fault.drop_response_prob and run.router.own_process:
+        raise ConfigError("fault.drop_response_prob acts on a router in the driver's process: set "
+                          "router.own_process = false, or drop_response_prob = 0")
+    engine_faults = (run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
+                     or run.fault.kill_engine_at_steps)
     if engine_faults and run.rollout.engine_urls:
-        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s act on engines the run starts; with "
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps act on engines "
+                          "the run starts; with "
                           "rollout.engine_urls the engines are someone else's: unset one of the two")
     if run.health.standby_engines and run.rollout.engine_urls:
         raise ConfigError(f"health.standby_engines = {run.health.standby_engines}: standby engines are engines the run "
                           "starts, and with rollout.engine_urls it starts none (a dead one is routed around and "
                           "re-admitted when its operator restarts it): set health.standby_engines = 0")
     if engine_faults and not (run.health.enabled and run.health.restart):
-        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s need health.enabled = true and "
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps need "
+                          "health.enabled = true and "
                           "health.restart = true, or nothing would replace the engines they break")
 
 

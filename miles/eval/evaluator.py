@@ -14,6 +14,8 @@ import dataclasses
 import time
 import zlib
 
+import httpx
+
 from miles.data.chat import encode_prompt
 from miles.eval.config import EvalConfig, EvalSetConfig
 from miles.eval.metrics import accuracy, get_answer_fn, prompt_metrics
@@ -22,6 +24,9 @@ from miles.rollout.generate import SamplingParams, generate
 from miles.rollout.group import GroupGenerator
 from miles.rollout.http import run_jobs
 from miles.rollout.reward import get_reward_fn
+
+
+_EVAL_ATTEMPTS = 3  # an eval request whose router dies under it this many times fails the evaluation
 
 
 class Evaluator:
@@ -95,7 +100,24 @@ class Evaluator:
                 else:
                     jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(c, url, ids, sp, label=p.label,
                                                                                  prompt_index=p.index))
-        return run_jobs(jobs, g.cfg.request_timeout_s)
+        return run_jobs([self._across_router_restarts(j) for j in jobs], g.cfg.request_timeout_s)
+
+    def _across_router_restarts(self, job):
+        """The job, made again when the router it went through stopped answering (a router process
+        being restarted, router.own_process), once the router answers again. Eval requests are greedy
+        or seeded, so a repeat asks for exactly the same thing."""
+        admin = self.groups.admin
+
+        async def run(client):
+            for attempt in range(_EVAL_ATTEMPTS):
+                try:
+                    return await job(client)
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                    if admin.router_url is None or attempt == _EVAL_ATTEMPTS - 1:
+                        raise
+                    await admin.wait_for_router(client, self.groups.cfg.request_timeout_s, self.groups.stopping)
+
+        return run
 
     def _context(self, client, url: str, reward_fn):
         ctx = self.groups.context(client, url)

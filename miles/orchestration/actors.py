@@ -111,8 +111,6 @@ class TrainerShell:
     def push_full(self, urls: list[str], version: int) -> dict[str, float]:
         """Collective: bring new engines to `version` with a full push, noise-fill verified, over a
         transport of their own (the engines already serving are not paused or touched)."""
-        import dataclasses
-
         if self.adapter_only:  # new engines hold the base weights already: they need the adapter in force
             return self.transport.push_current(urls, version) if self.rank == 0 else {}
         named = self.trainer.full_named_tensors()
@@ -120,8 +118,8 @@ class TrainerShell:
         try:
             if self.rank != 0:
                 return {}
-            cfg = dataclasses.replace(self.sync_cfg, verify_first_update=True)
-            updater = WeightUpdater(cfg, self.admin_token, base_path=self.trainer.model_path)
+            updater = WeightUpdater(self.sync_cfg.for_new_engines(), self.admin_token,
+                                    base_path=self.trainer.model_path)
             updater.connect(urls)
             return updater.push(named, version)
         finally:

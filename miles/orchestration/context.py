@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -54,6 +55,7 @@ class TrainContext:
     batch_in_flight: bool = False
     trainer_restarts: int = 0   # trainer groups replaced after a failure (fault.restart_trainer)
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    save_s: list[float] = field(default_factory=list)  # seconds each save (state + HF export) took
     _memory_warned: bool = False
 
     # -- the two places a schedule meets Ray -------------------------------------------------------
@@ -102,8 +104,12 @@ class TrainContext:
         self.history.append((step, metrics))
 
     def save(self, step: int) -> str:
+        """The resumable checkpoint and the Hugging Face export of this step (timed together in save_s)."""
+        t0 = time.perf_counter()
         self.save_state(step)
-        return self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
+        path = self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
+        self.save_s.append(time.perf_counter() - t0)
+        return path
 
     def save_state(self, step: int) -> str:
         """Resumable checkpoint (trainer state and RNGs, the buffer with its in-flight prompts, ledger
@@ -115,6 +121,16 @@ class TrainContext:
         meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version,
                 "batch_in_flight": self.batch_in_flight}
         return str(commit(staging, final, meta))
+
+    def checkpoint_cost(self) -> dict[str, float | int | None]:
+        """What saving cost this run (resumable checkpoint + HF export, every loop.save_every steps and
+        at the end): how many, their mean seconds, and that mean as a share of the mean step time (a
+        step's record is written before its save, so perf/step_s leaves the save out)."""
+        steps = [m["perf/step_s"] for _, m in self.history if m.get("perf/step_s")]
+        mean = sum(self.save_s) / len(self.save_s) if self.save_s else None
+        step = sum(steps) / len(steps) if steps else None
+        return {"saves": len(self.save_s), "mean_save_s": mean, "mean_step_s": step,
+                "save_share_of_step": mean / step if mean is not None and step else None}
 
     def restore(self) -> None:
         """Continue from the run directory's latest resumable checkpoint: trainer state, buffer and

@@ -35,6 +35,7 @@ from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.loop import SCHEDULES
 from miles.orchestration.placement import CorePools, core_pools
 from miles.orchestration.ray_cluster import ensure_ray
+from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
 from miles.rollout.data_source import PromptSource
 from miles.rollout.manager import RolloutManager
@@ -91,7 +92,7 @@ def _cannot_start(slot: int) -> EngineHandle:
 
 
 def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None, stack: contextlib.ExitStack,
-                 run: dict) -> tuple[EngineFleet, RunningRouter]:
+                 run: dict) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
     """Engines, the router in front of them, and the fleet that keeps them serving.
 
     The engines are the run's own, or the ones at rollout.engine_urls: those are probed, routed
@@ -113,8 +114,14 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
         for e in started:
             unadopted.callback(e.stop)
         router_token = admin_token
-    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=router_token), [e.url for e in engines],
-                                 cfg.health)
+    router_cfg = dataclasses.replace(cfg.router, admin_token=router_token)
+    if cfg.router.own_process:
+        # Restarted with the engines serving at that moment; `run` holds the fleet by then.
+        router = SupervisedRouter(router_cfg, [e.url for e in engines], cfg.health,
+                                  workers=lambda: run["fleet"].serving_urls() if "fleet" in run else
+                                  [e.url for e in engines])
+    else:
+        router = start_router_thread(router_cfg, [e.url for e in engines], cfg.health)
     stack.callback(router.stop)
 
     def bring_up(url: str) -> None:
@@ -130,6 +137,7 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
     fleet = EngineFleet(cfg.health, start, router.url, router_token, bring_up=bring_up, reconnect=reconnect,
                         on_change=on_change)
     fleet.adopt(engines, standby)
+    run["fleet"] = fleet
     unadopted.pop_all()
     stack.callback(fleet.close)
     return fleet, router
@@ -170,7 +178,7 @@ def run_admin_token(external: bool) -> str | None:
 
 
 def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
-           ) -> tuple[TrainContext, RunningRouter | None, Callable[[], TrainerGroup]]:
+           ) -> tuple[TrainContext, RunningRouter | SupervisedRouter | None, Callable[[], TrainerGroup]]:
     """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
     how to start its trainer group again (fault.restart_trainer)."""
     stack.enter_context(_ray(cfg))
@@ -209,8 +217,9 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     return ctx, router, start_trainer
 
 
-def _start_faults(ctx: TrainContext, router: RunningRouter | None, stack: contextlib.ExitStack) -> None:
-    faults = ctx.faults = FaultInjector(ctx.cfg.fault, ctx.fleet)
+def _start_faults(ctx: TrainContext, router: RunningRouter | SupervisedRouter | None,
+                  stack: contextlib.ExitStack) -> None:
+    faults = ctx.faults = FaultInjector(ctx.cfg.fault, ctx.fleet, ctx.run_dir / "faults.jsonl", router)
     if ctx.cfg.fault.drop_response_prob and router is not None:
         router.router.response_fault = faults.drop_response
     faults.start()
@@ -310,14 +319,14 @@ def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
         _run_schedule(ctx, start_trainer)
         if ctx.faults is not None:
             ctx.faults.stop()
-        return _finish(ctx, before, t_start)
+        return _finish(ctx, before, t_start, router)
 
 
 def _eval_figures(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if k.startswith("eval/") and not k.endswith("time_s")}
 
 
-def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
+def _finish(ctx: TrainContext, before: dict, t_start: float, router=None) -> dict:
     """Account for every prompt, save the final checkpoint, write summary.json."""
     cfg, fleet = ctx.cfg, ctx.fleet
     ledger = ctx.call(ctx.rollout.ledger)  # raises if any drawn prompt went unaccounted
@@ -333,6 +342,8 @@ def _finish(ctx: TrainContext, before: dict, t_start: float) -> dict:
         "final_checkpoint": final_ckpt, "wall_time_s": time.perf_counter() - t_start,
         "schedule": cfg.loop.schedule, "ledger": ledger, "trainer_restarts": ctx.trainer_restarts,
         "fleet": fleet.report() if fleet is not None else None,
+        "router": router.report() if isinstance(router, SupervisedRouter) else None,
+        "checkpoints": ctx.checkpoint_cost(),
     }
     if ctx.faults is not None:
         summary["faults"] = ctx.faults.report(summary["fleet"]["events"] if fleet is not None else [])

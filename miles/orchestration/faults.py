@@ -6,22 +6,34 @@
     --fault.delay_weight_sync_s 2     every weight push starts 2 s late
     --fault.kill_trainer_at_step 3    SIGKILL the last trainer rank as step 3's training starts (once)
     --fault.restart_trainer true      a failed trainer group is restarted from the last checkpoint
+    --fault.kill_engine_at_steps 2,5           SIGKILL a serving engine as these steps start
+    --fault.kill_trainer_at_steps 3,6          SIGKILL the last trainer rank as these steps start
+    --fault.kill_reward_worker_at_steps 4      SIGKILL a reward process-pool worker as these steps start
+    --fault.kill_router_at_steps 6             SIGKILL the router process (router.own_process) likewise
 
-Engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
-health monitor (fleet.py) must find and replace each. Every injected fault is recorded with its
-wall-clock time, so recovery can be measured from the moment of the fault, not of its detection.
+Timed engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
+health monitor (fleet.py) must find and replace each. Step-scheduled faults fire as the step's
+training starts, so a fast machine and a slow one get the same faults at the same points of the
+run; each fires once per run (a step trained again after a restart is left alone). Every injected
+fault is recorded with its wall-clock time, so recovery can be measured from the moment of the
+fault, not of its detection, and appended to the run directory's `faults.jsonl`, which a run
+resumed by a new driver reads back: its report counts the faults before the resume, and none fires
+twice.
 Non-goals: network partitions, disk faults, faults on other hosts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
 
 from miles.config.loader import ConfigError
 
@@ -49,6 +61,16 @@ class FaultConfig:
     """Recover when a trainer rank fails: start a new trainer group, go back to the last
     resumable checkpoint (trainer, buffer, ledger, data position, metrics) and go on. A checkpoint is
     written before the first step so there is always one; loop.save_every bounds the steps redone."""
+    kill_engine_at_steps: list[int] = field(default_factory=list)
+    """SIGKILL a serving engine (picked by seed) as each of these steps' training starts."""
+    kill_trainer_at_steps: list[int] = field(default_factory=list)
+    """SIGKILL the last trainer rank as each of these steps' training starts (with restart_trainer the
+    run goes back to its last checkpoint; max_trainer_restarts must allow as many)."""
+    kill_reward_worker_at_steps: list[int] = field(default_factory=list)
+    """SIGKILL a worker of the reward process pool (rollout.reward_config.num_workers > 0) as each of
+    these steps' training starts."""
+    kill_router_at_steps: list[int] = field(default_factory=list)
+    """SIGKILL the router process (router.own_process = true) as each of these steps' training starts."""
     max_trainer_restarts: int = 3
     """With restart_trainer: the most restarts in one run; the failure after that ends the run."""
     seed: int = 0
@@ -61,27 +83,51 @@ class FaultConfig:
             raise ConfigError("fault.* intervals, delays and counts must be >= 0")
         if not 0 <= self.drop_response_prob < 1:
             raise ConfigError("fault.drop_response_prob must be in [0, 1)")
+        for key in STEP_FAULTS.values():
+            if any(type(v) is not int or v < 1 for v in getattr(self, key)):
+                raise ConfigError(f"fault.{key} must list training steps (integers >= 1), got {getattr(self, key)}")
 
     @property
     def active(self) -> bool:
         return bool(self.kill_engine_every_s or self.stall_engine_every_s or self.drop_response_prob
-                    or self.delay_weight_sync_s or self.kill_trainer_at_step)
+                    or self.delay_weight_sync_s or self.kill_trainer_at_step
+                    or any(getattr(self, key) for key in STEP_FAULTS.values()))
+
+    def steps_of(self, kind: str) -> set[int]:
+        """The steps a step-scheduled fault of this kind fires at."""
+        steps = set(getattr(self, STEP_FAULTS[kind]))
+        if kind == "kill_trainer" and self.kill_trainer_at_step:
+            steps.add(self.kill_trainer_at_step)
+        return steps
+
+
+ENGINE_FAULTS = ("kill_engine", "stall_engine")  # the faults the fleet recovers from
+
+# Step-scheduled fault kinds, in the order they fire within one step (the trainer last: it ends the step),
+# and the FaultConfig key listing each one's steps.
+STEP_FAULTS = {"kill_reward_worker": "kill_reward_worker_at_steps", "kill_router": "kill_router_at_steps",
+               "kill_engine": "kill_engine_at_steps", "kill_trainer": "kill_trainer_at_steps"}
 
 
 @dataclass
 class InjectedFault:
-    kind: str       # kill_engine | stall_engine | kill_trainer
-    target: str     # the engine URL, or "trainer rank N"
+    kind: str       # kill_engine | stall_engine | kill_trainer | kill_reward_worker | kill_router
+    target: str     # the engine URL, "trainer rank N", "reward worker" or "router URL"
     pid: int
     at: float       # time.time() when the signal was sent
+    step: int = 0   # the step a step-scheduled fault fired at (0: a timed one)
 
 
 class FaultInjector:
     """Drives the configured faults against a fleet (fleet.EngineFleet) and a trainer group."""
 
-    def __init__(self, cfg: FaultConfig, fleet=None):
-        self.cfg, self.fleet = cfg, fleet
+    def __init__(self, cfg: FaultConfig, fleet=None, log_path: str | os.PathLike | None = None, router=None):
+        self.cfg, self.fleet, self.log_path, self.router = cfg, fleet, log_path, router
         self.faults: list[InjectedFault] = []
+        if log_path is not None and os.path.exists(log_path):  # an earlier driver of this run injected these
+            with open(log_path) as f:
+                self.faults = [InjectedFault(**json.loads(line)) for line in f if line.endswith("\n")]
+        self._lock = threading.Lock()
         self._rng = random.Random(cfg.seed)
         self._drop_rng = random.Random(cfg.seed + 1)
         self._stop = threading.Event()
@@ -112,7 +158,7 @@ class FaultInjector:
                 due[kind] = time.monotonic() + every[kind]
 
     def _engine_faults(self) -> int:
-        return sum(f.kind != "kill_trainer" for f in self.faults)
+        return sum(f.kind in ENGINE_FAULTS and not f.step for f in self.faults)
 
     def engine_fault(self, kind: str) -> InjectedFault | None:
         """Kill or stall one serving engine now; None when no engine is serving."""
@@ -126,9 +172,16 @@ class FaultInjector:
             os.kill(engine.pid, sig)
         except ProcessLookupError:
             return None
-        self.faults.append(fault)
+        self._record(fault)
         log.warning("fault injection: %s %s (pid %d)", kind, engine.url, engine.pid)
         return fault
+
+    def _record(self, fault: InjectedFault) -> None:
+        with self._lock:
+            self.faults.append(fault)
+            if self.log_path is not None:
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps(fault.__dict__) + "\n")
 
     # ---- hooks the loop and the router call ----------------------------------------------------------
 
@@ -139,14 +192,43 @@ class FaultInjector:
         if self.cfg.delay_weight_sync_s:
             time.sleep(self.cfg.delay_weight_sync_s)
 
-    def before_train(self, step: int, trainer) -> None:
-        if step != self.cfg.kill_trainer_at_step or any(f.kind == "kill_trainer" for f in self.faults):
-            return
-        rank = len(trainer.actors) - 1
-        pid = trainer.pids()[rank]
-        self.faults.append(InjectedFault("kill_trainer", f"trainer rank {rank}", pid, time.time()))
-        log.warning("fault injection: kill trainer rank %d (pid %d) at step %d", rank, pid, step)
-        os.kill(pid, signal.SIGKILL)
+    def before_train(self, step: int, trainer, reward_workers: Callable[[], list[int]] = list) -> None:
+        """The step-scheduled faults due at this step, each once per run; `reward_workers` lists the
+        reward pool's worker pids."""
+        fired = {(f.kind, f.step) for f in self.faults}
+        for kind in STEP_FAULTS:
+            if step not in self.cfg.steps_of(kind) or (kind, step) in fired:
+                continue
+            if kind == "kill_trainer":
+                rank = len(trainer.actors) - 1
+                fault = InjectedFault(kind, f"trainer rank {rank}", trainer.pids()[rank], time.time(), step)
+            elif kind == "kill_engine":
+                serving = self.fleet.serving() if self.fleet is not None else []
+                if not serving:
+                    log.warning("fault injection: no engine is serving at step %d; kill_engine skipped", step)
+                    continue
+                _, engine = self._rng.choice(serving)
+                fault = InjectedFault(kind, engine.url, engine.pid, time.time(), step)
+            elif kind == "kill_router":
+                pid = getattr(self.router, "pid", None)
+                if pid is None:
+                    log.warning("fault injection: the router has no process of its own at step %d (router."
+                                "own_process is false); kill_router skipped", step)
+                    continue
+                fault = InjectedFault(kind, f"router {self.router.url}", pid, time.time(), step)
+            else:
+                pids = reward_workers()
+                if not pids:
+                    log.warning("fault injection: the reward pool has no worker at step %d (is "
+                                "rollout.reward_config.num_workers 0?); kill_reward_worker skipped", step)
+                    continue
+                fault = InjectedFault(kind, "reward worker", self._rng.choice(pids), time.time(), step)
+            log.warning("fault injection: %s %s (pid %d) at step %d", kind, fault.target, fault.pid, step)
+            self._record(fault)
+            try:
+                os.kill(fault.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     # ---- report -------------------------------------------------------------------------------------
 
@@ -157,15 +239,16 @@ class FaultInjector:
         for f in self.faults:
             row = dict(f.__dict__)
             r = by_pid.get(f.pid)
-            if f.kind != "kill_trainer":
+            if f.kind in ENGINE_FAULTS:
                 row["recovered"] = bool(r and r["admitted_at"])
                 if row["recovered"]:
                     row["recovery_s"] = r["admitted_at"] - f.at
                     recovery.append(row["recovery_s"])
             rows.append(row)
-        engine = [f for f in self.faults if f.kind != "kill_trainer"]
+        engine = [f for f in self.faults if f.kind in ENGINE_FAULTS]
         return {"kills": sum(f.kind == "kill_engine" for f in engine),
                 "stalls": sum(f.kind == "stall_engine" for f in engine),
+                "by_kind": dict(Counter(f.kind for f in self.faults)),
                 "recovered": len(recovery),
                 "mean_recovery_s": sum(recovery) / len(recovery) if recovery else None,
                 "max_recovery_s": max(recovery) if recovery else None,

@@ -8,7 +8,8 @@ the run did not start, elastic add and remove.
         (a standby already started, or a fresh start; the slot's cores, a new port)
         ─► bring_up(url): full weight push at the trainer's version, noise-fill verified
         ─► router /add_worker, which admits it only at the fleet's weight version ─► serving
-        (the main weight transport reconnects to the changed set at the start of the next push)
+        (the main weight transport reconnects to the changed set at the start of the next push; with
+        disk_delta that push brings the newcomer's local copy from the base to the fleet's version)
 
 Engines the run did not start (`rollout.engine_urls`, e.g. SGLang servers) go through the same
 probes and the same admission, but miles cannot restart them:
@@ -23,6 +24,9 @@ probes and the same admission, but miles cannot restart them:
 The run never pauses for this: the other engines keep generating; the router retries the dead
 engine's in-flight requests on live engines, and groups that still fail go back to the buffer as
 "gave up" (retried). A weight push that an engine dies in is retried on the engines still serving.
+
+Calls to the router that find nothing listening (a router process being restarted, see
+router_supervisor.py) are made again for up to ROUTER_OUTAGE_S.
 
 Who waits on whom: replacement and the loop's train/push share `weights_lock`, so a new engine is
 brought up against weights that match the version it is told (never a half-trained state), and
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 
 _MAX_FAILED_READMISSIONS = 3  # an engine that answers but keeps failing its bring-up is left out
 _RESTARTED = "restarted"       # a probe's verdict that takes an engine out at once, whatever the threshold
+ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
 
 
 @dataclass
@@ -485,13 +490,27 @@ class EngineFleet:
 
     # ---- router -------------------------------------------------------------------------------------
 
+    def _router_call(self, method: str, path: str, **kwargs):
+        """One call to the router; while nothing answers (a router process being restarted), again
+        until ROUTER_OUTAGE_S have passed."""
+        import httpx
+
+        deadline = time.monotonic() + ROUTER_OUTAGE_S
+        while True:
+            try:
+                return self._http.request(method, f"{self.router_url}{path}", **kwargs)
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise
+                time.sleep(0.2)
+
     def _router(self, action: str, url: str, missing_ok: bool = False) -> None:
-        r = self._http.post(f"{self.router_url}/{action}", params={"url": url})
+        r = self._router_call("POST", f"/{action}", params={"url": url})
         if r.status_code != 200 and not (missing_ok and r.status_code == 404):
             raise FleetError(f"router {self.router_url}/{action}?url={url} answered {r.status_code}: {r.text[:200]}")
 
     def _router_active(self, url: str) -> bool:
-        workers = self._http.get(f"{self.router_url}/list_workers").json()["workers"]
+        workers = self._router_call("GET", "/list_workers").json()["workers"]
         return any(w["url"] == url and not w["quarantined"] for w in workers)
 
     # ---- report and shutdown -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ def train_on(ctx: TrainContext, step: int, groups: list[Group], metrics: dict, t
     metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups)
     ctx.progress.phase("train")
     if ctx.faults is not None:
-        ctx.faults.before_train(step, ctx.trainer)
+        ctx.faults.before_train(step, ctx.trainer, lambda: ctx.call(ctx.rollout.reward_worker_pids))
     with timer.span("train"), ctx.weights_lock():
         if groups:
             metrics.update(ctx.trainer.train_groups(groups))

@@ -11,13 +11,15 @@ traceback and the offending sample (RewardError). Per step it reports `reward/ca
 
 Non-goals: which samples are generated (group.py); a hung sync reward in a thread is abandoned, not
 killed (threads cannot be): a reward that may hang belongs in the process pool, whose workers are
-killed and replaced on a timeout.
+killed and replaced on a timeout. A pool worker that dies is replaced too, and the calls it broke
+are made again (`reward/worker_restarts`): a killed reward worker costs time, not scores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.process
 import math
 import multiprocessing
 import os
@@ -97,6 +99,9 @@ class _Failure(Exception):
         self.kind, self.tb = kind, tb
 
 
+_POOL_ATTEMPTS = 3  # a call whose pool broke under it this many times in a row fails (reward/errors)
+
+
 class RewardRunner:
     """Scores groups of samples with the run's reward; `take_metrics` hands over the step's figures."""
 
@@ -112,7 +117,7 @@ class RewardRunner:
         self._reset()
 
     def _reset(self) -> None:
-        self._m = {"calls": 0, "errors": 0, "timeouts": 0}
+        self._m = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
 
@@ -165,9 +170,7 @@ class RewardRunner:
         loop = asyncio.get_running_loop()
         try:
             if self.cfg.num_workers > 0 and not reward.is_async:
-                ok, out = await asyncio.wait_for(
-                    loop.run_in_executor(self._process_pool(), _worker_call, reward.name, self.cfg, args),
-                    self.cfg.timeout_s)
+                ok, out = await self._in_pool(reward, args)
                 if not ok:
                     raise _Failure("errors", out[0], out[1])
             elif reward.is_async:
@@ -195,6 +198,28 @@ class RewardRunner:
             return failure
         self._count(None, batch)
         return result
+
+    async def _in_pool(self, reward: Reward, args: tuple) -> tuple:
+        """One call in a pool worker. A worker that dies (killed from outside, out of memory) breaks the
+        whole pool: the pool is replaced and the call made again, so the samples still get their real
+        score (counted in reward/worker_restarts, not reward/errors)."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(_POOL_ATTEMPTS):
+            pool = self._process_pool()
+            try:
+                return await asyncio.wait_for(
+                    loop.run_in_executor(pool, _worker_call, reward.name, self.cfg, args), self.cfg.timeout_s)
+            except concurrent.futures.process.BrokenProcessPool:
+                self._replace_broken(pool)
+                if attempt == _POOL_ATTEMPTS - 1:
+                    raise
+
+    def _replace_broken(self, pool) -> None:
+        with self._lock:
+            if self._pool is not pool:  # another call already replaced it
+                return
+            self._m["worker_restarts"] += 1
+        self._kill_pool()
 
     def _count(self, failure: _Failure | None, batch: list[RewardInput]) -> None:
         with self._lock:
@@ -234,12 +259,19 @@ class RewardRunner:
 
     # -- metrics and lifetime --------------------------------------------------------------------
     def take_metrics(self) -> dict[str, float]:
-        """reward/calls, reward/errors, reward/timeouts and the means of extra metrics since the last call."""
+        """reward/calls, reward/errors, reward/timeouts, reward/worker_restarts and the means of extra
+        metrics since the last call."""
         with self._lock:
             out = {f"reward/{k}": float(v) for k, v in self._m.items()}
             out.update({f"reward/{k}": self._sums[k] / n for k, n in self._counts.items() if n})
             self._reset()
         return out
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the pool's live workers (none before the first pooled call)."""
+        with self._lock:
+            pool = self._pool
+        return sorted(getattr(pool, "_processes", None) or {}) if pool is not None else []
 
     def _process_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:

@@ -117,6 +117,11 @@ class RolloutManager:
         """Greedy accuracy on the held-out split (eval/accuracy) and each eval set's eval/<set>/... figures."""
         return self.evaluator.evaluate()
 
+    def reward_worker_pids(self) -> list[int]:
+        """The reward process pool's live workers (rollout.reward_config.num_workers), for fault injection."""
+        rewards = self.groups.rewards
+        return rewards.worker_pids() if rewards is not None else []
+
     # -- buffer state ----------------------------------------------------------------------------
     def ledger(self) -> dict[str, int]:
         """The buffer ledger's totals and its event counts (retries and discards by reason); raises if

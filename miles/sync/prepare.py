@@ -72,6 +72,14 @@ class SyncConfig:
         """Every registered transport's Config (the configuration reference lists their own keys)."""
         return {name: transport_config(name) for name in TRANSPORTS.names()}
 
+    def for_new_engines(self) -> SyncConfig:
+        """The config of the push that brings engines joining a running fleet to its weights
+        (fleet.bring_up): every tensor noise-filled and compared, whatever the run's own setting."""
+        cfg = self.resolved()
+        if cfg is not self:  # a plain SyncConfig naming a transport: that transport's Config decides
+            return cfg.for_new_engines()
+        return dataclasses.replace(self, verify_first_update=True)
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes of one bucket: what a transport's shared-memory buffers are sized to at first."""

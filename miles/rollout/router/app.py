@@ -203,6 +203,9 @@ class RouterServeConfig:
                 check_url(url)
         except ValueError as exc:
             raise ConfigError(f"worker_urls: {exc}") from None
+        if self.router.own_process:
+            raise ConfigError("router.own_process is a `miles train` setting (where the router runs); `miles "
+                              "router` is a process of its own already: drop the flag")
 
 
 # The flags `miles router` has always taken, as keys of RouterServeConfig.

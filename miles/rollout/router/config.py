@@ -38,6 +38,9 @@ class RouterConfig:
     network; only for a network whose every user is trusted."""
     max_request_mb: float = DEFAULT_MAX_BODY_MB
     """Largest request body the router reads; larger ones are answered 413."""
+    own_process: bool = False
+    """`miles train`: serve the router from a child process of the driver, restarted on its port if it
+    dies (false: a thread of the driver, which shares the driver's fate)."""
 
     def validate(self) -> None:
         if self.kind not in ROUTER_KINDS:

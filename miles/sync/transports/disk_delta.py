@@ -24,17 +24,26 @@ a checksum mismatch or a delta built on another base version refuses the update 
 transport then discards staging everywhere, and every engine keeps serving the previous version.
 The trainer's reference copy (and each engine's local copy) advance only after a successful commit.
 
+Engines joining mid-run (a replaced engine, a grown fleet) have no local copy at the fleet's version:
+connect() gives each newcomer a copy of the base, and the next version reaches it as a catch-up delta,
+written alongside the regular one, from the base straight to that version
+(`<delta_dir>/join/v00000008/`, the same layout and checksums). Every engine stages its own delta in
+the same two-phase apply, so the newcomer commits the version with the rest of the fleet, verified
+tensor by tensor, or nobody does; the catch-up is deleted once committed. Until then the newcomer
+serves what bring-up pushed it (fleet.py; a fresh transport writing under `<delta_dir>/bring-up`).
+
 The engine's end (Receiver): /init_delta_base makes the local copy; /update_weights_from_disk with
 load_format "miles_delta" patches it with one version's delta, verifies and stages the result.
 
 Memory: the trainer keeps one copy of the engine weights (the previous version) plus the pending
 version until commit. Refused with colocation, LoRA and prefill/decode disaggregation (config).
-Non-goals: restarting an engine mid-run from base + a chain of deltas; cross-host shard transfer
-(the delta dir is a shared or replicated filesystem).
+Non-goals: replaying the chain of deltas since the base (pruned after `keep_versions`; one catch-up
+delta replaces it); cross-host shard transfer (the delta dir is a shared or replicated filesystem).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -64,6 +73,11 @@ def version_dir(delta_dir: str, version: int) -> str:
     return os.path.join(delta_dir, f"v{version:08d}")
 
 
+def join_dir(delta_dir: str, version: int) -> str:
+    """Where the catch-up delta from the base to `version` is written for engines that joined mid-run."""
+    return version_dir(os.path.join(delta_dir, "join"), version)
+
+
 # ---- encoding ---------------------------------------------------------------------------------
 
 
@@ -74,6 +88,19 @@ def _xor(a, b):
     if a.size % 8 == 0:
         return np.bitwise_xor(a.view(np.uint64), b.view(np.uint64)).view(np.uint8)
     return np.bitwise_xor(a, b)
+
+
+def _encode(cctx, name: str, t: "torch.Tensor", prev: "torch.Tensor", shard: str, offset: int) -> tuple:
+    """(compressed frame, XOR bytes, index entry) of tensor `t` against `prev` (same dtype and shape)."""
+    import torch
+
+    new = t.reshape(-1).view(torch.uint8).numpy()
+    x = _xor(new, prev.reshape(-1).view(torch.uint8).numpy())
+    frame = cctx.compress(x.data)
+    dtype = str(t.dtype).removeprefix("torch.")
+    entry = {"shard": shard, "offset": offset, "length": len(frame), "nbytes": int(x.size), "dtype": dtype,
+             "shape": list(t.shape), "xxh3_128": verify.bound_checksum(name, dtype, list(t.shape), new)}
+    return frame, x, entry
 
 
 def _write_atomic(path: str, data: bytes | list) -> None:
@@ -278,6 +305,14 @@ class DiskDeltaConfig(SyncConfig):
     delta_local_dir: str = ""
     """Each host's local dir for its copy of the base checkpoint (default: delta_dir/local)."""
 
+    def for_new_engines(self) -> DiskDeltaConfig:
+        """Bring-up writes through a transport of its own: its versions go to a directory apart from
+        the run's, so they never replace a version the serving engines applied; the host's base copy
+        is shared."""
+        cfg = super().for_new_engines()
+        return dataclasses.replace(cfg, delta_dir=os.path.join(self.delta_dir, "bring-up"),
+                                   delta_local_dir=self.delta_local_dir or os.path.join(self.delta_dir, "local"))
+
     def validate(self) -> None:
         super().validate()
         if not self.delta_dir:
@@ -312,6 +347,7 @@ class DiskDeltaTransport:
         self._entries: dict = {}
         self._shards = 0
         self._failed: str | None = None
+        self._joining: set[str] = set()  # engines whose local copy is the base: sent a catch-up delta
         self.last_stats: dict[str, float] = {}
 
     @classmethod
@@ -320,20 +356,23 @@ class DiskDeltaTransport:
                    admin_token=admin_token, timeout_s=cfg.timeout_s)
 
     def connect(self, engine_urls: list[str]) -> None:
+        """Connect to `engine_urls`; engines not connected before get a local copy of the base, and,
+        once this transport is past the base version, the next version as a catch-up delta."""
+        known = set(self.engine_urls)
         self._client = reconnect(self, engine_urls, self.timeout_s)
         if self._prev is None:
             self._prev = load_base(self.base_path)
         os.makedirs(self.delta_dir, exist_ok=True)
-        # Engines joining mid-run would need the chain of deltas since the base; refuse that plainly.
+        new = [u for u in self.engine_urls if u not in known]
+        if new:
+            self._client.post_all(new, "/init_delta_base", {
+                "base_path": self.base_path, "local_dir": self.local_dir, "base_version": self.base_version})
+        self._joining = {u for u in self._joining if u in self.engine_urls}
         if self._version != self.base_version:
-            raise TransportError(f"disk_delta: engines can only join at the base version {self.base_version}; "
-                                 f"the trainer is at version {self._version}")
-        self._client.post_all(self.engine_urls, "/init_delta_base", {
-            "base_path": self.base_path, "local_dir": self.local_dir, "base_version": self.base_version})
+            self._joining.update(new)
         self._begin()
 
     def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
-        import torch
         import zstandard
 
         self._check()
@@ -354,16 +393,11 @@ class DiskDeltaTransport:
                 if prev.shape != t.shape:
                     raise TransportError(f"disk_delta: tensor {name!r} has shape {list(t.shape)} but the base "
                                          f"checkpoint has {list(prev.shape)}")
-                new = t.reshape(-1).view(torch.uint8).numpy()
-                x = _xor(new, prev.reshape(-1).view(torch.uint8).numpy())
-                frame = cctx.compress(x.data)
+                frame, x, entry = _encode(cctx, name, t, prev, shard, offset)
                 frames.append(frame)
                 self._stats["delta/changed_bytes"] += int(x.size - (x == 0).sum())
                 self._stats["delta/full_bytes"] += x.size
-                dtype = str(t.dtype).removeprefix("torch.")
-                self._entries[name] = {"shard": shard, "offset": offset, "length": len(frame), "nbytes": int(x.size),
-                                       "dtype": dtype, "shape": list(t.shape),
-                                       "xxh3_128": verify.bound_checksum(name, dtype, list(t.shape), new)}
+                self._entries[name] = entry
                 self._pending[name] = t.clone()
                 offset += len(frame)
             _write_atomic(os.path.join(self._vdir_tmp(), shard), frames)
@@ -406,15 +440,61 @@ class DiskDeltaTransport:
             self._begin()
             raise TransportError(f"not committing weight version {version}: writing its index failed ({exc}); "
                                  "no engine reloaded") from None
+        if self._joining:
+            self._write_catch_up(version)
         self.last_stats = dict(self._stats)
         return vdir
 
+    def _write_catch_up(self, version: int) -> str:
+        """This version's tensors as one delta from the base, for the engines that joined since the last
+        commit (their local copy is the base). Read from the base checkpoint again: the trainer keeps
+        the base only for as long as it writes this."""
+        import zstandard
+
+        base = load_base(self.base_path)
+        jdir = join_dir(self.delta_dir, version)
+        tmp = jdir + ".incoming"
+        cctx = zstandard.ZstdCompressor(level=self.zstd_level, write_checksum=True)
+        entries, by_shard = {}, {}
+        for name, e in self._entries.items():
+            by_shard.setdefault(e["shard"], []).append(name)
+        try:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+            for shard, names in by_shard.items():
+                frames, offset = [], 0
+                for name in names:
+                    t = self._pending[name]
+                    frame, _, entries[name] = _encode(cctx, name, t, base[name].to(t.dtype), shard, offset)
+                    frames.append(frame)
+                    offset += len(frame)
+                _write_atomic(os.path.join(tmp, shard), frames)
+                self._stats["delta/catch_up_bytes"] = self._stats.get("delta/catch_up_bytes", 0) + offset
+            index = {"format": FORMAT, "version": version, "base_version": self.base_version, "encoding": ENCODING,
+                     "tensors": entries}
+            _write_atomic(os.path.join(tmp, INDEX), json.dumps(index).encode())
+            _fsync_dir(tmp)
+            if os.path.exists(jdir):
+                shutil.rmtree(jdir)
+            os.replace(tmp, jdir)
+            _fsync_dir(os.path.dirname(jdir))
+        except OSError as exc:
+            self._begin()
+            raise TransportError(f"not committing weight version {version}: writing the catch-up delta for "
+                                 f"{sorted(self._joining)} failed ({exc}); no engine reloaded") from None
+        return jdir
+
     def apply(self, version: int) -> None:
         """Two-phase apply of an already-written version: every engine stages and verifies, then all commit."""
-        vdir = version_dir(self.delta_dir, version)
+        vdir, jdir = version_dir(self.delta_dir, version), join_dir(self.delta_dir, version)
+        joining = [u for u in self.engine_urls if u in self._joining]
+        steady = [u for u in self.engine_urls if u not in self._joining]
         try:
-            self._client.post_all(self.engine_urls, "/update_weights_from_disk",
-                                  {"load_format": "miles_delta", "model_path": vdir, "commit": False})
+            for urls, path in ((steady, vdir), (joining, jdir)):
+                if urls:
+                    self._client.post_all(urls, "/update_weights_from_disk",
+                                          {"load_format": "miles_delta", "model_path": path, "commit": False})
         except TransportError as exc:
             self._client.post_all(self.engine_urls, "/update_weights_from_disk", {"reset_staging": True})
             self._begin()
@@ -424,6 +504,8 @@ class DiskDeltaTransport:
                               {"load_format": "miles_delta", "commit": True, "weight_version": to_wire(version)})
         self._prev.update(self._pending)
         self._version = version
+        self._joining.clear()
+        shutil.rmtree(os.path.dirname(jdir), ignore_errors=True)
         self._begin()
         self._prune()
 

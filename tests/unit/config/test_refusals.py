@@ -189,3 +189,12 @@ def test_miles_train_answers_bad_configs_with_a_message_not_a_traceback(tmp_path
         assert "Traceback" not in r.stderr, r.stderr
         assert r.stderr.startswith("miles: config error:") and needle in r.stderr, (argv, r.stderr)
         assert not (tmp_path / "runs").exists()  # nothing started, no run directory made
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"fault.kill_router_at_steps": "3"}, "needs router.own_process = true"),
+    ({"fault.drop_response_prob": "0.1", "router.own_process": "true"}, "set router.own_process = false"),
+    ({"fault.kill_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),
+])
+def test_faults_the_run_could_not_survive_or_inject_are_refused(model_dir, overrides, needle):
+    assert needle in refusal({"model.path": model_dir, **overrides})

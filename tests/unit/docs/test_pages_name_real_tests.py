@@ -10,11 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("page,cited", [("security.md", 20), ("precision.md", 20), ("scaling.md", 8)])
-def test_every_test_the_page_names_exists(page, cited):
+@pytest.mark.parametrize("page,least", [("security.md", 20), ("precision.md", 20), ("resume.md", 15), ("scaling.md", 8)])
+def test_every_test_the_page_names_exists(page, least):
     text = (ROOT / "docs" / page).read_text()
     refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text)
-    assert len(refs) >= cited  # the page keeps citing its evidence
+    assert len(refs) >= least  # the page keeps citing its evidence
     missing = []
     for path, name in set(refs):
         file = ROOT / path

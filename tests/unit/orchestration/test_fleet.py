@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -198,3 +199,87 @@ def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after
     finally:
         for p in procs:
             p.stop()
+
+
+def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_model_dir, tmp_path):
+    """disk_delta engines patch a local copy version by version; a replacement starts from the base, is
+    sent the next version as one catch-up delta from the base, and then holds exactly the fleet's weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from miles.orchestration.faults import FaultConfig, FaultInjector
+    from miles.orchestration.fleet import EngineFleet, EngineHandle
+    from miles.rollout.engine.process import EngineProcess
+    from miles.rollout.liveness import HealthConfig
+    from miles.rollout.router import RouterConfig, start_router_thread
+    from miles.sync import verify
+    from miles.sync.engine_client import EngineClient
+    from miles.sync.transports.disk_delta import DiskDeltaConfig, load_base, version_dir
+    from miles.sync.updater import WeightUpdater
+
+    torch.set_num_threads(1)
+    base = load_base(tiny_model_dir)
+
+    def weights(version: int) -> dict:  # what the "trainer" holds at each version: every tensor moved
+        return {n: t + 0.01 * version for n, t in base.items()}
+
+    cfg = DiskDeltaConfig(delta_dir=str(tmp_path / "deltas"), bucket_size_mb=1)
+    current = {"version": 0}
+
+    def start(slot: int) -> EngineHandle:
+        proc = EngineProcess(tiny_model_dir, admin_token=TOKEN, extra_args=["--num-threads", "1"])
+        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
+
+    def push(updater, version: int) -> None:
+        updater.push(iter(weights(version).items()), version)
+        current["version"] = version
+
+    def bring_up(url: str) -> None:  # as the trainer's push_full does: a fresh, fully verified push
+        new = WeightUpdater(cfg.for_new_engines(), TOKEN, base_path=tiny_model_dir)
+        new.connect([url])
+        new.push(iter(weights(current["version"]).items()), current["version"])
+        new.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(start, [0, 1]))
+    main = WeightUpdater(cfg, TOKEN, base_path=tiny_model_dir)
+    main.connect([e.url for e in engines])
+    push(main, 1)
+    push(main, 2)  # the fleet is two deltas past the base
+    router = start_router_thread(RouterConfig(admin_token=TOKEN), [e.url for e in engines], HealthConfig(interval_s=0.2))
+    fleet = EngineFleet(HealthConfig(interval_s=0.3, timeout_s=1.5, failure_threshold=2), start, router.url, TOKEN,
+                        bring_up=bring_up, reconnect=main.connect)
+    fleet.adopt(engines)
+    fleet.start_monitor()
+    client = EngineClient(TOKEN)
+    try:
+        killed = FaultInjector(FaultConfig(seed=3), fleet).engine_fault("kill_engine")
+        t0 = time.monotonic()
+        while not (fleet.replacements and fleet.replacements[0].admitted_at) and time.monotonic() - t0 < 120:
+            time.sleep(0.2)
+        rec = fleet.replacements[0]
+        assert rec.admitted_at is not None and rec.old_pid == killed.pid, rec
+        # The bring-up push wrote under its own directory: the run's version 2 is the one engines applied.
+        assert json.load(open(os.path.join(version_dir(cfg.delta_dir, 2), "index.json")))["base_version"] == 1
+
+        with fleet.weights_lock:
+            fleet.push(lambda: push(main, 3))  # reconnects the transport to the replacement first
+        urls = fleet.serving_urls()
+        assert rec.new_url in urls and sorted(main.engine_urls) == sorted(urls)
+        assert [client.get(u, "/get_weight_version")["weight_version"] for u in urls] == ["3", "3"]
+        # The replacement committed version 3 with the fleet and holds exactly its weights.
+        verify.compare_across_engines(client, urls)
+        survivor = next(u for u in urls if u != rec.new_url)
+        tables = [verify._table(client.post(u, "/weights_checker", {"action": "checksum"})) for u in urls]
+        assert tables[0] == tables[1] and len(tables[0]) == len(base)
+        assert _generate(rec.new_url).json()["output_ids"] == _generate(survivor).json()["output_ids"]
+        assert not os.path.exists(os.path.join(cfg.delta_dir, "join"))  # the catch-up is gone once committed
+
+        push(main, 4)  # and from there on it takes the regular deltas like every other engine
+        assert [client.get(u, "/get_weight_version")["weight_version"] for u in urls] == ["4", "4"]
+    finally:
+        client.close()
+        fleet.close()
+        router.stop()
+        main.close()

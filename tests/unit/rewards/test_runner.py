@@ -1,7 +1,8 @@
 """The reward runner: a raising and a hanging reward are counted (reward/errors, reward/timeouts),
 their samples get the fallback (or their group is dropped) and scoring goes on; past
 max_error_rate the run stops with the reward's own traceback and the offending sample; sync
-rewards run in a process pool with num_workers, where a hung worker is replaced."""
+rewards run in a process pool with num_workers, where a hung worker is replaced and a killed one
+is replaced with its call made again."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ async def flaky_async(sample):
     return 1.0
 
 def pid(response, label):
+    return float(os.getpid())
+
+def slow_pid(response, label):
+    time.sleep(1.5)
     return float(os.getpid())
 
 def bad_type(response, label):
@@ -118,4 +123,32 @@ def test_process_pool_runs_sync_rewards_in_workers_and_replaces_a_hung_one(flaky
     samples = _samples(["ok", "boom"])  # a fresh worker scores the next group; an error keeps its traceback
     asyncio.run(runner.score_group(samples))
     assert [s.reward for s in samples] == [1.0, 0.0] and runner.take_metrics()["reward/errors"] == 1
+    runner.close()
+
+
+def test_a_killed_pool_worker_is_replaced_and_its_call_made_again(flaky_file):
+    import os
+    import signal
+    import threading
+    import time
+
+    runner = RewardRunner(f"{flaky_file}:slow_pid", RewardConfig(num_workers=1, timeout_s=30))
+    first = _samples(["a"])
+    asyncio.run(runner.score_group(first))
+    (worker,) = runner.worker_pids()
+    assert first[0].reward == float(worker)
+    runner.take_metrics()
+
+    samples = _samples(["b", "c"])
+    scoring = threading.Thread(target=lambda: asyncio.run(runner.score_group(samples)))
+    scoring.start()
+    time.sleep(0.5)  # the worker is inside the call
+    os.kill(worker, signal.SIGKILL)
+    scoring.join(60)
+    assert not scoring.is_alive()
+    (replacement,) = runner.worker_pids()
+    assert replacement != worker
+    assert [s.reward for s in samples] == [float(replacement)] * 2  # real scores, not the fallback
+    m = runner.take_metrics()
+    assert (m["reward/calls"], m["reward/errors"], m["reward/worker_restarts"]) == (2, 0, 1)
     runner.close()
