@@ -19,7 +19,6 @@ from typing import Iterable, Iterator
 
 from miles.config.loader import ConfigError
 from miles.models.loading import torch_dtype
-from miles.precision import wire
 from miles.registry import RegistryError
 from miles.sync import verify
 from miles.sync.convert import get_converter
@@ -161,6 +160,8 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
     With `record`, also fills in per-tensor and per-bucket checksums (for verification).
     `quantized`: engine name -> Format of the weights the engines serve in a format; those travel as
     the format's payload (wire.py), and the record checks the values the engines will hold."""
+    from miles.precision import wire  # torch: not on the config path that loads this module
+
     quantized = quantized or {}
     shadow: dict[str, tuple] = {}  # wire name -> (engine name, dequantized values) for the record
     cast = torch_dtype(dtype) if dtype else None

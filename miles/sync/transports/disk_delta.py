@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from miles.config.loader import ConfigError
-from miles.precision import wire
 from miles.sync import files, verify
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
@@ -165,6 +164,8 @@ class DeltaCopy:
         import numpy as np
         import torch
         import zstandard
+
+        from miles.precision import wire
 
         if not os.path.isdir(vdir):
             raise DeltaError(f"model_path: {vdir!r} is not a directory (send a delta version directory)")
@@ -338,6 +339,8 @@ class DiskDeltaTransport:
     def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
         import torch
         import zstandard
+
+        from miles.precision import wire
 
         self._check()
         if not bucket:
