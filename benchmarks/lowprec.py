@@ -14,10 +14,16 @@ logprob_diff (mean |Δlogprob|) and the reward. stored_bytes_ratio_vs_bf16 is wh
 take in the format (Linear weights quantized, the rest bfloat16) over all-bfloat16: the bytes a
 quantized sync would move. Weight sync itself still moves full-precision tensors, so this is not a
 measured transfer. The reward (share of digit characters) only gives GRPO a signal to follow: this
-run is about consistency, not learning; no eval accuracy is measured. One JSON line per run, then a
-summary line.
+run is about consistency, not learning. One JSON line per run, then a summary line.
+
+With `--eval-model DIR` (a checkpoint that does the arithmetic task, e.g. the SFT model of
+examples/arithmetic/run.sh), it also serves that one checkpoint in bfloat16 and in each format and
+prints one line `{"eval": "greedy_accuracy", "eval_accuracy_bf16": …, "formats": {fmt: acc}, …}`: the
+greedy accuracy on the same held-out problems (the task as examples/arithmetic/sft.toml sets it up),
+so the accuracy a format costs a trained policy, served without retraining, is measured.
 
     miles bench lowprec [--formats fp8,mxfp8,nvfp4,int4] [--steps 4] [--prompts 6] [--samples 4]
+                        [--eval-model DIR] [--eval-problems 256] [--eval-only]
 """
 
 from __future__ import annotations
@@ -52,6 +58,44 @@ def stored_bytes_ratio(model_dir: str, fmt: str) -> float:
         total += 2 * t.numel()
         stored += quantize(t, fmt).nbytes if name in quantized else 2 * t.numel()
     return stored / total
+
+
+def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems) -> float:
+    """Greedy accuracy of `model_dir` served in `engine_dtype` with its Linear weights in `fmt`: the
+    share of `problems` whose completion, stripped, is exactly the answer."""
+    import httpx
+
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+
+    server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=fmt, seed=0))
+
+    async def solve_all():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
+            async def solve(p):
+                r = await c.post("/generate", json={"text": p.prompt, "sampling_params": {
+                    "temperature": 0.0, "max_new_tokens": len(p.answer) + 2}})
+                r.raise_for_status()
+                return r.json()["text"].strip() == p.answer
+            return await asyncio.gather(*(solve(p) for p in problems))
+
+    try:
+        return sum(asyncio.run(solve_all())) / len(problems)
+    finally:
+        server.stop()
+
+
+def eval_formats(model_dir: str, formats: list[str], n: int) -> dict:
+    """The eval line: the same checkpoint's greedy accuracy served bfloat16 and in each format."""
+    from miles.rollout.tasks.arithmetic import ArithmeticTask
+
+    problems = ArithmeticTask(digits=2, ops="+-", split="eval", seed=0, fixed_width=True).take(n)
+    t0 = time.perf_counter()
+    bf16 = eval_accuracy(model_dir, "bfloat16", "none", problems)
+    accs = {fmt: eval_accuracy(model_dir, "float32", fmt, problems) for fmt in formats}
+    return {"eval": "greedy_accuracy", "model": model_dir, "problems": n, "eval_accuracy_bf16": bf16,
+            "formats": accs, "max_gap_points": max((100 * (bf16 - a) for a in accs.values()), default=0.0),
+            "wall_s": time.perf_counter() - t0}
 
 
 def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: str, tis: bool, args) -> dict:
@@ -114,7 +158,13 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-model", default="", help="a checkpoint that does the arithmetic task: also print "
+                   "its greedy eval accuracy served bfloat16 and in each format")
+    p.add_argument("--eval-problems", type=int, default=256)
+    p.add_argument("--eval-only", action="store_true", help="only the eval line (needs --eval-model)")
     args = p.parse_args(argv)
+    if args.eval_only and not args.eval_model:
+        p.error("--eval-only needs --eval-model DIR")
 
     import torch
     import torch.distributed as dist
@@ -127,6 +177,10 @@ def main(argv=None) -> int:
     for f in formats:
         get_format(f, "--formats")
     torch.set_num_threads(1)
+    if args.eval_model:
+        print(json.dumps(eval_formats(args.eval_model, formats, args.eval_problems)), flush=True)
+        if args.eval_only:
+            return 0
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     t0 = time.perf_counter()
     summary = {"model": "tiny-qwen3", "steps": args.steps, "samples_per_step": args.prompts * args.samples,
