@@ -60,9 +60,10 @@ def stored_bytes_ratio(model_dir: str, fmt: str) -> float:
     return stored / total
 
 
-def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems) -> float:
+def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new_tokens: int | None = None) -> float:
     """Greedy accuracy of `model_dir` served in `engine_dtype` with its Linear weights in `fmt`: the
-    share of `problems` whose completion, stripped, is exactly the answer."""
+    share of `problems` whose completion (at most `max_new_tokens`, default two more than the answer's
+    characters), stripped, is exactly the answer."""
     import httpx
 
     from miles.rollout.engine.config import EngineConfig
@@ -74,7 +75,7 @@ def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems) -> floa
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
             async def solve(p):
                 r = await c.post("/generate", json={"text": p.prompt, "sampling_params": {
-                    "temperature": 0.0, "max_new_tokens": len(p.answer) + 2}})
+                    "temperature": 0.0, "max_new_tokens": max_new_tokens or len(p.answer) + 2}})
                 r.raise_for_status()
                 return r.json()["text"].strip() == p.answer
             return await asyncio.gather(*(solve(p) for p in problems))

@@ -29,9 +29,9 @@ def test_eval_accuracy_is_the_share_of_greedy_completions_equal_to_the_answer(ba
     # Answers set to what the fp8-served model itself completes greedily: all right; one altered: 2 of 3.
     problems = [Problem(prompt=p, answer=_greedy(base_model_dir, p, 5).strip()) for p in PROMPTS]
     assert all(p.answer for p in problems)
-    assert lowprec.eval_accuracy(base_model_dir, "float32", "fp8", problems) == 1.0
+    assert lowprec.eval_accuracy(base_model_dir, "float32", "fp8", problems, max_new_tokens=5) == 1.0
     problems[1] = Problem(prompt=problems[1].prompt, answer=problems[1].answer + "0")
-    assert lowprec.eval_accuracy(base_model_dir, "float32", "fp8", problems) == 2 / 3
+    assert lowprec.eval_accuracy(base_model_dir, "float32", "fp8", problems, max_new_tokens=5) == 2 / 3
 
 
 def test_the_eval_line_has_bf16_and_every_format(base_model_dir, capsys):
