@@ -10,10 +10,9 @@ checkpoint and seeds in every run:
   qat_tis         the engine and the trainer both in the format (trainer.quantization), with TIS
 Reported per run, averaged over the steps: mismatch_kl (train/rollout_mismatch_kl, the k3 estimate of
 KL(engine ‖ trainer) on the sampled tokens), mismatch_frac (share of tokens off by more than 0.1 nats),
-logprob_diff (mean |Δlogprob|) and the reward. stored_bytes_ratio_vs_bf16 is what the model's tensors
-take in the format (Linear weights quantized, the rest bfloat16) over all-bfloat16: the bytes a
-quantized sync would move. Weight sync itself still moves full-precision tensors, so this is not a
-measured transfer. The reward (share of digit characters) only gives GRPO a signal to follow: this
+logprob_diff (mean |Δlogprob|) and the reward. wire_bytes_ratio_vs_bf16 is the bytes a weight push to
+an engine serving the format hands its transport (sync/bytes: Linear weights as the format's bytes and
+scales, the rest in bfloat16) over a push to a bfloat16 engine. The reward (share of digit characters) only gives GRPO a signal to follow: this
 run is about consistency, not learning. One JSON line per run, then a summary line.
 
 With `--eval-model DIR` (a checkpoint that does the arithmetic task, e.g. the SFT model of
@@ -40,24 +39,30 @@ def digit_share(text: str, _label=None) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
-def stored_bytes_ratio(model_dir: str, fmt: str) -> float:
-    """Bytes of the model's tensors with its Linear weights in `fmt` and the rest in bfloat16, over
-    all of them in bfloat16."""
+def wire_bytes_ratio(model_dir: str, fmt: str) -> float:
+    """Bytes a weight push hands the transport (sync/bytes) to an engine serving `fmt`, over those to a
+    bfloat16 engine: the Linear weights travel as the format's bytes and scales, the rest in bfloat16."""
     from miles.models.loading import load_model
-    from miles.precision.formats import quantize
-    from miles.precision.linear import quantize_linears
+    from miles.precision.linear import quantize_linears, served_weights
+    from miles.sync.prepare import push_weights
+
+    class Count:  # the push's own byte count is the figure; nothing needs to arrive anywhere
+        def send_bucket(self, bucket):
+            pass
+
+        def commit(self, version):
+            pass
 
     model = load_model(model_dir, "float32")
-    quantized = {f"{n}.weight" for n in quantize_linears(model, fmt, "serve")}
-    total = stored = 0
-    seen = set()
+    quantize_linears(model, fmt, "serve")
+    quantized = {n: f for n, (f, _) in served_weights(model).items()}
+    named, seen = [], set()
     for name, t in model.state_dict().items():
-        if t.data_ptr() in seen:  # tied weights travel once
-            continue
-        seen.add(t.data_ptr())
-        total += 2 * t.numel()
-        stored += quantize(t, fmt).nbytes if name in quantized else 2 * t.numel()
-    return stored / total
+        if t.data_ptr() not in seen:  # tied weights travel once
+            seen.add(t.data_ptr())
+            named.append((name, t))
+    bf16 = push_weights(iter(named), Count(), 1, dtype="bfloat16")["sync/bytes"]
+    return push_weights(iter(named), Count(), 1, dtype="bfloat16", quantized=quantized)["sync/bytes"] / bf16
 
 
 def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new_tokens: int | None = None) -> float:
@@ -193,12 +198,12 @@ def main(argv=None) -> int:
         summary.update(mismatch_kl_bf16=base["mismatch_kl"], mismatch_frac_bf16=base["mismatch_frac"],
                        reward_bf16=base["reward"])
         for fmt in formats:
-            row = {"stored_bytes_ratio_vs_bf16": stored_bytes_ratio(model_dir, fmt)}
+            row = {"wire_bytes_ratio_vs_bf16": wire_bytes_ratio(model_dir, fmt)}
             for recipe, trainer_format, tis in (("rollout_only", "none", False), ("tis", "none", True),
                                                 ("qat_tis", fmt, True)):
                 r = run(model_dir, "float32", fmt, trainer_format, tis, args)
                 print(json.dumps({"format": fmt, "recipe": recipe, **r,
-                                  "stored_bytes_ratio_vs_bf16": row["stored_bytes_ratio_vs_bf16"]}), flush=True)
+                                  "wire_bytes_ratio_vs_bf16": row["wire_bytes_ratio_vs_bf16"]}), flush=True)
                 row[recipe] = {"mismatch_kl": r["mismatch_kl"], "mismatch_frac": r["mismatch_frac"],
                                "reward": r["reward"]}
             summary["formats"][fmt] = row

@@ -43,3 +43,10 @@ def test_the_eval_line_has_bf16_and_every_format(base_model_dir, capsys):
     accs = [line["eval_accuracy_bf16"], *line["formats"].values()]
     assert all(a in (0.0, 0.25, 0.5, 0.75, 1.0) for a in accs)
     assert line["max_gap_points"] == max(100 * (line["eval_accuracy_bf16"] - a) for a in line["formats"].values())
+
+
+def test_the_wire_bytes_ratio_is_what_a_push_to_an_engine_serving_the_format_moves(base_model_dir):
+    # The Linear weights as the format's bytes and scales; embeddings (tied with the LM head) and norms
+    # in bfloat16 are a large share of so small a model.
+    assert 0.5 < lowprec.wire_bytes_ratio(base_model_dir, "fp8") < 0.55
+    assert 0.3 < lowprec.wire_bytes_ratio(base_model_dir, "int4") < lowprec.wire_bytes_ratio(base_model_dir, "nvfp4") < 0.33
