@@ -152,3 +152,20 @@ def test_disk_delta_ships_only_changed_quantized_bytes(engines, base_model_dir, 
     finally:
         delta.close()
         full.close()
+
+
+def test_a_quantized_tensor_the_engine_cannot_install_is_refused_by_name(engines):
+    wired, _ = engines("fp8")
+    receiver = wired.engine.receiver
+    name = "model.layers.0.mlp.up_proj.weight"
+    shape, _ = wired.engine.param_meta[name]
+    payload = wire.encode(torch.randn(shape), get_format("fp8"), False)[0]
+    with receiver.lock:
+        assert receiver.validate({f"{name}@fp8": payload}) is None
+        err = receiver.validate({f"{name}@fp8": payload[:-1]})
+        assert f"{name}@fp8" in err and str(payload.numel()) in err
+        err = receiver.validate({f"{name}@nvfp4": payload})
+        assert "serves it in 'fp8'" in err and "full precision" in err
+        err = receiver.validate({"model.embed_tokens.weight@fp8": payload})
+        assert "does not serve 'model.embed_tokens.weight' in a format" in err
+        receiver.clear()
