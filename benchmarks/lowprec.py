@@ -10,14 +10,19 @@ checkpoint and seeds in every run:
   qat_tis         the engine and the trainer both in the format (trainer.quantization), with TIS
 Reported per run, averaged over the steps: mismatch_kl (train/rollout_mismatch_kl, the k3 estimate of
 KL(engine ‖ trainer) on the sampled tokens), mismatch_frac (share of tokens off by more than 0.1 nats),
-logprob_diff (mean |Δlogprob|) and the reward. stored_bytes_ratio_vs_bf16 is what the model's tensors
-take in the format (Linear weights quantized, the rest bfloat16) over all-bfloat16: the bytes a
-quantized sync would move. Weight sync itself still moves full-precision tensors, so this is not a
-measured transfer. The reward (share of digit characters) only gives GRPO a signal to follow: this
-run is about consistency, not learning; no eval accuracy is measured. One JSON line per run, then a
-summary line.
+logprob_diff (mean |Δlogprob|) and the reward. wire_bytes_ratio_vs_bf16 is the bytes a weight push to
+an engine serving the format hands its transport (sync/bytes: Linear weights as the format's bytes and
+scales, the rest in bfloat16) over a push to a bfloat16 engine. The reward (share of digit characters) only gives GRPO a signal to follow: this
+run is about consistency, not learning. One JSON line per run, then a summary line.
+
+With `--eval-model DIR` (a checkpoint that does the arithmetic task, e.g. the SFT model of
+examples/arithmetic/run.sh), it also serves that one checkpoint in bfloat16 and in each format and
+prints one line `{"eval": "greedy_accuracy", "eval_accuracy_bf16": …, "formats": {fmt: acc}, …}`: the
+greedy accuracy on the same held-out problems (the task as examples/arithmetic/sft.toml sets it up),
+so the accuracy a format costs a trained policy, served without retraining, is measured.
 
     miles bench lowprec [--formats fp8,mxfp8,nvfp4,int4] [--steps 4] [--prompts 6] [--samples 4]
+                        [--eval-model DIR] [--eval-problems 256] [--eval-only]
 """
 
 from __future__ import annotations
@@ -34,24 +39,69 @@ def digit_share(text: str, _label=None) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
-def stored_bytes_ratio(model_dir: str, fmt: str) -> float:
-    """Bytes of the model's tensors with its Linear weights in `fmt` and the rest in bfloat16, over
-    all of them in bfloat16."""
+def wire_bytes_ratio(model_dir: str, fmt: str) -> float:
+    """Bytes a weight push hands the transport (sync/bytes) to an engine serving `fmt`, over those to a
+    bfloat16 engine: the Linear weights travel as the format's bytes and scales, the rest in bfloat16."""
     from miles.models.loading import load_model
-    from miles.precision.formats import quantize
-    from miles.precision.linear import quantize_linears
+    from miles.precision.linear import quantize_linears, served_weights
+    from miles.sync.prepare import push_weights
+
+    class Count:  # the push's own byte count is the figure; nothing needs to arrive anywhere
+        def send_bucket(self, bucket):
+            pass
+
+        def commit(self, version):
+            pass
 
     model = load_model(model_dir, "float32")
-    quantized = {f"{n}.weight" for n in quantize_linears(model, fmt, "serve")}
-    total = stored = 0
-    seen = set()
+    quantize_linears(model, fmt, "serve")
+    quantized = {n: f for n, (f, _) in served_weights(model).items()}
+    named, seen = [], set()
     for name, t in model.state_dict().items():
-        if t.data_ptr() in seen:  # tied weights travel once
-            continue
-        seen.add(t.data_ptr())
-        total += 2 * t.numel()
-        stored += quantize(t, fmt).nbytes if name in quantized else 2 * t.numel()
-    return stored / total
+        if t.data_ptr() not in seen:  # tied weights travel once
+            seen.add(t.data_ptr())
+            named.append((name, t))
+    bf16 = push_weights(iter(named), Count(), 1, dtype="bfloat16")["sync/bytes"]
+    return push_weights(iter(named), Count(), 1, dtype="bfloat16", quantized=quantized)["sync/bytes"] / bf16
+
+
+def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new_tokens: int | None = None) -> float:
+    """Greedy accuracy of `model_dir` served in `engine_dtype` with its Linear weights in `fmt`: the
+    share of `problems` whose completion (at most `max_new_tokens`, default two more than the answer's
+    characters), stripped, is exactly the answer."""
+    import httpx
+
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+
+    server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=fmt, seed=0))
+
+    async def solve_all():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
+            async def solve(p):
+                r = await c.post("/generate", json={"text": p.prompt, "sampling_params": {
+                    "temperature": 0.0, "max_new_tokens": max_new_tokens or len(p.answer) + 2}})
+                r.raise_for_status()
+                return r.json()["text"].strip() == p.answer
+            return await asyncio.gather(*(solve(p) for p in problems))
+
+    try:
+        return sum(asyncio.run(solve_all())) / len(problems)
+    finally:
+        server.stop()
+
+
+def eval_formats(model_dir: str, formats: list[str], n: int) -> dict:
+    """The eval line: the same checkpoint's greedy accuracy served bfloat16 and in each format."""
+    from miles.rollout.tasks.arithmetic import ArithmeticTask
+
+    problems = ArithmeticTask(digits=2, ops="+-", split="eval", seed=0, fixed_width=True).take(n)
+    t0 = time.perf_counter()
+    bf16 = eval_accuracy(model_dir, "bfloat16", "none", problems)
+    accs = {fmt: eval_accuracy(model_dir, "float32", fmt, problems) for fmt in formats}
+    return {"eval": "greedy_accuracy", "model": model_dir, "problems": n, "eval_accuracy_bf16": bf16,
+            "formats": accs, "max_gap_points": max((100 * (bf16 - a) for a in accs.values()), default=0.0),
+            "wall_s": time.perf_counter() - t0}
 
 
 def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: str, tis: bool, args) -> dict:
@@ -114,7 +164,13 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-model", default="", help="a checkpoint that does the arithmetic task: also print "
+                   "its greedy eval accuracy served bfloat16 and in each format")
+    p.add_argument("--eval-problems", type=int, default=256)
+    p.add_argument("--eval-only", action="store_true", help="only the eval line (needs --eval-model)")
     args = p.parse_args(argv)
+    if args.eval_only and not args.eval_model:
+        p.error("--eval-only needs --eval-model DIR")
 
     import torch
     import torch.distributed as dist
@@ -127,6 +183,10 @@ def main(argv=None) -> int:
     for f in formats:
         get_format(f, "--formats")
     torch.set_num_threads(1)
+    if args.eval_model:
+        print(json.dumps(eval_formats(args.eval_model, formats, args.eval_problems)), flush=True)
+        if args.eval_only:
+            return 0
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     t0 = time.perf_counter()
     summary = {"model": "tiny-qwen3", "steps": args.steps, "samples_per_step": args.prompts * args.samples,
@@ -138,12 +198,12 @@ def main(argv=None) -> int:
         summary.update(mismatch_kl_bf16=base["mismatch_kl"], mismatch_frac_bf16=base["mismatch_frac"],
                        reward_bf16=base["reward"])
         for fmt in formats:
-            row = {"stored_bytes_ratio_vs_bf16": stored_bytes_ratio(model_dir, fmt)}
+            row = {"wire_bytes_ratio_vs_bf16": wire_bytes_ratio(model_dir, fmt)}
             for recipe, trainer_format, tis in (("rollout_only", "none", False), ("tis", "none", True),
                                                 ("qat_tis", fmt, True)):
                 r = run(model_dir, "float32", fmt, trainer_format, tis, args)
                 print(json.dumps({"format": fmt, "recipe": recipe, **r,
-                                  "stored_bytes_ratio_vs_bf16": row["stored_bytes_ratio_vs_bf16"]}), flush=True)
+                                  "wire_bytes_ratio_vs_bf16": row["wire_bytes_ratio_vs_bf16"]}), flush=True)
                 row[recipe] = {"mismatch_kl": r["mismatch_kl"], "mismatch_frac": r["mismatch_frac"],
                                "reward": r["reward"]}
             summary["formats"][fmt] = row

@@ -58,6 +58,12 @@ class StoredWeight:
         values = [dequantize(q) for q in stored]
         return (torch.stack(values) if per_matrix else values[0]).to(weight.dtype)
 
+    def install(self, weight: torch.Tensor, stored: list[QuantizedTensor]) -> None:
+        """Use `stored` (bytes received quantized, see wire.py) as the value of `weight` as it is now,
+        instead of quantizing it again."""
+        w = weight.detach()
+        self._stored = ((w.data_ptr(), w._version), list(stored))
+
     def drop(self) -> None:
         self._stored = None
 
@@ -150,6 +156,34 @@ def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "
     if not swapped:
         raise ValueError(f"{key} = {name!r}: {type(model).__name__} has no Linear layer to quantize")
     return swapped
+
+
+def served_weights(model: torch.nn.Module) -> dict[str, tuple[Format, bool]]:
+    """name -> (format, per_matrix) of every weight `model` computes with in a format (per_matrix: a
+    3-D expert weight, quantized one matrix at a time)."""
+    return {name: (store.fmt, per_matrix) for name, (store, _, per_matrix) in _stores(model).items()}
+
+
+def install(model: torch.nn.Module, stored: dict[str, list[QuantizedTensor]]) -> None:
+    """Make each named weight use the given stored matrices as its quantized copy (see wire.py)."""
+    stores = _stores(model)
+    for name, matrices in stored.items():
+        store, weight, _ = stores[name]
+        store.install(weight(), matrices)
+
+
+def _stores(model: torch.nn.Module) -> dict:
+    """name -> (StoredWeight, the weight's getter, per_matrix) of every quantized weight of `model`."""
+    out = {}
+    for module_name, m in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(m, QuantizedLinear):
+            out[prefix + "weight"] = (m._stored, lambda m=m: m.weight, False)
+        elif hasattr(m, "quantized_experts"):
+            qe = m.quantized_experts
+            for n in qe.names:
+                out[prefix + n] = (qe._stored[n], lambda qe=qe, n=n: qe.module._parameters[n], True)
+    return out
 
 
 def drop_stored(model: torch.nn.Module) -> None:

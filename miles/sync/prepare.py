@@ -6,7 +6,8 @@ them into what the engine loads, and buckets fill up to `bucket_size_mb` (update
 Each full bucket goes to the transport at once, so the extra memory held here peaks at about one
 bucket. Tensors a converter marks as one group (e.g. the pieces of a fused projection) are never
 split across buckets. The version is committed only after the last bucket, so engines switch to the
-new weights all at once.
+new weights all at once. Weights every engine serves in a low-precision format travel as that format's
+bytes and scales (precision/wire.py), quantized here from the tensor the engine would have received.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class SyncConfig:
     (rollout.engine.dtype), or the trainer's own dtype for engines given by rollout.engine_urls."""
     converter: str = "auto"
     """Name/layout converter: auto (by model_type), hf (names as they are), or a module:function path."""
+    quantized_wire: bool = True
+    """Send the weights every engine serves in a low-precision format (rollout.engine.quantization) as
+    that format's bytes and scales, not full precision; false sends full precision (the engine quantizes)."""
     verify_first_update: bool = True
     """Noise-fill every engine before the run's first update, then compare it with the trainer tensor by tensor."""
     verify_checksums: bool = True
@@ -159,9 +163,15 @@ def buckets(named: Iterable, bucket_bytes: int) -> Iterator[list[tuple[str, "obj
 
 def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
                  bucket_bytes: int = 512 * MiB, dtype: str | None = None, converter=None,
-                 record: "Record | None" = None) -> dict[str, float]:
+                 record: "Record | None" = None, quantized: dict | None = None) -> dict[str, float]:
     """Convert, cast and send every tensor in buckets, then commit `version`. Returns sync/* metrics.
-    With `record`, also fills in per-tensor and per-bucket checksums (for verification)."""
+    With `record`, also fills in per-tensor and per-bucket checksums (for verification).
+    `quantized`: engine name -> Format of the weights the engines serve in a format; those travel as
+    the format's payload (wire.py), and the record checks the values the engines will hold."""
+    from miles.precision import wire  # torch: not on the config path that loads this module
+
+    quantized = quantized or {}
+    shadow: dict[str, tuple] = {}  # wire name -> (engine name, dequantized values) for the record
     cast = torch_dtype(dtype) if dtype else None
     t0 = time.perf_counter()
     n_buckets = n_bytes = 0
@@ -173,12 +183,21 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
             group = item if isinstance(item, list) else [item]
             out = [(name, (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous())
                    for name, t in group]
+            out = [as_quantized(name, t) if name in quantized else (name, t) for name, t in out]
             yield out if isinstance(item, list) else out[0]
+
+    def as_quantized(name, t):
+        # Quantized from the tensor the engine would have received, so the bytes are the ones it would make.
+        fmt, per_matrix = quantized[name], t.dim() == 3
+        payload, matrices = wire.encode(t, fmt, per_matrix)
+        if record is not None:
+            shadow[wire.wire_name(name, fmt)] = (name, wire.values(matrices, t.dtype, per_matrix))
+        return wire.wire_name(name, fmt), payload
 
     for bucket in buckets(prepared(), bucket_bytes):
         if record is not None:
             s = time.perf_counter()
-            record.add(bucket)
+            record.add([shadow.pop(n) if n in shadow else (n, t) for n, t in bucket])
             hash_s += time.perf_counter() - s
         s = time.perf_counter()
         transport.send_bucket(bucket)

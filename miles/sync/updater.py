@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 
+from miles.precision.types import get_format
 from miles.sync import verify
 from miles.sync.convert import get_converter
 from miles.sync.engine_client import EngineClient
@@ -55,6 +56,7 @@ class WeightUpdater:
         self.extensions: frozenset[str] = frozenset()  # the miles extensions every engine offers
         self.started_checked = False  # check_start has verified the transport on these engines
         self._fresh_engines = False  # every engine reported SGLang's initial version at connect
+        self.quantized: dict = {}  # engine name -> Format of weights sent as their format's bytes (wire.py)
 
     @property
     def plain(self) -> bool:
@@ -82,11 +84,25 @@ class WeightUpdater:
                 "with sglang_only, has no miles extensions): use sync.transport = 'broadcast', which runs on "
                 "SGLang's own /update_weights_from_distributed")
         self.engine_urls = urls
+        self.quantized = self._quantized_weights(urls)
         self.transport.connect(self.engine_urls)
         self._disconnected = False
         if self.plain:
             infos = self._client.post_all(urls, "/get_model_info", None, method="GET")
             self._fresh_engines = all(i.get("weight_version") == INITIAL for i in infos)
+
+    def _quantized_weights(self, urls: list[str]) -> dict:
+        """The weights to send quantized: those every engine serves in the same format (the
+        `quantized_weights` extension), unless sync.quantized_wire is off. Engines that disagree get
+        full precision, which every engine accepts (it then quantizes what it received)."""
+        if not self.cfg.quantized_wire or "quantized_weights" not in self.extensions:
+            return {}
+        tables = [i.get("quantized_weights") or {} for i in
+                  self._client.post_all(urls, "/get_server_info", None, method="GET")]
+        if any(t != tables[0] for t in tables[1:]):
+            log.warning("engines %s serve different weights or formats: weights travel in full precision", urls)
+            return {}
+        return {name: get_format(fmt) for name, fmt in tables[0].items()}
 
     @property
     def needs_start_check(self) -> bool:
@@ -236,7 +252,8 @@ class WeightUpdater:
     def _push(self, named, version: int, record) -> dict[str, float]:
         transport = self.transport if self.plain else _ReadyFirst(self.transport, self._ready)
         metrics = push_weights(named, transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
-                               converter=self.converter, record=record)
+                               converter=self.converter, record=record,
+                               quantized=None if self.plain else self.quantized)
         return metrics
 
     def _push_plain(self, named, version: int) -> dict[str, float]:

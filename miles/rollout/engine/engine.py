@@ -54,6 +54,7 @@ class Engine:
         self.vocab_size, self.context_length = self.runner.vocab_size, self.runner.context_length
         self.pad_token_id = self.runner.pad_token_id
         self.param_meta = self.runner.param_meta
+        self.quantized = self.runner.quantized  # weights served in a format: they may arrive as its bytes
         self.prefix_cache = self.runner.prefix_cache
         self.model_lock = self.runner.model_lock
         self.stats = self.runner.stats
@@ -187,19 +188,21 @@ class Engine:
     # ---- weights (called by the weight receiver) --------------------------------------------
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
-                      adopt: frozenset[str] | set[str] = frozenset()) -> tuple[str, list[torch.Tensor]]:
+                      adopt: frozenset[str] | set[str] = frozenset(),
+                      quantized: dict | None = None) -> tuple[str, list[torch.Tensor]]:
         """Install `tensors` between two decode steps; returns (new weight version, displaced memory).
 
         A tensor named in `adopt` is held by nobody but the caller, so its parameter takes over its
         memory instead of copying from it: an update then costs no second pass over the weights. The
         parameter's previous memory is returned so the caller can receive the next update into it.
-        Everything else (and any dtype or layout mismatch) is copied in place.
+        Everything else (and any dtype or layout mismatch) is copied in place. `quantized`: name ->
+        the stored matrices a weight arrived as (precision/wire.py); its layer serves those bytes.
         """
         with self.model_lock:
             if self.memory.weights_released:
                 raise InvalidRequest("the engine's weights are released; call /resume_memory_occupation "
                                      "before updating them")
-            return self.runner.load_weights(tensors, weight_version, adopt)
+            return self.runner.load_weights(tensors, weight_version, adopt, quantized)
 
     def covers_parameters(self, names) -> bool:
         """Whether `names` reach every parameter (tied ones through any of their names)."""

@@ -40,7 +40,7 @@ import torch
 
 from miles.models.loading import load_model, load_tokenizer
 from miles.models.moe import encode_routed_experts, hook_routers, routers
-from miles.precision.linear import quantize_linears
+from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.kv_cache import BatchKV
@@ -89,6 +89,7 @@ class ModelRunner:
         self.model = load_model(config.model_path, dtype=config.dtype).eval()
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
         quantize_linears(self.model, config.quantization, "serve", key="engine quantization")
+        self.quantized = served_weights(self.model)  # name -> (format, per_matrix): what may arrive quantized
         self.tokenizer = load_tokenizer(config.model_path)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.context_length = config.context_length or self.model.config.max_position_embeddings
@@ -267,7 +268,8 @@ class ModelRunner:
     # ---- weights ----------------------------------------------------------------------------
 
     def load_weights(self, tensors: dict[str, torch.Tensor], weight_version: str | None,
-                     adopt: frozenset[str] | set[str]) -> tuple[str, list[torch.Tensor]]:
+                     adopt: frozenset[str] | set[str],
+                     quantized: dict | None = None) -> tuple[str, list[torch.Tensor]]:
         """Install `tensors` (see Engine.apply_weights); caller holds model_lock."""
         with torch.no_grad():
             state = self.model.state_dict()  # shares storage with the parameters; tied weights share too
@@ -281,6 +283,8 @@ class ModelRunner:
                     p.data = t
                 else:
                     state[name].copy_(t)
+            # Weights that arrived quantized keep the bytes they arrived as (no second quantization).
+            install(self.model, quantized or {})
             if weight_version is not None:  # SGLang's rule: an update without a version keeps the label
                 self.weight_version = weight_version
             self.weights_epoch += 1

@@ -147,6 +147,8 @@ def build_app(engine) -> FastAPI:
                 "engine_stats": dict(engine.stats)}
         if miles_mode:  # a plain SGLang server has no such key: no extensions
             info["miles_extensions"] = weights.extensions()
+            if engine.quantized:  # the `quantized_weights` extension: which weights may arrive quantized
+                info["quantized_weights"] = {n: fmt.name for n, (fmt, _) in engine.quantized.items()}
         info["loaded_lora_adapters"] = engine.lora_adapters()
         return info
 

@@ -52,6 +52,9 @@ EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
     "colocated": {"/update_weights_from_tensor": frozenset({"shm_path", "names", "dtypes", "shapes", "offsets"})},
     "disk_delta": {"/init_delta_base": None},
     "lora_default": {},
+    # A weight the engine serves in a format may be sent as that format's bytes, under the name
+    # "<name>@<format>" (precision/wire.py); /get_server_info lists them as `quantized_weights`.
+    "quantized_weights": {},
 }
 
 
@@ -75,7 +78,8 @@ class WeightRoutes:
         """The miles extensions this engine offers (none in SGLang-only mode)."""
         if self.sglang_only:
             return []
-        return [*BASE_EXTENSIONS, *(p.extension for p in self.weights.parts.values() if p.extension)]
+        quantized = ["quantized_weights"] if getattr(self.engine, "quantized", None) else []
+        return [*BASE_EXTENSIONS, *quantized, *(p.extension for p in self.weights.parts.values() if p.extension)]
 
     def parse(self, sglang_model, miles_model, body: dict):
         """The body as SGLang's model, or with the miles extension's fields unless in SGLang-only mode."""

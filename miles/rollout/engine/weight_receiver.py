@@ -15,6 +15,9 @@ verification.
     the sender opts in (`swap_buffers`).
   * `reset_staging` (a miles extension, sent with the first bucket of each version) drops whatever an
     abandoned earlier version left staged or poisoned, so one failed push does not block the next.
+  * a weight the engine serves in a format may arrive as that format's bytes (precision/wire.py):
+    it is staged as its dequantized values, and at commit its layer takes the received bytes as its
+    stored copy instead of quantizing the values again.
   * the weights checker fills the model with noise and compares it with the trainer's checksums.
   * SGLang's full reload from a safetensors checkpoint stages through the same path.
 
@@ -34,6 +37,7 @@ import threading
 import torch
 
 from miles import versions
+from miles.precision import wire
 from miles.rollout.engine import protocol
 from miles.sync import files, verify
 from miles.sync.transports import TRANSPORTS, TransportReceiver, WeightUpdateError
@@ -53,6 +57,8 @@ class WeightReceiver:
         self._owned: set[str] = set()  # staged names whose memory only staging holds (adoptable at commit)
         self._spares: dict[int, list[torch.Tensor]] = {}  # nbytes -> uint8 buffers displaced by the last commit
         self._lent_from: dict[str, str] = {}  # staged name -> the lent buffer its bytes are in
+        self._quantized: dict[str, list] = {}  # staged name -> the stored matrices it arrived as (wire.py)
+        self._decoded: dict[str, tuple] = {}  # wire name -> (payload, values, matrices) validated, not yet staged
         self._poisoned: str | None = None  # why the pending version can no longer be committed
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._session = False  # a verification session is open: reset_tensors is allowed until compare
@@ -102,13 +108,14 @@ class WeightReceiver:
                 raise WeightUpdateError(f"weight_version: {weight_version!r} is older than the version in "
                                         f"force ({current!r}); staged weights were discarded and the "
                                         "engine keeps its weights (send a higher version)")
-            staged, owned, lent_from = self._staging, self._owned, self._lent_from
+            staged, owned, lent_from, quantized = self._staging, self._owned, self._lent_from, self._quantized
             self._clear_staging()
             sources = set(lent_from.get(n) for n in staged)
             source = sources.pop() if len(sources) == 1 else None
             swap = swap_buffers and source is not None and self.engine.covers_parameters(staged)
             version, displaced = self.engine.apply_weights(staged, weight_version,
-                                                           adopt=set(staged) if swap else owned)
+                                                           adopt=set(staged) if swap else owned,
+                                                           quantized=quantized)
             self._spares = {}  # spares the last version did not use are not kept twice
             if not swap and self.engine.config.reuse_weight_memory:
                 for t in displaced:
@@ -261,6 +268,11 @@ class WeightReceiver:
         every tensor was already screened as it arrived; None screens them here."""
         meta = self.engine.param_meta
         for name, t in received.items():
+            if wire.split_name(name) is not None:
+                err = self._decode(name, t)
+                if err is not None:
+                    return err
+                continue
             if name not in meta:
                 return f"tensor {name!r} is not a parameter of the served model"
             shape, _ = meta[name]
@@ -270,6 +282,27 @@ class WeightReceiver:
                 return f"tensor {name!r} contains NaN or Inf"
         return None
 
+    def _decode(self, name: str, payload: torch.Tensor) -> str | None:
+        """Check and decode a weight that arrived quantized (kept for stage); why it cannot be staged, or None."""
+        base, fmt = wire.split_name(name)
+        served = getattr(self.engine, "quantized", {}).get(base)
+        if served is None:
+            return (f"tensor {name!r} arrived in format {fmt!r}, but this engine does not serve {base!r} in a "
+                    "format: send it in full precision")
+        if served[0].name != fmt:
+            return (f"tensor {name!r} arrived in format {fmt!r}, but this engine serves it in {served[0].name!r}: "
+                    "send it in full precision or in the engine's format")
+        shape, dtype = self.engine.param_meta[base]
+        try:
+            matrices = wire.decode(payload, shape, fmt, served[1])
+        except ValueError as exc:
+            return f"tensor {name!r}: {exc}"
+        values = wire.values(matrices, dtype, served[1])
+        if not verify.finite(values):
+            return f"tensor {name!r} contains NaN or Inf"
+        self._decoded[name] = (payload, values, matrices)
+        return None
+
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A (nbytes,) uint8 receive buffer: memory the last commit displaced if it fits, else fresh."""
         spare = self._spares.get(nbytes)
@@ -277,9 +310,26 @@ class WeightReceiver:
 
     def stage(self, tensors: dict[str, torch.Tensor], owned: bool, lent: str | None = None) -> None:
         """Put tensors into staging. owned: only staging holds their memory (adoptable at commit);
-        lent: the lent buffer they are views of (adoptable as a whole version, see commit)."""
+        lent: the lent buffer they are views of (adoptable as a whole version, see commit). Weights that
+        arrived quantized (validated before) are staged as their dequantized values, in memory of their own."""
+        arrived = {n: t for n, t in tensors.items() if wire.split_name(n) is not None}
+        if arrived:
+            tensors = {n: t for n, t in tensors.items() if n not in arrived}
+            decoded, matrices = {}, {}
+            for n, payload in arrived.items():
+                kept = self._decoded.pop(n, None)
+                if kept is None or kept[0] is not payload:
+                    err = self._decode(n, payload)
+                    if err is not None:
+                        raise self.fail(err)
+                    kept = self._decoded.pop(n)
+                base = wire.split_name(n)[0]
+                decoded[base], matrices[base] = kept[1], kept[2]
+            self.stage(decoded, owned=True)
+            self._quantized.update(matrices)
         self._staging.update(tensors)
         for n in tensors:
+            self._quantized.pop(n, None)  # a later full-precision copy replaces what arrived quantized
             self._lent_from.pop(n, None)
         if lent is not None:
             self._lent_from.update((n, lent) for n in tensors)
@@ -303,6 +353,7 @@ class WeightReceiver:
 
     def _clear_staging(self) -> None:
         self._staging, self._owned, self._lent_from = {}, set(), {}
+        self._quantized, self._decoded = {}, {}
 
 
 def _parse_dtype(name) -> torch.dtype | None:

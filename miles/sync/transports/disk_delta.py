@@ -9,7 +9,9 @@ Layout of one version (written by the trainer, read by every engine host):
 
 Encoding: per tensor, XOR of its bytes (in the engine's wire dtype) against the previous version's
 bytes, zstd-compressed. Bytes that did not change XOR to zero and compress to almost nothing, so the
-wire size follows the fraction of changed bytes. `xxh3_128` is the checksum of the RESULTING tensor,
+wire size follows the fraction of changed bytes. A weight sent quantized (precision/wire.py) is
+diffed as its format's bytes; its first base is the checkpoint's weight quantized the same way on
+both ends. `xxh3_128` is the checksum of the RESULTING tensor,
 bound to its name, dtype and shape (verify.bound_checksum), so a host proves it rebuilt exactly the
 trainer's tensor under that name, whatever went wrong on the way (entries swapped between two tensors
 of one shape included). Shards are plain file names inside the version directory, read only as
@@ -190,6 +192,8 @@ class DeltaCopy:
         import torch
         import zstandard
 
+        from miles.precision import wire
+
         if not os.path.isdir(vdir):
             raise DeltaError(f"model_path: {vdir!r} is not a directory (send a delta version directory)")
         version, base_version, entries = _check_index(self._read_index(vdir), os.path.join(vdir, INDEX))
@@ -205,7 +209,7 @@ class DeltaCopy:
         dctx = zstandard.ZstdDecompressor()
         for name, e in entries.items():
             where = f"tensor {name!r} (shard {e['shard']!r} of {vdir})"
-            prev = self.tensors.get(name)
+            prev = wire.from_base(self.tensors, name)  # a quantized weight's first base: the checkpoint's, quantized
             dtype = getattr(torch, e["dtype"], None)
             if prev is None:
                 raise DeltaError(f"{where}: the local copy has no tensor of that name")
@@ -375,6 +379,8 @@ class DiskDeltaTransport:
     def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
         import zstandard
 
+        from miles.precision import wire
+
         self._check()
         if not bucket:
             return
@@ -385,7 +391,7 @@ class DiskDeltaTransport:
         frames, offset = [], 0
         try:
             for name, t in bucket:
-                prev = self._prev.get(name)
+                prev = wire.from_base(self._prev, name)  # quantized bytes: XORed with the previous bytes
                 if prev is None:
                     raise TransportError(f"disk_delta: tensor {name!r} is not in the base checkpoint {self.base_path}")
                 t = t.detach().to("cpu").contiguous()
