@@ -46,6 +46,7 @@ class TrainContext:
     progress: Progress
     fleet: EngineFleet | None = None      # replaces dead engines while the loop runs (None: external engines)
     faults: FaultInjector | None = None   # set when the config asks for faults
+    router_url: str | None = None         # the router the run started (None: external engines)
     policy_version: int = 0     # optimizer steps the trainer has taken
     weight_version: int = 0     # the newest version pushed to the engines
     start_step: int = 0         # the step a resumed run continues after

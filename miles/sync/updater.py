@@ -88,6 +88,12 @@ class WeightUpdater:
             infos = self._client.post_all(urls, "/get_model_info", None, method="GET")
             self._fresh_engines = all(i.get("weight_version") == INITIAL for i in infos)
 
+    def channels(self) -> dict[str, str]:
+        """How weights reach each engine (e.g. "p2p shm", "p2p tcp via ADDRESS"), as the transport says,
+        else the transport's name."""
+        said = getattr(self.transport, "channels", None)
+        return said() if said is not None else {url: self.cfg.transport for url in self.engine_urls}
+
     @property
     def needs_start_check(self) -> bool:
         """Whether verification on these engines needs `check_start` before the first update: only
