@@ -35,6 +35,10 @@ class EngineShell:
     def node(self) -> str:
         return node_address()
 
+    def signal(self, sig: int) -> None:
+        """Signal this process (fault injection on an engine of another node); a kill never answers."""
+        os.kill(os.getpid(), sig)
+
     def pid(self) -> int:
         return os.getpid()
 

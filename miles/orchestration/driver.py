@@ -78,7 +78,8 @@ def _engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
 
     def handle(actor) -> EngineHandle:
         url, pid, node = ray.get([actor.url.remote(), actor.pid.remote(), actor.node.remote()])
-        return EngineHandle(url, pid, lambda: ray.kill(actor), node=node, on_this_node=node == here)
+        return EngineHandle(url, pid, lambda: ray.kill(actor), node=node, on_this_node=node == here,
+                            signal_self=lambda sig: actor.signal.remote(sig))
 
     def start(slot: int) -> EngineHandle:
         return handle(launch(slot))

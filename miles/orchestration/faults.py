@@ -10,7 +10,8 @@
 Engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
 health monitor (fleet.py) must find and replace each. Every injected fault is recorded with its
 wall-clock time, so recovery can be measured from the moment of the fault, not of its detection.
-Non-goals: network partitions, disk faults, faults on other hosts.
+Engines are signalled on whichever node they run (fleet.EngineHandle.send_signal); a trainer rank
+only on the driver's machine. Non-goals: network partitions, disk faults.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class FaultInjector:
         sig = signal.SIGKILL if kind == "kill_engine" else signal.SIGSTOP
         fault = InjectedFault(kind, engine.url, engine.pid, time.time())
         try:
-            os.kill(engine.pid, sig)
+            engine.send_signal(sig)
         except ProcessLookupError:
             return None
         self.faults.append(fault)

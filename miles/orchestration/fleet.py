@@ -50,6 +50,14 @@ class EngineHandle:
     stop: Callable[[], None]  # ends the process and releases what holds it (actor, ...)
     node: str | None = None   # address of the Ray node it runs on
     on_this_node: bool = True  # the pid is a process of this machine's node (so this process may signal it)
+    signal_self: Callable[[int], None] | None = None  # asks the engine's process to signal itself (any node)
+
+    def send_signal(self, sig: int) -> None:
+        """Deliver `sig` to the engine's process, on whichever node it runs."""
+        if self.on_this_node or self.signal_self is None:
+            os.kill(self.pid, sig)
+        else:
+            self.signal_self(sig)
 
     def kill(self) -> None:
         if self.on_this_node:

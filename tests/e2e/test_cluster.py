@@ -89,14 +89,18 @@ def _host(url: str) -> str:
     return urlparse(url).hostname
 
 
+def _train_on_the_cluster(cluster: LocalCluster, model_dir: str, out_dir, **over) -> dict:
+    """A short GRPO run joined to `cluster`, trainer on the head, engines on node 2; its summary."""
+    over = {"ray.address": cluster.address, "ray.node_ip_address": HEAD, "loop.num_steps": "2",
+            "eval.every_steps": "0", "eval.num_prompts": "4", "placement.trainer_nodes": "miles_trainer",
+            "placement.engine_nodes": "miles_engines", **over}
+    return _python(_TRAIN, model_dir, str(out_dir), json.dumps(over))
+
+
 @pytest.mark.parametrize("transport", ["broadcast", "disk_delta", "p2p"])
 def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_model_dir, tmp_path, transport):
-    over = {"ray.address": cluster.address, "ray.node_ip_address": HEAD, "loop.num_steps": "2",
-            "eval.every_steps": "0", "eval.num_prompts": "8", "placement.trainer_nodes": "miles_trainer",
-            "placement.engine_nodes": "miles_engines", "sync.transport": transport}
-    if transport == "disk_delta":
-        over["sync.delta_dir"] = str(tmp_path / "deltas")
-    summary = _python(_TRAIN, tiny_model_dir, str(tmp_path), json.dumps(over))
+    extra = {"sync.delta_dir": str(tmp_path / "deltas")} if transport == "disk_delta" else {}
+    summary = _train_on_the_cluster(cluster, tiny_model_dir, tmp_path, **{"sync.transport": transport}, **extra)
     where = summary["cluster"]
 
     assert where["nodes"] == [HEAD, NODE2]  # joined, not a cluster of its own
@@ -117,6 +121,19 @@ def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_mod
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/weight_version"] for r in records[1:]] == [0, 1]
     assert summary["steps"] == 2
+
+
+def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cluster, tiny_model_dir, tmp_path):
+    summary = _train_on_the_cluster(cluster, tiny_model_dir, tmp_path, **{
+        "loop.num_steps": "1", "fault.kill_engine_every_s": "600", "fault.first_fault_after_s": "0.5",
+        "fault.max_engine_faults": "1"})
+    assert (summary["faults"]["kills"], summary["faults"]["recovered"]) == (1, 1)
+    fleet = summary["fleet"]
+    assert (fleet["replacements"], fleet["recovered"]) == (1, 1)
+    event = fleet["events"][0]
+    assert _host(event["old_url"]) == NODE2 and _host(event["new_url"]) == NODE2
+    assert [(e["url"], e["node"]) for e in summary["cluster"]["engines"]] == [(event["new_url"], NODE2)]
+    assert summary["steps"] == 1
 
 
 def test_a_local_run_starts_its_own_cluster_when_the_latest_one_is_gone(cluster):
