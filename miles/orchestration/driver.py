@@ -98,10 +98,10 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str, stac
     `run` gets the TrainContext under "ctx" once it exists; the fleet's callbacks only fire after
     the monitor starts, by which time it does."""
     size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-    pool = _node_pool(cfg, "engines", size, stack)
+    pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack)
     start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
     # Standby engines start with the others, so that even the first failure finds one ready.
-    started = start_many(cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0))
+    started = start_many(size)
     engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
     unadopted = stack.enter_context(contextlib.ExitStack())  # stops the engines until the fleet owns them
     for e in started:
@@ -129,15 +129,21 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str, stac
     return fleet, router
 
 
-def _node_pool(cfg: RunConfig, name: str, size: int, stack: contextlib.ExitStack) -> NodePool:
-    """The placement group of one pool ("trainer" or "engines"), removed when the run ends."""
-    key = "placement.trainer_nodes" if name == "trainer" else "placement.engine_nodes"
+def _node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack
+               ) -> NodePool:
+    """The placement group of one pool on the nodes `resource` (config key `key`) names; removed when
+    the run ends."""
     try:
-        pool = NodePool(name, size, getattr(cfg.placement, key.split(".")[1]), key, cfg.placement.timeout_s)
+        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s)
     except PlacementError as exc:
         raise SystemExit(f"miles: {exc}") from None
     stack.callback(pool.remove)
     return pool
+
+
+def _trainer_pool(cfg: RunConfig, stack: contextlib.ExitStack) -> NodePool:
+    return _node_pool("trainer", cfg.trainer.num_ranks, cfg.placement.trainer_nodes, "placement.trainer_nodes",
+                      cfg, stack)
 
 
 def _check_reachable(urls: list[str]) -> None:
@@ -195,7 +201,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
         urls = fleet.serving_urls()
         log(f"engines ready: {', '.join(urls)}; router at {router.url}")
     sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
-    trainer_pool = _node_pool(cfg, "trainer", cfg.trainer.num_ranks, stack)
+    trainer_pool = _trainer_pool(cfg, stack)
 
     def start_trainer() -> TrainerGroup:
         group = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
@@ -406,7 +412,7 @@ def run_sft(cfg: RunConfig) -> dict:
         pools = core_pools(cfg.placement)
         tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
         trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None,
-                               pool=_node_pool(cfg, "trainer", cfg.trainer.num_ranks, stack))
+                               pool=_trainer_pool(cfg, stack))
         stack.callback(trainer.close)
         progress = Progress("sft", sft.steps, mode=cfg.metrics.progress)
         order: list[int] = []
