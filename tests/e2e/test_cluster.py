@@ -124,15 +124,18 @@ def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_mod
 
 
 def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cluster, tiny_model_dir, tmp_path):
+    # Two engines: requests (evaluation's too) go to the other one while the killed one is replaced.
     summary = _train_on_the_cluster(cluster, tiny_model_dir, tmp_path, **{
-        "loop.num_steps": "1", "fault.kill_engine_every_s": "600", "fault.first_fault_after_s": "0.5",
-        "fault.max_engine_faults": "1"})
+        "loop.num_steps": "1", "rollout.num_engines": "2", "fault.kill_engine_every_s": "600",
+        "fault.first_fault_after_s": "0.5", "fault.max_engine_faults": "1"})
     assert (summary["faults"]["kills"], summary["faults"]["recovered"]) == (1, 1)
     fleet = summary["fleet"]
     assert (fleet["replacements"], fleet["recovered"]) == (1, 1)
     event = fleet["events"][0]
     assert _host(event["old_url"]) == NODE2 and _host(event["new_url"]) == NODE2
-    assert [(e["url"], e["node"]) for e in summary["cluster"]["engines"]] == [(event["new_url"], NODE2)]
+    engines = summary["cluster"]["engines"]
+    assert event["new_url"] in [e["url"] for e in engines] and event["old_url"] not in [e["url"] for e in engines]
+    assert [(e["node"], _host(e["url"])) for e in engines] == [(NODE2, NODE2)] * 2
     assert summary["steps"] == 1
 
 
