@@ -124,10 +124,12 @@ def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_mod
 
 
 def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cluster, tiny_model_dir, tmp_path):
-    # Two engines: requests (evaluation's too) go to the other one while the killed one is replaced.
+    # Two engines: requests (evaluation's too) go to the other one while the killed one is replaced, by
+    # a standby engine (started with the others, on node 2 too), so the slot serves again within the run.
     summary = _train_on_the_cluster(cluster, tiny_model_dir, tmp_path, **{
-        "loop.num_steps": "1", "rollout.num_engines": "2", "fault.kill_engine_every_s": "600",
-        "fault.first_fault_after_s": "0.5", "fault.max_engine_faults": "1"})
+        "loop.num_steps": "3", "rollout.num_engines": "2", "health.standby_engines": "1",
+        "health.interval_s": "0.2", "fault.kill_engine_every_s": "600", "fault.first_fault_after_s": "0.5",
+        "fault.max_engine_faults": "1"})
     assert (summary["faults"]["kills"], summary["faults"]["recovered"]) == (1, 1)
     fleet = summary["fleet"]
     assert (fleet["replacements"], fleet["recovered"]) == (1, 1)
@@ -136,7 +138,7 @@ def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cl
     engines = summary["cluster"]["engines"]
     assert event["new_url"] in [e["url"] for e in engines] and event["old_url"] not in [e["url"] for e in engines]
     assert [(e["node"], _host(e["url"])) for e in engines] == [(NODE2, NODE2)] * 2
-    assert summary["steps"] == 1
+    assert summary["steps"] == 3
 
 
 def test_a_local_run_starts_its_own_cluster_when_the_latest_one_is_gone(cluster):
