@@ -6,7 +6,8 @@ thread of this process (`ServerThread`, `serve_app`) or as a child process (`Ser
 uvicorn and httpx are imported inside the functions that use them: loading a run config imports
 this module and must not pay for them.
 Non-goals: routing and HTTP apps (each server builds its own app); choosing which address a node
-advertises (placement does that); supervising or restarting servers (the engine fleet does that).
+advertises (orchestration/ray_cluster.py does that); supervising or restarting servers (the engine
+fleet does that).
 """
 
 from __future__ import annotations
