@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sessions", help="OpenAI-compatible chat sessions that record exact tokens, in front "
                        "of a serving engine", add_help=False)
     s.set_defaults(fn=_delegate("miles.rollout.openai_api"))
+    s = sub.add_parser("simulate", help="project a run onto a fleet: step time, memory, weight sync per transport",
+                       add_help=False)
+    s.set_defaults(fn=_delegate("miles.capacity.simulate"))
     s = sub.add_parser("report", help="plots and a summary of one or two run directories", add_help=False)
     s.set_defaults(fn=_delegate("miles.metrics.report"))
     s = sub.add_parser("bench", help="run a benchmark (miles vs its baseline, one JSON line)")

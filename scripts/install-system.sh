@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # System packages the test suite needs beyond the Python venv: Debian's chromium, which drives the
-# live dashboard's browser test headless. Safe to re-run: it returns at once when chromium is there.
+# live dashboard's browser test headless, and bubblewrap (`bwrap`), which the terminal sandbox's
+# rootless backend runs commands under. Safe to re-run: it returns at once when both are there.
 set -euo pipefail
 
-if command -v chromium >/dev/null 2>&1; then
-  echo "chromium already installed: $(command -v chromium)"
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "chromium and bwrap already installed: $(command -v chromium) $(command -v bwrap)"
   exit 0
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
-  echo "install-system.sh: no apt-get here; install Chromium with your package manager and put" \
-       "'chromium' on PATH (or set MILES_CHROMIUM=/path/to/chrome)" >&2
+  echo "install-system.sh: no apt-get here; install ${missing[*]} with your package manager and put" \
+       "'chromium' (or set MILES_CHROMIUM=/path/to/chrome) and 'bwrap' on PATH" >&2
   exit 1
 fi
 SUDO=""
@@ -17,7 +21,7 @@ if [ "$(id -u)" -ne 0 ]; then
   if command -v sudo >/dev/null 2>&1; then
     SUDO="sudo"
   else
-    echo "install-system.sh: needs root (or sudo) to apt-get install chromium" >&2
+    echo "install-system.sh: needs root (or sudo) to apt-get install ${missing[*]}" >&2
     exit 1
   fi
 fi
@@ -26,9 +30,9 @@ export DEBIAN_FRONTEND=noninteractive
 if [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e '^lock$' -e '^partial$' || true)" ]; then
   $SUDO apt-get update -qq
 fi
-if ! $SUDO apt-get install -y -qq --no-install-recommends chromium; then
+if ! $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"; then
   # Stale lists point at package versions the mirror no longer has: refresh once and retry.
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends chromium
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-echo "chromium installed: $(command -v chromium)"
+echo "installed ${missing[*]}: $(command -v chromium) $(command -v bwrap)"

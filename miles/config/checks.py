@@ -132,6 +132,10 @@ def check_fleet(run) -> None:
     if engine_faults and run.rollout.engine_urls:
         raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s act on engines the run starts; with "
                           "rollout.engine_urls the engines are someone else's: unset one of the two")
+    if run.health.standby_engines and run.rollout.engine_urls:
+        raise ConfigError(f"health.standby_engines = {run.health.standby_engines}: standby engines are engines the run "
+                          "starts, and with rollout.engine_urls it starts none (a dead one is routed around and "
+                          "re-admitted when its operator restarts it): set health.standby_engines = 0")
     if engine_faults and not (run.health.enabled and run.health.restart):
         raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s need health.enabled = true and "
                           "health.restart = true, or nothing would replace the engines they break")

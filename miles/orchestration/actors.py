@@ -16,6 +16,7 @@ from miles.net import free_port
 from miles.orchestration.placement import pin_current_process
 from miles.orchestration.ray_cluster import node_address
 from miles.rollout.engine.server import start_server_thread
+from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
 
 class EngineShell:
@@ -91,16 +92,26 @@ class TrainerShell:
 
     def channels(self) -> dict[str, str]:
         """Rank 0: how weights reach each engine (see WeightUpdater.channels)."""
-        return self.transport.channels() if self.rank == 0 and self.transport is not None else {}
+        said = getattr(self.transport, "channels", None) if self.rank == 0 else None
+        return said() if said is not None else {}  # adapter-only sync (sync/adapter.py) says nothing
 
     def connect_engines(self, urls: list[str]) -> bool:
         """Rank 0 connects the updater; returns whether it needs `check_engines_start` (engines that
         speak only SGLang's protocol verify the transport once, before the run)."""
         if self.rank != 0:
             return False
-        self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
+        lora = self.trainer.cfg.lora
+        if self.adapter_only:  # only the adapter travels, loaded by the engines themselves
+            self.transport = AdapterSync(lora, self.admin_token, self.trainer.model_path, self.sync_cfg.timeout_s)
+        else:
+            self.transport = WeightUpdater(self.sync_cfg, self.admin_token, base_path=self.trainer.model_path)
         self.transport.connect(urls)
         return self.transport.needs_start_check
+
+    @property
+    def adapter_only(self) -> bool:
+        """trainer.lora.sync = "adapter": weight sync is miles/sync/adapter.py, not a transport."""
+        return bool(self.trainer.cfg.lora.rank) and self.trainer.cfg.lora.sync == "adapter"
 
     def check_engines_start(self) -> dict[str, float]:
         """Collective: every rank gathers the starting weights; rank 0 runs the updater's check_start."""
@@ -132,6 +143,8 @@ class TrainerShell:
     def push_full(self, urls: list[str], version: int) -> dict[str, float]:
         """Collective: bring new engines to `version` with a full push, noise-fill verified, over a
         transport of their own (the engines already serving are not paused or touched)."""
+        if self.adapter_only:  # new engines hold the base weights already: they need the adapter in force
+            return self.transport.push_current(urls, version) if self.rank == 0 else {}
         named = self.trainer.full_named_tensors()
         updater = None
         try:

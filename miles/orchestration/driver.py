@@ -91,22 +91,37 @@ def _engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
     return start, start_many
 
 
-def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str, stack: contextlib.ExitStack,
+def _cannot_start(slot: int) -> EngineHandle:
+    raise RuntimeError("the engines of this run are rollout.engine_urls, started outside it: miles starts no "
+                       "engine of its own to replace or add to them")
+
+
+def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None, stack: contextlib.ExitStack,
                  run: dict) -> tuple[EngineFleet, RunningRouter]:
     """Engines, the router in front of them, and the fleet that keeps them serving.
 
+    The engines are the run's own, or the ones at rollout.engine_urls: those are probed, routed
+    around and re-admitted like the run's own, but never started, stopped or restarted by it.
     `run` gets the TrainContext under "ctx" once it exists; the fleet's callbacks only fire after
     the monitor starts, by which time it does."""
-    size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-    pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack)
-    start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
-    # Standby engines start with the others, so that even the first failure finds one ready.
-    started = start_many(size)
-    engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
     unadopted = stack.enter_context(contextlib.ExitStack())  # stops the engines until the fleet owns them
-    for e in started:
-        unadopted.callback(e.stop)
-    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=admin_token,
+    if cfg.rollout.engine_urls:
+        engines, standby, start = [EngineHandle.outside(u) for u in cfg.rollout.engine_urls], [], _cannot_start
+        _check_reachable([e.url for e in engines])
+        # The router's token guards its membership routes; the engines' own (their operator's) goes
+        # with every call it forwards to them, so without one the router still gets a fresh token.
+        router_token = admin_token or secrets.token_hex(16)
+    else:
+        size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
+        pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack)
+        start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
+        # Standby engines start with the others, so that even the first failure finds one ready.
+        started = start_many(size)
+        engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
+        for e in started:
+            unadopted.callback(e.stop)
+        router_token = admin_token
+    router = start_router_thread(dataclasses.replace(cfg.router, admin_token=router_token,
                                                      host=cfg.router.host or node_address()),
                                  [e.url for e in engines], cfg.health)
     stack.callback(router.stop)
@@ -121,7 +136,7 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str, stac
     def on_change(urls: list[str]) -> None:
         run["ctx"].call(run["ctx"].rollout.set_engine_urls, urls)
 
-    fleet = EngineFleet(cfg.health, start, router.url, admin_token, bring_up=bring_up, reconnect=reconnect,
+    fleet = EngineFleet(cfg.health, start, router.url, router_token, bring_up=bring_up, reconnect=reconnect,
                         on_change=on_change)
     fleet.adopt(engines, standby)
     unadopted.pop_all()
@@ -189,17 +204,9 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     external = list(cfg.rollout.engine_urls)
     admin_token = run_admin_token(external=bool(external))
     wiring: dict = {}
-    fleet, router = None, None
-    if external:
-        # Started and stopped by someone else: generate and push to them directly; no router, and no
-        # health monitor, since the run could not restart them.
-        urls = [u.rstrip("/") for u in external]
-        _check_reachable(urls)
-        log(f"engines ready: {', '.join(urls)}")
-    else:
-        fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring)
-        urls = fleet.serving_urls()
-        log(f"engines ready: {', '.join(urls)}; router at {router.url}")
+    fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring)
+    urls = fleet.serving_urls()
+    log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}")
     sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
     trainer_pool = _trainer_pool(cfg, stack)
 
@@ -208,7 +215,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
                              pools.trainer if pools else None, admin_token, pool=trainer_pool)
         stack.callback(group.close)
         log(f"trainer ranks on {', '.join(group.nodes)}; group master {group.master}")
-        group.connect_engines(fleet.serving_urls() if fleet is not None else urls)
+        group.connect_engines(fleet.serving_urls())
         return group
 
     trainer = start_trainer()
@@ -217,7 +224,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # pool it took a quarter of the engines' core away from decoding under fully_async.
     rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
         cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
-        router_url=router.url if router else None)
+        router_url=router.url)
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
     stack.callback(sink.close)
     if cfg.metrics.dashboard:
@@ -227,7 +234,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
     stack.callback(progress.close)
     ctx = wiring["ctx"] = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet,
-                                       router_url=router.url if router else None)
+                                       router_url=router.url)
     return ctx, router, start_trainer
 
 

@@ -1,4 +1,5 @@
-"""The engine fleet: health probes, replacement of dead or stalled engines, elastic add and remove.
+"""The engine fleet: health probes, replacement of dead or stalled engines, re-admission of engines
+the run did not start, elastic add and remove.
 
     monitor thread ── GET /health_generate (timeout) ──► every serving engine, every interval_s
         │ failure_threshold misses in a row: dead, or alive but not answering (stalled)
@@ -8,6 +9,16 @@
         ─► bring_up(url): full weight push at the trainer's version, noise-fill verified
         ─► router /add_worker, which admits it only at the fleet's weight version ─► serving
         (the main weight transport reconnects to the changed set at the start of the next push)
+
+Engines the run did not start (`rollout.engine_urls`, e.g. SGLang servers) go through the same
+probes and the same admission, but miles cannot restart them:
+
+    declared dead ─► the router drops it (routed around), its slot waits ("down"); no kill
+        ─► probed every interval_s until it answers again (restarted by its operator, un-stalled)
+        ─► bring_up(url): full weight push at the trainer's version ─► router admission ─► serving
+    An engine restarted faster than its probes missed is caught by its weight version: once it held a
+    version miles pushed (a number), a label miles never sends ("default", SGLang's first) means a new
+    process holding other weights, and it is routed around and brought up the same way.
 
 The run never pauses for this: the other engines keep generating; the router retries the dead
 engine's in-flight requests on live engines, and groups that still fail go back to the buffer as
@@ -19,7 +30,8 @@ the main transport is never reconnected during a push.
 When an engine counts as dead is the run's one liveness section (`health`, miles/rollout/liveness.py),
 which the router reads too: it quarantines at the same threshold the fleet replaces at.
 A dead engine on the driver's node is SIGKILLed by pid (which also ends a stopped process); one on
-another node is ended through its stop callback (Ray kills the actor there).
+another node is ended through its stop callback (Ray kills the actor there). Engines started outside
+the run (rollout.engine_urls) are never killed, stopped or restarted by it.
 Non-goals: trainer failures (collective timeouts end the step; `miles train --resume` continues).
 """
 
@@ -40,17 +52,26 @@ from miles.rollout.liveness import HealthConfig
 
 log = logging.getLogger(__name__)
 
+_MAX_FAILED_READMISSIONS = 3  # an engine that answers but keeps failing its bring-up is left out
+_RESTARTED = "restarted"       # a probe's verdict that takes an engine out at once, whatever the threshold
+
 
 @dataclass
 class EngineHandle:
     """One running engine process, however it was started."""
 
     url: str
-    pid: int
+    pid: int | None
     stop: Callable[[], None]  # ends the process and releases what holds it (actor, ...)
+    external: bool = False    # started outside the run: never killed, stopped or restarted by it
     node: str | None = None   # address of the Ray node it runs on
     on_this_node: bool = True  # the pid is a process of this machine's node (so this process may signal it)
     signal_self: Callable[[int], None] | None = None  # asks the engine's process to signal itself (any node)
+
+    @classmethod
+    def outside(cls, url: str) -> EngineHandle:
+        """An engine someone else started and will restart (rollout.engine_urls)."""
+        return cls(url.rstrip("/"), None, lambda: None, external=True)
 
     def send_signal(self, sig: int) -> None:
         """Deliver `sig` to the engine's process, on whichever node it runs."""
@@ -60,6 +81,8 @@ class EngineHandle:
             self.signal_self(sig)
 
     def kill(self) -> None:
+        if self.external:
+            return
         if self.on_this_node:
             try:
                 # SIGKILL also ends a SIGSTOPped process, which a polite shutdown would wait on forever.
@@ -78,14 +101,20 @@ class EngineHandle:
 class Slot:
     index: int
     engine: EngineHandle | None
-    state: str = "serving"          # serving | replacing | removed
+    state: str = "serving"          # serving | replacing | down (external, waiting to answer) | removed
     misses: int = 0
     first_miss: float | None = None
+    failed_readmissions: int = 0     # in a row, for an external engine that answers but cannot be brought up
+    record: Replacement | None = None  # a "down" slot's record, completed when its engine is re-admitted
+    holds_pushed: bool = False       # an external engine reported a version miles pushed since its admission
 
 
 @dataclass
 class Replacement:
-    """One engine declared dead and what became of its slot (wall-clock seconds, time.time())."""
+    """One engine declared dead and what became of its slot (wall-clock seconds, time.time()).
+
+    kind "replaced": a new engine took the slot; "readmitted": an engine the run did not start,
+    routed around until it answered again at the same URL (then started_at is when it answered)."""
 
     slot: int
     old_url: str
@@ -98,6 +127,7 @@ class Replacement:
     pushed_at: float | None = None      # full weight push verified
     admitted_at: float | None = None
     error: str | None = None
+    kind: str = "replaced"
 
     def public(self) -> dict:
         return dict(self.__dict__)
@@ -164,7 +194,11 @@ class EngineFleet:
         with self._lock:
             slot = Slot(len(self.slots), None, state="replacing")
             self.slots.append(slot)
-        engine = self._take_engine(slot.index)
+        try:
+            engine = self._take_engine(slot.index)
+        except BaseException:
+            slot.state = "removed"  # never started: nothing to route around or wait for
+            raise
         self._admit(slot, engine)
         return engine.url
 
@@ -212,6 +246,21 @@ class EngineFleet:
             return None  # paused on purpose (a verified weight push, a pause mode): alive and answering
         return f"/health_generate answered {r.status_code}: {r.text[:120]}"
 
+    def _probe_slot(self, slot: Slot, url: str) -> str | None:
+        """probe(url), and for a serving engine the run did not start, whether it was restarted meanwhile."""
+        err = self.probe(url)
+        if err is not None or slot.state != "serving" or not slot.engine.external:
+            return err
+        try:
+            version = self._http.get(url + "/get_model_info", timeout=self.cfg.timeout_s).json().get("weight_version")
+        except Exception:  # noqa: BLE001 - it answered /health_generate; the next round reads it again
+            return None
+        pushed = isinstance(version, str) and version.isdigit()  # miles/versions.py: what miles sends
+        if slot.holds_pushed and not pushed:
+            return f"{_RESTARTED}: it held a version miles pushed and now reports {version!r}"
+        slot.holds_pushed = slot.holds_pushed or pushed
+        return None
+
     def _monitor_main(self) -> None:
         with cf.ThreadPoolExecutor(16, thread_name_prefix="miles-probe") as pool:
             while not self._stop.wait(self.cfg.interval_s):
@@ -221,11 +270,24 @@ class EngineFleet:
                     log.exception("health probe round failed")
 
     def _probe_round(self, pool, threshold: int) -> list[int]:
-        serving = [(s, s.engine.url) for s in self.slots if s.state == "serving"]
+        with self._lock:
+            serving = [(s, s.engine.url) for s in self.slots if s.state == "serving"]
+            down = [(s, s.engine.url) for s in self.slots if s.state == "down"]
         now = time.time()
-        results = list(pool.map(lambda su: self.probe(su[1]), serving))
+        results = list(pool.map(lambda su: self._probe_slot(*su), serving + down))
+        for (slot, url), err in zip(down, results[len(serving):]):
+            with self._lock:
+                back = err is None and slot.state == "down" and not self._stop.is_set()
+                if back:
+                    slot.state = "replacing"
+            if back:
+                log.warning("engine %s answers again: bringing it to the fleet's weights", url)
+                t = threading.Thread(target=self._readmit, args=(slot,), name=f"miles-readmit-{slot.index}",
+                                     daemon=True)
+                self._workers.append(t)
+                t.start()
         failed = []
-        for (slot, url), err in zip(serving, results):
+        for (slot, url), err in zip(serving, results[:len(serving)]):
             with self._lock:
                 if slot.state != "serving" or slot.engine.url != url:
                     continue
@@ -234,7 +296,7 @@ class EngineFleet:
                     continue
                 slot.misses += 1
                 slot.first_miss = slot.first_miss or now
-                if slot.misses < threshold:
+                if slot.misses < threshold and not err.startswith(_RESTARTED):
                     continue
                 slot.state = "replacing"
             failed.append(slot.index)
@@ -250,10 +312,14 @@ class EngineFleet:
 
     def _declare_dead(self, slot: Slot, reason: str) -> None:
         old = slot.engine
-        rec = Replacement(slot.index, old.url, old.pid, reason, slot.first_miss or time.time(), time.time())
+        rec = Replacement(slot.index, old.url, old.pid, reason, slot.first_miss or time.time(), time.time(),
+                          kind="readmitted" if old.external else "replaced")
         with self._lock:
             self.replacements.append(rec)
-            allowed = self.cfg.restart and len(self.replacements) <= self.cfg.max_replacements
+            replaced = [r for r in self.replacements if r.kind == "replaced"]
+            allowed = self.cfg.restart and len(replaced) <= self.cfg.max_replacements
+        if old.external:
+            return self._route_around(slot, rec)
         log.warning("engine %s (slot %d) is not answering (%s): replacing it", old.url, slot.index, reason)
         # Out of the router first, so no new request goes there while it is being put down.
         self._router("remove_worker", old.url, missing_ok=True)
@@ -269,6 +335,39 @@ class EngineFleet:
         t = threading.Thread(target=self._replace, args=(slot, rec), name=f"miles-replace-{slot.index}", daemon=True)
         self._workers.append(t)
         t.start()
+
+    def _route_around(self, slot: Slot, rec: Replacement) -> None:
+        """An engine the run did not start stops answering: out of the router and of the next push,
+        and its slot waits for it to answer again (its operator restarts it; miles cannot)."""
+        log.warning("engine %s (started outside the run) is not answering (%s): routing around it until it "
+                    "answers again", rec.old_url, rec.reason)
+        self._router("remove_worker", rec.old_url, missing_ok=True)
+        with self._lock:
+            slot.state, slot.misses, slot.first_miss, slot.holds_pushed = "down", 0, None, False
+            slot.record = rec
+        self.on_change(self.serving_urls())
+
+    def _readmit(self, slot: Slot) -> None:
+        """The engine of a "down" slot answers again: bring it to the fleet's weights and admit it."""
+        rec = slot.record
+        rec.started_at, rec.pushed_at, rec.error = time.time(), None, None
+        try:
+            self._admit(slot, slot.engine, rec)
+        except BaseException as exc:  # noqa: BLE001 - the fleet routes around it, as before it answered
+            rec.error = f"{type(exc).__name__}: {exc}"
+            slot.failed_readmissions += 1
+            if slot.failed_readmissions >= _MAX_FAILED_READMISSIONS:
+                with self._lock:
+                    slot.state = "removed"
+                log.error("engine %s answers but could not be brought up %d times in a row (%s): left out of "
+                          "the run", rec.old_url, slot.failed_readmissions, rec.error)
+            else:
+                log.warning("engine %s answers again but could not be brought up (%s); trying again when it "
+                            "next answers", rec.old_url, rec.error)
+            return
+        rec.admitted_at, rec.new_url, slot.failed_readmissions = time.time(), rec.old_url, 0
+        log.warning("engine %s (slot %d) re-admitted at the fleet's weights, %.1fs after its first missed probe",
+                    rec.old_url, slot.index, rec.admitted_at - rec.first_miss)
 
     def _replace(self, slot: Slot, rec: Replacement) -> None:
         try:
@@ -315,9 +414,12 @@ class EngineFleet:
                                      f"{self.cfg.admit_timeout_s}s; see its /list_workers")
                 time.sleep(0.05)
         except BaseException:
+            if engine.external:
+                self._router("remove_worker", engine.url, missing_ok=True)
             engine.kill()
             with self._lock:
-                slot.state = "removed"
+                slot.state = "down" if engine.external else "removed"
+            self.on_change(self.serving_urls())
             raise
         self.on_change(self.serving_urls())
 
@@ -411,9 +513,21 @@ class EngineFleet:
             recs = [r.public() for r in self.replacements]
         done = [r for r in recs if r["admitted_at"] is not None]
         return {"replacements": len(recs), "recovered": len(done),
+                "readmissions": sum(r["kind"] == "readmitted" for r in done),
                 "mean_recovery_s": (sum(r["admitted_at"] - r["first_miss"] for r in done) / len(done)
                                     if done else None),
                 "events": recs}
+
+    def metrics(self) -> dict[str, float]:
+        """fleet/... figures for the step's record: engines serving and waiting now, and the run's totals."""
+        with self._lock:
+            states = [s.state for s in self.slots]
+            recs = list(self.replacements)
+        return {"fleet/serving_engines": float(states.count("serving")),
+                "fleet/down_engines": float(states.count("down")),
+                "fleet/engines_declared_dead": float(len(recs)),
+                "fleet/replacements": float(sum(r.kind == "replaced" and r.admitted_at is not None for r in recs)),
+                "fleet/readmissions": float(sum(r.kind == "readmitted" and r.admitted_at is not None for r in recs))}
 
     def close(self) -> None:
         self._stop.set()

@@ -56,6 +56,7 @@ def end_step(ctx: TrainContext, step: int, metrics: dict, timer: StepTimer) -> N
     cfg, progress = ctx.cfg, ctx.progress
     if ctx.fleet is not None:
         ctx.fleet.raise_if_failed()  # an engine that could not be replaced ends the run here, named
+        metrics.update(ctx.fleet.metrics())
     if ctx.eval_due(step):
         progress.phase("eval")
         with timer.span("eval"):

@@ -31,6 +31,9 @@ class TrainerGroup:
 
         n = trainer_cfg.num_ranks
         cls = remote(TrainerShell)
+        if trainer_cfg.device == "cuda":
+            # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): one per rank.
+            cls = cls.options(num_gpus=1)
         self.cfg = trainer_cfg
         self.algorithm = get_algorithm(trainer_cfg.algorithm)
         self.actors = [cls.options(**(pool.options(r) if pool is not None else {})).remote(

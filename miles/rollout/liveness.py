@@ -17,8 +17,9 @@ from miles.config import ConfigError
 @dataclass
 class HealthConfig:
     enabled: bool = True
-    """Replace engines that die or stall (the fleet of `miles train`, which needs its router); the router
-    checks its engines either way, since it must know where it may route."""
+    """Replace engines that die or stall, and re-admit engines the run did not start once they answer
+    again (the fleet of `miles train`, which needs its router); the router checks its engines either
+    way, since it must know where it may route."""
     interval_s: float = 1.0
     """Seconds between two probe rounds of every serving engine (the router's and the fleet's)."""
     timeout_s: float = 5.0
@@ -28,7 +29,9 @@ class HealthConfig:
     """Consecutive misses (probes, or requests that failed before an answer) after which an engine is
     quarantined by the router and declared dead by the fleet."""
     restart: bool = True
-    """Start a replacement in the dead engine's slot; false only removes it from the fleet."""
+    """Start a replacement in the dead engine's slot; false only removes it from the fleet. Engines the run
+    did not start (rollout.engine_urls) are never restarted: they are routed around and re-admitted,
+    brought to the fleet's weights, once they answer again."""
     standby_engines: int = 0
     """Engines started ahead of need, idle, so a replacement skips process start-up (seconds)."""
     max_replacements: int = 100

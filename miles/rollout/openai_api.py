@@ -31,7 +31,9 @@ samples under the run's temperature/top_p/top_k whatever the request asks, becau
 logprobs assume them.
 
 Served by `miles sessions --engine-url URL --tokenizer DIR` (main below), or in-process with
-start_session_server.
+start_session_server. What one chat turn needs whatever serves it (request parsing, the first
+rendering, the OpenAI bodies and chunks) is chat_completion.py's, shared with the engine's own
+stateless /v1/chat/completions.
 
 Non-goals: n > 1 (refused: one session is one trajectory), constrained decoding (`tool_choice =
 "required"` or a named function does not force a call), the legacy /v1/completions route, streamed
@@ -51,30 +53,26 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
+from miles.rollout.chat_completion import Completion, RequestRefused, arguments, completion_body, \
+    completion_chunks, parse_request, render_prompt, sse, template_message, tools_of
 from miles.rollout.chat_format import ChatFormat
 from miles.rollout.engine.protocol import openapi_body, parse_json
 from miles.rollout.engine.types import InvalidRequest
 from miles.rollout.generate import versions_of
-from miles.rollout.openai_schema import FIELD_HINTS, RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, \
-    CreateSessionRequest, ResponsesRequest
+from miles.rollout.openai_schema import RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, CreateSessionRequest, \
+    ResponsesRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
-class SessionError(ValueError):
+class SessionError(RequestRefused):
     """A request the session refuses; the message says what to change (HTTP 400, 401 or 404)."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.param = param
 
 
 @dataclass
@@ -137,62 +135,13 @@ class Session:
                       prompt_index=prompt_index, response_text=self.last_content)
 
 
-@dataclass
-class Completion:
-    """One answered turn, before it is shaped as a JSON body or as SSE chunks."""
-
-    id: str
-    created: int
-    content: str | None
-    tool_calls: list[dict]
-    finish_reason: str
-    ids: list[int]           # the model's tokens of this turn, as the engine returned them
-    prompt_tokens: int
-
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.ids),
-                "total_tokens": self.prompt_tokens + len(self.ids)}
-
-
-def _arguments(raw: str) -> dict:
-    return json.loads(raw or "{}")
-
-
 def _canonical(m: ChatMessage) -> dict:
     """What must match when a client sends history back: role, text and calls (ids and argument
     formatting may differ between clients)."""
     d: dict = {"role": m.role, "content": m.text()}
     if m.tool_calls:
-        d["tool_calls"] = [[c.function.name, _arguments(c.function.arguments)] for c in m.tool_calls]
+        d["tool_calls"] = [[c.function.name, arguments(c.function.arguments)] for c in m.tool_calls]
     return d
-
-
-def _template_message(m: ChatMessage) -> dict:
-    """A message as HF chat templates read it (tool-call arguments as objects, as Qwen's expect)."""
-    d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function",
-                            "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                           for c in m.tool_calls]
-    if m.tool_call_id is not None:
-        d["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        d["name"] = m.name
-    return d
-
-
-def parse_request(body, model=ChatCompletionRequest, hints=FIELD_HINTS):
-    """The typed request, or a SessionError naming the first offending field."""
-    if not isinstance(body, dict):
-        raise SessionError("the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "request"
-        hint = hints.get(str(err["loc"][0]) if err["loc"] else "", "")
-        msg = err["msg"].removeprefix("Value error, ")
-        raise SessionError(f"{loc}: {msg}" + (f" ({hint})" if hint else ""), param=loc) from None
 
 
 class SessionStore:
@@ -234,14 +183,6 @@ class SessionStore:
                                "client does when api_key is set, e.g. from OPENAI_API_KEY)", status=401)
         return session
 
-    def _render_first(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False)
-        except Exception as e:  # noqa: BLE001 - a template's raise_exception or a jinja error: the request's fault
-            raise SessionError(f"messages: the chat template refused them: {e}", param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
     def _render_suffix(self, messages: list[dict], closed: bool) -> list[int]:
         try:
             return self.fmt.suffix_ids(messages, closed)
@@ -251,7 +192,7 @@ class SessionStore:
 
     async def complete(self, sid: str, req: ChatCompletionRequest, authorization: str | None = None) -> Completion:
         session = self.authorize(sid, authorization)
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tools = tools_of(req)
         canon = [_canonical(m) for m in req.messages]
         async with session.lock:
             if session.exhausted:
@@ -259,8 +200,7 @@ class SessionStore:
             first = not session.messages
             # Rendering and tokenizing cost in proportion to the messages: on a thread, off the event loop.
             if first:
-                new_ids = await asyncio.to_thread(self._render_first, [_template_message(m) for m in req.messages],
-                                                  tools)
+                new_ids = await asyncio.to_thread(render_prompt, self.tokenizer, req.messages, tools)
                 session_tools = tools
             else:
                 if tools != session.tools:
@@ -277,7 +217,7 @@ class SessionStore:
                     raise SessionError("messages: nothing new since the last reply; append a message")
                 if any(m.role == "assistant" for m in appended):
                     raise SessionError("messages: assistant turns come from the model; append only tool/user turns")
-                new_ids = await asyncio.to_thread(self._render_suffix, [_template_message(m) for m in appended],
+                new_ids = await asyncio.to_thread(self._render_suffix, [template_message(m) for m in appended],
                                                   session.last_finish == "closed")
                 session_tools = session.tools
             params = self._sampling(req, session, 0 if first else len(new_ids))  # the prompt is not budgeted
@@ -374,15 +314,6 @@ class SessionStore:
             await self._client.aclose()
 
 
-def completion_body(c: Completion, model: str) -> dict:
-    message: dict = {"role": "assistant", "content": c.content}
-    if c.tool_calls:
-        message["tool_calls"] = c.tool_calls
-    return {"id": c.id, "object": "chat.completion", "created": c.created, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": c.finish_reason, "logprobs": None}],
-            "usage": c.usage()}
-
-
 def response_body(c: Completion, req: ResponsesRequest, response_id: str, model: str) -> dict:
     """The turn as a /v1/responses object: a message item for its text, a function_call item per call."""
     output: list[dict] = []
@@ -403,36 +334,6 @@ def response_body(c: Completion, req: ResponsesRequest, response_id: str, model:
             "usage": {"input_tokens": c.prompt_tokens, "output_tokens": len(c.ids),
                       "total_tokens": c.prompt_tokens + len(c.ids), "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}}
-
-
-def completion_chunks(c: Completion, model: str, tokenizer, include_usage: bool) -> list[dict]:
-    """The turn as the chunks of an OpenAI stream: content token by token (when it has no tool calls,
-    whose text is not content), then one delta per call, then the finish reason and usage."""
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-
-    out = [chunk({"role": "assistant", "content": ""})]
-    content = c.content or ""
-    pieces = [content] if content else []
-    if content and not c.tool_calls:
-        pieces, seen = [], ""
-        for i in range(1, len(c.ids) + 1):
-            text = tokenizer.decode(c.ids[:i], skip_special_tokens=True)
-            if text.endswith("\ufffd") or not text.startswith(seen):
-                continue  # a token in the middle of a multi-byte character: wait for the rest
-            if text != seen:
-                pieces.append(text[len(seen):])
-                seen = text
-        if "".join(pieces) != content:
-            pieces = [content]
-    out += [chunk({"content": p}) for p in pieces]
-    out += [chunk({"tool_calls": [{"index": j, **call}]}) for j, call in enumerate(c.tool_calls)]
-    out.append(chunk({}, c.finish_reason))
-    if include_usage:
-        out.append({"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": model,
-                    "choices": [], "usage": c.usage()})
-    return out
 
 
 async def _json_body(request: Request, empty_ok: bool = False) -> dict:
@@ -467,13 +368,7 @@ def build_session_router(store: SessionStore) -> APIRouter:
             return completion_body(c, store.model_name)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunks = completion_chunks(c, store.model_name, store.tokenizer, include_usage)
-
-        async def events():
-            for ch in chunks:
-                yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(sse(chunks), media_type="text/event-stream")
 
     @router.post("/sessions/{sid}/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def responses(sid: str, request: Request):
@@ -515,8 +410,8 @@ def build_app(store: SessionStore, max_request_mb: float = DEFAULT_MAX_BODY_MB) 
     app = FastAPI(title="miles sessions")
     app.add_middleware(BodyLimit, max_bytes=int(max_request_mb * (1 << 20)))
 
-    @app.exception_handler(SessionError)
-    async def _refused(_request, exc: SessionError):
+    @app.exception_handler(RequestRefused)
+    async def _refused(_request, exc: RequestRefused):
         # OpenAI clients read error.message (and error.param); keep the shape they expect.
         kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
         return JSONResponse({"error": {"message": str(exc), "type": kind, "param": exc.param, "code": None}},

@@ -84,6 +84,12 @@ class EngineClient:
             raise TransportError("; ".join(errors))
         return [f.result() for f in futures]
 
+    def try_all(self, urls: list[str], path: str, body: dict | None) -> list:
+        """POST to every engine at once; each one's reply, or the TransportError it raised (nothing raised)."""
+        futures = [self._pool.submit(self.request, "POST", url, path, body) for url in urls]
+        cf.wait(futures)
+        return [f.exception() if f.exception() is not None else f.result() for f in futures]
+
     def run_all(self, fns: list[Callable[[], object]]) -> list:
         """Run callables concurrently on the client's threads; raise the first error after all finish."""
         futures = [self._pool.submit(fn) for fn in fns]

@@ -87,6 +87,14 @@ class MicroBatch:
     seqs: list
     routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
 
+    def to(self, device) -> "MicroBatch":
+        """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
+        if device == self.input_ids.device:
+            return self
+        moved = {f.name: (v.to(device) if hasattr(v, "to") and f.name != "seqs" else v)
+                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        return MicroBatch(**moved)
+
 
 def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: bool, pad_id: int,
                       moe_shape: tuple[int, int] | None = None) -> MicroBatch:

@@ -64,6 +64,14 @@ class TrainerConfig:
     """Optimizer state streamed back per bucket of parameters of about this size around the step."""
     num_threads: int = 1
     """torch threads per trainer process (keep at 1 when processes share few cores)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer's ranks compute: cpu, or cuda (rank r on visible GPU r mod count). The CUDA
+    path has not run on this project's machines yet (docs/scaling.md says what ran where)."""
+    collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend of the trainer's group: auto = gloo on cpu, nccl on cuda."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the forward and backward compute in. Master weights and optimizer state stay float32;
+    bfloat16 uses FSDP2 mixed precision (bfloat16 parameters, float32 gradient reduction)."""
     collective_timeout_s: float = 600.0
     """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
     instead of hanging on a dead or stalled rank."""
@@ -109,6 +117,20 @@ class TrainerConfig:
         if tp < 1 or ep < 1 or self.num_ranks % max(tp, ep):
             raise ConfigError(f"trainer.num_ranks ({self.num_ranks}) must be a multiple of "
                               f"tensor_parallel_size ({tp}) and expert_parallel_size ({ep})")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"trainer.device = {self.device!r}: choose cpu or cuda")
+        if self.collective_backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"trainer.collective_backend = {self.collective_backend!r}: choose auto, gloo or nccl")
+        if self.collective_backend == "nccl" and self.device == "cpu":
+            raise ConfigError("trainer.collective_backend = 'nccl' needs GPUs: set trainer.device = 'cuda', or "
+                              "trainer.collective_backend = 'auto' (gloo on cpu)")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"trainer.param_dtype = {self.param_dtype!r}: choose float32 or bfloat16")
+        if (self.param_dtype != "float32" or self.device != "cpu") and (tp > 1 or ep > 1):
+            # The tensor/expert-parallel layouts build their own CPU meshes in float32 (trainer/parallel.py).
+            raise ConfigError("tensor/expert parallelism runs on cpu in float32 only: set trainer.device = 'cpu' "
+                              "and trainer.param_dtype = 'float32', or tensor_parallel_size = "
+                              "expert_parallel_size = 1")
         if self.offload_optimizer not in ("none", "cpu", "disk") or self.offload_bucket_mb < 1:
             raise ConfigError("trainer.offload_optimizer must be none, cpu or disk, and offload_bucket_mb >= 1")
         self.algorithm.validate()  # the name first: the critic check below looks the algorithm up

@@ -173,3 +173,62 @@ def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sg
         assert call("/health", method="GET").status_code == 200
     finally:
         server.stop()
+
+
+def test_lora_adapter_sync_and_lora_routes_follow_sglangs_protocol(sglang, base_model_dir, tmp_path):
+    """What lora.sync = "adapter" sends (two pushes, through a recording proxy) departs from SGLang's
+    protocol only by advertised extensions; a /generate naming the adapter (lora_path) is SGLang's
+    request; SGLang-only engines answer the LoRA routes with SGLang's status codes."""
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+    from miles.rollout.engine.weight_api import EXTENSION_SURFACE
+    from miles.sync.adapter import AdapterSync
+    from miles.trainer.lora import LoraConfig, adapter_tensors, apply_lora
+    from miles.models.loading import load_model
+
+    model = apply_lora(load_model(base_model_dir), LoraConfig(rank=2, target_modules="q_proj,v_proj"))
+    named = lambda: adapter_tensors(model.state_dict().items())  # noqa: E731
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=TOKEN))
+    proxy = RecordingProxy(server.url)
+    sync = AdapterSync(LoraConfig(rank=2, target_modules="q_proj,v_proj", sync="adapter",
+                                  adapter_dir=str(tmp_path / "adapters")), TOKEN, base_model_dir)
+    try:
+        sync.connect([proxy.url])
+        sync.push(named(), 1)
+        sync.push(named(), 2)
+        name = f"policy-v2-{sync.token}"
+        r = httpx.post(proxy.url + "/generate", json={"input_ids": [5, 6, 7], "lora_path": name,
+                                                      "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "2"
+        advertised = set(httpx.get(server.url + "/get_server_info").json()["miles_extensions"])
+        assert "lora_default" in advertised
+        allowed_routes = {p for e in advertised for p, f in EXTENSION_SURFACE[e].items() if f is None}
+        unexplained = [why for path, field, why in _violations(sglang, proxy.requests)
+                       if not (field is None and path in allowed_routes)]
+        assert not unexplained, "\n".join(unexplained)
+        paths = [r.path for r in proxy.requests]
+        assert paths.count("/load_lora_adapter") == 2 and paths.count("/unload_lora_adapter") == 1
+    finally:
+        sync.close()
+        proxy.stop()
+        server.stop()
+
+    plain = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=TOKEN, sglang_only=True))
+    try:
+        def call(path: str, body: dict) -> httpx.Response:
+            r = httpx.post(plain.url + path, json=body, headers=headers, timeout=60)
+            codes = sglang.routes[path].status_codes
+            assert r.status_code in codes, f"{path} answered {r.status_code}; SGLang's handler answers {codes}"
+            return r
+
+        good = str(tmp_path / "adapters" / "v2")
+        ok = call("/load_lora_adapter", {"lora_name": "a", "lora_path": good, "pinned": False})
+        assert ok.status_code == 200 and ok.json()["success"] is True and ok.json()["loaded_adapters"] == {"a": good}
+        failed = call("/load_lora_adapter", {"lora_name": "a", "lora_path": good})
+        assert failed.status_code == 400 and failed.json()["success"] is False and failed.json()["error_message"]
+        assert call("/load_lora_adapter", {"lora_name": "b", "lora_path": str(tmp_path)}).status_code == 400
+        assert call("/unload_lora_adapter", {"lora_name": "a"}).json()["loaded_adapters"] == {}
+        assert call("/unload_lora_adapter", {"lora_name": "a"}).status_code == 400
+    finally:
+        plain.stop()

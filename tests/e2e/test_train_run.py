@@ -55,3 +55,93 @@ def test_run_on_engines_started_outside_the_run(tiny_model_dir, tmp_path, ray_cl
         # The engine serves the trainer's last push and is still up.
         assert httpx.get(engine.url + "/get_model_info").json()["weight_version"] == "2"
         assert httpx.get(engine.url + "/health").status_code == 200
+
+
+def test_a_run_routes_around_a_killed_external_engine_and_readmits_it_after_its_restart(
+        tiny_model_dir, tmp_path, ray_cluster, monkeypatch):
+    """Two engines the run did not start; one is SIGKILLed mid-run and started again on its port by
+    hand, as an operator would. The run goes on with the other, brings the restarted engine to the
+    fleet's weights, lets the router give it traffic again, and ends with both at the last version
+    and every prompt accounted for."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from miles.orchestration import sync_loop
+    from miles.orchestration.driver import run_train
+    from miles.rollout.engine.process import EngineProcess
+
+    def engine(port: int = 0) -> EngineProcess:
+        return EngineProcess(tiny_model_dir, port=port, admin_token="outside-token",
+                             extra_args=["--num-threads", "1"])
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(lambda port: engine(port), [0, 0]))
+    run_dir, num_steps = tmp_path / "e2e", 3
+    operator_log: list[str] = []
+
+    def operator():
+        # Mid-run: once step 1 is on record, kill one engine outright, then start it again on its port.
+        while not any(json.loads(line)["step"] == 1 for line in _lines(run_dir / "metrics.jsonl")):
+            time.sleep(0.1)
+        engines[1].proc.kill()
+        engines[1].proc.wait()
+        operator_log.append("killed")
+        engines[1] = engine(int(engines[1].url.rsplit(":", 1)[1]))
+        operator_log.append("restarted")
+
+    # The last step starts only once the restarted engine is back, however long its start-up took on
+    # a loaded machine, so the run's end can show it serving.
+    def paced_end_step(ctx, step, metrics, timer):
+        deadline = time.monotonic() + 180
+        while step == num_steps - 1 and not ctx.fleet.report()["readmissions"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return end_step(ctx, step, metrics, timer)
+
+    end_step = sync_loop.end_step
+    monkeypatch.setattr(sync_loop, "end_step", paced_end_step)
+    monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", "outside-token")
+    killer = threading.Thread(target=operator, daemon=True)
+    killer.start()
+    try:
+        summary = run_train(small_config(tiny_model_dir, tmp_path, **{
+            "loop.num_steps": str(num_steps), "eval.every_steps": "0", "eval.num_prompts": "4",
+            "rollout.engine_urls": ",".join(e.url for e in engines),
+            "health.interval_s": "0.3", "health.timeout_s": "3", "health.failure_threshold": "2"}))
+        killer.join(timeout=60)
+        assert operator_log == ["killed", "restarted"]
+        assert summary["steps"] == num_steps
+
+        # The fleet routed around the dead engine and re-admitted it at the same address after its restart.
+        fleet = summary["fleet"]
+        assert fleet["readmissions"] == 1, fleet
+        (event,) = fleet["events"]
+        assert event["kind"] == "readmitted" and event["old_url"] == event["new_url"] == engines[1].url
+        assert event["first_miss"] <= event["detected_at"] <= event["started_at"] <= event["pushed_at"] \
+            <= event["admitted_at"]
+        records = [json.loads(line) for line in _lines(run_dir / "metrics.jsonl")]
+        last = records[-1]
+        assert last["fleet/readmissions"] == 1 and last["fleet/serving_engines"] == 2, last
+        assert last["fleet/engines_declared_dead"] == 1
+
+        # Both engines serve the fleet's last version, the restarted one included, and neither was stopped.
+        for e in engines:
+            assert httpx.get(e.url + "/get_model_info").json()["weight_version"] == str(num_steps)
+        assert all(e.proc.poll() is None for e in engines)
+
+        # No prompt was lost: every one drawn was trained, discarded with a reason, or is still pending,
+        # and none was dropped for the dead engine (the router retried its requests on the other).
+        ledger = summary["ledger"]
+        assert ledger["drawn"] >= 4 * (num_steps - 1) and ledger["pending"] == ledger["retry_pending"]
+        assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
+        assert ledger["events"].get("discarded_engine_failure", 0) == 0, ledger
+    finally:
+        killer.join(timeout=60)
+        for e in engines:
+            e.stop()
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []

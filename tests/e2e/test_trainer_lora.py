@@ -79,3 +79,56 @@ def test_lora_merged_sync_leaves_the_trainers_merged_weights_on_the_engine(tiny_
     finally:
         trainer.close()
         ray.kill(engine)
+
+
+def test_lora_adapter_sync_serves_the_adapter_version_the_trainer_pushed(tiny_model_dir, tmp_path, ray_cluster):
+    """Two steps with lora.sync = "adapter": after each, every engine serves the pushed adapter (and only
+    it) under the step's version, and its logprobs are those of the trainer's merged model."""
+    import httpx
+    import ray
+    import torch
+
+    from miles.config.loader import build
+    from miles.models.loading import load_model
+    from miles.orchestration.actors import EngineShell, remote
+    from miles.orchestration.trainer_group import TrainerGroup
+    from miles.rollout.engine.config import EngineConfig
+    from miles.sync.prepare import SyncConfig
+    from miles.trainer.config import TrainerConfig
+    from miles.trainer.types import TrainSequence
+
+    token = "s3cret"
+    engine = remote(EngineShell).remote(EngineConfig(model_path=tiny_model_dir, admin_token=token))
+    url = ray.get(engine.url.remote())
+    cfg = build(TrainerConfig, {"lr": 5e-2, "lora": {"rank": 4, "sync": "adapter",
+                                                     "adapter_dir": str(tmp_path / "adapters")}})
+    trainer = TrainerGroup(cfg, SyncConfig(), tiny_model_dir, seed=0, temperature=1.0, admin_token=token)
+    prompt = [19, 20, 15, 21, 31, 27]
+    seqs = [TrainSequence(tokens=prompt + [5, 6, 0], prompt_len=len(prompt), loss_mask=[1, 1, 1], old_logprobs=[])] * 4
+    try:
+        trainer.connect_engines([url])
+        for step in (1, 2):
+            trainer.train_step(seqs, algorithm="sft")
+            metrics = trainer.sync_weights(step)
+            assert metrics["sync/lora_merged"] == 0.0 and metrics["sync/bytes"] > 0
+            info = httpx.get(url + "/get_server_info", timeout=60).json()
+            assert [n.rsplit("-", 1)[0] for n in info["loaded_lora_adapters"]] == [f"policy-v{step}"], info
+            r = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
+                "temperature": 1.0, "max_new_tokens": 6, "sampling_seed": step}}, timeout=60).json()
+            assert r["meta_info"]["weight_version"] == str(step)
+            out = r["output_ids"]
+            merged = load_model(trainer.save_hf(str(tmp_path / f"merged-{step}"))).eval()
+            with torch.no_grad():
+                logits = merged(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+            served = torch.tensor([lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]])
+            torch.testing.assert_close(served, expected, atol=1e-4, rtol=0)
+        # The adapter moved the policy: the base model would not give these logprobs.
+        base = load_model(tiny_model_dir).eval()
+        with torch.no_grad():
+            logits = base(torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+        base_lps = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out)[:, None]).squeeze(1)
+        assert not torch.allclose(base_lps, served, atol=1e-3)
+    finally:
+        trainer.close()
+        ray.kill(engine)

@@ -13,6 +13,7 @@ import ast
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +39,13 @@ def fetch_wheel() -> Path:
     wheels = sorted(where.glob("sglang-*.whl"))
     if not wheels:
         where.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                               f"sglang=={SGLANG_VERSION}", "-d", str(where)], capture_output=True, text=True,
-                              timeout=600)
+        # Downloaded aside and renamed in: a test worker beside this one never sees half a wheel.
+        with tempfile.TemporaryDirectory(dir=where) as partial:
+            proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                                   f"sglang=={SGLANG_VERSION}", "-d", partial], capture_output=True, text=True,
+                                  timeout=600)
+            for wheel in Path(partial).glob("sglang-*.whl"):
+                os.replace(wheel, where / wheel.name)
         wheels = sorted(where.glob("sglang-*.whl"))
         if proc.returncode != 0 or not wheels:
             why = f"pip download sglang=={SGLANG_VERSION} failed: {(proc.stderr or proc.stdout).strip()[-400:]}"
@@ -105,7 +110,10 @@ def _body_type(fn: ast.AsyncFunctionDef | ast.FunctionDef) -> str | None:
 def _status_codes(fn) -> set[int]:
     codes = set()
     for node in ast.walk(fn):
-        if isinstance(node, ast.keyword) and node.arg == "status_code":
+        # `status_code=...` in a response, or `status_code = ...` assigned first (the LoRA handlers' form).
+        named = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "status_code"
+                                                     for t in node.targets)
+        if named or isinstance(node, ast.keyword) and node.arg == "status_code":
             for value in ast.walk(node.value):
                 if isinstance(value, ast.Constant) and isinstance(value.value, int):
                     codes.add(value.value)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from miles.config.loader import ConfigError
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, check_admin_exposure
 from miles.precision.types import FORMATS
+from miles.rollout.tool_calls import TOOL_PARSERS
 
 
 @dataclass
@@ -45,6 +46,9 @@ class EngineConfig:
     """Seed of the engine-wide sampling generator used by requests without a sampling_seed."""
     default_max_new_tokens: int = 128
     """Completion budget of requests that do not set sampling_params.max_new_tokens."""
+    tool_call_parser: str = "hermes"
+    """How /v1/chat/completions reads tool calls out of a reply when the request offers tools (SGLang's
+    --tool-call-parser): hermes (Qwen2.5/Qwen3), llama3_json, none, or module:Class."""
     weight_update_timeout_s: float = 120.0
     """How long joining a weight-update group or one broadcast may take before it fails."""
     prefix_cache: bool = True
@@ -59,6 +63,8 @@ class EngineConfig:
     """Serve SGLang's protocol and nothing more: every miles extension (staged commit, p2p buffers,
     disk deltas, expected-checksum verification, the colocated handoff) is switched off and not
     advertised, so a trainer drives this engine exactly as it drives a plain SGLang server."""
+    max_lora_adapters: int = 8
+    """Most LoRA adapters loaded at once (/load_lora_adapter); a load beyond it is refused until one is unloaded."""
     reuse_weight_memory: bool = True
     """Keep the memory a weight update displaced as the next update's receive buffers: updates skip
     first-touch page faults, at the cost of a second copy of the weights held between updates."""
@@ -84,6 +90,11 @@ class EngineConfig:
                               f"{', '.join(FORMATS)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"engine port = {self.port}: set it in 0..65535 (0 picks a free port)")
+        if self.max_lora_adapters < 0:
+            raise ConfigError(f"engine max_lora_adapters = {self.max_lora_adapters}: set it >= 0 (0 serves no adapters)")
+        if self.tool_call_parser not in TOOL_PARSERS and ":" not in self.tool_call_parser:
+            raise ConfigError(f"engine tool_call_parser = {self.tool_call_parser!r}: choose one of "
+                              f"{', '.join(TOOL_PARSERS.names())}, or give module:Class")
         if self.max_request_mb <= 0:
             raise ConfigError(f"engine max_request_mb = {self.max_request_mb}: set it > 0 (64 is the default)")
 

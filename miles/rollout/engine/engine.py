@@ -10,7 +10,8 @@ checks requests against the model and composes the parts, each in its own module
   * prefix_cache.py: KV of earlier prompts and completions, reused by prompts that start with them
     (the n samples of a GRPO group, the next turn of a multi-turn episode);
   * sampler.py: next-token sampling and the logprob convention;
-  * memory.py: releasing and resuming the weights and the KV.
+  * memory.py: releasing and resuming the weights and the KV;
+  * lora.py: LoRA adapters, loaded from PEFT directories and applied per request in the forward.
 
 Logprob convention (details in sampler.py): each sampled token's logprob is taken from
 log_softmax(logits / T) in float32 for T > 0, or log_softmax(logits) for greedy (T == 0), BEFORE any
@@ -34,6 +35,7 @@ from concurrent.futures import Future
 import torch
 
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.lora import read_adapter
 from miles.rollout.engine.memory import Memory
 from miles.rollout.engine.model_runner import ModelRunner
 from miles.rollout.engine.sampler import SamplingParams
@@ -71,7 +73,8 @@ class Engine:
     # ---- generation -------------------------------------------------------------------------
 
     def make_request(self, input_ids, params: SamplingParams | None = None, return_logprob: bool = False,
-                     rid: str | None = None, return_routed_experts: bool = False) -> GenerateRequest:
+                     rid: str | None = None, return_routed_experts: bool = False,
+                     lora_path: str | None = None) -> GenerateRequest:
         """Build a request and check it against this model; raises InvalidRequest naming the field."""
         params = params or SamplingParams(max_new_tokens=self.config.default_max_new_tokens)
         ids = tuple(input_ids)
@@ -92,8 +95,13 @@ class Engine:
         if return_routed_experts and not self.runner.routers:
             raise InvalidRequest("return_routed_experts: this model has no mixture-of-experts layers, so there are "
                                  "no routed experts to return; send false")
+        adapter = None
+        if lora_path is not None:  # SGLang's field holds the adapter's name; the request keeps that adapter
+            with self.model_lock:
+                adapter = self.runner.adapters.get(lora_path)
         return GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
-                               return_logprob=return_logprob, return_routed_experts=return_routed_experts)
+                               return_logprob=return_logprob, return_routed_experts=return_routed_experts,
+                               adapter=adapter)
 
     def submit(self, req: GenerateRequest) -> Future:
         """Queue a request; the future resolves to a GenerateResult."""
@@ -144,6 +152,32 @@ class Engine:
         """Drop every cached prefix; running requests keep their own KV."""
         with self.model_lock:
             self.prefix_cache.clear()
+
+    # ---- LoRA adapters (lora.py) --------------------------------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, str]:
+        """Load the PEFT adapter at `path` as `name`; returns {name: path} of every loaded adapter.
+        InvalidRequest (nothing changed) for a taken name, a full engine or an adapter that does not fit."""
+        with self.model_lock:
+            self.runner.adapters.check_new(name)  # before reading the files: a refusal costs nothing
+        adapter = read_adapter(name, path, self.model, pinned)  # file reads outside the lock: decoding goes on
+        with self.model_lock:
+            before = self.runner.adapters.default
+            self.runner.adapters.add(adapter)
+            self.runner.adapters_changed(before)
+            return self.runner.adapters.loaded()
+
+    def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Unload adapter `name` (requests that named it finish on it); returns the adapters still loaded."""
+        with self.model_lock:
+            before = self.runner.adapters.default
+            self.runner.adapters.remove(name)
+            self.runner.adapters_changed(before)
+            return self.runner.adapters.loaded()
+
+    def lora_adapters(self) -> dict[str, str]:
+        with self.model_lock:
+            return self.runner.adapters.loaded()
 
     def stop(self) -> None:
         self.scheduler.stop()

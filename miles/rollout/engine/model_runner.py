@@ -17,6 +17,11 @@ prefill's for its prompt, one per decode step after. Such a row computes its who
 reading cached KV, because the cache keeps KV but not the routing that produced it; its KV is still
 offered to the cache for requests that do not ask.
 
+LoRA adapters (lora.py) are applied by hooks on the adapted linears, per row: the prefix cache holds
+KV computed with the default adapter only (the base model when there is none); a request on another
+adapter reads and writes no cached KV, and identical prompts are computed once per adapter. Loading
+or unloading an adapter that changes the default counts as a weight change (weights_epoch).
+
 With `quantization`, the Linear layers serve their weights in a low-precision format and dequantize
 them in each matmul (precision/linear.py); the parameters themselves stay as received.
 
@@ -39,6 +44,7 @@ from miles.precision.linear import quantize_linears
 from miles.rollout.engine import kv_cache
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.kv_cache import BatchKV
+from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.sampler import sample
 from miles.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
@@ -61,6 +67,11 @@ class Row:
     answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
     kv_version: int | None = None  # weights_epoch its KV was computed under; None once mixed
     routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
+    # Failure isolation (scheduler.py): "suspect" while it waits to run a step alone after a step it
+    # was in raised, "cleared" once it did without failing; `unblamed` counts failed steps it was in
+    # that no request could be blamed for.
+    isolation: str | None = None
+    unblamed: int = 0
 
     @classmethod
     def of(cls, req: GenerateRequest, future: Future) -> Row:
@@ -90,6 +101,7 @@ class ModelRunner:
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
         self.routers = routers(self.model)  # empty for dense models
+        self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,
                                         kv_cache.tokens_in(config.prefix_cache_mb, self.model)
                                         if config.prefix_cache else 0)
@@ -101,7 +113,8 @@ class ModelRunner:
         self._generator = torch.Generator().manual_seed(config.seed)  # for rows without their own seed
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
-                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0}
+                      "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0,
+                      "failed_steps": 0, "isolated_reqs": 0, "failed_reqs": 0}
         # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
@@ -115,21 +128,24 @@ class ModelRunner:
 
     def prefill(self, rows: list[Row]) -> None:
         """Compute `rows`' prompts, sample their first tokens and append them to the running batch."""
-        # Identical prompts are prefilled once; `lead[i]` is the unique prompt row i copies.
-        uniq: list[tuple[int, ...]] = []
-        where: dict[tuple[int, ...], int] = {}
-        lead = []
-        for r in rows:
-            ids = r.prefill_ids()
-            if ids not in where:
-                where[ids] = len(uniq)
-                uniq.append(ids)
-            lead.append(where[ids])
-        routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
+        # Identical prompts (on the same adapter) are prefilled once; `lead[i]` is the unique prompt row i copies.
         with self.model_lock, torch.inference_mode():
+            uniq: list[tuple[int, ...]] = []
+            adapters: list[Adapter | None] = []
+            where: dict[tuple, int] = {}
+            lead = []
+            for r in rows:
+                ids, adapter = r.prefill_ids(), self.adapter_of(r)
+                if (ids, id(adapter)) not in where:
+                    where[(ids, id(adapter))] = len(uniq)
+                    uniq.append(ids)
+                    adapters.append(adapter)
+                lead.append(where[(ids, id(adapter))])
+            routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
+            private = {lead[i] for i, r in enumerate(rows) if self._private(r)}
             epoch, version = self.weights_epoch, self.weight_version
-            computed_by = self._prefill_shared_prefixes(uniq, routed_uniq)
-            cache, mask, logits, cached, routed = self._prefill_forward(uniq, routed_uniq)
+            computed_by = self._prefill_shared_prefixes(uniq, routed_uniq | private)
+            cache, mask, logits, cached, routed = self._prefill_forward(uniq, routed_uniq, private, adapters)
             for i, before in computed_by.items():
                 cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
             if len(uniq) < len(rows):
@@ -150,7 +166,7 @@ class ModelRunner:
                 self.stats["prompt_tokens"] += len(r.req.input_ids)
                 self.stats["cached_tokens"] += r.cached_tokens
             first_of.setdefault(j, r)
-            r.kv_version = epoch
+            r.kv_version = None if j in private else epoch  # KV of a non-default adapter is never cached
         lens = torch.tensor([len(uniq[j]) for j in lead])  # (R,)
         self.kv.merge(cache, mask, lens, tokens)
         self.rows = self.rows + rows
@@ -167,7 +183,7 @@ class ModelRunner:
             pos = kv.next_pos.clamp(max=self.context_length - 1)[:, None]  # (B, 1)
             capture = any(r.req.return_routed_experts and r.finish is None for r in self.rows)
             logits, routed = self._forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
-                                           capture=capture)
+                                           capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
             tokens, logprobs = self._sample(logits, self.rows)
         if routed is not None:
             for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
@@ -218,14 +234,16 @@ class ModelRunner:
         self.kv.select(keep)
         self.rows = [self.rows[i] for i in keep]
 
-    def retract(self) -> list[Row]:
+    def retract(self, count: bool = True) -> list[Row]:
         """Take every running row out of the batch (to be queued again); its KV survives in the prefix
-        cache, so coming back re-prefills little."""
+        cache, so coming back re-prefills little. `count`: a retraction (pause, memory release) rather
+        than the end of a row's run alone (failure isolation)."""
         live = [i for i, r in enumerate(self.rows) if r.finish is None]
         self._cache_rows(live)
         rows = [self.rows[i] for i in live]
         self.reset()
-        self.stats["retracted_reqs"] += len(rows)
+        if count:
+            self.stats["retracted_reqs"] += len(rows)
         return rows
 
     def reset(self) -> None:
@@ -284,11 +302,30 @@ class ModelRunner:
 
     # ---- inside a step ----------------------------------------------------------------------
 
-    def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False):
-        """Last-position logits (B, V), and with `capture` the routed expert ids (B, S, MoE layers, top_k)."""
+    def adapter_of(self, row: Row) -> Adapter | None:
+        """The adapter row `row` decodes with: the one it named, else the default (caller holds model_lock)."""
+        return row.req.adapter if row.req.adapter is not None else self.adapters.default
+
+    def _private(self, row: Row) -> bool:
+        # The prefix cache holds the default adapter's KV only.
+        return row.req.adapter is not None and row.req.adapter is not self.adapters.default
+
+    def adapters_changed(self, default_before: Adapter | None) -> None:
+        """After a load or unload (caller holds model_lock): a new default is a weight change."""
+        if self.adapters.default is not default_before:
+            self.weights_epoch += 1
+            self.prefix_cache.clear()
+
+    def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False,
+                 adapters: list[Adapter | None] | None = None):
+        """Last-position logits (B, V), and with `capture` the routed expert ids (B, S, MoE layers, top_k).
+        `adapters`: each row's LoRA adapter (None for all: the default adapter on every row)."""
         kwargs = {self._cache_kwarg: cache}
         ids: list[torch.Tensor] = []
-        with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])):
+        if adapters is None:
+            adapters = [self.adapters.default] * input_ids.shape[0]
+        with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])), \
+                self.adapters.applied(adapters):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                              logits_to_keep=logits_to_keep, **kwargs)
         routed = None
@@ -326,13 +363,16 @@ class ModelRunner:
         self._prefill_forward(list(todo))
         return charged
 
-    def _prefill_forward(self, prompts: list[tuple[int, ...]], full: set[int] = frozenset()):
+    def _prefill_forward(self, prompts: list[tuple[int, ...]], full: set[int] = frozenset(),
+                         private: set[int] = frozenset(), adapters: list[Adapter | None] | None = None):
         """One forward over `prompts`, each starting from its cached prefix (prompts in `full`: from
-        nothing, recording routed experts); inserts the new KV into the prefix cache. Returns (cache,
+        nothing, recording routed experts; in `private`: from nothing, on an adapter other than the
+        default, `adapters[i]`); inserts the new KV into the prefix cache (not the private prompts'). Returns (cache,
         mask (R, M + S), last-position logits (R, V), cached lengths, routed ids (R, S, layers, top_k)
         or None). Caller holds model_lock."""
         # At least one token is always computed: its logits choose the first output token.
-        hits = [self.prefix_cache.match(ids, limit=0 if i in full else len(ids) - 1) for i, ids in enumerate(prompts)]
+        hits = [self.prefix_cache.match(ids, limit=0 if i in full or i in private else len(ids) - 1)
+                for i, ids in enumerate(prompts)]
         cached = [h.tokens for h in hits]
         suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
         R, M, S = len(prompts), max(cached), max(suffix)
@@ -348,9 +388,12 @@ class ModelRunner:
         cache = kv_cache.new_cache(self.model.config)
         if M:
             kv_cache.load_prefixes(cache, hits, cached, M)
-        logits, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=1, capture=bool(full))
+        logits, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=1, capture=bool(full),
+                                       adapters=adapters)
         self.stats["prefill_forwards"] += 1
         for i, ids in enumerate(prompts):
+            if i in private:
+                continue
             self.prefix_cache.insert(ids, lambda a, b, i=i: kv_cache.row_kv(cache, mask, i, a, b))
         return cache, mask, logits, cached, routed
 

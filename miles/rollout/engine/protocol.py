@@ -39,13 +39,14 @@ GREEDY_EPS = 1e-6
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
                   "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim", "n"}
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
-                  "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "return_routed_experts"}
+                  "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "return_routed_experts",
+                  "lora_path"}
 
 
 # SGLang request fields that clients (sglang-router among them) send with their defaults. They are
 # accepted at exactly those defaults; any other value would change the result and is refused.
 _INERT_AT_DEFAULT = {"model": None, "return_hidden_states": False, "background": False, "return_bytes": False,
-                     "return_entropy": False, "lora_path": None, "image_data": None, "audio_data": None,
+                     "return_entropy": False, "image_data": None, "audio_data": None,
                      "video_data": None, "custom_logit_processor": None, "data_parallel_rank": None}
 # Logging switches with no effect on the output.
 _BOOKKEEPING = {"log_metrics", "no_logs"}
@@ -106,6 +107,7 @@ class GenerateItem:
     return_logprob: bool
     rid: str | None
     return_routed_experts: bool = False
+    lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field); None: the default
 
 
 def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
@@ -152,6 +154,7 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
     params = _per_item(body.get("sampling_params"), n, batched, "sampling_params")
     logprob = _per_item(body.get("return_logprob"), n, batched, "return_logprob")
     rids = _per_item(body.get("rid"), n, batched, "rid")
+    loras = _per_item(body.get("lora_path"), n, batched, "lora_path")
     items = []
     for i in range(n):
         where = f"sampling_params{_at(i, batched and isinstance(body.get('sampling_params'), list))}"
@@ -164,7 +167,12 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
             raise InvalidRequest(f"rid: expected a string, got {_kind(rid)}")
         if rid is not None and not 0 < len(rid) <= MAX_RID_CHARS:
             raise InvalidRequest(f"rid: send 1 to {MAX_RID_CHARS} characters, got {len(rid)}")
-        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed))
+        lora = loras[i]
+        if lora is not None and not (isinstance(lora, str) and 0 < len(lora) <= MAX_RID_CHARS):
+            raise InvalidRequest(f"lora_path{_at(i, batched and isinstance(body.get('lora_path'), list))}: expected "
+                                 f"the name of a loaded adapter (a string of 1 to {MAX_RID_CHARS} characters) or "
+                                 f"null, got {_kind(lora)}")
+        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed, lora))
     return items, batched
 
 
@@ -247,6 +255,7 @@ class GenerateBody(BaseModel):
     logprob_start_len: int | None = Field(None, ge=-1)
     top_logprobs_num: Literal[0] | None = 0
     return_routed_experts: bool = False
+    lora_path: str | list[str | None] | None = None
 
 
 def openapi_body(model: type[BaseModel]) -> dict:
@@ -369,6 +378,18 @@ class ContinueGeneration(Body):
 class Abort(Body):
     rid: str | None = None
     abort_all: bool = False
+
+
+class LoadLoRAAdapter(Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+    lora_id: str | None = None  # SGLang fills it in itself; accepted and unused
+
+
+class UnloadLoRAAdapter(Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_id: str | None = None
 
 
 class MemoryTags(Body):

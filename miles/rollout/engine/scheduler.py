@@ -14,6 +14,16 @@ re-prefills little) and they continue after /continue_generation; `in_place` sto
 the running batch and its KV as they are. Memory release (memory.py) holds generation the same way
 until the memory is resumed. New requests queue meanwhile.
 
+Failure isolation: the checks at the edge (protocol.py, Engine.make_request) refuse every bad input
+they foresee; a step that raises anyway must not fail the requests that happened to share it. Its
+batch is dropped (a forward that raised midway may have grown some layers' KV and not others) and its
+unfinished requests become suspects: each runs one prefill and one decode step alone, in an empty
+batch, before anything else is admitted. A suspect that raises alone is failed by itself
+(RequestFailed, HTTP 422); the others keep the tokens they had (and those of their run alone) and go
+back to the head of the queue, so they finish as they would have. A request whose step failed twice
+while no run alone could be blamed (the fault is in the combination, or transient) is failed with
+EngineStepFailed (HTTP 503, retry). A step that held a single row blames it at once.
+
 Non-goals: priorities, preemption by length or memory pressure, chunked prefill; the torch work
 itself (model_runner.py).
 """
@@ -25,14 +35,28 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.model_runner import ModelRunner, Row
-from miles.rollout.engine.types import PAUSE_MODES, FinishReason, GenerateRequest, InvalidRequest
+from miles.rollout.engine.types import (PAUSE_MODES, EngineStepFailed, FinishReason, GenerateRequest,
+                                        InvalidRequest, RequestFailed)
 
 log = logging.getLogger(__name__)
+
+# Failed steps a request may share, with no run alone blamed for them, before it is failed (503).
+MAX_UNBLAMED_FAILURES = 2
+
+
+@dataclass
+class _Isolation:
+    """One failed step being isolated: whether a run alone has found a culprit yet, and the suspects
+    that ran alone without failing."""
+
+    blamed: bool = False
+    cleared: list[Row] = field(default_factory=list)
 
 
 class Scheduler:
@@ -50,6 +74,7 @@ class Scheduler:
         self._unservable: str | None = None  # why the weights may not be served (a verification's noise)
         self._released: set[str] = set()  # memory tags released (memory.py); generation waits while non-empty
         self._control: list[tuple[str, threading.Event]] = []  # quiesce requests for the loop
+        self._isolation: _Isolation | None = None  # set while suspects of a failed step wait to run alone
         self._thread = threading.Thread(target=self._loop, name="miles-engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -167,9 +192,9 @@ class Scheduler:
                 aborts, self._aborts = self._aborts, set()
                 admit = []
                 if not self._held() and not control:
-                    room = self.config.max_batch_size - runner.num_running
-                    admit = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                    admit = self._admit()
                     self._inflight.update(row.req.rid for row in admit)
+            alone = len(admit) == 1 and admit[0].isolation == "suspect"
             t0 = time.perf_counter()
             try:
                 if admit:
@@ -189,18 +214,115 @@ class Scheduler:
                 if runner.rows and not self._held():
                     runner.decode()
                     self._evict_finished()
+                if alone:
+                    self._clear(admit[0])
                 runner.stats["busy_s"] += time.perf_counter() - t0
-            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-                log.exception("engine step failed; failing the running batch")
-                for row in runner.rows + admit:
-                    if not row.future.done():
-                        row.future.set_exception(exc)
-                runner.reset()
-                with self._cond:
-                    self._inflight.clear()
+            except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine or its batch
+                # Every row the step touched, once each (a failed prefill may or may not have merged `admit`).
+                batch = list({id(r): r for r in runner.rows + admit}.values())
+                self._isolate(batch, exc, aborts)
                 for _, done in control:
                     done.set()
         self._shutdown()
+
+    # ---- failure isolation ------------------------------------------------------------------
+
+    def _admit(self) -> list[Row]:
+        """Rows to merge into the batch this step (caller holds _cond): the next suspect alone, into an
+        empty batch, while a failed step is being isolated; else waiting rows up to max_batch_size."""
+        if self._waiting and self._waiting[0].isolation == "suspect":
+            # Between two runs alone the batch is empty; otherwise let what runs finish first.
+            return [self._waiting.popleft()] if not self.runner.rows else []
+        if self._isolation is not None:
+            self._end_isolation()
+        room = self.config.max_batch_size - self.runner.num_running
+        return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+
+    def _isolate(self, batch: list[Row], exc: Exception, aborts: set[str]) -> None:
+        """A step raised. Its KV is dropped; what had finished is answered; a row that ran alone is
+        blamed; every other unfinished row is queued, first, as a suspect to run a step alone."""
+        runner = self.runner
+        runner.reset()
+        runner.stats["failed_steps"] += 1
+        open_rows = [r for r in batch if not r.future.done()]
+        log.warning("engine step failed with %d request(s) in the batch (%s: %s); running each alone to find "
+                    "the cause", len(batch), type(exc).__name__, exc, exc_info=exc)
+        suspects = []
+        with self._cond:
+            self._inflight.difference_update(r.req.rid for r in open_rows)
+            for row in open_rows:
+                if row.finish is None and row.req.rid in aborts:  # aborted in the failed step: that still holds
+                    row.finish = FinishReason("abort", message="aborted")
+                if row.finish is not None:  # finished before the failure: its answer stands
+                    self._answer(row)
+                elif len(batch) == 1:
+                    self._blame(row, exc)
+                else:
+                    row.isolation = "suspect"
+                    suspects.append(row)
+            if suspects:
+                if self._isolation is None:
+                    self._isolation = _Isolation()
+                self._waiting.extendleft(reversed(suspects))
+                self._cond.notify()
+
+    def _clear(self, row: Row) -> None:
+        """A suspect ran a step alone without failing: out of the batch it goes (its KV to the prefix
+        cache), back into the queue behind the suspects still to run, unless that step finished it."""
+        self.runner.stats["isolated_reqs"] += 1
+        live = self.runner.retract(count=False)
+        with self._cond:
+            self._inflight.discard(row.req.rid)
+            if not live:
+                return
+            if row.req.rid in self._aborts:  # its abort arrived during the run alone: no batch holds it now
+                self._aborts.discard(row.req.rid)
+                row.future.set_result(self.runner.result(row, FinishReason("abort", message="aborted")))
+                return
+            row.isolation = "cleared"
+            if self._isolation is not None:
+                self._isolation.cleared.append(row)
+            at = next((i for i, r in enumerate(self._waiting) if r.isolation != "suspect"), len(self._waiting))
+            self._waiting.insert(at, row)
+
+    def _end_isolation(self) -> None:
+        """Every suspect has run alone (caller holds _cond). With nobody blamed, the cleared rows carry
+        the failure; at MAX_UNBLAMED_FAILURES they are failed (503) rather than retried again."""
+        iso, self._isolation = self._isolation, None
+        failed = set()
+        for row in iso.cleared:
+            row.isolation = None
+            if iso.blamed or row.future.done():
+                continue
+            row.unblamed += 1
+            if row.unblamed >= MAX_UNBLAMED_FAILURES:
+                failed.add(id(row))
+                self.runner.stats["failed_reqs"] += 1
+                row.future.set_exception(EngineStepFailed(
+                    f"engine error, retry: a batch step failed {row.unblamed} times with this request in it, "
+                    "and no request of the batch failed when run alone"))
+        if failed:
+            self._waiting = deque(r for r in self._waiting if id(r) not in failed)
+
+    def _blame(self, row: Row, exc: Exception) -> None:
+        """`row` made a step raise when it ran alone: fail it, and it alone."""
+        self.runner.stats["failed_reqs"] += 1
+        if self._isolation is not None:
+            self._isolation.blamed = True
+        log.warning("request %s fails the engine step when run alone; refusing it", row.req.rid)
+        row.future.set_exception(RequestFailed(
+            f"the engine's step raised {type(exc).__name__}: {exc} on this request run alone; it was refused and "
+            "the requests batched with it went on. Sent again as it is, it fails again: check its input_ids "
+            "and sampling_params"))
+
+    def _answer(self, row: Row) -> None:
+        """Answer a finished row; a row whose result cannot be built (a decode that raises) is blamed."""
+        try:
+            result = self.runner.result(row, row.finish)
+        except Exception as exc:  # noqa: BLE001 - it concerns this row only
+            self._blame(row, exc)
+        else:
+            row.future.set_result(result)
 
     def _evict_finished(self, compact: bool = False) -> None:
         """Answer rows that finished and free their slots; the runner drops them from the batch tensors

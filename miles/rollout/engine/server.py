@@ -2,7 +2,9 @@
 
 Clients that drive SGLang servers (the router, generate functions, weight-sync transports) drive
 this one unchanged. Every request body is checked in protocol.py before it reaches the engine; a bad
-request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving.
+request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving. A request that
+passes the checks and still makes the engine's step raise gets 422, and the requests batched with it
+go on (503, retry, where no single request can be blamed; scheduler.py).
 Admin endpoints (weight updates, cache flush, pausing, aborting every request) need
 `Authorization: Bearer <token>` when the engine was started with an admin token; an engine without
 one serves on loopback only, unless started with `--insecure-admin`. Bodies are bounded in size
@@ -10,7 +12,10 @@ one serves on loopback only, unless started with `--insecure-admin`. Bodies are 
 What miles needs beyond SGLang's protocol is an extension, listed in /get_server_info as
 `miles_extensions`; with `sglang_only` (`miles serve --sglang-only true`) there are none and only
 SGLang's routes and fields are served, which is how miles is tested against SGLang's protocol.
-Non-goals: streaming, OpenAI-compatible routes, multi-node engines.
+LoRA adapters are loaded and unloaded with SGLang's /load_lora_adapter and /unload_lora_adapter
+(admin routes; what a request without `lora_path` uses is in lora.py).
+SGLang's OpenAI-compatible /v1/models and /v1/chat/completions are openai_routes.py's.
+Non-goals: streaming /generate, multi-node engines.
 
     python -m miles.rollout.engine.server --model DIR --port 30000
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -30,11 +36,14 @@ from miles.config import ConfigError
 from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, serve_app, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.openai_routes import add_openai_routes
 from miles.rollout.engine.sampler import SamplingParams
-from miles.rollout.engine.types import MEMORY_TAGS, InvalidRequest
+from miles.rollout.engine.types import MEMORY_TAGS, EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.weight_api import WeightRoutes
 
 log = logging.getLogger(__name__)
+
+LARGE_BODY = 1 << 20  # bytes: a /generate body past this is parsed on the one large-body thread
 
 
 def build_app(engine) -> FastAPI:
@@ -44,6 +53,16 @@ def build_app(engine) -> FastAPI:
     @app.exception_handler(InvalidRequest)
     async def _invalid(_request, exc: InvalidRequest):
         return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=400)
+
+    # A step that raised on one request is that request's failure alone (scheduler.py, failure isolation).
+    @app.exception_handler(RequestFailed)
+    async def _failed(_request, exc: RequestFailed):
+        return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=422)
+
+    @app.exception_handler(EngineStepFailed)
+    async def _step_failed(_request, exc: EngineStepFailed):
+        return JSONResponse({"error": str(exc), "success": False, "message": str(exc)}, status_code=503,
+                            headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _internal(_request, exc: Exception):
@@ -74,18 +93,26 @@ def build_app(engine) -> FastAPI:
         items, batched = protocol.parse_generate(protocol.parse_json(raw), engine.tokenizer,
                                                  engine.config.default_max_new_tokens, engine.context_length)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
-        return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts)
-                for it in items], batched
+        return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts,
+                                    it.lora_path) for it in items], batched
+
+    # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
+    # Bodies past LARGE_BODY queue for one thread of their own: a flood of them then holds the GIL
+    # from one thread at a time, and the scheduler's thread keeps its share; small ones never wait.
+    large_lane = ThreadPoolExecutor(1, thread_name_prefix="miles-engine-large-body")
 
     @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
     async def generate(request: Request):
-        # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
-        reqs, batched = await asyncio.to_thread(checked_generate, await request.body())
+        raw = await request.body()
+        if len(raw) > LARGE_BODY:
+            reqs, batched = await asyncio.get_running_loop().run_in_executor(large_lane, checked_generate, raw)
+        else:
+            reqs, batched = await asyncio.to_thread(checked_generate, raw)
         futures = [engine.submit(r) for r in reqs]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except asyncio.CancelledError:
-            for r in reqs:  # the client went away: free the batch slots
+        except (asyncio.CancelledError, RequestFailed, EngineStepFailed):
+            for r in reqs:  # the client went away, or one item failed the call: free the others' slots
                 engine.abort(r.rid)
             raise
         out = [r.to_sglang() for r in results]
@@ -120,6 +147,7 @@ def build_app(engine) -> FastAPI:
                 "engine_stats": dict(engine.stats)}
         if miles_mode:  # a plain SGLang server has no such key: no extensions
             info["miles_extensions"] = weights.extensions()
+        info["loaded_lora_adapters"] = engine.lora_adapters()
         return info
 
     if miles_mode:  # the `engine_load` extension: miles' own state routes
@@ -171,6 +199,27 @@ def build_app(engine) -> FastAPI:
     memory_route("release_memory_occupation", engine.release_memory, "released")
     memory_route("resume_memory_occupation", engine.resume_memory, "resumed")
 
+    async def lora_route(request: Request, body_model, act):
+        """SGLang's LoRA routes: 200 {success, loaded_adapters}, or 400 {success: false, error_message}
+        with the engine unchanged."""
+        require_admin(request)
+        try:
+            req = protocol.parse_body(body_model, await body_of(request))
+            loaded = await asyncio.to_thread(act, req)
+        except InvalidRequest as exc:
+            return JSONResponse({"success": False, "error_message": str(exc), "error": str(exc),
+                                 "loaded_adapters": engine.lora_adapters()}, status_code=400)
+        return {"success": True, "error_message": None, "loaded_adapters": loaded}
+
+    @app.post("/load_lora_adapter", openapi_extra=protocol.openapi_body(protocol.LoadLoRAAdapter))
+    async def load_lora_adapter(request: Request):
+        return await lora_route(request, protocol.LoadLoRAAdapter,
+                                lambda r: engine.load_lora_adapter(r.lora_name, r.lora_path, r.pinned))
+
+    @app.post("/unload_lora_adapter", openapi_extra=protocol.openapi_body(protocol.UnloadLoRAAdapter))
+    async def unload_lora_adapter(request: Request):
+        return await lora_route(request, protocol.UnloadLoRAAdapter, lambda r: engine.unload_lora_adapter(r.lora_name))
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
@@ -184,6 +233,8 @@ def build_app(engine) -> FastAPI:
 
     # Weight routes: the shared ones and each registered transport's (miles/sync/transports/<name>.py).
     app.include_router(weights.router)
+    # OpenAI-compatible routes (SGLang serves them in both modes: they are SGLang's own).
+    add_openai_routes(app, engine, model_info()["served_model_name"])
     return app
 
 
@@ -206,6 +257,9 @@ def prometheus_text(engine) -> str:
         ("decode_forwards_total", "counter", "Decode forwards", st["decode_forwards"]),
         ("retracted_requests_total", "counter", "Requests retracted by pause or memory release",
          st["retracted_reqs"]),
+        ("failed_steps_total", "counter", "Batch steps that raised (their requests then ran alone)",
+         st["failed_steps"]),
+        ("failed_requests_total", "counter", "Requests failed by a step that raised (422 or 503)", st["failed_reqs"]),
         ("num_running_reqs", "gauge", "Requests in the running batch", running),
         ("num_waiting_reqs", "gauge", "Requests waiting for a batch slot", waiting),
     ]

@@ -6,8 +6,12 @@ The HTTP layer translates these to and from SGLang-shaped JSON; the engine never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from miles.rollout.engine.sampler import SamplingParams
+
+if TYPE_CHECKING:  # lora.py imports this module for InvalidRequest
+    from miles.rollout.engine.lora import Adapter
 
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
@@ -18,6 +22,16 @@ class InvalidRequest(ValueError):
     """A request the engine refuses; the message names the offending field (HTTP 400)."""
 
 
+class RequestFailed(Exception):
+    """An accepted request whose step raised even when it ran alone (HTTP 422): sent again as it is, it
+    fails again. The requests batched with it were not affected."""
+
+
+class EngineStepFailed(Exception):
+    """A request whose batch step raised twice while no request of it failed alone (HTTP 503): the
+    fault lies in the combination or in the engine, so a retry may succeed."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     rid: str
@@ -25,6 +39,8 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     return_routed_experts: bool = False  # record the top-k expert ids of every token (MoE models)
+    # The LoRA adapter the request named (SGLang's lora_path); None: the engine's default (lora.py).
+    adapter: Adapter | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

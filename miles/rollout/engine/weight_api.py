@@ -33,7 +33,9 @@ from miles.rollout.engine.types import InvalidRequest
 
 # The miles extensions every built-in engine in miles mode has, besides its transports' (their
 # Receivers' `extension`). Listed in /get_server_info as `miles_extensions`.
-BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load")
+# lora_default: a /generate request that names no adapter (lora_path) uses the most recently loaded
+# one, where SGLang uses the base model (rollout/engine/lora.py); it adds no route or field.
+BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load", "lora_default")
 
 # What each extension adds to SGLang's protocol: a route of its own (None) or fields on an SGLang
 # route. A client may send these only to an engine that advertises the extension (docs/sglang.md;
@@ -49,6 +51,7 @@ EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
     "p2p": {"/p2p_open_buffer": None, "/p2p_close_buffer": None},
     "colocated": {"/update_weights_from_tensor": frozenset({"shm_path", "names", "dtypes", "shapes", "offsets"})},
     "disk_delta": {"/init_delta_base": None},
+    "lora_default": {},
 }
 
 

@@ -1,7 +1,13 @@
-"""A sandbox for the shell commands of terminal tasks.
+"""A sandbox for the shell commands of terminal tasks, on one of two backends.
 
-Each command runs in fresh Linux namespaces (network, PID, mount) as an unprivileged user id that no
-other sandbox shares, with its own working directory (workdir.py):
+`sandbox.backend` picks how commands are confined: "root" (below; needs root), "rootless" (user
+namespaces and bubblewrap, rootless.py; needs no privilege), or "auto" (root when this process is
+root and the root backend works here, rootless otherwise). Both give the same guarantees except the
+memory cgroup, which only the root backend has; the escape-attempt suite
+(tests/unit/rollout/environments/test_sandbox_escapes.py) runs against each.
+
+On the root backend each command runs in fresh Linux namespaces (network, PID, mount) as an
+unprivileged user id that no other sandbox shares, with its own working directory (workdir.py):
 
 - no network: a new network namespace holds only a downed loopback, so nothing (not even servers on
   the host's 127.0.0.1, nor abstract unix sockets) can be reached;
@@ -19,9 +25,10 @@ other sandbox shares, with its own working directory (workdir.py):
   left behind dies with the namespace (and with the host process, through PR_SET_PDEATHSIG);
   `close()` removes the cgroup and unmounts the working directory, and cannot fail.
 
-When the kernel or the privileges do not allow this (not root, no `unshare`/`setpriv`/`pivot_root`,
-namespaces refused, no writable memory cgroup, no tmpfs mount), the sandbox refuses to start with
-SandboxUnavailable rather than run anything unconfined.
+When the kernel or the privileges do not allow the chosen backend (root: not root, no
+`unshare`/`setpriv`/`pivot_root`, namespaces refused, no writable memory cgroup, no tmpfs mount;
+rootless: no `bwrap`, user namespaces disabled), the sandbox refuses to start with SandboxUnavailable,
+naming what is missing, rather than run anything unconfined.
 Non-goals: seccomp syscall filtering, containers/images, persistent processes across commands.
 """
 
@@ -38,15 +45,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Protocol
 
 from miles.config import ConfigError
-from miles.rollout.environments import cgroup, workdir
+from miles.rollout.environments import cgroup, rootless, workdir
 from miles.rollout.environments.cgroup import CgroupUnavailable, MemoryCgroup
-from miles.rollout.environments.workdir import SandboxError, WorkDir, WorkDirUnavailable
+from miles.rollout.environments.rootless import INNER_WORKDIR, RootlessBackend
+from miles.rollout.environments.workdir import SandboxError, SandboxUnavailable, WorkDir, WorkDirUnavailable
 
-# Inside the namespaces the working directory is bind-mounted here; /var/tmp itself is a private tmpfs.
-INNER_WORKDIR = "/var/tmp/work"
-_SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+_SAFE_PATH = rootless.SAFE_PATH
+BACKENDS = ("auto", "root", "rootless")
 
 # The host directories a command sees, read-only; everything else of the host's filesystem is absent.
 ROOT_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
@@ -84,23 +92,27 @@ _SETUP = (
 _PR_SET_PDEATHSIG = 1
 
 
-class SandboxUnavailable(RuntimeError):
-    """This machine cannot confine a command; nothing was run."""
-
-
 @dataclass
 class SandboxConfig:
+    backend: str = "auto"
+    """How commands are confined: "root" (namespaces, a throwaway uid and a memory cgroup; needs root),
+    "rootless" (user namespaces and bubblewrap; needs no privilege, has no memory cgroup), or "auto"
+    (root when running as root and it works here, else rootless)."""
+    extra_ro_paths: list[str] = field(default_factory=list)
+    """Host paths bound read-only into a rootless sandbox beyond /usr (absolute), for tasks whose tools
+    live elsewhere, e.g. ["/opt/tool"]; the root backend already shows /opt and /etc."""
     cpu_time_s: int = 10
     """CPU seconds per command (RLIMIT_CPU); past it the command gets SIGXCPU, then SIGKILL."""
     memory_mb: int = 1024
-    """Memory of all the sandbox's processes together in MiB (a memory cgroup; files its commands write
-    to the working directory count too); each process also gets it as its address-space limit."""
+    """Memory in MiB: each process's address-space limit, and on the root backend also the limit of all
+    the sandbox's processes together (a memory cgroup, where files written to the working directory count too)."""
     disk_mb: int = 64
     """Size of the working directory in MiB (a tmpfs: writes past it fail with 'No space left')."""
     max_file_mb: int = 16
     """Largest file a command may write, in MiB (RLIMIT_FSIZE)."""
     max_processes: int = 64
-    """Most processes the command may have at once (RLIMIT_NPROC, per sandbox uid)."""
+    """Most processes the command may have at once (RLIMIT_NPROC, counted per sandbox uid on the root backend
+    and per user namespace on the rootless one)."""
     wall_timeout_s: float = 20.0
     """Wall-clock seconds per command; then every process of the command is killed."""
     max_output_bytes: int = 8192
@@ -117,6 +129,12 @@ class SandboxConfig:
             raise ConfigError("sandbox.wall_timeout_s must be > 0")
         if self.stop_after_output_factor < 1:
             raise ConfigError("sandbox.stop_after_output_factor must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"sandbox.backend = {self.backend!r}: write one of {', '.join(map(repr, BACKENDS))}")
+        for p in self.extra_ro_paths:
+            if not isinstance(p, str) or not p.startswith("/") or Path(p).resolve() == Path("/"):
+                raise ConfigError(f"sandbox.extra_ro_paths: {p!r} is not an absolute path below / "
+                                  "(write e.g. \"/opt/tool\")")
 
 
 @dataclass(frozen=True)
@@ -150,17 +168,34 @@ _SIGNAL_VIOLATIONS = {
 }
 
 _probe_lock = threading.Lock()
-_probe_result: str | None = None  # None = not probed; "" = works; otherwise why not
+_probe_results: dict[str, str] = {}  # backend -> "" (works) or why not; probed once per process
 
 
-def check_available() -> None:
-    """Raise SandboxUnavailable unless this process can build the sandbox (probed once per process)."""
-    global _probe_result
+def check_available(backend: str = "auto") -> str:
+    """The backend commands will run on ("root" or "rootless"); SandboxUnavailable, naming what is
+    missing, when `backend` cannot confine a command on this machine."""
+    if backend not in BACKENDS:
+        raise SandboxError(f"sandbox backend {backend!r}: write one of {', '.join(map(repr, BACKENDS))}")
+    if backend == "auto":
+        if os.geteuid() == 0 and not _probed("root"):
+            return "root"
+        if not _probed("rootless"):
+            return "rootless"
+        reasons = [f"rootless: {_probed('rootless')}"]
+        if os.geteuid() == 0:
+            reasons.insert(0, f"root: {_probed('root')}")
+        raise SandboxUnavailable("no sandbox backend works here; " + " | ".join(reasons))
+    why = _probed(backend)
+    if why:
+        raise SandboxUnavailable(why)
+    return backend
+
+
+def _probed(backend: str) -> str:
     with _probe_lock:
-        if _probe_result is None:
-            _probe_result = _probe()
-    if _probe_result:
-        raise SandboxUnavailable(_probe_result)
+        if backend not in _probe_results:
+            _probe_results[backend] = _probe() if backend == "root" else rootless.probe()
+        return _probe_results[backend]
 
 
 def _probe() -> str:
@@ -168,8 +203,8 @@ def _probe() -> str:
     if os.name != "posix" or not Path("/proc/self/ns/net").exists():
         return "the sandbox needs Linux namespaces" + hint
     if os.geteuid() != 0:
-        return ("the sandbox needs root (to create network/PID/mount namespaces and switch to a throwaway uid); "
-                "run as root or in a container that grants CAP_SYS_ADMIN" + hint)
+        return ("the root sandbox backend needs root (to create network/PID/mount namespaces and switch to a "
+                "throwaway uid); run as root, or use sandbox.backend = \"rootless\"" + hint)
     missing = [b for b in ("unshare", "setpriv", "mount", "pivot_root")
                if shutil.which(b, path=f"{_SAFE_PATH}:/usr/sbin:/sbin") is None]
     if missing:
@@ -188,59 +223,57 @@ def _probe() -> str:
     return ""
 
 
-class Sandbox:
-    """One task's sandbox: a private working directory and a uid; commands run one at a time.
+class SandboxBackend(Protocol):
+    """How one sandbox confines its commands; Sandbox runs them and captures their output."""
 
-    Use as a context manager, or call close(); the directory and everything in it is deleted.
-    """
+    workdir: WorkDir
+    uid: int                   # the host uid its commands run as
+    cgroup: MemoryCgroup | None
 
-    def __init__(self, config: SandboxConfig | None = None, parent_dir: str | None = None):
-        check_available()
-        self.config = config or SandboxConfig()
-        self._closed = True  # until everything below exists, close() has nothing to undo
+    def argv(self, command: str) -> list[str]:
+        """The host command line that runs `command` confined."""
+
+    def preexec(self) -> Callable[[], None]:
+        """What the child runs between fork and exec (limits, parent-death signal, uid)."""
+
+    def oom_kills(self) -> int:
+        """Processes the memory limit has killed so far (0 where there is no memory cgroup)."""
+
+    def processes(self) -> list[int]:
+        """Host PIDs of its commands still running."""
+
+    def await_gone(self) -> None:
+        """After a kill: wait until every process of the command is gone."""
+
+    def close(self) -> None:
+        """Kill what is left and remove the working directory; never raises."""
+
+
+class _Root:
+    """One root-backend sandbox: a throwaway uid, a tmpfs working directory on the host, a memory cgroup."""
+
+    def __init__(self, config: SandboxConfig, parent_dir: str | None):
+        self.config = config
         # What owners killed before their close() left behind (their pid is in the names).
         workdir.sweep_stale()
         cgroup.sweep_stale()
         # A uid nobody else uses: RLIMIT_NPROC counts per uid, and it owns nothing outside the directory.
         self.uid = 200_000 + secrets.randbelow(1_000_000_000)
         try:
-            self._dir = WorkDir(self.uid, self.config.disk_mb, parent_dir)
+            self.workdir = WorkDir.tmpfs(self.uid, config.disk_mb, parent_dir)
         except WorkDirUnavailable as e:
             raise SandboxUnavailable(f"the sandbox's working directory: {e}") from None
         try:
-            self.cgroup = MemoryCgroup.create(os.getpid(), self.uid, self.config.memory_mb << 20)
+            self.cgroup = MemoryCgroup.create(os.getpid(), self.uid, config.memory_mb << 20)
         except CgroupUnavailable as e:
-            self._dir.remove()
+            self.workdir.remove()
             raise SandboxUnavailable(f"the sandbox's memory cgroup: {e}") from None
-        self.workdir = self._dir.path
-        self._closed = False
-        self._lock = threading.Lock()
 
-    # ---- files, from the host side (task setup and inspection) ---------------------------------
+    def argv(self, command: str) -> list[str]:
+        return ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
+                "--", "/bin/sh", "-c", _SETUP, "sandbox-setup", str(self.workdir.path), str(self.uid), command]
 
-    def write_file(self, rel: str, content: str | bytes, mode: int = 0o644) -> None:
-        """Create or replace a regular file; anything else at that path (FIFO, socket, directory,
-        symlink) is refused with SandboxError."""
-        self._dir.write_file(rel, content, mode)
-
-    def read_file(self, rel: str, max_bytes: int = 1 << 20) -> str | None:
-        """The file's text (None if it does not exist or is a symlink); a FIFO, socket or directory is
-        refused with SandboxError."""
-        return self._dir.read_file(rel, max_bytes)
-
-    # ---- commands --------------------------------------------------------------------------------
-
-    def run(self, command: str, timeout_s: float | None = None) -> CommandResult:
-        if self._closed:
-            raise SandboxError("this sandbox is closed; start a new one")
-        if not isinstance(command, str) or not command.strip():
-            raise SandboxError("command: give a non-empty shell command string")
-        if "\x00" in command:
-            raise SandboxError("command: contains a NUL byte, which no shell command can")
-        with self._lock:
-            return self._run(command, self.config.wall_timeout_s if timeout_s is None else timeout_s)
-
-    def _limits(self):
+    def preexec(self):
         c = self.config
         procs = str(self.cgroup.procs)
 
@@ -260,15 +293,112 @@ class Sandbox:
 
         return apply
 
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills()
+
+    def processes(self) -> list[int]:
+        return processes_of(self.uid)
+
+    def await_gone(self) -> None:
+        _await_gone(self.uid)
+
+    def close(self) -> None:
+        try:
+            _kill_uid(self.uid)  # belt and braces: the PID namespace should already have taken them all
+        except OSError:
+            pass
+        self.cgroup.remove()
+        self.workdir.remove()
+
+
+class _Rootless:
+    """The rootless backend (rootless.py) behind the interface Sandbox uses."""
+
+    cgroup = None
+
+    def __init__(self, config: SandboxConfig, parent_dir: str | None):
+        self.config = config
+        self._b = RootlessBackend(config.disk_mb, parent_dir, tuple(config.extra_ro_paths))
+        self.workdir, self.uid = self._b.workdir, self._b.uid
+
+    def argv(self, command: str) -> list[str]:
+        return self._b.argv(command, self.config.max_processes)
+
+    def preexec(self):
+        c = self.config
+        return self._b.preexec(c.cpu_time_s, c.memory_mb, c.max_file_mb)
+
+    def oom_kills(self) -> int:
+        return 0
+
+    def processes(self) -> list[int]:
+        return self._b.processes()
+
+    def await_gone(self) -> None:
+        rootless.await_gone(self._b)
+
+    def close(self) -> None:
+        self._b.close()
+
+
+BACKEND_CLASSES: dict[str, type[SandboxBackend]] = {"root": _Root, "rootless": _Rootless}
+
+
+class Sandbox:
+    """One task's sandbox: a private working directory and a uid; commands run one at a time.
+
+    Use as a context manager, or call close(); the directory and everything in it is deleted.
+    `backend` says which backend confines it ("root" or "rootless").
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, parent_dir: str | None = None):
+        self.config = config or SandboxConfig()
+        self._closed = True  # until everything below exists, close() has nothing to undo
+        self.backend = check_available(self.config.backend)
+        self._backend: SandboxBackend = BACKEND_CLASSES[self.backend](self.config, parent_dir)
+        self._dir = self._backend.workdir
+        self.uid = self._backend.uid
+        self.cgroup = self._backend.cgroup  # None on the rootless backend
+        self.workdir = self._dir.path
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ---- files, from the host side (task setup and inspection) ---------------------------------
+
+    def write_file(self, rel: str, content: str | bytes, mode: int = 0o644) -> None:
+        """Create or replace a regular file; anything else at that path (FIFO, socket, directory,
+        symlink, or a path through a symlink) is refused with SandboxError."""
+        self._dir.write_file(rel, content, mode)
+
+    def read_file(self, rel: str, max_bytes: int = 1 << 20) -> str | None:
+        """The file's text (None if it does not exist); a symlink, FIFO, socket or directory is refused
+        with SandboxError."""
+        return self._dir.read_file(rel, max_bytes)
+
+    def processes(self) -> list[int]:
+        """Host PIDs of this sandbox's commands still running; empty between commands."""
+        return self._backend.processes()
+
+    # ---- commands --------------------------------------------------------------------------------
+
+    def run(self, command: str, timeout_s: float | None = None) -> CommandResult:
+        if self._closed:
+            raise SandboxError("this sandbox is closed; start a new one")
+        if not isinstance(command, str) or not command.strip():
+            raise SandboxError("command: give a non-empty shell command string")
+        if "\x00" in command:
+            raise SandboxError("command: contains a NUL byte, which no shell command can")
+        with self._lock:
+            return self._run(command, self.config.wall_timeout_s if timeout_s is None else timeout_s)
+
     def _run(self, command: str, timeout_s: float) -> CommandResult:
         c = self.config
-        argv = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
-                "--", "/bin/sh", "-c", _SETUP, "sandbox-setup", str(self.workdir), str(self.uid), command]
         env = {"PATH": _SAFE_PATH, "HOME": INNER_WORKDIR, "LANG": "C.UTF-8", "TERM": "dumb", "TMPDIR": "/tmp"}
-        oom_before = self.cgroup.oom_kills()
+        oom_before = self._backend.oom_kills()
         t0 = time.monotonic()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd="/", start_new_session=True, preexec_fn=self._limits())
+        proc = subprocess.Popen(self._backend.argv(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd="/", start_new_session=True,
+                                preexec_fn=self._backend.preexec())
         cap, stop_at = c.max_output_bytes, c.max_output_bytes * c.stop_after_output_factor
         streams = {"stdout": _Capture(cap), "stderr": _Capture(cap)}
         flood = threading.Event()
@@ -288,7 +418,7 @@ class Sandbox:
         for r in readers:
             r.join(timeout=5)
         if timed_out or flood.is_set():
-            _await_gone(self.uid)
+            self._backend.await_gone()
         elapsed = time.monotonic() - t0
         code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         violations = []
@@ -298,7 +428,7 @@ class Sandbox:
             violations.append(f"output flood: stopped after {stop_at} bytes")
         if not timed_out and not flood.is_set() and code > 128 and (code - 128) in _SIGNAL_VIOLATIONS:
             violations.append(_SIGNAL_VIOLATIONS[code - 128])
-        if self.cgroup.oom_kills() > oom_before:
+        if self._backend.oom_kills() > oom_before:
             violations.append(f"memory limit exceeded ({c.memory_mb} MiB for the whole sandbox): "
                               "processes were killed")
         truncated = any(s.dropped for s in streams.values())
@@ -313,12 +443,7 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
-        try:
-            _kill_uid(self.uid)  # belt and braces: the PID namespace should already have taken them all
-        except OSError:
-            pass
-        self.cgroup.remove()
-        self._dir.remove()
+        self._backend.close()
 
     def __enter__(self) -> "Sandbox":
         return self

@@ -19,8 +19,8 @@ class GSPO(GRPO):
         delta = (x.logprobs - x.old_logprobs) * x.mask
         ids = torch.where(x.seq_ids >= 0, x.seq_ids, 0).flatten()
         n_seq = int(x.seq_ids.max().item()) + 1 if x.seq_ids.numel() else 0
-        sums = torch.zeros(max(n_seq, 1), dtype=delta.dtype).index_add(0, ids, delta.flatten())
-        counts = torch.zeros(max(n_seq, 1), dtype=delta.dtype).index_add(0, ids, x.mask.flatten())
+        sums = torch.zeros(max(n_seq, 1), dtype=delta.dtype, device=delta.device).index_add(0, ids, delta.flatten())
+        counts = torch.zeros(max(n_seq, 1), dtype=delta.dtype, device=delta.device).index_add(0, ids, x.mask.flatten())
         seq_log_ratio = (sums / counts.clamp(min=1.0))[ids].view_as(delta)
         # Per-token gradient of the sequence ratio equals that of the mean log-ratio.
         loss, clipped = clipped_surrogate(seq_log_ratio, torch.zeros_like(seq_log_ratio), x.advantages,

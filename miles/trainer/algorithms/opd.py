@@ -81,7 +81,7 @@ class OPD(GRPO):
         if s.kl_level == "sequence":
             ids = torch.where(x.seq_ids >= 0, x.seq_ids, 0).flatten()
             n_seq = max(int(x.seq_ids.max().item()) + 1 if x.seq_ids.numel() else 0, 1)
-            per_seq = torch.zeros(n_seq, dtype=rkl.dtype).index_add(0, ids, rkl.flatten())
+            per_seq = torch.zeros(n_seq, dtype=rkl.dtype, device=rkl.device).index_add(0, ids, rkl.flatten())
             signal = per_seq[ids].view_as(rkl) * x.mask
         else:
             signal = rkl

@@ -38,6 +38,7 @@ from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.batching import build_micro_batch, plan_micro_batches
 from miles.trainer.checkpoint import load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
+from miles.trainer.device import HOST, collective_backend, compute_device, mixed_precision
 from miles.trainer.forward import forward_logprobs
 from miles.trainer.lora import adapter_tensors, apply_lora, merged_tensors
 from miles.trainer.loss import ForwardOutputs, micro_batch_loss, sequence_weights, step_metrics
@@ -53,9 +54,10 @@ class FSDPTrainer:
                  master_addr: str, master_port: int, seed: int = 0, temperature: float = 1.0):
         torch.set_num_threads(cfg.num_threads)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.device = compute_device(cfg.device, rank)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+            dist.init_process_group(collective_backend(cfg.device, cfg.collective_backend), rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model_path, self.temperature = model_path, temperature
         self.step = 0
@@ -87,11 +89,12 @@ class FSDPTrainer:
                                             self.world_size)
             model.train()
             return model, dp
-        model = load_model(self.model_path, "float32")
+        model = load_model(self.model_path, "float32")  # float32 master weights, whatever the compute dtype
         quantize_linears(model, cfg.quantization, "train", key="trainer.quantization")  # before sharding
         if cfg.lora.rank:
             model = apply_lora(model, cfg.lora)
-        _shard(model, self.world_size)
+        model.to(self.device)
+        _shard(model, self.world_size, self.device, mixed_precision(cfg.param_dtype))
         model.train()
         return model, self.world_size
 
@@ -99,7 +102,8 @@ class FSDPTrainer:
         critic = AutoModelForTokenClassification.from_pretrained(self.model_path, num_labels=1, dtype=torch.float32,
                                                                  attn_implementation="sdpa")
         torch.nn.init.zeros_(critic.score.weight)  # start from V = 0 rather than random values
-        _shard(critic, self.world_size)
+        critic.to(self.device)
+        _shard(critic, self.world_size, self.device, mixed_precision(self.cfg.param_dtype))
         critic.train()
         self.critic = critic
         self.critic_optim = torch.optim.AdamW(critic.parameters(), lr=self.algorithm.cfg.critic_lr,
@@ -131,7 +135,7 @@ class FSDPTrainer:
         plan = plan_micro_batches([len(s.tokens) for s in seqs], cfg.max_tokens_per_micro_batch,
                                   cfg.micro_batch_size, cfg.pack_sequences)
         # Every rank must run the same number of forward/backward passes (FSDP collectives).
-        n_mb = torch.tensor([len(plan)])
+        n_mb = torch.tensor([len(plan)], device=self.device)
         dist.all_reduce(n_mb, op=dist.ReduceOp.MAX)
         plan += [[]] * (int(n_mb) - len(plan))
 
@@ -146,10 +150,10 @@ class FSDPTrainer:
             else:
                 # A rank with nothing left still joins the collectives, with zero weight.
                 chunk, w = [_placeholder(self.pad_id)], [0.0]
-            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape)
+            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape).to(self.device)
             self._micro_step(mb, algo, sums, bool(members))
         keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(vec)
         # Replicas of one data shard (tensor-parallel peers) counted the same tokens.
         red = dict(zip(keys, (vec / (self.world_size // self.dp_size)).tolist()))
@@ -217,7 +221,7 @@ class FSDPTrainer:
         try:
             for start in range(0, len(seqs), self.cfg.micro_batch_size):
                 chunk = seqs[start:start + self.cfg.micro_batch_size]
-                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id)
+                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id).to(self.device)
                 logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                     use_cache=False).logits[:, :-1]  # (B, T-1, V)
                 hit = (logits.argmax(-1) == mb.input_ids[:, 1:]) | (mb.mask == 0)  # (B, T-1)
@@ -251,7 +255,8 @@ class FSDPTrainer:
                 continue
             seen[key] = name
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            yield name, (full.detach() if (self.rank == 0 or all_ranks) else None)
+            # Weights leave through host memory, which every transport reads (a no-op on a CPU trainer).
+            yield name, (full.detach().to(HOST) if (self.rank == 0 or all_ranks) else None)
 
     def save_hf(self, out_dir: str) -> str | None:
         """Export a Hugging Face checkpoint directory (loadable by from_pretrained). Collective.
@@ -261,7 +266,7 @@ class FSDPTrainer:
         if self.rank != 0:
             return None
         config = AutoConfig.from_pretrained(self.model_path)
-        with torch.device("cpu"):
+        with HOST:
             model = AutoModelForCausalLM.from_config(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
@@ -315,14 +320,16 @@ def clip_grad_norm(params, max_norm: float) -> float:
     return total
 
 
-def _shard(model, world_size: int) -> None:
-    """FSDP2 over all ranks: each decoder layer, then the root module."""
-    if world_size <= 1:
+def _shard(model, world_size: int, device: torch.device, mp_policy=None) -> None:
+    """FSDP2 over all ranks: each decoder layer, then the root module. A mixed-precision policy
+    shards even one rank: FSDP2 is what casts the float32 shards to the compute dtype."""
+    if world_size <= 1 and mp_policy is None:
         return  # one rank has nothing to shard: FSDP's hooks and DTensor dispatch would be pure cost
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device.type, (world_size,))
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
 
 
 def _decoder_layers(model):

@@ -58,10 +58,17 @@ def refusal(overrides: dict[str, str], path=None) -> str:
     ("health.timeout_s", "-1", "> 0"),
     ("sync.timeout_s", "-1", "> 0"),
     ("eval.max_new_tokens", "0", "set it >= 1"),
+    ("rollout.engine.tool_call_parser", "bogus", "choose one of hermes"),
 ])
 def test_impossible_values_are_refused_naming_key_and_fix(model_dir, key, value, fix):
     msg = refusal({"model.path": model_dir, key: value})
     assert key.split(".")[-1] in msg and fix in msg, msg
+
+
+def test_standby_engines_with_engines_the_run_did_not_start_are_refused(model_dir):
+    msg = refusal({"model.path": model_dir, "rollout.engine_urls": "http://127.0.0.1:30000",
+                   "health.standby_engines": "1"})
+    assert "health.standby_engines" in msg and "set health.standby_engines = 0" in msg, msg
 
 
 def test_top_k_off_and_positive_still_load(model_dir):

@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("page, cited", [("security.md", 20), ("precision.md", 20), ("cluster.md", 8)])
+@pytest.mark.parametrize("page, cited", [("security.md", 20), ("precision.md", 20), ("scaling.md", 8),
+                                         ("cluster.md", 8)])
 def test_every_test_the_page_names_exists(page, cited):
     text = (ROOT / "docs" / page).read_text()
     refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[\w-]+\])?`", text)

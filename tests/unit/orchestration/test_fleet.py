@@ -1,12 +1,16 @@
 """The engine fleet over real engine processes, a real router and real weight pushes: a stalled
 engine (SIGSTOP: alive, holding its port, answering nothing) is found, killed and replaced by an
 engine brought to the fleet's weight version, while the router keeps serving; engines are added
-and removed while it runs."""
+and removed while it runs. Engines the run did not start are routed around while dead and
+re-admitted, at the fleet's weights, once their operator restarts them."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -14,43 +18,34 @@ import pytest
 TOKEN = "fleet-test-token"
 
 
-@pytest.fixture()
-def fleet(tiny_model_dir):
-    from concurrent.futures import ThreadPoolExecutor
-
+@contextlib.contextmanager
+def _running_fleet(model_dir, engines, start):
+    """A fleet over `engines` at weight version 1 behind a real router, its monitor running."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miles.orchestration.fleet import EngineFleet, EngineHandle
+    from miles.orchestration.fleet import EngineFleet
     from miles.rollout.liveness import HealthConfig
-    from miles.rollout.engine.process import EngineProcess
     from miles.rollout.router import RouterConfig, start_router_thread
     from miles.sync.prepare import SyncConfig
     from miles.sync.updater import WeightUpdater
 
     torch.set_num_threads(1)
     # The "trainer": the same checkpoint with every weight moved, so a pushed engine differs from a fresh one.
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01)
     weights = dict(model.state_dict())
     sync_cfg = SyncConfig(bucket_size_mb=1)
-
-    def start(slot: int) -> EngineHandle:
-        proc = EngineProcess(tiny_model_dir, admin_token=TOKEN, extra_args=["--num-threads", "1"])
-        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
-
-    with ThreadPoolExecutor(2) as pool:
-        engines = list(pool.map(start, [0, 1]))
-    main = WeightUpdater(sync_cfg, TOKEN, base_path=tiny_model_dir)
+    main = WeightUpdater(sync_cfg, TOKEN, base_path=model_dir)
     main.connect([e.url for e in engines])
     main.push(iter(weights.items()), 1)  # the fleet's weight version is 1
     router = start_router_thread(RouterConfig(admin_token=TOKEN), [e.url for e in engines], HealthConfig(interval_s=0.2))
     pushed: list[str] = []
 
     def bring_up(url: str) -> None:
-        new = WeightUpdater(sync_cfg, TOKEN, base_path=tiny_model_dir)  # noise-fills and verifies every tensor
+        new = WeightUpdater(sync_cfg, TOKEN, base_path=model_dir)  # noise-fills and verifies every tensor
         new.connect([url])
         new.push(iter(weights.items()), 1)
         new.close()
@@ -61,10 +56,32 @@ def fleet(tiny_model_dir):
     f.adopt(engines)
     f.start_monitor()
     f.pushed, f.router = pushed, router
-    yield f
-    f.close()
-    router.stop()
-    main.close()
+    try:
+        yield f
+    finally:
+        f.close()
+        router.stop()
+        main.close()
+
+
+def _engine_process(model_dir, port: int = 0):
+    from miles.rollout.engine.process import EngineProcess
+
+    return EngineProcess(model_dir, port=port, admin_token=TOKEN, extra_args=["--num-threads", "1"])
+
+
+@pytest.fixture()
+def fleet(tiny_model_dir):
+    from miles.orchestration.fleet import EngineHandle
+
+    def start(slot: int) -> EngineHandle:
+        proc = _engine_process(tiny_model_dir)
+        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(start, [0, 1]))
+    with _running_fleet(tiny_model_dir, engines, start) as f:
+        yield f
 
 
 def _generate(url: str) -> httpx.Response:
@@ -118,3 +135,66 @@ def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version
     fleet.router.router.response_fault = FaultInjector(FaultConfig(drop_response_prob=0.99), fleet).drop_response
     r = _generate(fleet.router_url)
     assert r.status_code == 502 and "dropped (fault injection)" in r.text
+
+
+def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after_its_restart(tiny_model_dir):
+    """rollout.engine_urls engines: miles cannot restart a dead one, so it routes around it, keeps probing,
+    and when its operator has started it again on the same port, pushes it the fleet's weights before
+    the router gives it traffic."""
+    from miles.orchestration.fleet import EngineHandle
+
+    def start(slot: int):
+        raise AssertionError("the fleet must never start an engine in place of one it did not start")
+
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda _: _engine_process(tiny_model_dir), [0, 1]))
+    try:
+        with _running_fleet(tiny_model_dir, [EngineHandle.outside(p.url) for p in procs], start) as fleet:
+            dead, survivor = procs
+            port = int(dead.url.rsplit(":", 1)[1])
+            dead.proc.kill()
+            dead.proc.wait()
+            t0 = time.monotonic()
+            while not fleet.replacements and time.monotonic() - t0 < 30:
+                assert _generate(fleet.router_url).status_code == 200  # served by the survivor meanwhile
+                time.sleep(0.2)
+            rec = fleet.replacements[0]
+            assert rec.kind == "readmitted" and rec.old_url == dead.url and rec.admitted_at is None
+            assert fleet.serving_urls() == [survivor.url] and _active(fleet.router_url) == [survivor.url]
+            time.sleep(1.0)  # still down: probed every round, never replaced
+            assert [s.state for s in fleet.slots] == ["down", "serving"] and fleet.pushed == []
+
+            procs[0] = _engine_process(tiny_model_dir, port)  # its operator starts it again, same address
+            assert procs[0].url == dead.url
+            t0 = time.monotonic()
+            while rec.admitted_at is None and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            assert rec.admitted_at is not None, rec
+            assert rec.error is None and rec.new_url == dead.url and fleet.error is None
+            assert fleet.pushed == [dead.url]  # caught up before admission
+            assert httpx.get(dead.url + "/get_weight_version").json()["weight_version"] in (1, "1")
+            assert sorted(_active(fleet.router_url)) == sorted([dead.url, survivor.url])
+            assert sorted(fleet.serving_urls()) == sorted([dead.url, survivor.url])
+            assert _generate(dead.url).json()["output_ids"] == _generate(survivor.url).json()["output_ids"]
+            assert fleet.report()["readmissions"] == 1
+
+            # Restarted faster than the probes count misses (here: never enough misses): the engine's
+            # weight version gives it away ("default" where miles had pushed "1"), and it is caught up again.
+            fleet.cfg = dataclasses.replace(fleet.cfg, failure_threshold=10**6)
+            procs[0].proc.kill()
+            procs[0].proc.wait()
+            procs[0] = _engine_process(tiny_model_dir, port)
+            t0 = time.monotonic()
+            while not (len(fleet.replacements) == 2 and fleet.replacements[1].admitted_at) \
+                    and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            again = fleet.replacements[1]
+            assert again.admitted_at is not None and again.reason.startswith("restarted"), again
+            assert fleet.pushed == [dead.url, dead.url] and fleet.report()["readmissions"] == 2
+            assert httpx.get(dead.url + "/get_weight_version").json()["weight_version"] in (1, "1")
+            assert sorted(_active(fleet.router_url)) == sorted([dead.url, survivor.url])
+        # The fleet never stops engines it did not start.
+        assert all(p.proc.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            p.stop()

@@ -61,7 +61,8 @@ def test_host_side_file_access_refuses_paths_and_symlinks_that_leave(sandbox):
 def test_fork_bomb_is_contained_and_leaves_no_process(sandbox):
     t0 = time.monotonic()
     r = sandbox.run("b(){ b | b & }; b; sleep 30", timeout_s=3)
-    assert r.timed_out and any("timeout" in v for v in r.violations)
+    # It ends at the timeout, or sooner when its first shell can no longer fork (the process limit).
+    assert (r.timed_out and any("timeout" in v for v in r.violations)) or "fork" in r.stderr.lower(), r
     assert time.monotonic() - t0 < 10
     assert processes_of(sandbox.uid) == []
     assert sandbox.run("echo still usable").stdout == "still usable\n"
@@ -146,8 +147,7 @@ def test_close_removes_the_directory(tmp_path):
 
 
 def test_refuses_rather_than_running_unconfined(monkeypatch):
-    monkeypatch.setattr(sandbox_mod, "_probe_result", None)
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {})
     monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 1000)
     with pytest.raises(SandboxUnavailable, match="needs root.*refusing to run terminal tasks unconfined"):
-        Sandbox()
-    monkeypatch.setattr(sandbox_mod, "_probe_result", None)
+        Sandbox(SandboxConfig(backend="root"))

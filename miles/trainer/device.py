@@ -1,0 +1,55 @@
+"""Where the trainer computes: its device, the dtype its forward and backward run in, and the
+collective backend of its process group, all from `trainer.device`, `trainer.param_dtype` and
+`trainer.collective_backend` (defaults: cpu, float32, gloo). The one place these are decided.
+
+Master weights and optimizer state are float32 whatever the compute dtype: with bfloat16, FSDP2
+casts each layer's float32 shards to bfloat16 for the forward and backward and reduces gradients in
+float32 (MixedPrecisionPolicy). Weights leave the trainer through host memory (HOST), which every
+transport reads; on a CPU trainer that costs nothing.
+
+Non-goals: device placement of engines (rollout/engine), and any claim about CUDA beyond the code
+path: docs/scaling.md says what has run where.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.config.loader import ConfigError
+
+HOST = torch.device("cpu")
+"""Host memory: where full weights are handed to the transports and exports are assembled."""
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+
+
+def collective_backend(device: str, backend: str = "auto") -> str:
+    """torch.distributed backend for a device: auto = gloo on cpu, nccl on cuda."""
+    return _BACKENDS[device] if backend == "auto" else backend
+
+
+def compute_device(device: str, rank: int) -> torch.device:
+    """This rank's device. On cuda, rank r takes visible GPU r mod count (one GPU per rank when Ray
+    or CUDA_VISIBLE_DEVICES shows each rank its own)."""
+    if device == "cpu":
+        return HOST
+    if not torch.cuda.is_available():
+        raise ConfigError("trainer.device = 'cuda' but torch sees no CUDA device here: set trainer.device = "
+                          "'cpu', or run where `python -c 'import torch; print(torch.cuda.is_available())'` "
+                          "prints True")
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def param_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def mixed_precision(name: str):
+    """FSDP2's policy for a compute dtype (None for float32: parameters compute as stored)."""
+    if name == "float32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype(name), reduce_dtype=torch.float32)

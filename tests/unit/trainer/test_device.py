@@ -1,0 +1,96 @@
+"""Trainer device, compute dtype and collective backend come from config, with CPU defaults.
+
+CPU tests run everywhere; the test marked `cuda` runs only where torch sees a CUDA device (it has not
+run on this project's machines: docs/scaling.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.config.loader import ConfigError, build
+from miles.net import free_port
+from miles.trainer.backends.fsdp import FSDPTrainer
+from miles.trainer.config import TrainerConfig
+from miles.trainer.device import HOST, collective_backend, compute_device
+from miles.trainer.types import BatchTotals, TrainSequence
+
+
+def _seqs():
+    return [TrainSequence(tokens=[5, 9, 14, 20, 31, 7], prompt_len=2, loss_mask=[1] * 4, old_logprobs=[-3.0] * 4,
+                          advantage=a) for a in (1.0, -1.0)]
+
+
+@pytest.fixture
+def gloo():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_defaults_are_cpu_gloo_float32():
+    cfg = TrainerConfig()
+    assert (cfg.device, cfg.param_dtype) == ("cpu", "float32")
+    assert collective_backend(cfg.device, cfg.collective_backend) == "gloo"
+    assert collective_backend("cuda") == "nccl"
+    assert compute_device("cpu", 3) == HOST
+
+
+def test_nccl_on_cpu_and_parallel_layouts_off_cpu_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="trainer.device = 'cuda'"):
+        build(TrainerConfig, {"collective_backend": "nccl"}).validate()
+    with pytest.raises(ConfigError, match="param_dtype = 'float32'"):
+        build(TrainerConfig, {"param_dtype": "bfloat16", "num_ranks": 2, "tensor_parallel_size": 2}).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_a_gpu_names_the_setting():
+    with pytest.raises(ConfigError, match="trainer.device = 'cpu'"):
+        compute_device("cuda", 0)
+
+
+def test_the_cpu_trainer_is_unchanged_by_default(tiny_model_dir, gloo):
+    """One float32 rank trains the plain module (no FSDP wrapping) and hands out the very tensors it holds."""
+    trainer = FSDPTrainer(build(TrainerConfig, {"lr": 1e-2}), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    assert trainer.device == HOST
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in trainer.model.parameters())
+    name, out = next(iter(trainer.full_named_tensors()))
+    assert out.data_ptr() == dict(trainer.model.named_parameters())[name].data_ptr()  # no copy on the way out
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(tiny_model_dir, gloo):
+    trainer = FSDPTrainer(build(TrainerConfig, {"param_dtype": "bfloat16", "lr": 1e-2}), tiny_model_dir, 0, 1,
+                          "127.0.0.1", free_port())
+    seen = []
+    layer = trainer.model.model.layers[0].mlp.down_proj
+    hook = layer.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    before = dict(trainer.model.named_parameters())[name].full_tensor().clone()
+    metrics = trainer.train_step(_seqs(), BatchTotals.of(_seqs()))
+    hook.remove()
+    assert seen and all(d == (torch.bfloat16, torch.bfloat16) for d in seen)  # the forward computes in bf16
+    assert metrics["train/grad_norm"] > 0
+    after = dict(trainer.model.named_parameters())[name]
+    assert after.dtype == torch.float32 and not torch.equal(after.full_tensor(), before)  # fp32 master moved
+    moments = [v for opt in trainer.optim.optimizers for st in opt.state.values() for v in st.values() if v.dim()]
+    assert moments and all(v.dtype == torch.float32 for v in moments)  # Adam's state is float32 too
+    out = dict(trainer.full_named_tensors())
+    assert out[name].dtype == torch.float32 and out[name].device == HOST
+
+
+@pytest.mark.cuda
+def test_a_cuda_trainer_steps_on_nccl_and_hands_weights_out_through_host_memory(tiny_model_dir):
+    import torch.distributed as dist
+
+    trainer = FSDPTrainer(build(TrainerConfig, {"device": "cuda", "param_dtype": "bfloat16", "lr": 1e-2}),
+                          tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    try:
+        assert dist.get_backend() == "nccl" and trainer.device.type == "cuda"
+        assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+        assert trainer.train_step(_seqs(), BatchTotals.of(_seqs()))["train/grad_norm"] > 0
+        out = dict(trainer.full_named_tensors())
+        assert all(t.device == HOST and t.dtype == torch.float32 for t in out.values())
+    finally:
+        dist.destroy_process_group()
