@@ -64,7 +64,9 @@ def main(argv=None) -> int:
     unknown = set(names) - set(VARIANTS)
     if unknown:
         sys.exit(f"miles bench algorithms: unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_cpus=2))  # a cluster of its own, whatever else runs here
     t0 = time.perf_counter()
     sft_model = Path(args.sft_model) if args.sft_model else out / "sft-model"
     if not args.sft_model:

@@ -178,7 +178,9 @@ def main(argv=None) -> int:
     unknown = set(names) - set(runs)
     if unknown:
         sys.exit(f"miles bench async: unknown schedules {sorted(unknown)}; choose from {sorted(runs)}")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_cpus=2))  # a cluster of its own, whatever else runs here
     t0 = time.perf_counter()
     if args.learn:
         line = learn(args, out)

@@ -77,7 +77,9 @@ def main(argv=None) -> int:
         "fault.max_engine_faults": str(args.kills), "metrics.progress": "plain",
     }
     cfg = load_config(RunConfig, EXAMPLE / "grpo.toml", overrides)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_cpus=2))  # a cluster of its own, whatever else runs here
     t0 = time.perf_counter()
     summary, error = None, None
     try:

@@ -332,7 +332,9 @@ def main(argv=None) -> int:
 
 
     t_start = time.perf_counter()
-    ray.init(num_cpus=ncores(), include_dashboard=False, configure_logging=False)
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_cpus=ncores()))  # a cluster of its own, whatever else runs here
     sft_model = args.sft_model
     if not sft_model:
         base = build_tiny_model("tiny-qwen3" if args.quick else "small-qwen3", out / "base")

@@ -6,7 +6,8 @@ thread of this process (`ServerThread`, `serve_app`) or as a child process (`Ser
 uvicorn and httpx are imported inside the functions that use them: loading a run config imports
 this module and must not pay for them.
 Non-goals: routing and HTTP apps (each server builds its own app); choosing which address a node
-advertises (placement does that); supervising or restarting servers (the engine fleet does that).
+advertises (orchestration/ray_cluster.py does that); supervising or restarting servers (the engine
+fleet does that).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from collections.abc import Callable
 from typing import Self
 
 from miles.config import ConfigError
+
+LOOPBACK = "127.0.0.1"
+"""Where a server started on its own (`miles serve`, `miles router`, `miles sessions`, `miles report
+--serve`) binds by default. Inside a run every address comes from the Ray node (ray_cluster.py)."""
 
 UNAUTHORIZED = "admin endpoint: send header 'Authorization: Bearer <admin token>'"
 """The 401 body every admin route answers with when the token is missing or wrong."""
@@ -47,7 +52,7 @@ def url_of(sock: socket.socket, host: str) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = LOOPBACK) -> int:
     """A port free on `host` right now (for rendezvous that take a port number, not a socket)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -89,7 +94,7 @@ def check_admin_exposure(host: str, admin_token: str | None, insecure_admin: boo
     if admin_token is None and not insecure_admin and not is_loopback(host):
         raise ConfigError(f"{what} host = {host!r} without an admin token would open every admin route to "
                           "the network: set --admin-token T (clients send 'Authorization: Bearer T'), bind "
-                          "--host 127.0.0.1, or pass --insecure-admin if the network is trusted")
+                          f"--host {LOOPBACK}, or pass --insecure-admin if the network is trusted")
 
 
 DEFAULT_MAX_BODY_MB = 64.0

@@ -34,10 +34,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """A local cluster of this session's own (as `miles train` starts one), whatever else runs on the machine."""
     import ray
 
-    # "local": a cluster of our own, even where `ray start` left one running (or its address behind).
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_cpus=2))
     yield
     ray.shutdown()
 

@@ -17,7 +17,7 @@ from miles.orchestration.ray_cluster import RayConfig
 from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
 from miles.rollout.liveness import HealthConfig
-from miles.rollout.router.config import RouterConfig
+from miles.rollout.router.config import RunRouterConfig
 from miles.sync.prepare import SyncConfig
 from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig
@@ -79,7 +79,7 @@ class RunConfig:
     """Schedule and step counts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Engines, sampling, prompts and rewards."""
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RunRouterConfig = field(default_factory=RunRouterConfig)
     """The router in front of the engines (miles train runs the built-in one)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Engine liveness (the router's quarantine and the fleet's probes), replacement of dead or stalled

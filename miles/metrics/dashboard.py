@@ -22,7 +22,7 @@ from pathlib import Path
 from miles.metrics.plots import PLOTS, render_png
 from miles.metrics.run_data import load_run
 from miles.metrics.sink import read_metrics
-from miles.net import ServerThread, bind, url_of
+from miles.net import LOOPBACK, ServerThread, bind, url_of
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>miles · {run}</title>
@@ -85,7 +85,7 @@ SHOWN = ["rollout/reward_mean", "eval/accuracy", "rollout/samples_per_s", "perf/
 class Dashboard:
     """The dashboard of one run directory; `start()` serves it on a daemon thread, `stop()` ends it."""
 
-    def __init__(self, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, run_dir: str | Path, host: str = LOOPBACK, port: int = 0):
         self.run_dir = Path(run_dir)
         self.host, self.port = host, port
         self._http: ServerThread | None = None

@@ -17,6 +17,7 @@ from miles.metrics.dashboard import Dashboard
 from miles.metrics.plots import PLOTS, write_plots
 from miles.metrics.run_data import ReportError, load_run
 from miles.metrics.summary import summary_markdown
+from miles.net import LOOPBACK
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="where to write the PNGs and summary.md")
     p.add_argument("--serve", type=int, metavar="PORT", default=None,
                    help="instead of writing files, serve the live dashboard for RUN_DIR on this port (0 = any)")
-    p.add_argument("--host", default="127.0.0.1", help="address for --serve (default: loopback)")
+    p.add_argument("--host", default=LOOPBACK, help="address for --serve (default: loopback)")
     args = p.parse_args(argv)
     try:
         if args.serve is not None:

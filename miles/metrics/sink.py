@@ -35,8 +35,8 @@ class MetricsConfig:
     """Progress display: live (redrawn line) on a terminal, plain lines in logs/CI; auto picks."""
     dashboard: bool = False
     """Serve a live dashboard page with the run's plots while the driver runs."""
-    dashboard_host: str = "127.0.0.1"
-    """Address the dashboard binds to (loopback unless you mean to share it)."""
+    dashboard_host: str = ""
+    """Address the dashboard binds to; empty: the address of the driver's Ray node (loopback in a local run)."""
     dashboard_port: int = 0
     """Dashboard port (0 = any free port; the URL is printed at start)."""
 

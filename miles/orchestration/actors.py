@@ -2,11 +2,19 @@
 
 Each shell pins its process to its placement pool, sets torch's thread count, and forwards calls.
 All actors ask Ray for no logical CPUs: cores are assigned by placement, not by Ray's scheduler.
+Every address a shell binds or hands out is its Ray node's (ray_cluster.node_address): an engine
+serves there unless told a host, and trainer rank 0 hosts the trainer's rendezvous and the
+weight-update groups there, on ports it picks itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
+from miles.net import free_port
 from miles.orchestration.placement import pin_current_process
+from miles.orchestration.ray_cluster import node_address
 from miles.rollout.engine.server import start_server_thread
 from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
@@ -15,6 +23,8 @@ class EngineShell:
     """One built-in engine serving the engine HTTP API from inside a Ray actor's process."""
 
     def __init__(self, engine_config, cores=None):
+        if not engine_config.host:
+            engine_config = dataclasses.replace(engine_config, host=node_address())
         self.server = start_server_thread(engine_config)
         # Pinned once serving: start-up (imports, loading) may use any idle core, which matters when a
         # replacement starts while its pool's cores are busy generating.
@@ -23,9 +33,14 @@ class EngineShell:
     def url(self) -> str:
         return self.server.url
 
-    def pid(self) -> int:
-        import os
+    def node(self) -> str:
+        return node_address()
 
+    def signal(self, sig: int) -> None:
+        """Signal this process (fault injection on an engine of another node); a kill never answers."""
+        os.kill(os.getpid(), sig)
+
+    def pid(self) -> int:
         return os.getpid()
 
     def stop(self) -> None:
@@ -35,16 +50,30 @@ class EngineShell:
 class TrainerShell:
     """One FSDP2 rank. Rank 0 also owns the weight transport towards the engines."""
 
-    def __init__(self, trainer_cfg, sync_cfg, model_path: str, rank: int, world_size: int, master_port: int,
-                 seed: int, temperature: float, cores=None, admin_token: str | None = None):
+    def __init__(self, trainer_cfg, sync_cfg, model_path: str, rank: int, world_size: int, seed: int,
+                 temperature: float, cores=None, admin_token: str | None = None):
+        pin_current_process(cores)
+        if not sync_cfg.master_address:  # engines join weight-update groups at this rank's node
+            sync_cfg = dataclasses.replace(sync_cfg, master_address=node_address())
+        self._args = (trainer_cfg, model_path, rank, world_size, seed, temperature)
+        self.sync_cfg, self.rank, self.admin_token = sync_cfg, rank, admin_token
+        self.trainer = None
+        self.transport = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the trainer group's master, an address of this rank's node and a port free there."""
+        host = node_address()
+        return host, free_port(host)
+
+    def start(self, master_address: str, master_port: int) -> str:
+        """Join the trainer group at rank 0's master; returns this rank's node address."""
         # torch loads here, in the rank's own process: the driver that imports this module never needs it.
         from miles.trainer.backends.fsdp import FSDPTrainer
 
-        pin_current_process(cores)
-        self.trainer = FSDPTrainer(trainer_cfg, model_path, rank, world_size, "127.0.0.1", master_port,
+        trainer_cfg, model_path, rank, world_size, seed, temperature = self._args
+        self.trainer = FSDPTrainer(trainer_cfg, model_path, rank, world_size, master_address, master_port,
                                    seed=seed, temperature=temperature)
-        self.sync_cfg, self.rank, self.admin_token = sync_cfg, rank, admin_token
-        self.transport = None
+        return node_address()
 
     def train_step(self, seqs, totals, algorithm: str | None = None):
         try:
@@ -59,9 +88,12 @@ class TrainerShell:
                 f"last checkpoint with `miles train --resume RUN_DIR` ({str(exc).splitlines()[0][:200]})") from None
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
+
+    def channels(self) -> dict[str, str]:
+        """Rank 0: how weights reach each engine (see WeightUpdater.channels)."""
+        said = getattr(self.transport, "channels", None) if self.rank == 0 else None
+        return said() if said is not None else {}  # adapter-only sync (sync/adapter.py) says nothing
 
     def connect_engines(self, urls: list[str]) -> bool:
         """Rank 0 connects the updater; returns whether it needs `check_engines_start` (engines that

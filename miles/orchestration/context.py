@@ -47,6 +47,7 @@ class TrainContext:
     progress: Progress
     fleet: EngineFleet | None = None      # keeps engines serving while the loop runs (None: no engines to watch)
     faults: FaultInjector | None = None   # set when the config asks for faults
+    router_url: str | None = None         # the router the run started
     policy_version: int = 0     # optimizer steps the trainer has taken
     weight_version: int = 0     # the newest version pushed to the engines
     start_step: int = 0         # the step a resumed run continues after

@@ -33,8 +33,8 @@ from miles.orchestration.context import TrainContext, log
 from miles.orchestration.faults import FaultInjector
 from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.loop import SCHEDULES
-from miles.orchestration.placement import CorePools, core_pools
-from miles.orchestration.ray_cluster import ensure_ray
+from miles.orchestration.placement import CorePools, NodePool, PlacementError, core_pools
+from miles.orchestration.ray_cluster import ensure_ray, node_address
 from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
 from miles.rollout.data_source import PromptSource
@@ -59,22 +59,28 @@ def make_run_dir(output_dir: str, name: str) -> Path:
     return path
 
 
-def _engine_starter(cfg: RunConfig, cores, admin_token: str):
-    """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool's cores.
+def _engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
+    """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool: on
+    the slot's bundle's node, in the pool's cores.
 
-    Slot -1 is a standby engine, not yet given a slot."""
+    Slot -1 is a standby engine, not yet given a slot (it takes the bundles after the slots')."""
     import ray
 
     cls = remote(EngineShell)
     standby_seeds = itertools.count(cfg.run.seed + 10_000)
+    standby_bundles = itertools.count(cfg.rollout.num_engines)
+    here = node_address()
 
     def launch(slot: int):
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
-        return cls.remote(cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
+        bundle = slot if slot >= 0 else next(standby_bundles)
+        return cls.options(**pool.options(bundle)).remote(
+            cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
 
     def handle(actor) -> EngineHandle:
-        url, pid = ray.get([actor.url.remote(), actor.pid.remote()])
-        return EngineHandle(url, pid, lambda: ray.kill(actor))
+        url, pid, node = ray.get([actor.url.remote(), actor.pid.remote(), actor.node.remote()])
+        return EngineHandle(url, pid, lambda: ray.kill(actor), node=node, on_this_node=node == here,
+                            signal_self=lambda sig: actor.signal.remote(sig))
 
     def start(slot: int) -> EngineHandle:
         return handle(launch(slot))
@@ -107,14 +113,17 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
         # with every call it forwards to them, so without one the router still gets a fresh token.
         router_token = admin_token or secrets.token_hex(16)
     else:
-        start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token)
+        size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
+        pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack)
+        start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
         # Standby engines start with the others, so that even the first failure finds one ready.
-        started = start_many(cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0))
+        started = start_many(size)
         engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
         for e in started:
             unadopted.callback(e.stop)
         router_token = admin_token
-    router_cfg = dataclasses.replace(cfg.router, admin_token=router_token)
+    router_cfg = dataclasses.replace(cfg.router, admin_token=router_token,
+                                 host=cfg.router.host or node_address())
     if cfg.router.own_process:
         # Restarted with the engines serving at that moment; `run` holds the fleet by then.
         router = SupervisedRouter(router_cfg, [e.url for e in engines], cfg.health,
@@ -141,6 +150,23 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
     unadopted.pop_all()
     stack.callback(fleet.close)
     return fleet, router
+
+
+def _node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack
+               ) -> NodePool:
+    """The placement group of one pool on the nodes `resource` (config key `key`) names; removed when
+    the run ends."""
+    try:
+        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s)
+    except PlacementError as exc:
+        raise SystemExit(f"miles: {exc}") from None
+    stack.callback(pool.remove)
+    return pool
+
+
+def _trainer_pool(cfg: RunConfig, stack: contextlib.ExitStack) -> NodePool:
+    return _node_pool("trainer", cfg.trainer.num_ranks, cfg.placement.trainer_nodes, "placement.trainer_nodes",
+                      cfg, stack)
 
 
 def _check_reachable(urls: list[str]) -> None:
@@ -190,11 +216,13 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     urls = fleet.serving_urls()
     log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}")
     sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
+    trainer_pool = _trainer_pool(cfg, stack)
 
     def start_trainer() -> TrainerGroup:
         group = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
-                             pools.trainer if pools else None, admin_token)
+                             pools.trainer if pools else None, admin_token, pool=trainer_pool)
         stack.callback(group.close)
+        log(f"trainer ranks on {', '.join(group.nodes)}; group master {group.master}")
         group.connect_engines(fleet.serving_urls())
         return group
 
@@ -202,19 +230,28 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
-    rollout = remote(RolloutManager, max_concurrency=8).remote(
+    rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
         cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
         router_url=router.url)
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
     stack.callback(sink.close)
     if cfg.metrics.dashboard:
-        dashboard = Dashboard(run_dir, cfg.metrics.dashboard_host, cfg.metrics.dashboard_port).start()
+        dashboard = Dashboard(run_dir, cfg.metrics.dashboard_host or node_address(), cfg.metrics.dashboard_port).start()
         stack.callback(dashboard.stop)
         log(f"dashboard: {dashboard.url}")
     progress = Progress("train", cfg.loop.num_steps, mode=cfg.metrics.progress)
     stack.callback(progress.close)
-    ctx = wiring["ctx"] = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet)
+    ctx = wiring["ctx"] = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet,
+                                       router_url=router.url)
     return ctx, router, start_trainer
+
+
+def _on_driver_node() -> dict:
+    """Ray options that keep an actor on the driver's node (where the router it talks to serves)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
 
 
 def _start_faults(ctx: TrainContext, router: RunningRouter | SupervisedRouter | None,
@@ -344,6 +381,7 @@ def _finish(ctx: TrainContext, before: dict, t_start: float, router=None) -> dic
         "fleet": fleet.report() if fleet is not None else None,
         "router": router.report() if isinstance(router, SupervisedRouter) else None,
         "checkpoints": ctx.checkpoint_cost(),
+        "cluster": _cluster_report(ctx),
     }
     if ctx.faults is not None:
         summary["faults"] = ctx.faults.report(summary["fleet"]["events"] if fleet is not None else [])
@@ -351,6 +389,22 @@ def _finish(ctx: TrainContext, before: dict, t_start: float, router=None) -> dic
     log(f"done in {summary['wall_time_s']:.0f}s: eval accuracy {summary['eval_accuracy_before']:.3f} before RL "
         f"→ {summary['eval_accuracy_after']:.3f} after RL; checkpoint {final_ckpt}")
     return summary
+
+
+def _cluster_report(ctx: TrainContext) -> dict:
+    """Where the run ran: every node, the driver's, the trainer ranks' and their group master, the router,
+    and for each engine its node and how its weights travelled."""
+    import ray
+
+    channels = ctx.trainer.channels()
+    engines = ([{"url": e.url, "node": e.node} for _, e in ctx.fleet.serving()] if ctx.fleet is not None
+               else [{"url": url, "node": None} for url in channels])
+    for e in engines:
+        e["sync"] = channels.get(e["url"])
+    return {"nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
+            "driver": node_address(), "router": ctx.router_url,
+            "trainer": {"master": ctx.trainer.master, "ranks": ctx.trainer.nodes},
+            "engines": engines}
 
 
 def run_sft(cfg: RunConfig) -> dict:
@@ -375,7 +429,8 @@ def run_sft(cfg: RunConfig) -> dict:
         stack.enter_context(_ray(cfg))
         pools = core_pools(cfg.placement)
         tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
-        trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None)
+        trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None,
+                               pool=_trainer_pool(cfg, stack))
         stack.callback(trainer.close)
         progress = Progress("sft", sft.steps, mode=cfg.metrics.progress)
         order: list[int] = []

@@ -19,7 +19,8 @@ fault is recorded with its wall-clock time, so recovery can be measured from the
 fault, not of its detection, and appended to the run directory's `faults.jsonl`, which a run
 resumed by a new driver reads back: its report counts the faults before the resume, and none fires
 twice.
-Non-goals: network partitions, disk faults, faults on other hosts.
+Engines are signalled on whichever node they run (fleet.EngineHandle.send_signal); a trainer rank
+only on the driver's machine. Non-goals: network partitions, disk faults.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class FaultInjector:
         sig = signal.SIGKILL if kind == "kill_engine" else signal.SIGSTOP
         fault = InjectedFault(kind, engine.url, engine.pid, time.time())
         try:
-            os.kill(engine.pid, sig)
+            engine.send_signal(sig)
         except ProcessLookupError:
             return None
         self._record(fault)

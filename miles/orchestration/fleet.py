@@ -4,8 +4,8 @@ the run did not start, elastic add and remove.
     monitor thread ── GET /health_generate (timeout) ──► every serving engine, every interval_s
         │ failure_threshold misses in a row: dead, or alive but not answering (stalled)
         ▼
-    replace(slot): the router drops it ─► its process is SIGKILLed ─► a new engine takes the slot
-        (a standby already started, or a fresh start; the slot's cores, a new port)
+    replace(slot): the router drops it ─► its process is killed ─► a new engine takes the slot
+        (a standby already started, or a fresh start; the slot's node and cores, a new port)
         ─► bring_up(url): full weight push at the trainer's version, noise-fill verified
         ─► router /add_worker, which admits it only at the fleet's weight version ─► serving
         (the main weight transport reconnects to the changed set at the start of the next push; with
@@ -33,9 +33,10 @@ brought up against weights that match the version it is told (never a half-train
 the main transport is never reconnected during a push.
 When an engine counts as dead is the run's one liveness section (`health`, miles/rollout/liveness.py),
 which the router reads too: it quarantines at the same threshold the fleet replaces at.
-Non-goals: starting engines on other hosts (a slot the run starts is a set of this machine's cores;
-engines elsewhere come in as rollout.engine_urls), trainer failures (collective timeouts end the
-step; `miles train --resume` continues).
+A dead engine on the driver's node is SIGKILLed by pid (which also ends a stopped process); one on
+another node is ended through its stop callback (Ray kills the actor there). Engines started outside
+the run (rollout.engine_urls) are never killed, stopped or restarted by it.
+Non-goals: trainer failures (collective timeouts end the step; `miles train --resume` continues).
 """
 
 from __future__ import annotations
@@ -68,20 +69,31 @@ class EngineHandle:
     pid: int | None
     stop: Callable[[], None]  # ends the process and releases what holds it (actor, ...)
     external: bool = False    # started outside the run: never killed, stopped or restarted by it
+    node: str | None = None   # address of the Ray node it runs on
+    on_this_node: bool = True  # the pid is a process of this machine's node (so this process may signal it)
+    signal_self: Callable[[int], None] | None = None  # asks the engine's process to signal itself (any node)
 
     @classmethod
     def outside(cls, url: str) -> EngineHandle:
         """An engine someone else started and will restart (rollout.engine_urls)."""
         return cls(url.rstrip("/"), None, lambda: None, external=True)
 
+    def send_signal(self, sig: int) -> None:
+        """Deliver `sig` to the engine's process, on whichever node it runs."""
+        if self.on_this_node or self.signal_self is None:
+            os.kill(self.pid, sig)
+        else:
+            self.signal_self(sig)
+
     def kill(self) -> None:
         if self.external:
             return
-        try:
-            # SIGKILL also ends a SIGSTOPped process, which a polite shutdown would wait on forever.
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.on_this_node:
+            try:
+                # SIGKILL also ends a SIGSTOPped process, which a polite shutdown would wait on forever.
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             self.stop()
         except Exception as exc:  # noqa: BLE001 - the process is gone either way

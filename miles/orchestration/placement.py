@@ -1,11 +1,18 @@
 """Where each component runs, decided in one place.
 
-disaggregated (default): engines and trainer get disjoint device pools and can run concurrently.
-On CPU a pool is a set of cores; each process pins its threads to its pool's cores.
+Nodes: each pool (trainer ranks, engines) is a Ray placement group with one bundle per process,
+packed onto the nodes that `placement.trainer_nodes` / `placement.engine_nodes` name by a Ray custom
+resource (`ray start --resources '{"engines": 1}'`), or onto any node when unnamed. A bundle asks for
+a sliver of its resource: it chooses a node, it reserves nothing (cores are placement's business).
+
+Cores, within a node: disaggregated (default): engines and trainer get disjoint device pools and can
+run concurrently. On CPU a pool is a set of cores; each process pins its threads to its pool's cores
+(only where both pools may share a node; pools on nodes of their own keep every core of it).
 colocated: both get every core and take turns (sync schedule only): while the trainer works the
 engines release their memory (/release_memory_occupation). The trainer keeps its parameters
 between steps (it pushes them right after training); its optimizer state can live off the device
 between steps (trainer.offload_optimizer).
+Non-goals: starting nodes (`ray start`), autoscaling, GPU bundles.
 """
 
 from __future__ import annotations
@@ -26,10 +33,29 @@ class PlacementConfig:
     """On CPU, pin engine and trainer processes to disjoint cores."""
     engine_cpu_fraction: float = 0.5
     """Share of the cores given to the engine pool (the trainer gets the rest)."""
+    trainer_nodes: str = ""
+    """Ray custom resource that marks the nodes trainer ranks run on (a node started with
+    `ray start --resources '{"NAME": 1}'`); empty: any node."""
+    engine_nodes: str = ""
+    """Ray custom resource that marks the nodes engines run on; empty: any node."""
+    timeout_s: float = 120.0
+    """How long a pool may wait for nodes to hold it before the run is refused."""
 
     def validate(self) -> None:
         if not 0 < self.engine_cpu_fraction < 1:
             raise ConfigError("placement.engine_cpu_fraction must be between 0 and 1")
+        if self.mode == "colocated" and self.trainer_nodes != self.engine_nodes:
+            raise ConfigError(f"placement.mode = 'colocated' shares devices, but placement.trainer_nodes = "
+                              f"{self.trainer_nodes!r} and placement.engine_nodes = {self.engine_nodes!r} name "
+                              "different nodes: name the same resource in both, or set placement.mode = "
+                              "'disaggregated'")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"placement.timeout_s = {self.timeout_s}: set it > 0 (seconds)")
+
+    @property
+    def separate_nodes(self) -> bool:
+        """Whether trainer and engines are kept on different nodes (so they never share cores)."""
+        return self.mode == "disaggregated" and self.trainer_nodes != self.engine_nodes
 
 
 @dataclass(frozen=True)
@@ -40,7 +66,7 @@ class CorePools:
 
 def core_pools(cfg: PlacementConfig) -> CorePools | None:
     """Split this machine's usable cores into an engine pool and a trainer pool (None = no pinning)."""
-    if not cfg.pin_cpus or not hasattr(os, "sched_getaffinity"):
+    if not cfg.pin_cpus or not hasattr(os, "sched_getaffinity") or cfg.separate_nodes:
         return None
     cores = sorted(os.sched_getaffinity(0))
     if cfg.mode == "colocated":
@@ -49,6 +75,54 @@ def core_pools(cfg: PlacementConfig) -> CorePools | None:
         return None
     k = min(max(1, round(len(cores) * cfg.engine_cpu_fraction)), len(cores) - 1)
     return CorePools(engine=tuple(cores[:k]), trainer=tuple(cores[k:]))
+
+
+BUNDLE_SHARE = 0.001
+"""How much of its node resource (or of CPU, when none is named) each bundle asks for."""
+
+
+class PlacementError(RuntimeError):
+    """The cluster has no nodes that can hold a pool."""
+
+
+class NodePool:
+    """One pool's placement group: `size` bundles packed onto the nodes that `resource` names.
+
+    `options(i)` schedules an actor into bundle i (modulo the size: a replacement or an added engine
+    shares a slot's bundle, which costs nothing since actors ask for no resources of their own).
+    """
+
+    def __init__(self, name: str, size: int, resource: str, key: str, timeout_s: float):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        need = resource or "CPU"
+        offered = ray.cluster_resources().get(need, 0)
+        if offered < size * BUNDLE_SHARE:
+            nodes = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
+            raise PlacementError(f"{key} = {resource!r}: no node of the cluster offers the Ray resource {need!r} "
+                                 f"(nodes: {', '.join(nodes)}); start one with `ray start --resources "
+                                 f"'{{\"{need}\": 1}}' ...`, or leave {key} empty for any node")
+        self.name, self.size = name, size
+        self.group = placement_group([{need: BUNDLE_SHARE}] * size, strategy="PACK", name=f"miles-{name}")
+        try:
+            ray.get(self.group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.remove()
+            raise PlacementError(f"{key} = {resource!r}: the {name} pool ({size} bundles) was not placed within "
+                                 f"placement.timeout_s = {timeout_s:g}s; see `ray status` for the nodes' "
+                                 "resources") from None
+
+    def options(self, index: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=index % self.size)}
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
 
 
 def pin_current_process(cores: tuple[int, ...] | None) -> None:

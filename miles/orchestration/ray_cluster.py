@@ -1,4 +1,14 @@
-"""Joining or starting the Ray cluster that hosts engines, trainer ranks and the rollout manager."""
+"""Joining or starting the Ray cluster that hosts engines, trainer ranks and the rollout manager.
+
+Without `ray.address` a run starts a cluster of its own, always. Ray's own default
+(`ray.init(address=None)`) would join the latest cluster a `ray start` left on this machine (Ray keeps
+its address in /tmp/ray/ray_current_cluster, even after that cluster is gone) and then refuse the
+run's num_cpus; a run must not depend on what else runs on the machine.
+
+A local cluster's node advertises a loopback address, so everything a local run starts is reached on
+loopback only. Ray replaces 127.0.0.1 with the machine's network address, hence LOCAL_NODE_ADDRESS.
+Non-goals: starting nodes on other machines (`ray start` does that), the cluster's own security.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +17,36 @@ from dataclasses import dataclass
 
 from miles.config.loader import ConfigError
 
+LOCAL_NODE_ADDRESS = "127.0.0.2"
+"""The address a local cluster's node advertises: loopback, and one Ray keeps as given."""
+
 
 @dataclass
 class RayConfig:
     address: str | None = None
-    """Existing cluster to join (e.g. "ray://host:10001" or "auto"); None starts a local one."""
+    """Existing cluster to join (e.g. "10.0.0.1:6379", "auto" for the latest `ray start` on this machine,
+    or "ray://host:10001"); the environment variable RAY_ADDRESS counts as this key. None starts a
+    local cluster of the run's own, even when another runs on this machine."""
     num_cpus: int | None = None
-    """Logical CPUs of a local cluster (None = this machine's count)."""
+    """Logical CPUs of a local cluster (None = this machine's count); refused with `address`."""
+    node_ip_address: str | None = None
+    """Address of this machine's Ray node: a local cluster's node advertises it; when joining, the node
+    of this machine that the driver attaches to (the --node-ip-address it was started with). None:
+    127.0.0.2 for a local cluster, Ray's choice when joining."""
 
     def validate(self) -> None:
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"ray.num_cpus = {self.num_cpus}: set it >= 1, or leave it unset for this "
                               "machine's count")
+        if self.address is not None and self.num_cpus is not None:
+            raise ConfigError(f"ray.num_cpus = {self.num_cpus} with ray.address = {self.address!r}: a cluster "
+                              "that is joined keeps the CPUs it was started with; unset ray.num_cpus, or unset "
+                              "ray.address to start a local cluster")
+
+
+def cluster_address(cfg: RayConfig) -> str | None:
+    """The cluster to join: ray.address, else RAY_ADDRESS; None means start a local one."""
+    return cfg.address or os.environ.get("RAY_ADDRESS") or None
 
 
 def ensure_ray(cfg: RayConfig) -> None:
@@ -28,6 +56,19 @@ def ensure_ray(cfg: RayConfig) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    address = cluster_address(cfg)
     # Actors share the package from this environment; no runtime_env upload is needed locally.
-    ray.init(address=cfg.address, num_cpus=cfg.num_cpus if cfg.address is None else None,
-             include_dashboard=False, log_to_driver=True, configure_logging=False)
+    common = dict(include_dashboard=False, log_to_driver=True, configure_logging=False)
+    if address is None:
+        # "local": a new cluster even when another is running or its address file is stale.
+        ray.init(address="local", num_cpus=cfg.num_cpus, _node_ip_address=cfg.node_ip_address or LOCAL_NODE_ADDRESS,
+                 **common)
+    else:
+        ray.init(address=address, _node_ip_address=cfg.node_ip_address, **common)
+
+
+def node_address() -> str:
+    """The address of the Ray node this process runs on: what its servers bind to and advertise."""
+    import ray
+
+    return ray.util.get_node_ip_address()

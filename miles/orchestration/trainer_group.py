@@ -4,11 +4,13 @@ Hands rollout groups to the trainer side (trainer/batching.py computes the algor
 and the global batch's totals once, so loss normalisation does not depend on the split), splits
 the batch across data-parallel ranks, and runs collective calls (train step, weight sync, export,
 checkpoints) on every rank.
+
+Start-up is two calls: rank 0 picks the group's master on its own node (address and port), then
+every rank joins it; so the rendezvous lives wherever placement put rank 0, on any node.
 """
 
 from __future__ import annotations
 
-from miles.net import free_port
 from miles.orchestration.actors import CollectiveTimeout, TrainerShell, remote
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.batching import prepare_global_batch, sequences_from_groups
@@ -23,23 +25,29 @@ def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
 
 class TrainerGroup:
     def __init__(self, trainer_cfg, sync_cfg, model_path: str, seed: int, temperature: float,
-                 cores=None, admin_token: str | None = None):
+                 cores=None, admin_token: str | None = None, pool=None):
+        """`pool`: the NodePool whose bundle r rank r runs in (None: wherever Ray schedules it)."""
         import ray
 
-
         n = trainer_cfg.num_ranks
-        port = free_port()
         cls = remote(TrainerShell)
         if trainer_cfg.device == "cuda":
             # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): one per rank.
             cls = cls.options(num_gpus=1)
         self.cfg = trainer_cfg
         self.algorithm = get_algorithm(trainer_cfg.algorithm)
-        self.actors = [cls.remote(trainer_cfg, sync_cfg, model_path, r, n, port, seed, temperature, cores,
-                                  admin_token) for r in range(n)]
+        self.actors = [cls.options(**(pool.options(r) if pool is not None else {})).remote(
+            trainer_cfg, sync_cfg, model_path, r, n, seed, temperature, cores, admin_token) for r in range(n)]
         self._ray = ray
         self.failed = False
         self.closed = False
+        try:
+            host, port = self._gather("rendezvous", [self.actors[0].rendezvous.remote()])[0]
+            self.master = f"{host}:{port}"
+            self.nodes: list[str] = self._all("start", [host] * n, [port] * n)  # each rank's node address
+        except BaseException:
+            self.close()
+            raise
 
     def _all(self, method: str, *args_per_rank):
         refs = [getattr(a, method).remote(*(args[r] for args in args_per_rank)) for r, a in enumerate(self.actors)]
@@ -88,6 +96,10 @@ class TrainerGroup:
     def push_full(self, urls: list[str], version: int) -> dict[str, float]:
         """Bring new engines to `version`: a full push over their own transport, noise-fill verified."""
         return self._all("push_full", [urls] * len(self.actors), [version] * len(self.actors))[0]
+
+    def channels(self) -> dict[str, str]:
+        """How weights reach each engine URL (the source rank's transport; see WeightUpdater.channels)."""
+        return self._ray.get(self.actors[0].channels.remote())
 
     def pids(self) -> list[int]:
         return self._ray.get([a.pid.remote() for a in self.actors])

@@ -29,6 +29,9 @@ class RolloutEngineConfig(EngineConfig):
 
     model_path: str = ""
     """Set by the run from model.path; leave empty."""
+    host: str = ""
+    """Interface each engine binds to and advertises; empty: the address of the Ray node it runs on
+    (loopback in a local run)."""
 
     def validate(self) -> None:
         super().validate()

@@ -56,7 +56,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
-from miles.net import DEFAULT_MAX_BODY_MB, BodyLimit, ServerThread, bind, serve_app
+from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
 from miles.rollout.chat_completion import Completion, RequestRefused, arguments, completion_body, \
     completion_chunks, parse_request, render_prompt, sse, template_message, tools_of
@@ -438,7 +438,7 @@ class RunningSessionServer:
         self.http.stop()
 
 
-def start_session_server(engine_url: str, tokenizer_path: str | None = None, host: str = "127.0.0.1", port: int = 0,
+def start_session_server(engine_url: str, tokenizer_path: str | None = None, host: str = LOOPBACK, port: int = 0,
                          *, tokenizer=None, **store_kwargs) -> RunningSessionServer:
     """Serve the session endpoint on a daemon thread in front of `engine_url`; returns once it answers.
     Give the tokenizer's directory, or the loaded `tokenizer`."""
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "record exact tokens, in front of an engine speaking the engine HTTP API.")
     p.add_argument("--engine-url", required=True, help="the engine or router to generate with")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (the served model's checkpoint)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    p.add_argument("--host", default=LOOPBACK, help="interface to bind (default loopback)")
     p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens when a request gives none")
     p.add_argument("--tool-parser", default="hermes", help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "

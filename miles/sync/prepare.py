@@ -58,6 +58,9 @@ class SyncConfig:
     moving on to the transports of `fallback`. With any retry or fallback the trainer's source rank
     keeps the version's tensors until it commits (one more copy of the model there); 0 and no
     fallback keep nothing."""
+    master_address: str = ""
+    """Address engines reach the trainer's source rank at to join a weight-update group (broadcast, and
+    p2p across nodes); empty: the address of the Ray node that hosts trainer rank 0. Ports are picked there."""
     fallback: list[str] = dataclasses.field(default_factory=list)
     """Transports to push a version with, in order, once `transport` has failed it `retries` + 1 times
     (e.g. ["broadcast", "disk"]; "disk" then writes under the system temp directory: one host only).

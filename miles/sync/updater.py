@@ -104,6 +104,12 @@ class WeightUpdater:
             return {}
         return {name: get_format(fmt) for name, fmt in tables[0].items()}
 
+    def channels(self) -> dict[str, str]:
+        """How weights reach each engine (e.g. "p2p shm", "p2p tcp via ADDRESS"), as the transport says,
+        else the transport's name."""
+        said = getattr(self.transport, "channels", None)
+        return said() if said is not None else {url: self.cfg.transport for url in self.engine_urls}
+
     @property
     def needs_start_check(self) -> bool:
         """Whether verification on these engines needs `check_start` before the first update: only

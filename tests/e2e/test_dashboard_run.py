@@ -20,8 +20,10 @@ def test_run_with_dashboard_sinks_and_report(tiny_model_dir, tmp_path, ray_clust
     from miles.config import load_config
     from miles.config.run import RunConfig
     from miles.orchestration.driver import run_train
+    from miles.orchestration.ray_cluster import node_address
 
-    port = free_port()
+    host = node_address()  # a run's dashboard serves at the driver's Ray node (127.0.0.2 locally)
+    port = free_port(host)
     cfg = load_config(RunConfig, None, {
         "model.path": tiny_model_dir, "run.output_dir": str(tmp_path), "run.name": "observed",
         "loop.num_steps": "2", "eval.every_steps": "2", "eval.num_prompts": "8", "eval.max_new_tokens": "4",
@@ -33,7 +35,7 @@ def test_run_with_dashboard_sinks_and_report(tiny_model_dir, tmp_path, ray_clust
     stop = threading.Event()
 
     def watch():  # what a person with the dashboard open sees while the run goes on
-        url = f"http://127.0.0.1:{port}/"
+        url = f"http://{host}:{port}/"
         while not stop.is_set():
             try:
                 status = json.loads(urllib.request.urlopen(url + "api/status", timeout=5).read())

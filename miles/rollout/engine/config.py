@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from miles.config.loader import ConfigError
-from miles.net import DEFAULT_MAX_BODY_MB, check_admin_exposure
+from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, check_admin_exposure
 from miles.precision.types import FORMATS
 from miles.rollout.tool_calls import TOOL_PARSERS
 
@@ -23,7 +23,7 @@ class EngineConfig:
     """Serve the Linear and MoE expert weights (not the LM head, embeddings or routers) in this low-precision format,
     dequantized in each matmul: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
     Match trainer.quantization so the trainer trains the policy the engine serves."""
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK
     """Interface the HTTP server binds to; loopback unless the engine must be reached from other hosts
     (which needs admin_token, or insecure_admin)."""
     port: int = 0

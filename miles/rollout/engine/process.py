@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import sys
 
-from miles.net import ServerProcess
+from miles.net import LOOPBACK, ServerProcess
 
 
 class EngineProcess(ServerProcess):
     """Start with `EngineProcess(model_dir, admin_token=...)`; use `.url`; `.stop()` (or `with`)."""
 
-    def __init__(self, model_path: str, *, host: str = "127.0.0.1", port: int = 0, admin_token: str | None = None,
+    def __init__(self, model_path: str, *, host: str = LOOPBACK, port: int = 0, admin_token: str | None = None,
                  extra_args: list[str] | None = None, startup_timeout_s: float = 120.0, env: dict | None = None):
         cmd = [sys.executable, "-m", "miles.rollout.engine.server", "--model", str(model_path), "--host", host,
                "--port", str(port)]

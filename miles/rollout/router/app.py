@@ -10,7 +10,7 @@ router's own token; a router without one serves on loopback only unless given `-
 An engine's refusal (4xx) comes back as that refusal, from one engine or from all of them.
 Non-goals: the routing decisions themselves (policy.py).
 
-    miles router --port 30000 --worker-urls http://127.0.0.1:30001 http://127.0.0.1:30002
+    miles router --port 30000 --worker-urls http://HOST:30001 http://HOST:30002
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route functions' annotations, and
@@ -193,7 +193,7 @@ class RouterServeConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     """When an engine is quarantined (`--health.KEY`)."""
     worker_urls: list[str] = field(default_factory=list)
-    """Engine URLs, e.g. http://127.0.0.1:30001 (`--worker-urls A B`)."""
+    """Engine URLs, e.g. http://10.0.0.5:30001 (`--worker-urls A B`)."""
     log_level: str = "warning"
     """Python logging level of the router process."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles.config import ConfigError
-from miles.net import DEFAULT_MAX_BODY_MB, check_admin_exposure
+from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, check_admin_exposure
 
 ROUTER_KINDS = ("miles", "sglang")
 
@@ -18,7 +18,7 @@ ROUTER_KINDS = ("miles", "sglang")
 class RouterConfig:
     kind: str = "miles"
     """Which router fronts the engines: "miles" (built in) or "sglang" (the Rust sglang-router package)."""
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK
     """Interface the router binds to; loopback unless clients on other hosts must reach it (which
     needs admin_token, or insecure_admin)."""
     port: int = 0
@@ -72,3 +72,12 @@ def check_url(url: str) -> str:
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"url: {url!r} is not an engine URL; send http://host:port")
     return url.rstrip("/")
+
+
+@dataclass
+class RunRouterConfig(RouterConfig):
+    """RouterConfig as a section of the run config: the router `miles train` starts in its driver."""
+
+    host: str = ""
+    """Interface the router binds to and advertises; empty: the address of the driver's Ray node
+    (loopback in a local run)."""

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.net import LOOPBACK
 from miles.rollout.engine import protocol
 from miles.sync import verify
 from miles.sync.engine_client import reconnect
@@ -82,7 +83,7 @@ class BroadcastTransport:
     Config = SyncConfig  # no settings of its own
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 
-    def __init__(self, master_address: str = "127.0.0.1", master_port: int = 0, backend: str = "gloo",
+    def __init__(self, master_address: str = LOOPBACK, master_port: int = 0, backend: str = "gloo",
                  admin_token: str | None = None, timeout_s: float = 120.0,
                  group_name: str = "weight_update_group", load_format: str = "flattened_small"):
         if backend != "gloo":
@@ -108,7 +109,7 @@ class BroadcastTransport:
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> BroadcastTransport:
-        return cls(admin_token=admin_token, timeout_s=cfg.timeout_s)
+        return cls(master_address=cfg.master_address or LOOPBACK, admin_token=admin_token, timeout_s=cfg.timeout_s)
 
     # ---- Transport ----------------------------------------------------------------------
 
@@ -224,6 +225,10 @@ class BroadcastTransport:
         for path, body in (("/update_weight_version", label), ("/flush_cache", None)):
             replies = [_spawn(self._post, url, path, body) for url in self.engine_urls]
             self._wait(None, replies, f"committing weight version {weight_version} ({path})")
+
+    def channels(self) -> dict[str, str]:
+        """How each engine is reached: the group's master, where its members join."""
+        return {url: f"broadcast via {self.master_address}" for url in self.engine_urls}
 
     def close(self) -> None:
         if self._http is not None and self._pg is not None and self._broken is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from miles.net import LOOPBACK
 from miles.sync import shm
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
@@ -32,8 +33,10 @@ class ColocatedTransport:
     Config = SyncConfig  # the buffer starts at sync.bucket_size_mb
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 
-    def __init__(self, admin_token: str | None = None, timeout_s: float = 120.0, buffer_bytes: int = 64 << 20):
+    def __init__(self, admin_token: str | None = None, timeout_s: float = 120.0, buffer_bytes: int = 64 << 20,
+                 node_address: str = LOOPBACK):
         self.admin_token, self.timeout_s, self.buffer_bytes = admin_token, timeout_s, buffer_bytes
+        self.node_address = node_address  # the trainer's node: engines must share it
         self.engine_urls: list[str] = []
         self._client: EngineClient | None = None
         self._path: str | None = None
@@ -43,13 +46,15 @@ class ColocatedTransport:
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> ColocatedTransport:
-        return cls(admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes)
+        return cls(admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes,
+                   node_address=cfg.master_address or LOOPBACK)
 
     def connect(self, engine_urls: list[str]) -> None:
-        far = [u for u in engine_urls if not is_local(u)]
+        far = [u for u in engine_urls if not is_local(u, self.node_address)]
         if far:
-            raise TransportError(f"colocated transport: engine(s) {far} are not on this machine; use sync.transport "
-                                 "= 'p2p' or 'broadcast' for engines on other hosts")
+            raise TransportError(f"colocated transport: engine(s) {far} are not on the trainer's node "
+                                 f"({self.node_address}); use sync.transport = 'p2p' or 'broadcast' for engines "
+                                 "on other nodes")
         self._client = reconnect(self, engine_urls, self.timeout_s)
         self._path, self._buf = shm.create(self.buffer_bytes, tag="colo")
         self._fresh, self._failed = True, None

@@ -2,7 +2,7 @@
 
 Broadcast fans every bucket out through one collective; p2p instead gives every engine its own
 channel, so one engine's transfer never waits on another's and nothing is relayed:
-  * an engine on this host (loopback or this machine's name) lends a receive buffer in shared memory
+  * an engine on the sender's node (the address of its Ray node, or this machine's name) lends a receive buffer in shared memory
     (`/p2p_open_buffer`) big enough for a whole version; the trainer copies each tensor's bytes
     straight into it, bucket after bucket at increasing offsets; the bytes are in the engine's memory
     when send_bucket returns. The layout of the whole version travels once, with the commit, so a
@@ -11,7 +11,7 @@ channel, so one engine's transfer never waits on another's and nothing is relaye
     buffer its parameters left for the next version, so each byte is copied exactly once, by the
     trainer. Engines are written concurrently. When a version outgrows the buffer, what was written
     is staged from it and the engine lends a bigger one.
-  * an engine on another host gets a private two-rank gloo group and point-to-point sends over it
+  * an engine on another node gets a private two-rank gloo group and point-to-point sends over it
     (one BroadcastTransport of world size 2 per engine, all running at once).
 Engines apply the version at commit, all of it at once, as with every transport (base.py).
 The engine's end (Receiver) lends the buffers (/p2p_open_buffer, /p2p_close_buffer) and, at a
@@ -23,6 +23,7 @@ Non-goals: RDMA (a GPU build would register the receive buffers with the NIC ins
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import socket
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from miles.config.loader import ConfigError
+from miles.net import LOOPBACK
 from miles.sync import shm
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
@@ -45,11 +47,21 @@ if TYPE_CHECKING:
 MAX_BUFFERS = 8
 
 
-def is_local(url: str) -> bool:
-    """Whether an engine URL points at this machine (so shared memory reaches it)."""
+def is_local(url: str, node_address: str = LOOPBACK) -> bool:
+    """Whether an engine URL points at the sender's node (so shared memory reaches it).
+
+    The sender's node is `node_address` (its Ray node) and this machine's own names and addresses.
+    A loopback address other than the node's counts as another node: Ray nodes on one machine are
+    told apart by such addresses (Ray never gives a node 127.0.0.1 or localhost, which stay this machine).
+    """
     host = (urlparse(url).hostname or "").lower()
-    if host in {"localhost", "127.0.0.1", "::1"} or host.startswith("127."):
+    if host == node_address.lower() or host in {"localhost", LOOPBACK, "::1"}:
         return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return False
+    except ValueError:
+        pass  # a name
     try:
         mine = {socket.gethostname().lower(), socket.getfqdn().lower()}
         mine |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
@@ -80,7 +92,7 @@ class P2PTransport:
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 
     def __init__(self, mode: str = "auto", admin_token: str | None = None, timeout_s: float = 120.0,
-                 buffer_bytes: int = 64 << 20, master_address: str = "127.0.0.1"):
+                 buffer_bytes: int = 64 << 20, master_address: str = LOOPBACK):
         if mode not in ("auto", "shm", "tcp"):
             raise ValueError(f"p2p mode {mode!r}: use 'auto' (shared memory on this host, sends across hosts), "
                              "'shm' or 'tcp'")
@@ -98,11 +110,13 @@ class P2PTransport:
 
     @classmethod
     def from_config(cls, cfg: P2PConfig, admin_token: str | None, base_path: str = "") -> P2PTransport:
-        return cls(mode=cfg.p2p_mode, admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes)
+        return cls(mode=cfg.p2p_mode, admin_token=admin_token, timeout_s=cfg.timeout_s, buffer_bytes=cfg.buffer_bytes,
+                   master_address=cfg.master_address or LOOPBACK)
 
     def connect(self, engine_urls: list[str]) -> None:
         self._client = reconnect(self, engine_urls, self.timeout_s)
-        local = [u for u in self.engine_urls if self.mode == "shm" or (self.mode == "auto" and is_local(u))]
+        local = [u for u in self.engine_urls
+                 if self.mode == "shm" or (self.mode == "auto" and is_local(u, self.master_address))]
         remote = [u for u in self.engine_urls if u not in local]
         for url, r in zip(local, self._client.post_all(local, "/p2p_open_buffer", {"nbytes": self.buffer_bytes})):
             size = r.get("nbytes", self.buffer_bytes)  # an engine lends at most its model's size
@@ -155,6 +169,10 @@ class P2PTransport:
             self._failed = str(exc)
             raise TransportError(f"p2p: sending a bucket of {len(bucket)} tensors (first {bucket[0][0]!r}) "
                                  f"failed: {exc}") from None
+
+    def channels(self) -> dict[str, str]:
+        """How each engine is reached: shared memory on the sender's node, sends over the network else."""
+        return {url: "p2p shm" if url in self._shm else f"p2p tcp via {self.master_address}" for url in self.engine_urls}
 
     def commit(self, weight_version: int) -> None:
         self._check()
