@@ -105,6 +105,9 @@ class RolloutManager:
         if samples:
             metrics["rollout/trained_reward_mean"] = sum(s.reward for s in samples) / len(samples)
             metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
+        if self.groups.teacher is not None:
+            # Teacher engines never receive weights: more than one version seen would be a bug.
+            metrics["rollout/teacher_weight_versions"] = len(self.groups.teacher.versions_seen)
         return groups, metrics
 
     def start_producer(self) -> None:
