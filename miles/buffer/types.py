@@ -35,6 +35,9 @@ class Sample:
     # prompt + response - 1 tokens, or fewer when the last tokens never reached the engine
     # (environment tokens after the final turn); uncovered tokens route freely in training.
     routed_experts: str | None = None
+    # On-policy distillation with teacher engines: the teacher's logprob of every response token
+    # (rollout/teacher.py); None when no teacher engine scored the sample.
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self):
         n = len(self.response_ids)

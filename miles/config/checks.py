@@ -151,9 +151,35 @@ def check_fleet(run) -> None:
 
 
 def check_teacher(run) -> None:
-    """A distillation teacher scores the policy's token ids: its tokenizer must be the policy's."""
+    """OPD has one teacher, in the trainer (opd.teacher_path) or on engines ([teacher]); it scores the
+    policy's token ids, so its tokenizer must be the policy's."""
     opd = getattr(run.trainer.algorithm, "opd", None)
-    if opd is None or not opd.teacher_path or not run.model.path:
+    served = run.teacher.enabled
+    if opd is None:
+        if served:
+            raise ConfigError(f"teacher: teacher engines score for on-policy distillation only; set "
+                              f"trainer.algorithm.name = 'opd' (it is {run.trainer.algorithm.name!r}) or remove "
+                              "the [teacher] section")
+        return
+    if not opd.teacher_path and not served:
+        raise ConfigError("trainer.algorithm.opd.teacher_path is required for name = 'opd' unless teacher engines "
+                          "score: set trainer.algorithm.opd.teacher_path (a teacher inside the trainer), or "
+                          "teacher.model.path (engines the run starts) or teacher.engine_urls (engines already "
+                          "serving)")
+    if opd.teacher_path and served:
+        raise ConfigError("trainer.algorithm.opd.teacher_path and the [teacher] section both name a teacher: keep "
+                          "one (teacher_path: inside the trainer; [teacher]: on engines of its own)")
+    if served and run.rollout.temperature != 1.0:
+        raise ConfigError(f"teacher engines score at temperature 1 (SGLang's input logprobs are untempered), but "
+                          f"rollout.temperature = {run.rollout.temperature}: set rollout.temperature = 1.0, or "
+                          "score inside the trainer with trainer.algorithm.opd.teacher_path")
+    if run.teacher.model.path and run.model.path:
+        why = tokenizer_mismatch(run.model.path, run.teacher.model.path)
+        if why:
+            raise ConfigError(f"teacher.model.path {run.teacher.model.path!r} has another tokenizer than model.path "
+                              f"({why}); the teacher scores the student's token ids, so pick a teacher trained "
+                              "with the student's tokenizer")
+    if not opd.teacher_path or not run.model.path:
         return
     why = tokenizer_mismatch(run.model.path, opd.teacher_path)
     if why:

@@ -18,6 +18,7 @@ from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RunRouterConfig
+from miles.rollout.teacher import TeacherConfig
 from miles.sync.prepare import SyncConfig
 from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig
@@ -92,6 +93,8 @@ class RunConfig:
     """Held-out evaluation."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Trainer backend, optimizer and algorithm."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """Teacher engines for on-policy distillation (the alternative to trainer.algorithm.opd.teacher_path)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """Weight sync from trainer to engines."""
     sft: SFTConfig = field(default_factory=SFTConfig)

@@ -40,6 +40,7 @@ from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
 from miles.rollout.data_source import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
+from miles.rollout.teacher import check_served_teacher
 from miles.sync.prepare import wire_dtype
 from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
@@ -169,7 +170,32 @@ def _trainer_pool(cfg: RunConfig, stack: contextlib.ExitStack) -> NodePool:
                       cfg, stack)
 
 
-def _check_reachable(urls: list[str]) -> None:
+def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.ExitStack) -> list[str]:
+    """The teacher engines' URLs (none without a [teacher] section): started here from
+    teacher.model.path, or teacher.engine_urls checked for the student's tokenizer. They join no
+    fleet, router or weight transport, so no weight update ever reaches them."""
+    import httpx
+    import ray
+
+    t = cfg.teacher
+    if t.engine_urls:
+        _check_reachable(t.engine_urls, "teacher.engine_urls")
+        with httpx.Client() as client:
+            for url in t.engine_urls:
+                check_served_teacher(client, url, cfg.model.path)
+        return list(t.engine_urls)
+    if not t.model.path:
+        return []
+    cls = remote(EngineShell)
+    # Their own admin token, never handed to anything: nothing may administer a teacher.
+    actors = [cls.remote(cfg.rollout.engine.for_run(t.model.path, cfg.run.seed + 20_000 + i, secrets.token_hex(16)),
+                         pools.engine if pools else None) for i in range(t.num_engines)]
+    for a in actors:
+        stack.callback(ray.kill, a)
+    return ray.get([a.url.remote() for a in actors])
+
+
+def _check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:
     """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
     import httpx
 
@@ -177,7 +203,7 @@ def _check_reachable(urls: list[str]) -> None:
         try:
             httpx.get(url + "/health", timeout=10).raise_for_status()
         except httpx.HTTPError as exc:
-            raise SystemExit(f"miles: engine {url} (rollout.engine_urls) does not answer /health: {exc}") from None
+            raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -215,6 +241,9 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring)
     urls = fleet.serving_urls()
     log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}")
+    teacher_urls = _start_teachers(cfg, pools, stack)
+    if teacher_urls:
+        log(f"teacher engines ready: {', '.join(teacher_urls)}")
     sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
     trainer_pool = _trainer_pool(cfg, stack)
 
@@ -232,7 +261,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # pool it took a quarter of the engines' core away from decoding under fully_async.
     rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
         cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
-        router_url=router.url)
+        router_url=router.url, teacher_urls=teacher_urls)
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
     stack.callback(sink.close)
     if cfg.metrics.dashboard:

@@ -28,6 +28,7 @@ from miles.rollout.config import RolloutConfig
 from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.generate import GenerationError, SamplingParams, generate, generate_many
 from miles.rollout.stats import SampleStats
+from miles.rollout.teacher import TeacherScorer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class GroupGenerator:
     waits for the router."""
 
     def __init__(self, cfg: RolloutConfig, seed: int, tokenizer, rewards: RewardRunner | None, generate_fn, buffer,
-                 admin: EngineAdmin, stopping: threading.Event):
+                 admin: EngineAdmin, stopping: threading.Event, teacher: TeacherScorer | None = None):
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
         self.rewards = rewards
         # The `(response, label) -> float` view of the runner: evaluation and ctx.reward_fn use it.
@@ -58,6 +59,7 @@ class GroupGenerator:
         self.generate_fn = generate_fn
         self._runner_scores = generate_fn is None or not getattr(generate_fn, "scores_itself", True)
         self.buffer, self.admin, self.stopping = buffer, admin, stopping
+        self.teacher = teacher  # teacher engines scoring each group (on-policy distillation), or None
         self.stats = SampleStats()
         self.samples_done = 0  # samples finished in the current batch, for the live progress line
         self._lock = threading.Lock()
@@ -112,6 +114,9 @@ class GroupGenerator:
                 samples = await asyncio.wait_for(work, self.cfg.group_timeout_s)
             else:
                 samples = await work
+            if self.teacher is not None and not any(s.status is SampleStatus.ABORTED for s in samples):
+                # Part of the rollout, so it overlaps with training as generation does under every schedule.
+                await self.teacher.score_group(client, samples)
         except (asyncio.TimeoutError, TimeoutError, httpx.TimeoutException):
             await self.admin.abort_rids(client, url, rids)
             return Group(samples=[], prompt_index=prompt.index, failure=Reason.TIMEOUT)

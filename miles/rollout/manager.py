@@ -33,13 +33,14 @@ from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.group import GroupGenerator
 from miles.rollout.http import async_client, run_coroutine
 from miles.rollout.producer import Producer
+from miles.rollout.teacher import TeacherScorer
 from miles.rewards.runner import RewardRunner
 
 
 class RolloutManager:
     def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
                  seed: int = 0, buffer_cfg: BufferConfig | None = None, admin_token: str | None = None,
-                 router_url: str | None = None):
+                 router_url: str | None = None, teacher_urls: list[str] | None = None):
         self.cfg, self.seed = cfg, seed
         # Its own prompt source: the buffer's ledger must see every prompt it hands out.
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
@@ -47,7 +48,8 @@ class RolloutManager:
         generate_fn = None if cfg.generate_fn == "single_turn" else get_generate_fn(cfg.generate_fn)
         self.groups = GroupGenerator(cfg, seed, load_tokenizer(model_path), RewardRunner(cfg.reward, cfg.reward_config),
                                      generate_fn,
-                                     self.buffer, self.admin, threading.Event())
+                                     self.buffer, self.admin, threading.Event(),
+                                     TeacherScorer(teacher_urls) if teacher_urls else None)
         self.producer = Producer(self.groups)
         self.evaluator = Evaluator(eval_cfg, self.groups, seed)
 
@@ -103,6 +105,9 @@ class RolloutManager:
         if samples:
             metrics["rollout/trained_reward_mean"] = sum(s.reward for s in samples) / len(samples)
             metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
+        if self.groups.teacher is not None:
+            # Teacher engines never receive weights: more than one version seen would be a bug.
+            metrics["rollout/teacher_weight_versions"] = len(self.groups.teacher.versions_seen)
         return groups, metrics
 
     def start_producer(self) -> None:

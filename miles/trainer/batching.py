@@ -35,7 +35,7 @@ def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[Tra
         for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
             seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
                                       loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv,
-                                      routed_experts=s.routed_experts))
+                                      routed_experts=s.routed_experts, teacher_logprobs=s.teacher_logprobs))
     return seqs
 
 
@@ -86,6 +86,7 @@ class MicroBatch:
     seq_ids: "torch.Tensor"                  # (B, T-1) index into `seqs`, -1 elsewhere
     seqs: list
     routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
+    teacher_logprobs: "torch.Tensor | None" = None  # (B, T-1) a teacher engine's, when every sequence has them
 
     def to(self, device) -> "MicroBatch":
         """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
@@ -118,6 +119,8 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
     old = torch.zeros(B, width - 1)
     adv = torch.zeros(B, width - 1)
     sid = torch.full((B, width - 1), -1, dtype=torch.long)
+    # Teacher engines scored every sample, or none did (the in-trainer teacher scores at the forward).
+    teacher = torch.zeros(B, width - 1) if seqs and all(s.teacher_logprobs is not None for s in seqs) else None
     offsets = [(0, 0)] * len(seqs)
     for r, members in enumerate(rows):
         off = 0
@@ -136,6 +139,11 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
             adv[r, lo:lo + n] = torch.tensor(s.token_advantages, dtype=torch.float32) \
                 if s.token_advantages else s.advantage
             sid[r, lo:lo + n] = i
+            if teacher is not None:
+                if len(s.teacher_logprobs) != n:
+                    raise ValueError(f"a sequence has {n} response tokens but {len(s.teacher_logprobs)} teacher "
+                                     "logprobs; the teacher engine must score every response token")
+                teacher[r, lo:lo + n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
             offsets[i] = (r, off)
             off += L
     routed = None
@@ -145,5 +153,5 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     if pack:
         # Padding to the right would be read as one more packed sequence; there is none here.
-        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed)
-    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed)
+        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed, teacher)
+    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed, teacher)

@@ -4,7 +4,7 @@ The teacher itself is a frozen model the trainer runs next to the policy (the fr
 trainer/reference.py, loaded once from the teacher's checkpoint and never refreshed, so it never
 receives weight updates). Token ids are compared, not text: the teacher scores the student's exact
 token ids, so both must mean the same thing by every id. Runs at config time (no torch).
-Non-goal: teachers served by engines over HTTP.
+The same check guards teachers served by engines (rollout/teacher.py).
 """
 
 from __future__ import annotations

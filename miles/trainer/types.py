@@ -15,6 +15,7 @@ class TrainSequence:
     advantage: float = 0.0
     token_advantages: list[float] = field(default_factory=list)  # per response token; overrides advantage
     routed_experts: str | None = None  # the engine's expert ids per token (Sample.routed_experts), for R3
+    teacher_logprobs: list[float] | None = None  # per response token; a teacher engine's (Sample.teacher_logprobs)
 
     @property
     def num_loss_tokens(self) -> int:

@@ -75,7 +75,7 @@ class Engine:
 
     def make_request(self, input_ids, params: SamplingParams | None = None, return_logprob: bool = False,
                      rid: str | None = None, return_routed_experts: bool = False,
-                     lora_path: str | None = None) -> GenerateRequest:
+                     lora_path: str | None = None, logprob_start_len: int = -1) -> GenerateRequest:
         """Build a request and check it against this model; raises InvalidRequest naming the field."""
         params = params or SamplingParams(max_new_tokens=self.config.default_max_new_tokens)
         ids = tuple(input_ids)
@@ -96,13 +96,16 @@ class Engine:
         if return_routed_experts and not self.runner.routers:
             raise InvalidRequest("return_routed_experts: this model has no mixture-of-experts layers, so there are "
                                  "no routed experts to return; send false")
+        if not -1 <= logprob_start_len <= len(ids):
+            raise InvalidRequest(f"logprob_start_len: {logprob_start_len} is outside [-1, {len(ids)}] for a prompt of "
+                                 f"{len(ids)} tokens; send -1 (output tokens only) or a position in the prompt")
         adapter = None
         if lora_path is not None:  # SGLang's field holds the adapter's name; the request keeps that adapter
             with self.model_lock:
                 adapter = self.runner.adapters.get(lora_path)
         return GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                                return_logprob=return_logprob, return_routed_experts=return_routed_experts,
-                               adapter=adapter)
+                               logprob_start_len=logprob_start_len if return_logprob else -1, adapter=adapter)
 
     def submit(self, req: GenerateRequest) -> Future:
         """Queue a request; the future resolves to a GenerateResult."""

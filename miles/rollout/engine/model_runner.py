@@ -67,6 +67,8 @@ class Row:
     answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
     kv_version: int | None = None  # weights_epoch its KV was computed under; None once mixed
     routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
+    # Prompt-token logprobs from req.logprob_start_len (the first None, as SGLang's), set at first prefill.
+    input_logprobs: list[float | None] | None = None
     # Failure isolation (scheduler.py): "suspect" while it waits to run a step alone after a step it
     # was in raised, "cleared" once it did without failing; `unblamed` counts failed steps it was in
     # that no request could be blamed for.
@@ -77,6 +79,13 @@ class Row:
     def of(cls, req: GenerateRequest, future: Future) -> Row:
         seed = req.params.seed
         return cls(req, future, None if seed is None else torch.Generator().manual_seed(seed))
+
+    def input_logprob_start(self) -> int | None:
+        """The prompt position its input logprobs start at, while they are still to be computed."""
+        k = self.req.logprob_start_len
+        if self.input_logprobs is None and self.req.return_logprob and 0 <= k < len(self.req.input_ids):
+            return k
+        return None
 
     def prefill_ids(self) -> tuple[int, ...]:
         # After a retract the generated tokens are part of what must be prefilled again.
@@ -144,9 +153,15 @@ class ModelRunner:
                 lead.append(where[(ids, id(adapter))])
             routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
             private = {lead[i] for i, r in enumerate(rows) if self._private(r)}
+            starts: dict[int, int] = {}  # unique prompt -> the earliest position any of its rows scores from
+            for r, j in zip(rows, lead):
+                k = r.input_logprob_start()
+                if k is not None:
+                    starts[j] = min(k, starts.get(j, k))
             epoch, version = self.weights_epoch, self.weight_version
             computed_by = self._prefill_shared_prefixes(uniq, routed_uniq | private)
-            cache, mask, logits, cached, routed = self._prefill_forward(uniq, routed_uniq, private, adapters)
+            cache, mask, logits, cached, routed, scored = self._prefill_forward(uniq, routed_uniq, private, adapters,
+                                                                                starts)
             for i, before in computed_by.items():
                 cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
             if len(uniq) < len(rows):
@@ -168,6 +183,13 @@ class ModelRunner:
                 self.stats["cached_tokens"] += r.cached_tokens
             first_of.setdefault(j, r)
             r.kv_version = None if j in private else epoch  # KV of a non-default adapter is never cached
+            k = r.input_logprob_start()
+            if k is not None:
+                # The unique prompt was scored from its rows' earliest start; this row's list starts at k.
+                r.input_logprobs = [None] + scored[j][k - starts[j]:]
+                r.weight_version = version
+                if r.req.params.max_new_tokens == 0:  # scoring only: nothing to generate
+                    r.finish = FinishReason("length", length=0)
         lens = torch.tensor([len(uniq[j]) for j in lead])  # (R,)
         self.kv.merge(cache, mask, lens, tokens)
         self.rows = self.rows + rows
@@ -263,7 +285,8 @@ class ModelRunner:
             output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
             weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
             cached_tokens=row.cached_tokens or 0, weight_versions=tuple(tuple(s) for s in row.weight_versions),
-            routed_experts=_routed_experts(row) if row.req.return_routed_experts else None)
+            routed_experts=_routed_experts(row) if row.req.return_routed_experts else None,
+            input_logprobs=_input_logprobs(row) if row.req.return_logprob else None)
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -321,8 +344,9 @@ class ModelRunner:
             self.prefix_cache.clear()
 
     def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False,
-                 adapters: list[Adapter | None] | None = None):
-        """Last-position logits (B, V), and with `capture` the routed expert ids (B, S, MoE layers, top_k).
+                 adapters: list[Adapter | None] | None = None, last_only: bool = True):
+        """Last-position logits (B, V) (not `last_only`: the last `logits_to_keep` positions' (B, K, V)),
+        and with `capture` the routed expert ids (B, S, MoE layers, top_k).
         `adapters`: each row's LoRA adapter (None for all: the default adapter on every row)."""
         kwargs = {self._cache_kwarg: cache}
         ids: list[torch.Tensor] = []
@@ -336,7 +360,7 @@ class ModelRunner:
         if capture:
             B, S = input_ids.shape
             routed = torch.stack(ids, dim=1).to(torch.int32).view(B, S, len(ids), -1)  # each was (B*S, top_k)
-        return out.logits[:, -1, :], routed
+        return (out.logits[:, -1, :] if last_only else out.logits), routed
 
     def _prefill_shared_prefixes(self, uniq: list[tuple[int, ...]], full: set[int] = frozenset()) -> dict[int, int]:
         """Prefill, once, the whole blocks that several admitted prompts start with and the cache lacks
@@ -368,14 +392,19 @@ class ModelRunner:
         return charged
 
     def _prefill_forward(self, prompts: list[tuple[int, ...]], full: set[int] = frozenset(),
-                         private: set[int] = frozenset(), adapters: list[Adapter | None] | None = None):
+                         private: set[int] = frozenset(), adapters: list[Adapter | None] | None = None,
+                         starts: dict[int, int] | None = None):
         """One forward over `prompts`, each starting from its cached prefix (prompts in `full`: from
         nothing, recording routed experts; in `private`: from nothing, on an adapter other than the
         default, `adapters[i]`); inserts the new KV into the prefix cache (not the private prompts'). Returns (cache,
         mask (R, M + S), last-position logits (R, V), cached lengths, routed ids (R, S, layers, top_k)
-        or None). Caller holds model_lock."""
-        # At least one token is always computed: its logits choose the first output token.
-        hits = [self.prefix_cache.match(ids, limit=0 if i in full or i in private else len(ids) - 1)
+        or None, {i: logprobs of prompt i's tokens starts[i]+1 .. end}). Caller holds model_lock."""
+        starts = starts or {}
+        # At least one token is always computed: its logits choose the first output token. A prompt
+        # scored from position k reads at most k cached tokens, as SGLang does: the cache keeps KV, not
+        # the logits the scores need.
+        hits = [self.prefix_cache.match(ids, limit=0 if i in full or i in private
+                                        else min(len(ids) - 1, starts.get(i, len(ids))))
                 for i, ids in enumerate(prompts)]
         cached = [h.tokens for h in hits]
         suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
@@ -392,14 +421,19 @@ class ModelRunner:
         cache = kv_cache.new_cache(self.model.config)
         if M:
             kv_cache.load_prefixes(cache, hits, cached, M)
-        logits, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=1, capture=bool(full),
-                                       adapters=adapters)
+        # Suffixes are right-aligned, so the last `keep` columns hold every position a score needs.
+        keep = max([len(prompts[i]) - k for i, k in starts.items()], default=1)
+        kept, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=keep, capture=bool(full),
+                                     adapters=adapters, last_only=False)  # (R, keep, V)
+        logits = kept[:, -1, :]
+        scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1], prompts[i][k + 1:])
+                  for i, k in starts.items()}
         self.stats["prefill_forwards"] += 1
         for i, ids in enumerate(prompts):
             if i in private:
                 continue
             self.prefix_cache.insert(ids, lambda a, b, i=i: kv_cache.row_kv(cache, mask, i, a, b))
-        return cache, mask, logits, cached, routed
+        return cache, mask, logits, cached, routed, scored
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]):
         return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
@@ -456,6 +490,19 @@ class ModelRunner:
 def _routed_experts(row: Row) -> str:
     # Empty when it finished before its prompt was computed (aborted in the queue, max_new_tokens=0).
     return encode_routed_experts(torch.cat(row.routed)) if row.routed else ""
+
+
+def _token_logprobs(logits: torch.Tensor, tokens) -> list[float]:
+    """log softmax(logits[t])[tokens[t]] for each t; logits (T, V). Untempered, as SGLang's input logprobs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+
+
+def _input_logprobs(row: Row) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
+    k = row.req.logprob_start_len
+    if k < 0 or row.input_logprobs is None:  # -1, k = prompt length, or not yet computed (aborted in the queue)
+        return (), ()
+    return row.req.input_ids[k:], tuple(row.input_logprobs)
 
 
 def _common_prefix_len(a, b) -> int:

@@ -108,6 +108,8 @@ class GenerateItem:
     rid: str | None
     return_routed_experts: bool = False
     lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field); None: the default
+    # SGLang's logprob_start_len: -1 = output tokens only; k >= 0 = also the prompt's tokens from position k.
+    logprob_start_len: int = -1
 
 
 def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
@@ -127,10 +129,8 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
     routed = _bool(body.get("return_routed_experts", False), "return_routed_experts")
     if body.get("top_logprobs_num", 0) not in (0, None):
         raise InvalidRequest("top_logprobs_num: top logprobs are not supported; send 0")
-    # Accepted for SGLang clients; output logprobs never include text or prompt positions here.
+    # Accepted for SGLang clients; the text slot of every logprob triple stays null here.
     _bool(body.get("return_text_in_logprobs", False), "return_text_in_logprobs")
-    if body.get("logprob_start_len") is not None:
-        _int(body["logprob_start_len"], "logprob_start_len", lo=-1)
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
         raise InvalidRequest("input_ids/text: send exactly one of input_ids or text")
@@ -155,6 +155,7 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
     logprob = _per_item(body.get("return_logprob"), n, batched, "return_logprob")
     rids = _per_item(body.get("rid"), n, batched, "rid")
     loras = _per_item(body.get("lora_path"), n, batched, "lora_path")
+    starts = _per_item(body.get("logprob_start_len"), n, batched, "logprob_start_len")
     items = []
     for i in range(n):
         where = f"sampling_params{_at(i, batched and isinstance(body.get('sampling_params'), list))}"
@@ -172,7 +173,12 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
             raise InvalidRequest(f"lora_path{_at(i, batched and isinstance(body.get('lora_path'), list))}: expected "
                                  f"the name of a loaded adapter (a string of 1 to {MAX_RID_CHARS} characters) or "
                                  f"null, got {_kind(lora)}")
-        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed, lora))
+        start = -1 if starts[i] is None else _int(starts[i], "logprob_start_len", lo=-1)
+        if start > len(prompts[i]):
+            raise InvalidRequest(f"logprob_start_len{_at(i, batched and isinstance(body.get('logprob_start_len'), list))}"
+                                 f": {start} is past the prompt's {len(prompts[i])} tokens; send -1 (output tokens "
+                                 "only) or a position in the prompt")
+        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed, lora, start if lp else -1))
     return items, batched
 
 
@@ -224,6 +230,7 @@ def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling
 
 
 NonNegInt = Annotated[int, Field(ge=0)]
+StartLen = Annotated[int, Field(ge=-1)]
 
 
 class SamplingParamsBody(BaseModel):
@@ -252,7 +259,7 @@ class GenerateBody(BaseModel):
     rid: str | list[str] | None = None
     stream: Literal[False] = False
     return_text_in_logprobs: bool = False
-    logprob_start_len: int | None = Field(None, ge=-1)
+    logprob_start_len: StartLen | list[StartLen] | None = None
     top_logprobs_num: Literal[0] | None = 0
     return_routed_experts: bool = False
     lora_path: str | list[str | None] | None = None

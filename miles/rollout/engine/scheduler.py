@@ -82,7 +82,7 @@ class Scheduler:
         """Queue a request; the future resolves to a GenerateResult."""
         fut: Future = Future()
         row = Row.of(req, fut)
-        if req.params.max_new_tokens == 0:
+        if req.params.max_new_tokens == 0 and row.input_logprob_start() is None:  # nothing to compute
             fut.set_result(self.runner.result(row, FinishReason("length", length=0)))
             return fut
         with self._cond:

@@ -39,6 +39,9 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = False
     return_routed_experts: bool = False  # record the top-k expert ids of every token (MoE models)
+    # SGLang's logprob_start_len, with return_logprob: -1 = output tokens only; k >= 0 = also the
+    # prompt's tokens from position k on (input_token_logprobs).
+    logprob_start_len: int = -1
     # The LoRA adapter the request named (SGLang's lora_path); None: the engine's default (lora.py).
     adapter: Adapter | None = field(default=None, compare=False)
 
@@ -75,6 +78,8 @@ class GenerateResult:
     # landed mid-way): SGLang's meta_info.weight_versions spans.
     weight_versions: tuple[tuple[str, int, int], ...] = ()
     routed_experts: str | None = None  # base64 int32 (prompt + completion - 1, MoE layers, top_k), see models/moe.py
+    # With return_logprob: (prompt ids from logprob_start_len, their logprobs), the first None as in SGLang.
+    input_logprobs: tuple[tuple[int, ...], tuple[float | None, ...]] | None = None
 
     def to_sglang(self) -> dict:
         meta = {
@@ -88,6 +93,9 @@ class GenerateResult:
             or [{"version": self.weight_version, "start": 0, "end": 0}],
         }
         if self.output_logprobs is not None:
+            # SGLang sends both lists whenever logprobs are asked for; the input one is empty at -1.
+            ids, lps = self.input_logprobs or ((), ())
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]
         if self.routed_experts is not None:
             meta["routed_experts"] = self.routed_experts

@@ -11,9 +11,9 @@ and teacher logprob log π_T(y_t), the per-token reverse KL estimate is k_t = lo
 where A_task is GRPO's group-normalised task reward (reward_coef = 0: pure distillation). The loss is
 the clipped surrogate against the rollout policy, as GRPO's. The per-token form gives dense credit;
 the per-sequence form scores the whole response alike (the sequence's log π_s(y)/π_T(y)).
-The teacher here is a frozen model in the trainer process (trainer/teacher.py): it scores at the
-trainer's forward and never receives weight updates. Non-goal: teacher engines scoring over HTTP
-(the built-in engine does not return prompt-token logprobs).
+The teacher is either a frozen model in the trainer process (`opd.teacher_path`, trainer/teacher.py),
+scoring at the trainer's forward, or engines of its own (the run's `[teacher]` section,
+rollout/teacher.py), scoring each group during the rollout; either way it never receives weight updates.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class OPDSettings:
     """The distillation terms of `trainer.algorithm.name = "opd"`."""
 
     teacher_path: str = ""
-    """Hugging Face checkpoint directory (or hub id) of the teacher; its tokenizer must match the policy's."""
+    """Checkpoint directory (or hub id) of a teacher run inside the trainer; its tokenizer must match the
+    policy's. Empty: the teacher is served by engines (the [teacher] section)."""
     kl_coef: float = 1.0
     """Weight of the teacher's signal: the advantage gains -kl_coef × (student − teacher logprob)."""
     reward_coef: float = 0.0
@@ -41,13 +42,12 @@ class OPDSettings:
     """token: each token's own reverse KL; sequence: the sequence's summed reverse KL on every token."""
 
     def validate(self) -> None:
-        if not self.teacher_path:
-            raise ConfigError("trainer.algorithm.opd.teacher_path is required for name = 'opd': the checkpoint "
-                              "directory of the teacher")
-        try:
-            check_model_path(self.teacher_path)
-        except (FileNotFoundError, ValueError) as e:
-            raise ConfigError(f"trainer.algorithm.opd.teacher_path: {e}") from None
+        # Whether a teacher is given at all depends on the [teacher] section: config/checks.py.
+        if self.teacher_path:
+            try:
+                check_model_path(self.teacher_path)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(f"trainer.algorithm.opd.teacher_path: {e}") from None
         if self.kl_coef < 0 or self.reward_coef < 0 or self.kl_coef + self.reward_coef == 0:
             raise ConfigError("trainer.algorithm.opd: need kl_coef >= 0 and reward_coef >= 0, not both 0 "
                               "(e.g. kl_coef = 1, reward_coef = 0 for pure distillation)")

@@ -74,7 +74,7 @@ class FSDPTrainer:
         if self.algorithm.needs_reference:
             self.reference = ReferenceModel(model_path)
         self.teacher = None
-        if getattr(self.algorithm, "needs_teacher", False):
+        if getattr(self.algorithm, "needs_teacher", False) and self.algorithm.teacher_path:
             # A frozen copy of the teacher: loaded once, never refreshed, never sent weights.
             self.teacher = ReferenceModel(self.algorithm.teacher_path)
         self.critic = self.critic_optim = None
@@ -184,6 +184,9 @@ class FSDPTrainer:
         if getattr(algorithm, "needs_teacher", False) and self.teacher is not None:
             out.teacher_logprobs = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
                                                          temperature)
+        elif getattr(algorithm, "needs_teacher", False):
+            # Teacher engines scored the samples during the rollout (rollout/teacher.py).
+            out.teacher_logprobs = mb.teacher_logprobs
         if algorithm.needs_critic and self.critic is not None:
             critic = self.critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
             out.values = critic.logits[:, :-1, 0].float()  # (B, T-1): value of the state before each next token

@@ -136,3 +136,29 @@ def test_trainer_reports_the_hand_computed_reverse_kl_which_falls_and_the_teache
     assert abs(expected) > 0.1  # the two models disagree on these tokens, so there is something to learn
     assert kls[-1] < kls[0] - 0.1  # the student moved towards the teacher on its own tokens
     assert all(torch.equal(p, teacher_before[n]) for n, p in trainer.teacher.model.state_dict().items())
+
+
+def test_teacher_engine_logprobs_on_the_samples_are_what_the_trainer_distils_from(tiny_model_dir, teacher_dir, gloo):
+    """No in-trainer teacher (teacher engines scored the samples during the rollout): the trainer takes
+    the teacher's logprobs from the sequences, reports the same reverse KL, and it falls."""
+    from miles.models.loading import load_model
+    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.config import TrainerConfig
+
+    cfg = build(TrainerConfig, {"lr": 5e-5, "algorithm": {"name": "opd"}})
+    trainer = FSDPTrainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    assert trainer.teacher is None
+    tokens, prompt_len = [5, 17, 9, 30, 41, 12, 7], 3
+
+    def response_logprobs(path):
+        model = load_model(path, "float32").eval()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1]
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0][prompt_len - 1:]
+
+    student, teacher = response_logprobs(tiny_model_dir), response_logprobs(teacher_dir)
+    seq = TrainSequence(tokens=tokens, prompt_len=prompt_len, loss_mask=[1] * 4, old_logprobs=student.tolist(),
+                        teacher_logprobs=teacher.tolist())
+    kls = [trainer.train_step([seq], 4)["opd/reverse_kl"] for _ in range(4)]
+    assert kls[0] == pytest.approx(float((student - teacher).mean()), rel=1e-4)
+    assert kls[-1] < kls[0] - 0.1
