@@ -9,6 +9,7 @@ one JSON object and optionally writes it (`--out FILE`) and appends it as a step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from miles.config.run import RunConfig
 from miles.eval.evaluator import Evaluator
 from miles.metrics.sink import JsonlSink, clean
+from miles.net import LOOPBACK
 from miles.rollout.agent import get_generate_fn
 from miles.rollout.engine_admin import EngineAdmin
 from miles.rewards.runner import RewardRunner
@@ -31,7 +33,9 @@ def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = N
     server = None
     urls = list(rollout.engine_urls)
     if not urls:
-        server = start_server_thread(rollout.engine.for_run(cfg.model.path, cfg.run.seed, None))
+        engine = rollout.engine.for_run(cfg.model.path, cfg.run.seed, None)
+        # No Ray node here to take an address from: an engine of this process serves on loopback.
+        server = start_server_thread(engine if engine.host else dataclasses.replace(engine, host=LOOPBACK))
         urls = [server.url]
     try:
         generate_fn = None if rollout.generate_fn == "single_turn" else get_generate_fn(rollout.generate_fn)
