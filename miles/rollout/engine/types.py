@@ -6,13 +6,8 @@ The HTTP layer translates these to and from SGLang-shaped JSON; the engine never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from miles.rollout.engine.sampler import SamplingParams
-
-if TYPE_CHECKING:  # lora.py imports this module for InvalidRequest
-    from miles.rollout.engine.lora import Adapter
-
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation can free
@@ -42,8 +37,9 @@ class GenerateRequest:
     # SGLang's logprob_start_len, with return_logprob: -1 = output tokens only; k >= 0 = also the
     # prompt's tokens from position k on (input_token_logprobs).
     logprob_start_len: int = -1
-    # The LoRA adapter the request named (SGLang's lora_path); None: the engine's default (lora.py).
-    adapter: Adapter | None = field(default=None, compare=False)
+    # The LoRA adapter the request named (SGLang's lora_path), a lora.Adapter; None: the engine's
+    # default. Typed loosely: lora.py imports this module, and this one stays below it.
+    adapter: object | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
