@@ -66,13 +66,13 @@ def _violations(proto, recorded) -> list[tuple[str, str | None, str]]:
     return bad
 
 
-def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, **overrides):
+def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, engine_args: tuple = (), **overrides):
     """A short `miles train` on one engine the run did not start, through a recording proxy; returns
     (what miles sent, the engine's /get_server_info, its weight version at the end)."""
     from miles.orchestration.driver import run_train
     from miles.rollout.engine.process import EngineProcess
 
-    flag = ["--sglang-only", "true" if sglang_only else "false"]
+    flag = ["--sglang-only", "true" if sglang_only else "false", *engine_args]
     with EngineProcess(model_dir, admin_token=TOKEN, extra_args=flag) as engine:
         proxy = RecordingProxy(engine.url)
         try:
@@ -117,16 +117,20 @@ def test_a_train_run_on_sglang_only_engines_sends_only_sglang_requests(sglang, t
     assert versions == ["0", "1", "2"]  # the start check's push of the starting weights, then each step
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "p2p", "disk_delta"])
+@pytest.mark.parametrize("transport", ["broadcast", "p2p", "disk_delta", "broadcast+fp8"])
 def test_in_miles_mode_every_departure_from_sglang_is_an_advertised_extension(sglang, transport, tiny_model_dir,
                                                                               tmp_path, ray_cluster, monkeypatch):
     from miles.rollout.engine.weight_api import EXTENSION_SURFACE
 
+    transport, _, served_format = transport.partition("+")
     extra = {"sync.delta_dir": str(tmp_path / "deltas")} if transport == "disk_delta" else {}
+    # An engine serving a format gets its bytes and scales (the quantized_weights extension).
+    engine_args = ("--quantization", served_format) if served_format else ()
     recorded, info, version = _train_through_proxy(tiny_model_dir, tmp_path, monkeypatch, sglang_only=False,
-                                                   **{"sync.transport": transport, **extra})
+                                                   engine_args=engine_args, **{"sync.transport": transport, **extra})
     assert version == "2"
     advertised = set(info["miles_extensions"])
+    assert bool(served_format) == ("quantized_weights" in advertised), advertised
     allowed_routes = {p for e in advertised for p, f in EXTENSION_SURFACE[e].items() if f is None}
     allowed_fields = {(p, k) for e in advertised for p, f in EXTENSION_SURFACE[e].items() if f for k in f}
     unexplained, used = [], set()
@@ -137,6 +141,9 @@ def test_in_miles_mode_every_departure_from_sglang_is_an_advertised_extension(sg
             unexplained.append(why)
     assert not unexplained, "\n".join(unexplained[:20])
     assert used, "a miles-mode run used no extension at all: the check above proves nothing"
+    if served_format:  # and the quantized payloads did travel, under SGLang's fields
+        names = [n for r in recorded if r.path == "/update_weights_from_distributed" for n in r.body["names"]]
+        assert any(n.endswith(f"@{served_format}") for n in names), names[:10]
 
 
 def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sglang, base_model_dir, tmp_path):
