@@ -29,7 +29,8 @@ from miles.config import ConfigError
 
 LOOPBACK = "127.0.0.1"
 """Where a server started on its own (`miles serve`, `miles router`, `miles sessions`, `miles report
---serve`) binds by default. Inside a run every address comes from the Ray node (ray_cluster.py)."""
+--serve`) binds by default: the one loopback address written down in miles. Inside a run every address
+comes from the Ray node (ray_cluster.py), whose local default is derived from this one."""
 
 UNAUTHORIZED = "admin endpoint: send header 'Authorization: Bearer <admin token>'"
 """The 401 body every admin route answers with when the token is missing or wrong."""
@@ -74,14 +75,24 @@ def bearer_ok(authorization: str | None, token: str | None) -> bool:
     return hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
 
 
+def resolve(name: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses a host name resolves to here (empty when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError):
+        return set()
+    return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}
+
+
 def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps a server reachable from this machine only."""
-    if host == "localhost":
-        return True
+    """Whether binding `host` keeps a server reachable from this machine only: a loopback address, or a
+    name that resolves to loopback addresses only (as the machine's own name for loopback does)."""
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False  # a hostname: it may resolve to any interface
+        pass
+    addresses = resolve(host)  # a name binds whatever it resolves to
+    return bool(addresses) and all(a.is_loopback for a in addresses)
 
 
 def check_admin_exposure(host: str, admin_token: str | None, insecure_admin: bool, what: str) -> None:

@@ -6,19 +6,23 @@ its address in /tmp/ray/ray_current_cluster, even after that cluster is gone) an
 run's num_cpus; a run must not depend on what else runs on the machine.
 
 A local cluster's node advertises a loopback address, so everything a local run starts is reached on
-loopback only. Ray replaces 127.0.0.1 with the machine's network address, hence LOCAL_NODE_ADDRESS.
+loopback only. Ray replaces the usual loopback address (net.LOOPBACK) with the machine's network
+address, so the node advertises the next one, LOCAL_NODE_ADDRESS, which Ray keeps as given.
 Non-goals: starting nodes on other machines (`ray start` does that), the cluster's own security.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
 from miles.config.loader import ConfigError
+from miles.net import LOOPBACK
 
-LOCAL_NODE_ADDRESS = "127.0.0.2"
-"""The address a local cluster's node advertises: loopback, and one Ray keeps as given."""
+LOCAL_NODE_ADDRESS = str(ipaddress.ip_address(LOOPBACK) + 1)
+"""The address a local cluster's node advertises: loopback, and one Ray keeps as given (the address
+after LOOPBACK, so a local run's traffic stays on loopback while Ray leaves its address alone)."""
 
 
 @dataclass
@@ -32,7 +36,7 @@ class RayConfig:
     node_ip_address: str | None = None
     """Address of this machine's Ray node: a local cluster's node advertises it; when joining, the node
     of this machine that the driver attaches to (the --node-ip-address it was started with). None:
-    127.0.0.2 for a local cluster, Ray's choice when joining."""
+    LOCAL_NODE_ADDRESS (loopback) for a local cluster, Ray's choice when joining."""
 
     def validate(self) -> None:
         if self.num_cpus is not None and self.num_cpus < 1:

@@ -1,13 +1,21 @@
 """Running a server until it answers: on a thread of this process or as a child process. A server
-that never answers is reported by name (with a child's own output) and told to stop."""
+that never answers is reported by name (with a child's own output) and told to stop. And the one
+loopback address miles writes down: the default bind of a server started on its own."""
 
+import ipaddress
+import re
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 
-from miles.net import ServerProcess, ServerThread, bind, url_of
+import miles
+from miles.net import LOOPBACK, ServerProcess, ServerThread, bind, is_loopback, url_of
+from miles.orchestration.ray_cluster import LOCAL_NODE_ADDRESS
+from miles.rollout.engine.server import parse_args as serve_args
+from miles.rollout.router.app import parse_args as router_args
 
 
 def test_a_thread_server_that_never_answers_is_named_and_stopped():
@@ -34,3 +42,23 @@ def test_a_child_that_exits_before_answering_is_reported_with_its_output():
     cmd = [sys.executable, "-c", "print('no port for you'); raise SystemExit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)toy process did not answer /health .*exit code 3.*no port for you"):
         ServerProcess(cmd, url_line=r"at (http://\S+)", ready_path="/health", startup_timeout_s=30, what="toy process")
+
+
+# A loopback address written into miles: an IPv4 127.x.y.z, the name localhost, or IPv6's ::1.
+LOOPBACK_LITERAL = re.compile(r"\b127\.\d{1,3}\.\d{1,3}\.|localhost|(?<![0-9a-fA-F:])::1\b", re.IGNORECASE)
+
+
+def test_the_standalone_serve_default_is_the_only_loopback_address_written_in_miles():
+    package = Path(miles.__file__).parent
+    found = [(str(path.relative_to(package.parent)), line.strip())
+             for path in sorted(package.rglob("*.py")) for line in path.read_text().splitlines()
+             if LOOPBACK_LITERAL.search(line)]
+    assert found == [("miles/net.py", 'LOOPBACK = "127.0.0.1"')], found
+    # Which standalone servers default to it, and that a local cluster's node is derived from it.
+    assert serve_args(["--model", "/m"])[0].host == router_args([]).router.host == LOOPBACK
+    assert ipaddress.ip_address(LOCAL_NODE_ADDRESS).is_loopback and LOCAL_NODE_ADDRESS != LOOPBACK
+
+
+def test_loopback_names_count_as_loopback_by_what_they_resolve_to():
+    assert is_loopback("localhost") and is_loopback("::1") and is_loopback("[::1]") and is_loopback("127.0.0.9")
+    assert not is_loopback("0.0.0.0") and not is_loopback("no-such-host.invalid")

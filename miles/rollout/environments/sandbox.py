@@ -10,7 +10,7 @@ On the root backend each command runs in fresh Linux namespaces (network, PID, m
 unprivileged user id that no other sandbox shares, with its own working directory (workdir.py):
 
 - no network: a new network namespace holds only a downed loopback, so nothing (not even servers on
-  the host's 127.0.0.1, nor abstract unix sockets) can be reached;
+  the host's loopback interface, nor abstract unix sockets) can be reached;
 - a minimal root: the command's / is a fresh tmpfs holding read-only binds of /usr, /bin, /sbin,
   /lib*, /etc and /opt, a private /proc, a /dev of a few character devices, small private /tmp,
   /var/tmp and /dev/shm, and the working directory. Nothing else of the host's filesystem (/run,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from miles.config.loader import ConfigError
-from miles.net import LOOPBACK
+from miles.net import LOOPBACK, resolve
 from miles.sync import shm
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
@@ -50,24 +50,35 @@ MAX_BUFFERS = 8
 def is_local(url: str, node_address: str = LOOPBACK) -> bool:
     """Whether an engine URL points at the sender's node (so shared memory reaches it).
 
-    The sender's node is `node_address` (its Ray node) and this machine's own names and addresses.
-    A loopback address other than the node's counts as another node: Ray nodes on one machine are
-    told apart by such addresses (Ray never gives a node 127.0.0.1 or localhost, which stay this machine).
+    The sender's node is `node_address` (its Ray node) and this machine itself: its names and network
+    addresses, and its own loopback (LOOPBACK, IPv6's, and names that resolve to nothing else).
+    Any other loopback address counts as another node: Ray nodes on one machine are told apart by such
+    addresses, and Ray never gives a node LOOPBACK itself (it swaps that for the network address).
     """
     host = (urlparse(url).hostname or "").lower()
-    if host == node_address.lower() or host in {"localhost", LOOPBACK, "::1"}:
+    if host == node_address.lower():
         return True
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return False
+        return _machine_loopback_or_address(ipaddress.ip_address(host))
     except ValueError:
         pass  # a name
     try:
-        mine = {socket.gethostname().lower(), socket.getfqdn().lower()}
-        mine |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        if host in {socket.gethostname().lower(), socket.getfqdn().lower()}:
+            return True
     except OSError:
         return False
-    return host in mine
+    addresses = resolve(host)
+    return bool(addresses) and all(_machine_loopback_or_address(a) for a in addresses)
+
+
+def _machine_loopback_or_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if ip.is_loopback:
+        return ip.version == 6 or str(ip) == LOOPBACK
+    try:
+        mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return str(ip) in mine
 
 
 @dataclass
