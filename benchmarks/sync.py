@@ -10,13 +10,17 @@ in their own processes (bf16). Then, in one run:
                       group formed once, buffers pre-faulted, warmed like the transports
   * p2p_vs_copy_limit p2p_s / (engines x memcpy_s): the shared-memory transport against copying each
                       engine's bytes once (the trainer writes every engine's copy)
-  * memcpy_s          one in-memory copy of the same bytes (what any transfer costs at least)
+  * memcpy_s          one in-memory copy of the same bytes (what any transfer costs at least), in the
+                      copying thread's CPU time, which a busy neighbour does not inflate
   * p2p_s / colocated_s   the shared-memory transports to the same two engines
   * after real AdamW steps at lr 1e-6 on the fp32 master weights: the disk-delta update of the bf16
     engine weights, its density (fraction of bytes changed), wire bytes and full bytes
-The last line is one JSON object with the raw figures and the ratios.
+The last line is one JSON object with the raw figures and the ratios. With --second-layers N a model
+of N layers, served by two engines of its own, is timed in the same rounds (every round pushes both)
+and its figures are the line's "second": the capacity model's projection of it from the first model's
+constants is checked against a measurement taken under the same load (miles/capacity/calibration.py).
 
-    miles bench sync [--layers 8] [--bucket-mb 512] [--repeats 3] [--steps 2]
+    miles bench sync [--layers 8] [--second-layers 4] [--bucket-mb 512] [--repeats 3] [--steps 2]
 """
 
 from __future__ import annotations
@@ -167,14 +171,100 @@ def optimizer_steps(model, steps: int, lr: float) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+class Fleet:
+    """One model served by two engines, with the transports, the raw gloo baseline, and every timing."""
+
+    def __init__(self, layers: int, root: str, token: str, bucket_bytes: int, rounds: int, load_format: str):
+        from miles.rollout.engine.process import EngineProcess
+        from miles.sync.transports import get_transport
+
+        self.base = os.path.join(root, f"base-{layers}")
+        self.model = build_model(layers, self.base)
+        self.named = named_bf16(self.model)
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in self.named)
+        print(f"model: {self.nbytes / 2**20:.0f} MiB of bf16 weights in {len(self.named)} tensors", file=sys.stderr)
+        self.bucket_bytes, self.raw, self.engines = bucket_bytes, None, []
+        try:
+            for _ in range(2):
+                self.engines.append(EngineProcess(self.base, admin_token=token, startup_timeout_s=300,
+                                                  extra_args=["--dtype", "bfloat16", "--num-threads", "1"]))
+        except BaseException:
+            self.stop()
+            raise
+        self.urls = [e.url for e in self.engines]
+        self.results: dict[str, list[float]] = {"broadcast": [], "raw": [], "p2p": [], "colocated": [], "memcpy": []}
+        self.parts: dict[str, list[tuple[float, float]]] = {"broadcast": [], "p2p": [], "colocated": []}
+        self.transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300,
+                                                      load_format=load_format),
+                           "p2p": get_transport("p2p", admin_token=token, timeout_s=300, buffer_bytes=bucket_bytes),
+                           "colocated": get_transport("colocated", admin_token=token, timeout_s=300,
+                                                      buffer_bytes=bucket_bytes)}
+        for t in self.transports.values():
+            t.connect(self.urls)
+        self.raw = RawGloo(self.named, bucket_bytes, len(self.engines), rounds=rounds)
+
+    METHODS = ("broadcast", "p2p", "colocated", "raw", "memcpy")
+
+    def time(self, method: str, version: int, timed: bool) -> int:
+        """One push of `method` (a transport, the raw broadcast or the copy); returns the last version used."""
+        if method in self.transports:
+            version += 1
+            s = time_push(self.transports[method], self.named, version, self.bucket_bytes,
+                          self.parts[method] if timed else None)
+        elif method == "raw":
+            s = self.raw.round()
+        else:
+            # The copy in the copying thread's CPU time: a copy is short, and on a busy host the wall
+            # clock mostly measures who else got the core (on an idle one the two agree).
+            s = memcpy(self.named, clock=time.thread_time)
+        if timed:
+            self.results[method].append(s)
+        return version
+
+    def close(self) -> None:
+        for t in self.transports.values():
+            t.close()
+        self.raw.close()
+
+    def stop(self) -> None:
+        if self.raw is not None:
+            self.raw.stop()
+        for e in self.engines:
+            e.stop()
+
+    def figures(self, repeats: int, bucket_mb: int) -> dict:
+        """The medians of the timed rounds and their ratios: the benchmark's line for this model."""
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        r = self.results
+        bc, raw_s, p2p, memcpy_s = med(r["broadcast"]), med(r["raw"]), med(r["p2p"]), med(r["memcpy"])
+        n_engines = len(self.urls)
+        return {
+            "bytes": self.nbytes, "bucket_mb": bucket_mb, "engines": n_engines, "repeats": repeats,
+            "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw_s, 4),
+            "memcpy_s": round(memcpy_s, 4),
+            "broadcast_efficiency": round(raw_s / bc, 3),
+            "p2p_s": round(p2p, 4), "p2p_speedup_vs_broadcast": round(bc / p2p, 3),
+            # The copy limit: each engine's bytes copied once, one engine after another.
+            "p2p_vs_copy_limit": round(p2p / (n_engines * memcpy_s), 3),
+            "colocated_s": round(med(r["colocated"]), 4),
+            # Where each push's time goes (medians): sending the buckets, and the commit on every engine.
+            "breakdown": {k: {"send_s": round(med([x[0] for x in v]), 4),
+                              "commit_s": round(med([x[1] for x in v]), 4)} for k, v in self.parts.items()},
+            "raw_runs": {k: [round(x, 4) for x in v] for k, v in r.items()},
+        }
+
+
 def main(argv=None) -> int:
     import torch
 
-    from miles.rollout.engine.process import EngineProcess
+    from miles.sync.prepare import push_weights
     from miles.sync.transports import get_transport
 
     ap = argparse.ArgumentParser(prog="miles bench sync")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (8 → ~270 MiB of bf16 weights)")
+    ap.add_argument("--second-layers", type=int,
+                    help="also time a model of this many layers (its own two engines) in the same rounds, reported "
+                         "under 'second': `miles simulate --calibrate-from` projects it from the first and compares")
     ap.add_argument("--bucket-mb", type=int, default=512, help="bucket size (default: sync.bucket_size_mb's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed pushes per transport (the median is reported)")
     ap.add_argument("--steps", type=int, default=2, help="AdamW steps before the disk-delta update")
@@ -185,57 +275,33 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     bucket_bytes = a.bucket_mb << 20
     token = "bench-sync"
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    warmups = 2
 
     with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as tmp:
-        base = os.path.join(tmp, "base")
-        model = build_model(a.layers, base)
-        named = named_bf16(model)
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        print(f"model: {nbytes / 2**20:.0f} MiB of bf16 weights in {len(named)} tensors", file=sys.stderr)
-        engines = [EngineProcess(base, admin_token=token, extra_args=["--dtype", "bfloat16", "--num-threads", "1"],
-                                 startup_timeout_s=300) for _ in range(2)]
-        urls = [e.url for e in engines]
-        version = 0
-        raw = None
+        fleets: list[Fleet] = []
         try:
-            results: dict[str, list[float]] = {"broadcast": [], "raw": [], "p2p": [], "colocated": [], "memcpy": []}
-            parts: dict[str, list[tuple[float, float]]] = {"broadcast": [], "p2p": [], "colocated": []}
-            transports = {"broadcast": get_transport("broadcast", admin_token=token, timeout_s=300,
-                                                     load_format=a.load_format),
-                          "p2p": get_transport("p2p", admin_token=token, timeout_s=300, buffer_bytes=bucket_bytes),
-                          "colocated": get_transport("colocated", admin_token=token, timeout_s=300,
-                                                     buffer_bytes=bucket_bytes)}
-            for t in transports.values():
-                t.connect(urls)
-            raw = RawGloo(named, bucket_bytes, len(engines), rounds=2 + a.repeats)
+            for layers in [a.layers] + ([a.second_layers] if a.second_layers else []):
+                fleets.append(Fleet(layers, tmp, token, bucket_bytes, warmups + a.repeats, a.load_format))
+            main_fleet = fleets[0]
+            version = 0
             # Warm-up (two rounds): receive buffers grow to a whole version and their pages get mapped;
             # first-touch page faults are set-up, not the steady-state cost of a transfer.
-            for _ in range(2):
-                for name, t in transports.items():
-                    version += 1
-                    time_push(t, named, version, bucket_bytes)
-                raw.round()
-                memcpy(named)
-            # Interleaved rounds, so a neighbour's load spreads over every method alike.
-            for _ in range(a.repeats):
-                for name, t in transports.items():
-                    version += 1
-                    results[name].append(time_push(t, named, version, bucket_bytes, parts[name]))
-                results["raw"].append(raw.round())
-                results["memcpy"].append(memcpy(named))
-            for t in transports.values():
-                t.close()
-            raw.close()
+            # Then interleaved rounds, so a neighbour's load spreads over every method alike; each method
+            # runs on both models back to back, in alternating order, so the pair shares its moment's load.
+            for r in range(warmups + a.repeats):
+                for method in Fleet.METHODS:
+                    for fleet in (fleets if r % 2 == 0 else fleets[::-1]):
+                        version = fleet.time(method, version, timed=r >= warmups)
+            for fleet in fleets:
+                fleet.close()
 
+            model, base, urls = main_fleet.model, main_fleet.base, main_fleet.urls
             optimizer_steps(model, a.steps, a.lr)
             updated = named_bf16(model)
             delta = get_transport("disk_delta", admin_token=token, timeout_s=300, delta_dir=os.path.join(tmp, "deltas"),
                                   base_path=base, local_dir=os.path.join(tmp, "local"))
             delta.connect(urls)
             t0 = time.perf_counter()
-            from miles.sync.prepare import push_weights
-
             push_weights(iter(updated), delta, version + 1, bucket_bytes)
             delta_s = time.perf_counter() - t0
             stats = delta.last_stats
@@ -243,31 +309,17 @@ def main(argv=None) -> int:
             # The engines really hold the updated weights.
             ok = all(r["success"] for r in _compare(urls, token, updated))
         finally:
-            if raw is not None:
-                raw.stop()
-            for e in engines:
-                e.stop()
+            for fleet in fleets:
+                fleet.stop()
 
-    bc, raw_s, p2p = med(results["broadcast"]), med(results["raw"]), med(results["p2p"])
-    memcpy_s, n_engines = med(results["memcpy"]), len(urls)
-    out = {
-        "bytes": nbytes, "bucket_mb": a.bucket_mb, "engines": n_engines, "repeats": a.repeats,
-        "broadcast_s": round(bc, 4), "raw_gloo_broadcast_s": round(raw_s, 4),
-        "memcpy_s": round(memcpy_s, 4),
-        "broadcast_efficiency": round(raw_s / bc, 3),
-        "p2p_s": round(p2p, 4), "p2p_speedup_vs_broadcast": round(bc / p2p, 3),
-        # The copy limit: each engine's bytes copied once, one engine after another.
-        "p2p_vs_copy_limit": round(p2p / (n_engines * memcpy_s), 3),
-        "colocated_s": round(med(results["colocated"]), 4),
+    out = main_fleet.figures(a.repeats, a.bucket_mb)
+    out.update({
         "delta_steps": a.steps, "delta_lr": a.lr,
         "delta_density": round(stats["delta/changed_bytes"] / stats["delta/full_bytes"], 6),
         "delta_wire_bytes": stats["delta/wire_bytes"], "full_bytes": stats["delta/full_bytes"],
-        "delta_s": round(delta_s, 4), "delta_engines_verified": ok,
-        # Where each push's time goes (medians): sending the buckets, and the commit on every engine.
-        "breakdown": {k: {"send_s": round(med([x[0] for x in v]), 4), "commit_s": round(med([x[1] for x in v]), 4)}
-                      for k, v in parts.items()},
-        "raw_runs": {k: [round(x, 4) for x in v] for k, v in results.items()},
-    }
+        "delta_s": round(delta_s, 4), "delta_engines_verified": ok})
+    if len(fleets) > 1:
+        out["second"] = fleets[1].figures(a.repeats, a.bucket_mb)
     print(json.dumps(out))
     return 0
 

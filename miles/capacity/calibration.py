@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,11 +72,52 @@ def from_bench(line: str | dict, source: str = "bench line") -> CpuCalibration:
         source=source)
 
 
-def read_bench_file(path: str) -> CpuCalibration:
+def read_bench_line(path: str) -> dict:
+    """The last line of a `miles bench sync` output file, parsed."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--calibrate-from {path!r} not found: run `miles bench sync > {path}` first")
-    return from_bench(p.read_text(), source=path)
+    try:
+        return json.loads(p.read_text().strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise ConfigError(f"{path}: not a `miles bench sync` JSON line; run `miles bench sync > bench.jsonl` "
+                          "and pass that file") from None
+
+
+def read_bench_file(path: str) -> CpuCalibration:
+    return from_bench(read_bench_line(path), source=path)
+
+
+CHECKED = ("broadcast_s", "p2p_s", "raw_gloo_broadcast_s", "memcpy_s")
+"""The benchmark's figures a projection is checked on: miles' two network-shaped transports and the
+two primitives they are measured against."""
+
+
+def check_projection(line: dict) -> dict[str, float]:
+    """Projected / measured for each CHECKED figure of the line's second model (`miles bench sync
+    --second-layers N`), calibrated on its first model. Both models ran each method back to back in
+    every round, so each round calibrates on the first and is checked on the second under one load;
+    the median over rounds is reported (1.0 = exact)."""
+    second, runs = line.get("second"), line.get("raw_runs")
+    if not second or not runs:
+        raise ConfigError("the bench line has no second model: run `miles bench sync --second-layers N` to "
+                          "check the projection against a measurement taken in the same rounds")
+    ratios: dict[str, list[float]] = {k: [] for k in CHECKED}
+    for i in range(min(len(runs["raw"]), len(second["raw_runs"]["raw"]))):
+        first_round = _round(line, i)
+        projected = project_bench(from_bench(first_round, source=f"round {i}"), second["bytes"], second["engines"])
+        measured = _round(second, i)
+        for k in CHECKED:
+            ratios[k].append(projected[k] / measured[k])
+    return {k: round(statistics.median(v), 3) for k, v in ratios.items()}
+
+
+def _round(line: dict, i: int) -> dict:
+    """Round `i` of a bench line, shaped like a bench line."""
+    runs, engines = line["raw_runs"], int(line["engines"])
+    bc, raw, p2p, copy = (runs[k][i] for k in ("broadcast", "raw", "p2p", "memcpy"))
+    return {"bytes": line["bytes"], "engines": engines, "broadcast_s": bc, "raw_gloo_broadcast_s": raw,
+            "memcpy_s": copy, "p2p_s": p2p, "broadcast_efficiency": raw / bc, "p2p_vs_copy_limit": p2p / (engines * copy)}
 
 
 def project_bench(cal: CpuCalibration, nbytes: float, engines: int = 2) -> dict[str, float]:

@@ -97,8 +97,10 @@ def _table(p: projection.Projection) -> str:
 
 
 def _cpu(a, cfg: RunConfig) -> dict:
+    line = None
     if a.calibrate_from:
-        cal = calibration.read_bench_file(a.calibrate_from)
+        line = calibration.read_bench_line(a.calibrate_from)
+        cal = calibration.from_bench(line, source=a.calibrate_from)
     elif a.calibrate:
         cal = calibration.calibrate_here()
     else:
@@ -113,6 +115,13 @@ def _cpu(a, cfg: RunConfig) -> dict:
     for k, v in out["projected_bench_sync"].items():
         if k.endswith("_s"):
             print(f"  {k:<22} {v:8.3f} s  ({nbytes / 2**20:.0f} MiB to {engines} engines)")
+    if line and line.get("second"):
+        # The bench timed a second model in the same rounds: the projection checked against it.
+        out["check_second_model"] = check = calibration.check_projection(line)
+        print(f"projected / measured for the bench's second model ({line['second']['bytes'] / 2**20:.0f} MiB), "
+              "calibrated on its first, same rounds:")
+        for k, ratio in check.items():
+            print(f"  {k:<22} {ratio:8.3f}{'' if abs(ratio - 1) <= 0.2 else '  (off by more than 20%)'}")
     return out
 
 

@@ -59,3 +59,24 @@ def test_a_line_that_is_not_a_sync_bench_line_is_refused_with_the_fix(tmp_path):
         calibration.from_bench(json.dumps({"bytes": 1, "engines": 2, "raw_gloo_broadcast_s": 1.0}))
     with pytest.raises(ConfigError, match="miles bench sync"):
         calibration.read_bench_file(str(tmp_path / "missing.jsonl"))
+
+
+def _bench_line(nbytes: int, rounds: dict[str, list[float]]) -> dict:
+    return {"bytes": nbytes, "engines": 2, "raw_gloo_broadcast_s": 0.0, "memcpy_s": 0.0, "raw_runs": rounds}
+
+
+def test_the_check_calibrates_each_round_on_the_first_model_and_names_a_figure_that_does_not_scale():
+    # Every round is slower than the last (a neighbour's load rising), alike for both models: the
+    # second model is twice the bytes, and its p2p time carries a fixed cost that bytes do not explain.
+    load = [1.0, 3.0, 2.0, 5.0, 4.0]
+    first = {"broadcast": [0.4 * x for x in load], "raw": [0.2 * x for x in load], "p2p": [0.1 * x for x in load],
+             "memcpy": [0.05 * x for x in load]}
+    second = {k: [2 * v for v in vs] for k, vs in first.items()}
+    second["p2p"] = [0.1 * x + 0.3 for x in load]  # 0.1 s per 100 MB plus 0.3 s whatever the size
+    line = {**_bench_line(100_000_000, first), "second": _bench_line(200_000_000, second)}
+    check = calibration.check_projection(line)
+    assert {k: check[k] for k in ("broadcast_s", "raw_gloo_broadcast_s", "memcpy_s")} == {
+        "broadcast_s": 1.0, "raw_gloo_broadcast_s": 1.0, "memcpy_s": 1.0}
+    assert check["p2p_s"] == pytest.approx(statistics.median(0.2 * x / (0.1 * x + 0.3) for x in load), abs=1e-3)
+    with pytest.raises(ConfigError, match="--second-layers"):
+        calibration.check_projection(_bench_line(100_000_000, first))
