@@ -12,7 +12,9 @@ shared memory. Its constants are measured, never taken from a spec sheet:
 A calibration comes from a benchmark's JSON line (`miles bench sync > bench.jsonl`, the last line)
 or from `measure()`, a tiny version of the same benchmark: the bench's own bare gloo broadcast to
 long-lived receiver processes and its memcpy, at a few sizes, without engines (seconds, not minutes).
-`project_bench` then projects the benchmark's figures for another size.
+`project_bench` then projects the benchmark's figures for another size, and `check_projection`
+compares that projection with a second model the benchmark timed in the same rounds
+(`miles bench sync --second-layers N`).
 
 Non-goal: projecting a GPU fleet from a CPU measurement (the two share no constant).
 """
@@ -117,7 +119,8 @@ def _round(line: dict, i: int) -> dict:
     runs, engines = line["raw_runs"], int(line["engines"])
     bc, raw, p2p, copy = (runs[k][i] for k in ("broadcast", "raw", "p2p", "memcpy"))
     return {"bytes": line["bytes"], "engines": engines, "broadcast_s": bc, "raw_gloo_broadcast_s": raw,
-            "memcpy_s": copy, "p2p_s": p2p, "broadcast_efficiency": raw / bc, "p2p_vs_copy_limit": p2p / (engines * copy)}
+            "memcpy_s": copy, "p2p_s": p2p, "broadcast_efficiency": raw / bc,
+            "p2p_vs_copy_limit": p2p / (engines * copy)}
 
 
 def project_bench(cal: CpuCalibration, nbytes: float, engines: int = 2) -> dict[str, float]:
