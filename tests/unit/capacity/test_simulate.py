@@ -45,3 +45,19 @@ def test_simulate_on_this_host_projects_the_sync_benchmark_from_a_bench_line(cap
     assert projected["raw_gloo_broadcast_s"] == pytest.approx(0.4)
     assert projected["broadcast_s"] == pytest.approx(0.8)
     assert projected["p2p_s"] == pytest.approx(2 * 0.1 * 1.5)  # each engine's 200 MB copied once, x p2p over copy
+
+
+def test_simulate_checks_its_projection_against_the_benchs_second_model(capsys, tmp_path):
+    def line(nbytes, p2p):
+        runs = {"broadcast": [0.4 * nbytes / 1e8] * 3, "raw": [0.2 * nbytes / 1e8] * 3, "p2p": [p2p] * 3,
+                "memcpy": [0.05 * nbytes / 1e8] * 3}
+        return {"bytes": nbytes, "engines": 2, "raw_gloo_broadcast_s": runs["raw"][0], "memcpy_s": runs["memcpy"][0],
+                "raw_runs": runs}
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({**line(100_000_000, 0.1), "second": line(200_000_000, 0.4)}) + "\n")
+    assert main(["--device", "cpu", "--calibrate-from", str(bench)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    check = json.loads(lines[-1])["check_second_model"]
+    assert check == {"broadcast_s": 1.0, "p2p_s": 0.5, "raw_gloo_broadcast_s": 1.0, "memcpy_s": 1.0}
+    # p2p took twice what its bytes explain: the table says so.
+    assert [row.split()[0] for row in lines if "off by more than 20%" in row] == ["p2p_s"]
