@@ -174,7 +174,7 @@ def optimizer_steps(model, steps: int, lr: float) -> None:
 class Fleet:
     """One model served by two engines, with the transports, the raw gloo baseline, and every timing."""
 
-    def __init__(self, layers: int, root: str, token: str, bucket_bytes: int, rounds: int, load_format: str):
+    def __init__(self, layers: int, root: str, token: str, bucket_bytes: int, load_format: str):
         from miles.rollout.engine.process import EngineProcess
         from miles.sync.transports import get_transport
 
@@ -201,7 +201,11 @@ class Fleet:
                                                       buffer_bytes=bucket_bytes)}
         for t in self.transports.values():
             t.connect(self.urls)
-        self.raw = RawGloo(self.named, bucket_bytes, len(self.engines), rounds=rounds)
+
+    def start_raw(self, rounds: int) -> None:
+        """The raw broadcast's receivers, started once every model's engines are up: they wait for each
+        round under gloo's timeout, which a slow engine start on a busy host would otherwise eat."""
+        self.raw = RawGloo(self.named, self.bucket_bytes, len(self.engines), rounds=rounds)
 
     METHODS = ("broadcast", "p2p", "colocated", "raw", "memcpy")
 
@@ -281,7 +285,9 @@ def main(argv=None) -> int:
         fleets: list[Fleet] = []
         try:
             for layers in [a.layers] + ([a.second_layers] if a.second_layers else []):
-                fleets.append(Fleet(layers, tmp, token, bucket_bytes, warmups + a.repeats, a.load_format))
+                fleets.append(Fleet(layers, tmp, token, bucket_bytes, a.load_format))
+            for fleet in fleets:
+                fleet.start_raw(rounds=warmups + a.repeats)
             main_fleet = fleets[0]
             version = 0
             # Warm-up (two rounds): receive buffers grow to a whole version and their pages get mapped;
