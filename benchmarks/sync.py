@@ -209,7 +209,7 @@ class Fleet:
 
     METHODS = ("broadcast", "p2p", "colocated", "raw", "memcpy")
 
-    def time(self, method: str, version: int, timed: bool) -> int:
+    def measure(self, method: str, version: int, timed: bool) -> int:
         """One push of `method` (a transport, the raw broadcast or the copy); returns the last version used."""
         if method in self.transports:
             version += 1
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
             for r in range(warmups + a.repeats):
                 for method in Fleet.METHODS:
                     for fleet in (fleets if r % 2 == 0 else fleets[::-1]):
-                        version = fleet.time(method, version, timed=r >= warmups)
+                        version = fleet.measure(method, version, timed=r >= warmups)
             for fleet in fleets:
                 fleet.close()
 

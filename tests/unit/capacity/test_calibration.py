@@ -2,7 +2,8 @@
 
 The calibration and the check come from one fresh measurement (the benchmark's bare gloo broadcast to
 long-lived receivers and its memcpy): constants from a one-bucket model, projected onto a
-two-bucket model measured in the same rounds, so a busy machine slows both alike."""
+two-bucket model measured in the same rounds, so a busy machine slows both alike. The full benchmark's
+own check (a second model timed in the same rounds) is computed round by round and names what misses."""
 
 from __future__ import annotations
 
