@@ -10,11 +10,12 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
 
 Making the staleness happen. The bound only caps staleness; what a group actually lags by is how far
-the rollout runs ahead of the trainer. Each cell lets it run s steps ahead and no further: one step's
-groups in flight (`buffer.max_inflight_groups` = prompts per step) and s − 1 steps' groups ready
-(`buffer.capacity`, at least 1). When the engine is faster than the trainer (here it is), groups
-queue and are trained s versions old, and none is generated only to be dropped as too stale. Each
-cell reports the staleness it measured (the mean over every trained group) beside its bound.
+the rollout runs ahead of the trainer. Each cell lets it run s steps ahead and no further: s steps'
+groups between the trainer and the prompt source, s − 1 steps' ready (`buffer.capacity`, at least 1)
+and the rest in flight (`buffer.max_inflight_groups`, one step's from s = 2). When the engine is
+faster than the trainer (here it is), groups queue and are trained s versions old, and none is
+generated only to be dropped as too stale. Each cell reports the staleness it measured (the mean
+over every trained group) beside its bound.
 
 Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "objective",
 "eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", ...}; with several --seeds,
@@ -44,10 +45,13 @@ OBJECTIVES = {
 
 
 def run_ahead(max_staleness: int, prompts_per_step: int) -> dict[str, str]:
-    """Buffer settings that let the rollout run `max_staleness` steps ahead of the trainer, no further."""
-    return {"buffer.max_staleness": str(max_staleness),
-            "buffer.max_inflight_groups": str(prompts_per_step),
-            "buffer.capacity": str(max(1, (max_staleness - 1) * prompts_per_step))}
+    """Buffer settings that let the rollout run `max_staleness` steps ahead of the trainer, no further:
+    ready plus in-flight groups add up to that many steps' groups. More would be generated at a version
+    the bound then refuses, and dropped."""
+    ahead = max_staleness * prompts_per_step
+    capacity = max(1, ahead - prompts_per_step)
+    return {"buffer.max_staleness": str(max_staleness), "buffer.capacity": str(capacity),
+            "buffer.max_inflight_groups": str(max(1, ahead - capacity))}
 
 
 def cell_overrides(max_staleness: int, objective: str, prompts_per_step: int, steps: int) -> dict[str, str]:
