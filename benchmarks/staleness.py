@@ -81,11 +81,22 @@ def staleness_of(steps: list[dict]) -> dict[str, float]:
             "dropped_stale": steps[-1].get("buffer/dropped_stale", 0.0) if steps else 0.0}
 
 
+# Per-step figures of the importance weights, averaged over a run's steps where its objective reports them:
+# how far the behaviour policy was from the trained one, and how many tokens each objective bounded.
+WEIGHT_FIGURES = ("train/train_rollout_logprob_gap", "train/tis_weight_mean", "train/tis_clipped_frac",
+                  "train/tis_ess", "decoupled_ppo/behav_weight_mean", "decoupled_ppo/clipped_frac_weight_cap",
+                  "decoupled_ppo/behav_weight_le_0.5", "decoupled_ppo/behav_weight_le_2")
+
+
 def figures(summary: dict, steps: list[dict]) -> dict:
-    """One run's figures: eval accuracy, what it trained, how stale, how long."""
+    """One run's figures: eval accuracy, what it trained, how stale, its importance weights, how long."""
+    weights = {k: statistics.fmean(r[k] for r in steps if k in r) for k in WEIGHT_FIGURES
+               if any(k in r for r in steps)}
     return {"eval_accuracy": summary["eval_accuracy_after"], "eval_accuracy_before": summary["eval_accuracy_before"],
             "steps": len(steps), "trained_samples": int(sum(r.get("buffer/samples_trained", 0) for r in steps)),
-            **staleness_of(steps), "wall_s": summary["wall_time_s"]}
+            **staleness_of(steps), "weights": weights,
+            "reward_mean": statistics.fmean(r.get("rollout/reward_mean", 0.0) for r in steps) if steps else 0.0,
+            "wall_s": summary["wall_time_s"]}
 
 
 def table(sync: list[dict], cells: dict[tuple[int, str], list[dict]]) -> dict:
@@ -99,7 +110,8 @@ def table(sync: list[dict], cells: dict[tuple[int, str], list[dict]]) -> dict:
                "max_staleness_seen": max(r["max_staleness_seen"] for r in runs),
                "gap_points": 100 * (sync_acc - mean(runs, "eval_accuracy")),
                "trained_samples": mean(runs, "trained_samples"), "steps": runs[0]["steps"],
-               "dropped_stale": mean(runs, "dropped_stale")}
+               "dropped_stale": mean(runs, "dropped_stale"),
+               "weights": {k: statistics.fmean(r["weights"][k] for r in runs) for k in runs[0]["weights"]}}
         if len(runs) > 1:
             row["eval_accuracy_per_seed"] = [r["eval_accuracy"] for r in runs]
         rows.append(row)
