@@ -83,12 +83,15 @@ def test_cells_train_at_least_the_samples_sync_trained_in_whole_steps():
 
 
 def test_the_last_line_averages_seeds_and_gives_the_decoupled_gap_at_staleness_4():
-    def run(acc, hist):
+    def run(acc, hist, capped=None):
         steps = [{f"buffer/staleness/{k}": n for k, n in h.items()} | {"buffer/samples_trained": 256} for h in hist]
+        for r, c in zip(steps, capped or []):
+            r["decoupled_ppo/clipped_frac_weight_cap"] = c
         return bench.figures({"eval_accuracy_after": acc, "eval_accuracy_before": 0.6, "wall_time_s": 1.0}, steps)
 
     sync = [run(0.70, [{0: 32}]), run(0.74, [{0: 32}])]
-    cells = {(4, "decoupled_ppo"): [run(0.70, [{0: 32}, {1: 32}]), run(0.72, [{3: 16, 4: 16}, {4: 32}])],
+    cells = {(4, "decoupled_ppo"): [run(0.70, [{0: 32}, {1: 32}], [0.0, 0.02]),
+                                    run(0.72, [{3: 16, 4: 16}, {4: 32}], [0.02, 0.04])],
              (4, "grpo_tis"): [run(0.66, [{4: 32}]), run(0.66, [{4: 32}])]}
     line = bench.table(sync, cells)
     assert line["sync_eval_accuracy"] == pytest.approx(0.72)
@@ -98,6 +101,7 @@ def test_the_last_line_averages_seeds_and_gives_the_decoupled_gap_at_staleness_4
     # Mean staleness over every trained group of a run (by the histogram), then over seeds.
     assert d4["mean_staleness"] == pytest.approx((0.5 + (3 * 16 + 4 * 48) / 64) / 2)
     assert d4["max_staleness_seen"] == 4
+    assert d4["weights"] == {"decoupled_ppo/clipped_frac_weight_cap": pytest.approx(0.02)}  # over steps, then seeds
     assert line["gap_points_decoupled_s4"] == pytest.approx(1.0)
     assert g4["gap_points"] == pytest.approx(6.0)
     assert line["sync_trained_samples"] == 256
