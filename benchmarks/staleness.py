@@ -14,8 +14,9 @@ the rollout runs ahead of the trainer. Each cell lets it run s steps ahead and n
 groups between the trainer and the prompt source, s − 1 steps' ready (`buffer.capacity`, at least 1)
 and the rest in flight (`buffer.max_inflight_groups`, one step's from s = 2). When the engine is
 faster than the trainer (here it is), groups queue and are trained s versions old, and none is
-generated only to be dropped as too stale. Each cell reports the staleness it measured (the mean
-over every trained group) beside its bound.
+generated only to be dropped as too stale. The first s steps train what was generated while the
+rollout got ahead (0, 1, …, s − 1 versions old), so a short run's mean stays below s. Each cell
+reports the staleness it measured (the mean over every trained group) beside its bound.
 
 Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "objective",
 "eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", ...}; with several --seeds,
