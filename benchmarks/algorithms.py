@@ -7,6 +7,9 @@ start). The baseline each algorithm is compared with is the SFT model it starts 
 Last line: one JSON object with every run's figures.
 
     miles bench algorithms [--rl-steps 30] [--sft-steps 400] [--only grpo,ppo]
+
+The warm start and one RL run of the example (`warm_start`, `rl_run`) are shared with the other
+benchmarks that train the arithmetic example from an SFT checkpoint (`miles bench staleness`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,39 @@ VARIANTS = {
 }
 
 
+def warm_start(out: Path, sft_model: str = "", preset: str = "tiny-qwen3", sft_steps: int | None = None) -> Path:
+    """The SFT checkpoint the RL runs start from: `sft_model` as given, else one trained now with the
+    example's sft.toml into out/sft-model (sft_steps caps its steps; None keeps the file's)."""
+    if sft_model:
+        return Path(sft_model)
+    # Imported here, not at the top: torch reads OMP_NUM_THREADS when first imported, and main sets it.
+    from miles.config import load_config
+    from miles.config.run import RunConfig
+    from miles.models.presets import build_tiny_model
+    from miles.orchestration.driver import run_sft
+
+    base = build_tiny_model(preset, out / "base")
+    over = {"model.path": str(base), "sft.out": str(out / "sft-model"), "metrics.progress": "plain"}
+    if sft_steps is not None:
+        over["sft.steps"] = str(sft_steps)
+    run_sft(load_config(RunConfig, EXAMPLE / "sft.toml", over))
+    return out / "sft-model"
+
+
+def rl_run(sft_model: Path, out: Path, name: str, overrides: dict[str, str]) -> tuple[dict, list[dict]]:
+    """One RL run of the example (grpo.toml, no intermediate evals or checkpoints, then `overrides`)
+    from `sft_model`: the run's summary and its per-step metric records (step 0, the eval before, left out)."""
+    from miles.config import load_config
+    from miles.config.run import RunConfig
+    from miles.orchestration.driver import run_train
+
+    over = {"model.path": str(sft_model), "run.output_dir": str(out / "runs"), "run.name": name,
+            "eval.every_steps": "0", "loop.save_every": "0", "metrics.progress": "plain", **overrides}
+    summary = run_train(load_config(RunConfig, EXAMPLE / "grpo.toml", over))
+    recs = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return summary, [r for r in recs if r["step"] > 0]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench algorithms", description=__doc__.split("\n\n")[0])
     p.add_argument("--rl-steps", type=int, default=30)
@@ -54,39 +90,26 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from miles.config import load_config
-    from miles.config.run import RunConfig
-    from miles.models.presets import build_tiny_model
-    from miles.orchestration.driver import run_sft, run_train
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
 
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-algos-"))
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)
     unknown = set(names) - set(VARIANTS)
     if unknown:
         sys.exit(f"miles bench algorithms: unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
 
     ensure_ray(RayConfig(num_cpus=2))  # a cluster of its own, whatever else runs here
     t0 = time.perf_counter()
-    sft_model = Path(args.sft_model) if args.sft_model else out / "sft-model"
-    if not args.sft_model:
-        base = build_tiny_model("tiny-qwen3", out / "base")
-        run_sft(load_config(RunConfig, EXAMPLE / "sft.toml", {"model.path": str(base), "sft.out": str(sft_model),
-                                                              "sft.steps": str(args.sft_steps)}))
+    sft_model = warm_start(out, args.sft_model, "tiny-qwen3", args.sft_steps)
     results = {}
     for name in names:
         algo = name.split("+")[0]
-        over = {"model.path": str(sft_model), "run.output_dir": str(out / "runs"), "run.name": name,
-                "loop.num_steps": str(args.rl_steps), "eval.every_steps": "0",
-                "eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(args.prompts_per_step),
+        over = {"loop.num_steps": str(args.rl_steps), "eval.num_prompts": str(args.eval_prompts),
+                "rollout.prompts_per_step": str(args.prompts_per_step),
                 "trainer.algorithm.name": algo, "trainer.algorithm.clip_eps_low": "none",
-                "trainer.algorithm.clip_eps_high": "none", "loop.save_every": "0"}
-        over.update(VARIANTS[name])
-        cfg = load_config(RunConfig, EXAMPLE / "grpo.toml", over)
+                "trainer.algorithm.clip_eps_high": "none", **VARIANTS[name]}
         t = time.perf_counter()
-        summary = run_train(cfg)
-        recs = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in recs if r["step"] > 0]
+        summary, steps = rl_run(sft_model, out, name, over)
         tail = steps[-5:]
         losses = [r["train/loss"] for r in steps if "train/loss" in r]
         before, after = summary["eval_accuracy_before"], summary["eval_accuracy_after"]

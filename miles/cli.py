@@ -103,6 +103,9 @@ def cmd_bench(args, extra) -> int:
     path = root / f"{args.name}.py"
     if not path.is_file():
         sys.exit(f"miles bench: unknown benchmark {args.name!r}; available: {', '.join(names) or 'none'}")
+    # Benchmarks share pieces as `benchmarks.<name>` (the example's warm start, one RL run of it).
+    if str(root.parent) not in sys.path:
+        sys.path.insert(0, str(root.parent))
     spec = importlib.util.spec_from_file_location(f"miles_bench_{args.name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
