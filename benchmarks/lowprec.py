@@ -21,18 +21,40 @@ prints one line `{"eval": "greedy_accuracy", "eval_accuracy_bf16": …, "formats
 greedy accuracy on the same held-out problems (the task as examples/arithmetic/sft.toml sets it up),
 so the accuracy a format costs a trained policy, served without retraining, is measured.
 
+With `--rl --sft-model DIR` it instead measures learning: from that one warm start of the arithmetic job
+(examples/arithmetic/sft.toml), a GRPO run of examples/arithmetic/grpo.toml for `--rl-steps` steps with
+a bfloat16 engine (the baseline) and, for each format, one run per recipe (`--recipes`, default
+rollout_only,qat_tis). Each run's eval accuracy (greedy, the same held-out problems) is taken by its
+own engine, served the way the recipe serves. One JSON line per run (eval accuracy before and after,
+the gap to the baseline in points, the mean mismatch), then a summary line with
+`max_gap_points_full_recipe`, the largest bf16-minus-qat_tis gap.
+
     miles bench lowprec [--formats fp8,mxfp8,nvfp4,int4] [--steps 4] [--prompts 6] [--samples 4]
                         [--eval-model DIR] [--eval-problems 256] [--eval-only]
+    miles bench lowprec --rl --sft-model DIR [--rl-steps 60] [--recipes rollout_only,qat_tis]
+                        [--formats ...] [--eval-prompts 256] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+# The engine and trainer settings of each recipe, for a format; the baseline is a bfloat16 engine.
+BASELINE = {"rollout.engine.dtype": "bfloat16"}
+RECIPES = {
+    "rollout_only": lambda fmt: {"rollout.engine.dtype": "float32", "rollout.engine.quantization": fmt},
+    "tis": lambda fmt: {**RECIPES["rollout_only"](fmt), "trainer.algorithm.tis_mode": "truncate"},
+    "qat_tis": lambda fmt: {**RECIPES["tis"](fmt), "trainer.quantization": fmt},
+}
 
 
 def digit_share(text: str, _label=None) -> float:
@@ -156,6 +178,65 @@ def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: s
     return {**{k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}, "steps_trained": len(steps)}
 
 
+def _sibling(name: str):
+    """Another benchmark of this folder, loaded by path as `miles bench` loads them."""
+    spec = importlib.util.spec_from_file_location(f"miles_bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rl_cells(args, formats: list[str], recipes: list[str]) -> int:
+    """The --rl mode: one GRPO run per cell from the same warm start, eval accuracy per cell."""
+    algorithms = _sibling("algorithms")
+    out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-lowprec-rl-"))
+    sft_model = out / "sft-model"  # a copy: a run never writes into the checkpoint it was given
+    if not sft_model.exists():
+        shutil.copytree(args.sft_model, sft_model)
+    common = {"eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(args.prompts_per_step)}
+    load_before = os.getloadavg()
+    import ray
+
+    ours = not ray.is_initialized()  # a cluster someone else started is left running
+    algorithms.start_ray()
+
+    def cell(name: str, fmt: str, recipe: str, over: dict) -> dict:
+        r = algorithms.rl_run(sft_model, out / "runs", name, args.rl_steps, {**common, **over})
+        steps = r["steps"]
+        row = {"format": fmt, "recipe": recipe, "eval_accuracy_before": r["eval_accuracy_before"],
+               "eval_accuracy": r["eval_accuracy_after"],
+               "mismatch_kl": algorithms.mean_of(steps, "train/rollout_mismatch_kl"),
+               "mismatch_frac": algorithms.mean_of(steps, "train/rollout_mismatch_frac"),
+               "reward_first10": algorithms.mean_of(steps[:10], "rollout/reward_mean"),
+               "reward_last10": algorithms.mean_of(steps[-10:], "rollout/reward_mean"),
+               "steps": len(steps), "wall_s": r["wall_s"], "loadavg_1m": os.getloadavg()[0]}
+        return row
+
+    t0 = time.perf_counter()
+    base = cell("bf16", "bf16", "baseline", BASELINE)
+    bf16 = base["eval_accuracy"]
+    print(json.dumps({**base, "eval_accuracy_bf16": bf16, "gap_points": 0.0}), flush=True)
+    summary = {"mode": "rl", "sft_model": args.sft_model, "rl_steps": args.rl_steps,
+               "eval_prompts": args.eval_prompts, "eval_accuracy_bf16": bf16,
+               "eval_accuracy_bf16_before": base["eval_accuracy_before"], "formats": {}}
+    for fmt in formats:
+        row = {"wire_bytes_ratio_vs_bf16": wire_bytes_ratio(str(sft_model), fmt)}
+        for recipe in recipes:
+            r = cell(f"{fmt}-{recipe}", fmt, recipe, RECIPES[recipe](fmt))
+            r.update(eval_accuracy_bf16=bf16, gap_points=100 * (bf16 - r["eval_accuracy"]),
+                     wire_bytes_ratio_vs_bf16=row["wire_bytes_ratio_vs_bf16"])
+            print(json.dumps(r), flush=True)
+            row[recipe] = r["eval_accuracy"]
+        summary["formats"][fmt] = row
+    if ours:
+        ray.shutdown()
+    gaps = [100 * (bf16 - row["qat_tis"]) for row in summary["formats"].values() if "qat_tis" in row]
+    summary.update(max_gap_points_full_recipe=max(gaps) if gaps else None, loadavg_before=load_before,
+                   loadavg_after=os.getloadavg(), wall_s=time.perf_counter() - t0)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench lowprec", description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", default="fp8,mxfp8,nvfp4,int4")
@@ -168,9 +249,23 @@ def main(argv=None) -> int:
                    "its greedy eval accuracy served bfloat16 and in each format")
     p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--eval-only", action="store_true", help="only the eval line (needs --eval-model)")
+    p.add_argument("--rl", action="store_true", help="eval accuracy after a GRPO run per format and recipe, "
+                   "from the warm start --sft-model")
+    p.add_argument("--sft-model", default="", help="with --rl: the arithmetic job's SFT warm start (copied)")
+    p.add_argument("--rl-steps", type=int, default=60)
+    p.add_argument("--recipes", default="rollout_only,qat_tis", help=f"with --rl: any of {', '.join(RECIPES)}")
+    p.add_argument("--eval-prompts", type=int, default=256, help="with --rl: held-out eval problems per run")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="with --rl: prompts per GRPO step")
+    p.add_argument("--out", default="", help="with --rl: working folder (default: a temporary one)")
     args = p.parse_args(argv)
     if args.eval_only and not args.eval_model:
         p.error("--eval-only needs --eval-model DIR")
+    if args.rl and not args.sft_model:
+        p.error("--rl needs --sft-model DIR (the SFT model of examples/arithmetic/run.sh)")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        p.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
 
     import torch
     import torch.distributed as dist
@@ -183,6 +278,8 @@ def main(argv=None) -> int:
     for f in formats:
         get_format(f, "--formats")
     torch.set_num_threads(1)
+    if args.rl:
+        return rl_cells(args, formats, recipes)
     if args.eval_model:
         print(json.dumps(eval_formats(args.eval_model, formats, args.eval_problems)), flush=True)
         if args.eval_only:
