@@ -20,7 +20,7 @@ class EngineConfig:
     dtype: str = "float32"
     """Parameter dtype the model is loaded in: float32, bfloat16 or float16."""
     quantization: str = "none"
-    """Serve the Linear and MoE expert weights (not the LM head, embeddings or routers) in this low-precision format,
+    """Serve the Linear and MoE expert weights (not routers; the LM head and embeddings only with quantize_embeddings) in this low-precision format,
     dequantized in each matmul: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
     Match trainer.quantization so the trainer trains the policy the engine serves."""
     quantize_embeddings: bool = False

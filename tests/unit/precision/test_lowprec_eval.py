@@ -50,3 +50,7 @@ def test_the_wire_bytes_ratio_is_what_a_push_to_an_engine_serving_the_format_mov
     # in bfloat16 are a large share of so small a model.
     assert 0.5 < lowprec.wire_bytes_ratio(base_model_dir, "fp8") < 0.55
     assert 0.3 < lowprec.wire_bytes_ratio(base_model_dir, "int4") < lowprec.wire_bytes_ratio(base_model_dir, "nvfp4") < 0.33
+    # With the tied embedding and LM head in the format too (quantize_embeddings), both 4-bit formats
+    # move at most 0.3x; only the norms are left in bfloat16.
+    assert 0.26 < lowprec.wire_bytes_ratio(base_model_dir, "int4", embeddings=True) <= 0.3
+    assert 0.27 < lowprec.wire_bytes_ratio(base_model_dir, "nvfp4", embeddings=True) <= 0.3
