@@ -76,9 +76,10 @@ class TrainerConfig:
     """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
     instead of hanging on a dead or stalled rank."""
     quantization: str = "none"
-    """Quantization-aware training: the policy's Linear and MoE expert weights (not routers; the LM head and embeddings only with quantize_embeddings)
-    pass through this format's quantize-dequantize in every forward, gradients go straight through to the
-    float32 master weights: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...)."""
+    """Quantization-aware training: the policy's Linear and MoE expert weights (not routers; the LM head
+    and embeddings only with quantize_embeddings) pass through this format's quantize-dequantize in every
+    forward, gradients go straight through to the float32 master weights: none, or a format of
+    docs/precision.md (fp8, mxfp8, nvfp4, int4, ...)."""
     quantize_embeddings: bool = False
     """Train the input embedding and the LM head (one weight when tied) in `quantization`'s format too;
     set it when the engines serve them so (rollout.engine.quantize_embeddings)."""

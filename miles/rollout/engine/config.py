@@ -20,8 +20,9 @@ class EngineConfig:
     dtype: str = "float32"
     """Parameter dtype the model is loaded in: float32, bfloat16 or float16."""
     quantization: str = "none"
-    """Serve the Linear and MoE expert weights (not routers; the LM head and embeddings only with quantize_embeddings) in this low-precision format,
-    dequantized in each matmul: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
+    """Serve the Linear and MoE expert weights (not routers; the LM head and embeddings only with
+    quantize_embeddings) in this low-precision format, dequantized in each matmul: none, or a format of
+    docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
     Match trainer.quantization so the trainer trains the policy the engine serves."""
     quantize_embeddings: bool = False
     """Also serve the input embedding and the LM head (one weight when tied) in `quantization`'s format:
