@@ -42,6 +42,21 @@ VARIANTS = {
 }
 
 
+def start_ray() -> None:
+    """A Ray cluster of the benchmark's own (2 CPUs), whatever else runs on this machine."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_cpus=2))
+
+
+def mean_of(records: list[dict], key: str) -> float:
+    """Mean of `key` over the records that have it (NaN if none does)."""
+    xs = [r[key] for r in records if key in r]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
 def warm_start(out: Path, sft_model: str = "", preset: str = "tiny-qwen3", sft_steps: int | None = None) -> Path:
     """The SFT checkpoint the RL runs start from: `sft_model` as given, else one trained now with the
     example's sft.toml into out/sft-model (sft_steps caps its steps; None keeps the file's)."""

@@ -21,27 +21,55 @@ prints one line `{"eval": "greedy_accuracy", "eval_accuracy_bf16": …, "formats
 greedy accuracy on the same held-out problems (the task as examples/arithmetic/sft.toml sets it up),
 so the accuracy a format costs a trained policy, served without retraining, is measured.
 
+With `--rl --sft-model DIR` it instead measures learning: from that one warm start of the arithmetic job
+(examples/arithmetic/sft.toml), a GRPO run of examples/arithmetic/grpo.toml for `--rl-steps` steps with
+a bfloat16 engine (the baseline) and, for each format, one run per recipe (`--recipes`, default
+rollout_only,qat_tis). Each run's eval accuracy (greedy, the same held-out problems) is taken by its
+own engine, served the way the recipe serves. One JSON line per run (eval accuracy before and after,
+the gap to the baseline in points, the mean mismatch), then a summary line with
+`max_gap_points_full_recipe`, the largest bf16-minus-qat_tis gap. The recipe qat_tis_embeddings is the
+full recipe with the (tied) embedding and LM head in the format too (quantize_embeddings on both
+sides); `--quantize-embeddings` adds the same to the `--eval-model` line.
+
     miles bench lowprec [--formats fp8,mxfp8,nvfp4,int4] [--steps 4] [--prompts 6] [--samples 4]
                         [--eval-model DIR] [--eval-problems 256] [--eval-only]
+    miles bench lowprec --rl --sft-model DIR [--rl-steps 60] [--recipes rollout_only,qat_tis]
+                        [--formats ...] [--eval-prompts 256] [--out DIR] [--bf16-accuracy ACC]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+# The engine and trainer settings of each recipe, for a format; the baseline is a bfloat16 engine.
+BASELINE = {"rollout.engine.dtype": "bfloat16"}
+RECIPES = {
+    "rollout_only": lambda fmt: {"rollout.engine.dtype": "float32", "rollout.engine.quantization": fmt},
+    "tis": lambda fmt: {**RECIPES["rollout_only"](fmt), "trainer.algorithm.tis_mode": "truncate"},
+    "qat_tis": lambda fmt: {**RECIPES["tis"](fmt), "trainer.quantization": fmt},
+    # The full recipe with the (tied) embedding and LM head in the format too, on both sides.
+    "qat_tis_embeddings": lambda fmt: {**RECIPES["qat_tis"](fmt), "rollout.engine.quantize_embeddings": "true",
+                                       "trainer.quantize_embeddings": "true"},
+}
 
 
 def digit_share(text: str, _label=None) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
-def wire_bytes_ratio(model_dir: str, fmt: str) -> float:
+def wire_bytes_ratio(model_dir: str, fmt: str, embeddings: bool = False) -> float:
     """Bytes a weight push hands the transport (sync/bytes) to an engine serving `fmt`, over those to a
-    bfloat16 engine: the Linear weights travel as the format's bytes and scales, the rest in bfloat16."""
+    bfloat16 engine: the Linear weights (and with `embeddings`, the embedding and LM head) travel as the
+    format's bytes and scales, the rest in bfloat16."""
     from miles.models.loading import load_model
     from miles.precision.linear import quantize_linears, served_weights
     from miles.sync.prepare import push_weights
@@ -54,7 +82,7 @@ def wire_bytes_ratio(model_dir: str, fmt: str) -> float:
             pass
 
     model = load_model(model_dir, "float32")
-    quantize_linears(model, fmt, "serve")
+    quantize_linears(model, fmt, "serve", embeddings=embeddings)
     quantized = {n: f for n, (f, _) in served_weights(model).items()}
     named, seen = [], set()
     for name, t in model.state_dict().items():
@@ -65,16 +93,18 @@ def wire_bytes_ratio(model_dir: str, fmt: str) -> float:
     return push_weights(iter(named), Count(), 1, dtype="bfloat16", quantized=quantized)["sync/bytes"] / bf16
 
 
-def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new_tokens: int | None = None) -> float:
-    """Greedy accuracy of `model_dir` served in `engine_dtype` with its Linear weights in `fmt`: the
-    share of `problems` whose completion (at most `max_new_tokens`, default two more than the answer's
-    characters), stripped, is exactly the answer."""
+def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new_tokens: int | None = None,
+                  embeddings: bool = False) -> float:
+    """Greedy accuracy of `model_dir` served in `engine_dtype` with its Linear weights (and with
+    `embeddings`, its embedding and LM head) in `fmt`: the share of `problems` whose completion (at most
+    `max_new_tokens`, default two more than the answer's characters), stripped, is exactly the answer."""
     import httpx
 
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
 
-    server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=fmt, seed=0))
+    server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=fmt,
+                                              quantize_embeddings=embeddings, seed=0))
 
     async def solve_all():
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as c:
@@ -91,17 +121,24 @@ def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new
         server.stop()
 
 
-def eval_formats(model_dir: str, formats: list[str], n: int) -> dict:
-    """The eval line: the same checkpoint's greedy accuracy served bfloat16 and in each format."""
+def eval_formats(model_dir: str, formats: list[str], n: int, embeddings: bool = False) -> dict:
+    """The eval line: the same checkpoint's greedy accuracy served bfloat16 and in each format (and with
+    `embeddings`, in each format with the embedding and LM head in it too)."""
     from miles.rollout.tasks.arithmetic import ArithmeticTask
 
     problems = ArithmeticTask(digits=2, ops="+-", split="eval", seed=0, fixed_width=True).take(n)
     t0 = time.perf_counter()
     bf16 = eval_accuracy(model_dir, "bfloat16", "none", problems)
     accs = {fmt: eval_accuracy(model_dir, "float32", fmt, problems) for fmt in formats}
-    return {"eval": "greedy_accuracy", "model": model_dir, "problems": n, "eval_accuracy_bf16": bf16,
-            "formats": accs, "max_gap_points": max((100 * (bf16 - a) for a in accs.values()), default=0.0),
-            "wall_s": time.perf_counter() - t0}
+    line = {"eval": "greedy_accuracy", "model": model_dir, "problems": n, "eval_accuracy_bf16": bf16,
+            "formats": accs, "max_gap_points": max((100 * (bf16 - a) for a in accs.values()), default=0.0)}
+    if embeddings:
+        line["formats_with_embeddings"] = {fmt: eval_accuracy(model_dir, "float32", fmt, problems, embeddings=True)
+                                           for fmt in formats}
+        line["wire_bytes_ratio_vs_bf16"] = {fmt: wire_bytes_ratio(model_dir, fmt) for fmt in formats}
+        line["wire_bytes_ratio_vs_bf16_with_embeddings"] = {fmt: wire_bytes_ratio(model_dir, fmt, True)
+                                                            for fmt in formats}
+    return {**line, "wall_s": time.perf_counter() - t0}
 
 
 def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: str, tis: bool, args) -> dict:
@@ -156,6 +193,75 @@ def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: s
     return {**{k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}, "steps_trained": len(steps)}
 
 
+def _sibling(name: str):
+    """Another benchmark of this folder, loaded by path as `miles bench` loads them."""
+    spec = importlib.util.spec_from_file_location(f"miles_bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rl_cells(args, formats: list[str], recipes: list[str]) -> int:
+    """The --rl mode: one GRPO run per cell from the same warm start, eval accuracy per cell."""
+    algorithms = _sibling("algorithms")
+    out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-lowprec-rl-"))
+    sft_model = out / "sft-model"  # a copy: a run never writes into the checkpoint it was given
+    if not sft_model.exists():
+        shutil.copytree(args.sft_model, sft_model)
+    common = {"eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(args.prompts_per_step),
+              **dict(o.split("=", 1) for o in args.override)}
+    load_before = os.getloadavg()
+    import ray
+
+    ours = not ray.is_initialized()  # a cluster someone else started is left running
+    algorithms.start_ray()
+
+    def cell(name: str, fmt: str, recipe: str, over: dict) -> dict:
+        t = time.perf_counter()
+        r, steps = algorithms.rl_run(sft_model, out, name, {**common, "loop.num_steps": str(args.rl_steps), **over})
+        wall_s = time.perf_counter() - t
+        row = {"format": fmt, "recipe": recipe, "eval_accuracy_before": r["eval_accuracy_before"],
+               "eval_accuracy": r["eval_accuracy_after"],
+               "mismatch_kl": algorithms.mean_of(steps, "train/rollout_mismatch_kl"),
+               "mismatch_frac": algorithms.mean_of(steps, "train/rollout_mismatch_frac"),
+               "reward_first10": algorithms.mean_of(steps[:10], "rollout/reward_mean"),
+               "reward_last10": algorithms.mean_of(steps[-10:], "rollout/reward_mean"),
+               "steps": len(steps), "wall_s": wall_s, "loadavg_1m": os.getloadavg()[0]}
+        return row
+
+    t0 = time.perf_counter()
+    summary = {"mode": "rl", "sft_model": args.sft_model, "rl_steps": args.rl_steps,
+               "eval_prompts": args.eval_prompts, "formats": {}}
+    if args.bf16_accuracy is None:
+        base = cell("bf16", "bf16", "baseline", BASELINE)
+        bf16 = base["eval_accuracy"]
+        print(json.dumps({**base, "eval_accuracy_bf16": bf16, "gap_points": 0.0}), flush=True)
+        summary["eval_accuracy_bf16_before"] = base["eval_accuracy_before"]
+    else:  # the baseline of an earlier invocation with the same warm start and settings
+        bf16 = args.bf16_accuracy
+    summary["eval_accuracy_bf16"] = bf16
+    for fmt in formats:
+        row = {"wire_bytes_ratio_vs_bf16": wire_bytes_ratio(str(sft_model), fmt)}
+        if any("embeddings" in r for r in recipes):
+            row["wire_bytes_ratio_vs_bf16_with_embeddings"] = wire_bytes_ratio(str(sft_model), fmt, True)
+        for recipe in recipes:
+            r = cell(f"{fmt}-{recipe}", fmt, recipe, RECIPES[recipe](fmt))
+            ratio = row["wire_bytes_ratio_vs_bf16_with_embeddings" if "embeddings" in recipe
+                        else "wire_bytes_ratio_vs_bf16"]
+            r.update(eval_accuracy_bf16=bf16, gap_points=100 * (bf16 - r["eval_accuracy"]),
+                     wire_bytes_ratio_vs_bf16=ratio)
+            print(json.dumps(r), flush=True)
+            row[recipe] = r["eval_accuracy"]
+        summary["formats"][fmt] = row
+    if ours:
+        ray.shutdown()
+    gaps = [100 * (bf16 - row["qat_tis"]) for row in summary["formats"].values() if "qat_tis" in row]
+    summary.update(max_gap_points_full_recipe=max(gaps) if gaps else None, loadavg_before=load_before,
+                   loadavg_after=os.getloadavg(), wall_s=time.perf_counter() - t0)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench lowprec", description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", default="fp8,mxfp8,nvfp4,int4")
@@ -168,9 +274,33 @@ def main(argv=None) -> int:
                    "its greedy eval accuracy served bfloat16 and in each format")
     p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--eval-only", action="store_true", help="only the eval line (needs --eval-model)")
+    p.add_argument("--rl", action="store_true", help="eval accuracy after a GRPO run per format and recipe, "
+                   "from the warm start --sft-model")
+    p.add_argument("--sft-model", default="", help="with --rl: the arithmetic job's SFT warm start (copied)")
+    p.add_argument("--rl-steps", type=int, default=60)
+    p.add_argument("--recipes", default="rollout_only,qat_tis", help=f"with --rl: any of {', '.join(RECIPES)}")
+    p.add_argument("--eval-prompts", type=int, default=256, help="with --rl: held-out eval problems per run")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="with --rl: prompts per GRPO step")
+    p.add_argument("--out", default="", help="with --rl: working folder (default: a temporary one)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --rl: a run config override for every cell (repeatable)")
+    p.add_argument("--bf16-accuracy", type=float, default=None, help="with --rl: skip the baseline run and "
+                   "compare with this eval accuracy (an earlier baseline of the same warm start and settings)")
+    p.add_argument("--quantize-embeddings", action="store_true", help="with --eval-model: also serve each format "
+                   "with the embedding and LM head in it (rollout.engine.quantize_embeddings), and give the wire "
+                   "bytes both ways")
     args = p.parse_args(argv)
     if args.eval_only and not args.eval_model:
         p.error("--eval-only needs --eval-model DIR")
+    if args.rl and not args.sft_model:
+        p.error("--rl needs --sft-model DIR (the SFT model of examples/arithmetic/run.sh)")
+    bad = [o for o in args.override if "=" not in o]
+    if bad:
+        p.error(f"--override {bad[0]!r}: give KEY=VALUE, e.g. --override rollout.temperature=1.2")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        p.error(f"--recipes: unknown {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
 
     import torch
     import torch.distributed as dist
@@ -183,8 +313,11 @@ def main(argv=None) -> int:
     for f in formats:
         get_format(f, "--formats")
     torch.set_num_threads(1)
+    if args.rl:
+        return rl_cells(args, formats, recipes)
     if args.eval_model:
-        print(json.dumps(eval_formats(args.eval_model, formats, args.eval_problems)), flush=True)
+        print(json.dumps(eval_formats(args.eval_model, formats, args.eval_problems, args.quantize_embeddings)),
+              flush=True)
         if args.eval_only:
             return 0
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -12,11 +12,14 @@ Qwen3-MoE's `mlp.experts` holds them) go through the same format, one matrix per
   weight it received, because weight updates, noise fills and checksums work on that tensor.
 
 Both modes run `dequantize(quantize(w))` on the same weight, so a trainer and an engine holding the same
-float32 weights compute the same logits. The embeddings, the LM head and MoE routers stay in full
-precision (as DeepSeek-V3's FP8 recipe and NVFP4/MXFP8 checkpoints leave them), as do activations.
+float32 weights compute the same logits. By default the embeddings, the LM head and MoE routers stay in
+full precision (as DeepSeek-V3's FP8 recipe and NVFP4/MXFP8 checkpoints leave them), as do activations.
+With `embeddings=True` the input embedding and the LM head go through the format too (a
+`QuantizedEmbedding` looks its rows up in the format's value): opt-in, for when their bytes matter more
+than the accuracy they may cost; a tied embedding and LM head share one stored copy.
 
 Non-goals: low-precision matmul kernels (this is emulation: the numerics, none of the speed), and
-quantizing anything but Linear and expert weights.
+quantizing norms, biases or routers.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from miles.precision.formats import Format, QuantizedTensor, dequantize, fake_qu
 
 Mode = Literal["train", "serve"]
 
-# Linear layers left in full precision: the output head (its logits are what RL measures) and, by
-# identity, MoE routers (a flipped top-k choice costs far more than the bytes saved).
+# Linear layers left in full precision: the output head (its logits are what RL measures; unless
+# embeddings are asked for) and, by identity, MoE routers (a flipped top-k choice costs far more than
+# the bytes saved).
 _KEEP = ("lm_head",)
 
 
@@ -68,18 +72,16 @@ class StoredWeight:
         self._stored = None
 
 
-class QuantizedLinear(torch.nn.Linear):
-    """nn.Linear whose matmul uses its weight as stored in `fmt`."""
+class InFormat:
+    """What a layer computing with its 2-D `weight` in a format shares: the format's value of the weight."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: Format, mode: Mode):
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: nothing is copied
-        self.fmt, self.mode = fmt, mode
-        self._stored = StoredWeight(fmt)
+    weight: torch.nn.Parameter
+    fmt: Format
+    mode: Mode
+    _stored: StoredWeight
 
     def effective_weight(self) -> torch.Tensor:
-        """The weight the matmul uses: the format's value of the current weight, in its dtype."""
+        """The weight the layer computes with: the format's value of the current weight, in its dtype."""
         if self.mode == "train":
             return fake_quantize(self.weight, self.fmt)
         return self._stored.value(self.weight, per_matrix=False)
@@ -88,8 +90,39 @@ class QuantizedLinear(torch.nn.Linear):
         """Free the quantized copy (the weights were released); the next forward makes it again."""
         self._stored.drop()
 
+
+class QuantizedLinear(InFormat, torch.nn.Linear):
+    """nn.Linear whose matmul uses its weight as stored in `fmt`."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: Format, mode: Mode, stored: StoredWeight | None = None):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: nothing is copied
+        self.fmt, self.mode = fmt, mode
+        self._stored = stored or StoredWeight(fmt)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.effective_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", format={self.fmt.name}, mode={self.mode}"
+
+
+class QuantizedEmbedding(InFormat, torch.nn.Embedding):
+    """nn.Embedding whose lookups return rows of its weight as stored in `fmt` (blocks run along a row)."""
+
+    def __init__(self, emb: torch.nn.Embedding, fmt: Format, mode: Mode, stored: StoredWeight | None = None):
+        torch.nn.Module.__init__(self)
+        for k in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                  "sparse"):
+            setattr(self, k, getattr(emb, k))
+        self.weight = emb.weight  # the same Parameter, tied or not
+        self.fmt, self.mode = fmt, mode
+        self._stored = stored or StoredWeight(fmt)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.effective_weight(), self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", format={self.fmt.name}, mode={self.mode}"
@@ -133,21 +166,42 @@ class QuantizedExperts:
             s.drop()
 
 
-def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "quantization") -> list[str]:
+def _embedding_layers(model: torch.nn.Module, key: str) -> set[int]:
+    """ids of `model`'s input embedding and LM head (HF's get_input/output_embeddings)."""
+    layers = [getattr(model, f, lambda: None)() for f in ("get_input_embeddings", "get_output_embeddings")]
+    if layers[0] is None:
+        raise ValueError(f"{key}: quantizing embeddings needs a model with get_input_embeddings() "
+                         f"({type(model).__name__} has none); turn the embeddings option off")
+    return {id(m) for m in layers if m is not None}
+
+
+def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "quantization",
+                     embeddings: bool = False) -> list[str]:
     """Swap every Linear of `model` but the LM head and MoE routers for a QuantizedLinear in format
-    `name`, and put MoE experts' weights through it too ("none" leaves the model alone). Returns the
-    names of the layers and experts modules now quantized."""
+    `name`, and put MoE experts' weights through it too ("none" leaves the model alone). `embeddings`:
+    the input embedding and the LM head as well. Returns the names of the layers and experts modules
+    now quantized."""
     if name == "none":
         return []
     fmt = get_format(name, key)
     keep = {id(r) for r in routers(model)} if hasattr(model, "config") else set()  # HF models only
+    heads = _embedding_layers(model, key) if embeddings else set()
+    stores: dict[int, StoredWeight] = {}  # by Parameter: a tied embedding and LM head share one stored copy
+
+    def stored(weight: torch.nn.Parameter) -> StoredWeight:
+        return stores.setdefault(id(weight), StoredWeight(fmt))
+
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is not torch.nn.Linear or id(child) in keep or child_name in _KEEP:
+            if type(child) is torch.nn.Embedding and id(child) in heads:
+                setattr(parent, child_name, QuantizedEmbedding(child, fmt, mode, stored(child.weight)))
+            elif (type(child) is not torch.nn.Linear or id(child) in keep
+                  or (child_name in _KEEP and id(child) not in heads)):
                 continue
-            setattr(parent, child_name, QuantizedLinear(child, fmt, mode))
+            else:
+                setattr(parent, child_name, QuantizedLinear(child, fmt, mode, stored(child.weight)))
             swapped.append(full)
     for module_name, module in model.named_modules():
         if module_name.endswith("experts") and any(p.dim() == 3 for p in module.parameters(recurse=False)):
@@ -177,7 +231,7 @@ def _stores(model: torch.nn.Module) -> dict:
     out = {}
     for module_name, m in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, InFormat):
             out[prefix + "weight"] = (m._stored, lambda m=m: m.weight, False)
         elif hasattr(m, "quantized_experts"):
             qe = m.quantized_experts
@@ -189,7 +243,7 @@ def _stores(model: torch.nn.Module) -> dict:
 def drop_stored(model: torch.nn.Module) -> None:
     """Free every QuantizedLinear's quantized copy of its weight (an engine releasing its memory)."""
     for m in model.modules():
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, InFormat):
             m.drop_stored()
         elif hasattr(m, "quantized_experts"):
             m.quantized_experts.drop_stored()

@@ -76,9 +76,13 @@ class TrainerConfig:
     """A collective (all-gather, all-reduce) waiting longer than this fails the step with a clear error
     instead of hanging on a dead or stalled rank."""
     quantization: str = "none"
-    """Quantization-aware training: the policy's Linear and MoE expert weights (not the LM head, embeddings or routers)
-    pass through this format's quantize-dequantize in every forward, gradients go straight through to the
-    float32 master weights: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...)."""
+    """Quantization-aware training: the policy's Linear and MoE expert weights (not routers; the LM head
+    and embeddings only with quantize_embeddings) pass through this format's quantize-dequantize in every
+    forward, gradients go straight through to the float32 master weights: none, or a format of
+    docs/precision.md (fp8, mxfp8, nvfp4, int4, ...)."""
+    quantize_embeddings: bool = False
+    """Train the input embedding and the LM head (one weight when tied) in `quantization`'s format too;
+    set it when the engines serve them so (rollout.engine.quantize_embeddings)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm and its knobs."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -146,6 +150,9 @@ class TrainerConfig:
             raise ConfigError(f"trainer.quantization = {self.quantization!r} needs full fine-tuning without tensor/"
                               "expert parallelism: set trainer.lora.rank = 0 and tensor_parallel_size = "
                               "expert_parallel_size = 1, or trainer.quantization = 'none'")
+        if self.quantize_embeddings and self.quantization == "none":
+            raise ConfigError("trainer.quantize_embeddings = true needs a format: set trainer.quantization (e.g. "
+                              "'nvfp4'), or trainer.quantize_embeddings = false")
         if self.lora.rank and (tp > 1 or ep > 1):
             raise ConfigError("LoRA with tensor/expert parallelism is not supported: set trainer.lora.rank = 0 "
                               "or tensor_parallel_size = expert_parallel_size = 1")

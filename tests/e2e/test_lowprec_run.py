@@ -27,3 +27,28 @@ def test_a_qat_run_keeps_engine_and_trainer_on_the_same_policy(tiny_model_dir, t
         assert r["train/rollout_mismatch_kl"] < 1e-8
         assert r["train/rollout_mismatch_frac"] == 0.0
         assert r["train/rollout_logprob_abs_diff"] < 1e-5
+
+
+def test_bench_lowprec_rl_cell_trains_in_the_format_with_the_embeddings_and_reports_its_gap(
+        tiny_model_dir, tmp_path, ray_cluster, capsys):
+    # One cell of `miles bench lowprec --rl` (the baseline's accuracy given): a GRPO step of the arithmetic
+    # job with the engine and the trainer in nvfp4, embedding and LM head included, over the run's real
+    # weight sync; the engine stays on the trainer's policy, and the line reports the cell against bf16.
+    from benchmarks import lowprec
+
+    assert lowprec.main(["--rl", "--sft-model", tiny_model_dir, "--rl-steps", "1", "--formats", "nvfp4",
+                         "--recipes", "qat_tis_embeddings", "--eval-prompts", "4", "--prompts-per-step", "2",
+                         "--bf16-accuracy", "0.5", "--out", str(tmp_path),
+                         # An untrained model never gets an exact answer: reward digits instead (as above).
+                         "--override", "rollout.reward=tests.e2e.test_resume:digit_fraction",
+                         "--override", "rollout.temperature=1.5", "--override", "rollout.n_samples_per_prompt=4",
+                         "--override", "rollout.max_new_tokens=8", "--override", "eval.max_new_tokens=4"]) == 0
+    cell, summary = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:])
+    assert (cell["format"], cell["recipe"], cell["steps"]) == ("nvfp4", "qat_tis_embeddings", 1)
+    assert cell["gap_points"] == 100 * (0.5 - cell["eval_accuracy"])
+    assert cell["wire_bytes_ratio_vs_bf16"] <= 0.3
+    config = json.loads((tmp_path / "runs" / "nvfp4-qat_tis_embeddings" / "config.json").read_text())
+    assert config["rollout"]["engine"]["quantize_embeddings"] and config["trainer"]["quantize_embeddings"]
+    assert cell["mismatch_kl"] < 1e-8 and cell["mismatch_frac"] == 0.0
+    assert summary["formats"]["nvfp4"]["qat_tis_embeddings"] == cell["eval_accuracy"]
+    assert summary["max_gap_points_full_recipe"] is None  # no plain qat_tis cell ran

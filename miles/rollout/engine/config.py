@@ -20,9 +20,14 @@ class EngineConfig:
     dtype: str = "float32"
     """Parameter dtype the model is loaded in: float32, bfloat16 or float16."""
     quantization: str = "none"
-    """Serve the Linear and MoE expert weights (not the LM head, embeddings or routers) in this low-precision format,
-    dequantized in each matmul: none, or a format of docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
+    """Serve the Linear and MoE expert weights (not routers; the LM head and embeddings only with
+    quantize_embeddings) in this low-precision format, dequantized in each matmul: none, or a format of
+    docs/precision.md (fp8, mxfp8, nvfp4, int4, ...).
     Match trainer.quantization so the trainer trains the policy the engine serves."""
+    quantize_embeddings: bool = False
+    """Also serve the input embedding and the LM head (one weight when tied) in `quantization`'s format:
+    fewer bytes per weight push, at an accuracy cost docs/precision.md measures. Match
+    trainer.quantize_embeddings."""
     host: str = LOOPBACK
     """Interface the HTTP server binds to; loopback unless the engine must be reached from other hosts
     (which needs admin_token, or insecure_admin)."""
@@ -88,6 +93,9 @@ class EngineConfig:
         if self.quantization != "none" and self.quantization not in FORMATS:
             raise ConfigError(f"engine quantization = {self.quantization!r} is not a format; choose none or one of "
                               f"{', '.join(FORMATS)}")
+        if self.quantize_embeddings and self.quantization == "none":
+            raise ConfigError("engine quantize_embeddings = true needs a format: set engine quantization (e.g. "
+                              "'nvfp4'), or quantize_embeddings = false")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"engine port = {self.port}: set it in 0..65535 (0 picks a free port)")
         if self.max_lora_adapters < 0:

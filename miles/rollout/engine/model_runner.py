@@ -97,7 +97,8 @@ class ModelRunner:
         self.config = config
         self.model = load_model(config.model_path, dtype=config.dtype).eval()
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
-        quantize_linears(self.model, config.quantization, "serve", key="engine quantization")
+        quantize_linears(self.model, config.quantization, "serve", key="engine quantization",
+                         embeddings=config.quantize_embeddings)
         self.quantized = served_weights(self.model)  # name -> (format, per_matrix): what may arrive quantized
         self.tokenizer = load_tokenizer(config.model_path)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings

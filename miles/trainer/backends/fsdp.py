@@ -90,7 +90,8 @@ class FSDPTrainer:
             model.train()
             return model, dp
         model = load_model(self.model_path, "float32")  # float32 master weights, whatever the compute dtype
-        quantize_linears(model, cfg.quantization, "train", key="trainer.quantization")  # before sharding
+        quantize_linears(model, cfg.quantization, "train", key="trainer.quantization",  # before sharding
+                         embeddings=cfg.quantize_embeddings)
         if cfg.lora.rank:
             model = apply_lora(model, cfg.lora)
         model.to(self.device)

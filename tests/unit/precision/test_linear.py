@@ -4,8 +4,13 @@ serving layer's stored copy follows every change of its weight."""
 import pytest
 import torch
 
+from miles.config.loader import ConfigError, build
+from miles.models.loading import load_model
+from miles.precision import linear
 from miles.precision.formats import dequantize, quantize
 from miles.precision.linear import QuantizedLinear, drop_stored, quantize_linears
+from miles.rollout.engine.config import EngineConfig
+from miles.trainer.config import TrainerConfig
 
 
 class Tiny(torch.nn.Module):
@@ -88,3 +93,47 @@ def test_expert_weights_are_quantized_one_expert_matrix_at_a_time(mode):
 def test_a_model_with_nothing_to_quantize_is_refused_by_name():
     with pytest.raises(ValueError, match=r"trainer.quantization = 'int4': Sequential has no Linear layer"):
         quantize_linears(torch.nn.Sequential(torch.nn.ReLU()), "int4", "train", key="trainer.quantization")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_opt_in_embeddings_put_the_tied_embedding_and_lm_head_through_the_format_once(tiny_model_dir, fmt, monkeypatch):
+    served = load_model(tiny_model_dir, "float32")
+    trained = load_model(tiny_model_dir, "float32")
+    tied = served.lm_head.weight
+    assert tied is served.model.embed_tokens.weight  # the preset ties them: one weight, two uses
+    names = quantize_linears(served, fmt, "serve", embeddings=True)
+    quantize_linears(trained, fmt, "train", embeddings=True)
+    assert "model.embed_tokens" in names and "lm_head" in names
+    assert served.model.embed_tokens._stored is served.lm_head._stored  # one stored copy of the tied weight
+    assert set(linear.served_weights(served)) >= {"model.embed_tokens.weight", "lm_head.weight"}
+
+    # Both uses compute with the format's value of the weight: a plain model holding dequantized
+    # weights everywhere (Linear, embedding, head) gives the same logits, in serving and in training.
+    plain = load_model(tiny_model_dir, "float32")
+    with torch.no_grad():
+        for m in plain.modules():
+            if type(m) in (torch.nn.Linear, torch.nn.Embedding) and m is not plain.lm_head:  # the head is tied
+                m.weight.copy_(dequantize(quantize(m.weight, fmt)))
+    ids = torch.tensor([[5, 17, 33, 8, 40, 2, 9]])
+    with torch.no_grad():
+        want = plain(ids).logits
+        assert torch.equal(served(ids).logits, want)
+        assert torch.equal(trained(ids).logits, want)
+        assert not torch.equal(load_model(tiny_model_dir, "float32")(ids).logits, want)
+
+    calls = []
+    monkeypatch.setattr(linear, "quantize", lambda *a, **k: calls.append(a[0].shape) or quantize(*a, **k))
+    drop_stored(served)
+    with torch.no_grad():
+        served(ids)
+    assert calls.count(tied.shape) == 1  # the tied weight is quantized once for both of its uses
+
+
+def test_embeddings_without_a_format_or_an_embedding_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"trainer.quantize_embeddings = true needs a format"):
+        build(TrainerConfig, {"quantize_embeddings": True}).validate()
+    with pytest.raises(ConfigError, match=r"engine quantize_embeddings = true needs a format"):
+        EngineConfig(model_path="m", quantize_embeddings=True).validate()
+    with pytest.raises(ValueError, match=r"trainer.quantization: quantizing embeddings needs a model with "
+                                         r"get_input_embeddings\(\) \(Tiny has none\)"):
+        quantize_linears(Tiny(), "int4", "train", key="trainer.quantization", embeddings=True)

@@ -43,6 +43,16 @@ def test_the_eval_line_has_bf16_and_every_format(base_model_dir, capsys):
     accs = [line["eval_accuracy_bf16"], *line["formats"].values()]
     assert all(a in (0.0, 0.25, 0.5, 0.75, 1.0) for a in accs)
     assert line["max_gap_points"] == max(100 * (line["eval_accuracy_bf16"] - a) for a in line["formats"].values())
+    assert "formats_with_embeddings" not in line  # only asked for with --quantize-embeddings
+
+
+def test_the_eval_line_with_quantize_embeddings_serves_each_format_both_ways(base_model_dir, capsys):
+    assert lowprec.main(["--formats", "int4", "--eval-model", base_model_dir, "--eval-problems", "2",
+                         "--eval-only", "--quantize-embeddings"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(line["formats_with_embeddings"]) == {"int4"} and line["formats_with_embeddings"]["int4"] in (0, 0.5, 1)
+    ratios, with_emb = line["wire_bytes_ratio_vs_bf16"]["int4"], line["wire_bytes_ratio_vs_bf16_with_embeddings"]["int4"]
+    assert with_emb <= 0.3 < ratios
 
 
 def test_the_wire_bytes_ratio_is_what_a_push_to_an_engine_serving_the_format_moves(base_model_dir):
@@ -50,3 +60,7 @@ def test_the_wire_bytes_ratio_is_what_a_push_to_an_engine_serving_the_format_mov
     # in bfloat16 are a large share of so small a model.
     assert 0.5 < lowprec.wire_bytes_ratio(base_model_dir, "fp8") < 0.55
     assert 0.3 < lowprec.wire_bytes_ratio(base_model_dir, "int4") < lowprec.wire_bytes_ratio(base_model_dir, "nvfp4") < 0.33
+    # With the tied embedding and LM head in the format too (quantize_embeddings), both 4-bit formats
+    # move at most 0.3x; only the norms are left in bfloat16.
+    assert 0.26 < lowprec.wire_bytes_ratio(base_model_dir, "int4", embeddings=True) <= 0.3
+    assert 0.27 < lowprec.wire_bytes_ratio(base_model_dir, "nvfp4", embeddings=True) <= 0.3

@@ -16,7 +16,7 @@ import torch
 
 from miles.precision import linear, wire
 from miles.precision.formats import get_format, quantize
-from miles.precision.linear import QuantizedLinear
+from miles.precision.linear import InFormat
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import start_server_thread
 from miles.sync.prepare import SyncConfig
@@ -29,15 +29,16 @@ _versions = itertools.count(1)  # the engines live across tests, and versions on
 
 @pytest.fixture(scope="module")
 def engines(base_model_dir, admin_token):
-    """engines(fmt) -> (wire engine, ref engine), float32, serving `fmt`; started once per format."""
-    started: dict[str, tuple] = {}
+    """engines(fmt) -> (wire engine, ref engine), float32, serving `fmt` (and with `embeddings`, the tied
+    embedding and LM head in it too); started once per setting."""
+    started: dict[tuple, tuple] = {}
 
-    def get(fmt: str):
-        if fmt not in started:
-            started[fmt] = tuple(start_server_thread(EngineConfig(
-                model_path=base_model_dir, dtype="float32", quantization=fmt, admin_token=admin_token))
-                for _ in range(2))
-        return started[fmt]
+    def get(fmt: str, embeddings: bool = False):
+        if (fmt, embeddings) not in started:
+            started[fmt, embeddings] = tuple(start_server_thread(EngineConfig(
+                model_path=base_model_dir, dtype="float32", quantization=fmt, quantize_embeddings=embeddings,
+                admin_token=admin_token)) for _ in range(2))
+        return started[fmt, embeddings]
 
     yield get
     for pair in started.values():
@@ -61,7 +62,7 @@ def _state(model_dir: str, seed: int) -> dict[str, torch.Tensor]:
 def _served(server) -> dict[str, torch.Tensor]:
     """What each quantized layer of the engine multiplies with."""
     with torch.no_grad():
-        return {n: m.effective_weight() for n, m in server.engine.model.named_modules() if isinstance(m, QuantizedLinear)}
+        return {n: m.effective_weight() for n, m in server.engine.model.named_modules() if isinstance(m, InFormat)}
 
 
 def _logprobs(server) -> list[float]:
@@ -116,6 +117,34 @@ def test_a_quantized_push_moves_the_quantized_size_and_serves_what_the_engine_wo
             assert calls
             monkeypatch.undo()
             _assert_same_policy(wired, ref)
+    finally:
+        q.close()
+        full.close()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_with_the_embeddings_in_the_format_a_4bit_push_moves_at_most_0_3_of_the_bfloat16_bytes(
+        fmt, engines, base_model_dir, admin_token):
+    # Without them it cannot: the tied embedding and the norms in bfloat16 alone are 5% of this model's
+    # bfloat16 bytes, and a 4-bit weight with its scales is over a quarter of its bfloat16 size.
+    wired, ref = engines(fmt, embeddings=True)
+    q = WeightUpdater(SyncConfig(transport="broadcast", bucket_size_mb=1, dtype="bfloat16"), admin_token,
+                      base_model_dir)
+    full = WeightUpdater(SyncConfig(transport="broadcast", bucket_size_mb=1, dtype="bfloat16", quantized_wire=False),
+                         admin_token, base_model_dir)
+    q.connect([wired.url])
+    full.connect([ref.url])
+    try:
+        served = wired.engine.quantized
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= served.keys()
+        state = {n: t.to(torch.bfloat16) for n, t in _state(base_model_dir, 7).items()}
+        version = next(_versions)
+        mq = q.push(iter(state.items()), version)
+        mf = full.push(iter(state.items()), version)
+        assert mf["sync/bytes"] == sum(t.numel() * 2 for t in state.values())
+        assert mq["sync/bytes"] == _quantized_bytes(state, served, fmt)
+        assert mq["sync/bytes"] <= 0.3 * mf["sync/bytes"]
+        _assert_same_policy(wired, ref)  # the embedding and head included: both engines serve one policy
     finally:
         q.close()
         full.close()

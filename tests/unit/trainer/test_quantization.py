@@ -34,8 +34,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.ones_like(ids)
 
 
-def dequantized_model(model_dir: str, fmt: str, state: dict | None = None):
-    """A plain HF model whose Linear weights (not the LM head) are replaced by their stored values."""
+def dequantized_model(model_dir: str, fmt: str, state: dict | None = None, embeddings: bool = False):
+    """A plain HF model whose Linear weights (not the LM head) are replaced by their stored values;
+    `embeddings`: the (tied) embedding and LM head weight too."""
     model = load_model(model_dir, "float32")
     if state is not None:
         model.load_state_dict(state, strict=False)
@@ -43,6 +44,9 @@ def dequantized_model(model_dir: str, fmt: str, state: dict | None = None):
         for name, m in model.named_modules():
             if type(m) is torch.nn.Linear and not name.endswith("lm_head"):
                 m.weight.copy_(dequantize(quantize(m.weight, fmt)))
+        if embeddings:  # the preset ties the LM head to it: one weight to replace
+            w = model.get_input_embeddings().weight
+            w.copy_(dequantize(quantize(w, fmt)))
         for name, p in model.named_parameters():
             if ".experts." in name and p.dim() == 3:  # MoE: each expert's matrix on its own
                 p.copy_(torch.stack([dequantize(quantize(w, fmt)) for w in p]))
@@ -71,6 +75,23 @@ def test_the_trainers_forward_is_the_dequantized_models_and_gradients_go_straigh
     master = dict(trainer.model.named_parameters())[layer]
     assert master.dtype == torch.float32 and master.grad is not None and master.grad.abs().sum() > 0
     assert torch.allclose(master.grad, dict(ref.named_parameters())[layer].grad, atol=1e-6, rtol=1e-5)
+
+
+def test_with_quantize_embeddings_the_tied_embedding_and_lm_head_train_in_the_format(tiny_model_dir, gloo):
+    trainer = FSDPTrainer(build(TrainerConfig, {"quantization": "nvfp4", "quantize_embeddings": True}),
+                          tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    ids, mask = batch()
+    logp, _ = forward_logprobs(trainer.model, ids, mask)
+    ref = dequantized_model(tiny_model_dir, "nvfp4", embeddings=True)
+    ref_logp, _ = forward_logprobs(ref, ids, mask)
+    assert torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
+    linears_only, _ = forward_logprobs(dequantized_model(tiny_model_dir, "nvfp4"), ids, mask)
+    assert (logp - linears_only).abs().max() > 1e-4  # the embedding's format really changed the forward
+    logp.sum().backward()
+    ref_logp.sum().backward()  # straight through both uses of the tied weight: lookup and head
+    name = "model.embed_tokens.weight"
+    assert torch.allclose(dict(trainer.model.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad,
+                          atol=1e-6, rtol=1e-5)
 
 
 def test_moe_experts_train_in_the_format_too(tiny_moe_model_dir, gloo):
