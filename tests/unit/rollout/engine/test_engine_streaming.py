@@ -26,12 +26,12 @@ def test_a_streamed_generate_sends_every_token_as_sampled_and_ends_with_the_unst
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = _events(r.iter_lines())
     assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    # One chunk per sampled token (prefill gives the first), each holding all the ids so far.
+    chunks, last = events[:-2], events[-2]
+    # One chunk per sampled token (prefill gives the first), each holding all the ids so far, then
+    # the finished result (the unstreamed body) with its finish reason.
     assert [len(c["output_ids"]) for c in chunks] == list(range(1, 11))
     assert all(c["output_ids"] == whole["output_ids"][:len(c["output_ids"])] for c in chunks)
-    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
-    last = chunks[-1]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks)
     assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
     assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     assert [t for _, t, _ in last["meta_info"]["output_token_logprobs"]] == whole["output_ids"]
@@ -49,9 +49,11 @@ def test_the_first_chunk_arrives_while_the_request_still_runs_and_leaving_early_
     body = {"input_ids": [7, 8, 9], "stream": True, "rid": "long-stream",
             "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}
     with httpx.stream("POST", f"{engine_url}/generate", json=body, timeout=120) as r:
-        first = _events([next(r.iter_lines())])[0]
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response
+        first = _events([next(lines)])[0]
         assert len(first["output_ids"]) < 400 and first["meta_info"]["finish_reason"] is None
-        assert httpx.get(f"{engine_url}/get_load").json()["num_running_reqs"] == 1  # still generating
+        load = httpx.get(f"{engine_url}/get_load").json()
+        assert load["num_running_reqs"] == 1, load  # still generating
     # The client went away after one chunk: the engine stops the request instead of running 400 steps.
     deadline = time.monotonic() + 30
     while httpx.get(f"{engine_url}/get_load").json()["num_reqs"] and time.monotonic() < deadline:
