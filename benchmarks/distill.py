@@ -45,22 +45,22 @@ def sft(model: str, out: Path, target: float, max_steps: int, seed: int) -> dict
         "sft.steps": str(max_steps), "run.seed": str(seed), "metrics.progress": "plain"}))
 
 
-def run_overrides(args, model: str, out: Path) -> dict[str, str]:
-    """What both runs share: the example's settings at this bench's size."""
-    return {"model.path": model, "run.output_dir": str(out / "runs"), "run.seed": str(args.seed),
-            "loop.num_steps": str(args.steps), "loop.save_every": "0", "eval.every_steps": str(args.eval_every),
-            "eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(args.prompts_per_step),
-            "rollout.n_samples_per_prompt": str(args.samples), "metrics.progress": "plain"}
-
-
-def opd_overrides(args, teacher: str) -> dict[str, str]:
-    over = {"run.name": "opd", "trainer.algorithm.name": "opd", "trainer.algorithm.opd.kl_coef": str(args.kl_coef),
-            "trainer.algorithm.opd.reward_coef": "0", "buffer.filter": "none"}
+def run_configs(args, student: str, teacher: str, out: Path) -> dict[str, RunConfig]:
+    """The two runs, from the student checkpoint: examples/arithmetic/grpo.toml at this bench's size, the
+    same for both but for the algorithm (and the filter pure distillation needs)."""
+    shared = {"model.path": student, "run.output_dir": str(out / "runs"), "run.seed": str(args.seed),
+              "loop.num_steps": str(args.steps), "loop.save_every": "0", "eval.every_steps": str(args.eval_every),
+              "eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(args.prompts_per_step),
+              "rollout.n_samples_per_prompt": str(args.samples), "metrics.progress": "plain"}
+    opd = {"run.name": "opd", "trainer.algorithm.name": "opd", "trainer.algorithm.opd.kl_coef": str(args.kl_coef),
+           "trainer.algorithm.opd.reward_coef": "0", "buffer.filter": "none"}
     if args.teacher_in == "engines":
-        over.update({"teacher.model.path": teacher, "teacher.num_engines": "1"})
+        opd.update({"teacher.model.path": teacher, "teacher.num_engines": "1"})
     else:
-        over["trainer.algorithm.opd.teacher_path"] = teacher
-    return over
+        opd["trainer.algorithm.opd.teacher_path"] = teacher
+    variants = {"opd": opd, "grpo": {"run.name": "grpo"}}
+    return {name: load_config(RunConfig, EXAMPLE / "grpo.toml", {**shared, **variants[name]})
+            for name in args.only}
 
 
 def curve(run_dir: Path) -> dict:
@@ -73,7 +73,7 @@ def curve(run_dir: Path) -> dict:
             "samples_trained": sum(r.get("buffer/samples_trained", 0) for r in steps)}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles bench distill", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40, help="training steps of each run")
     p.add_argument("--prompts-per-step", type=int, default=32, help="grpo.toml's")
@@ -98,13 +98,18 @@ def main(argv=None) -> int:
     if args.quick:
         args.preset, args.sft_steps, args.student_target, args.teacher_target = "tiny-qwen3", 2, 0.0, 0.0
         args.steps, args.prompts_per_step, args.samples, args.eval_prompts, args.eval_every = 2, 4, 2, 8, 1
-    runs_asked = [n for n in args.only.split(",") if n] or ["opd", "grpo"]
-    if set(runs_asked) - {"opd", "grpo"}:
-        p.error(f"--only: unknown {sorted(set(runs_asked) - {'opd', 'grpo'})}; choose from opd, grpo")
+    args.only = [n for n in args.only.split(",") if n] or ["opd", "grpo"]
+    if set(args.only) - {"opd", "grpo"}:
+        p.error(f"--only: unknown {sorted(set(args.only) - {'opd', 'grpo'})}; choose from opd, grpo")
     if args.steps < 1 or args.eval_every < 1:
         p.error("--steps and --eval-every must be >= 1")
     if not (0 <= args.student_target <= 1 and 0 <= args.teacher_target <= 1):
         p.error("--student-target and --teacher-target are accuracies in [0, 1]")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -134,17 +139,15 @@ def main(argv=None) -> int:
     print(f"[bench distill] teacher eval accuracy {line['teacher_eval_accuracy']:.3f}", file=sys.stderr, flush=True)
 
     runs = {}
-    for name in runs_asked:
-        over = run_overrides(args, student, out)
-        over.update(opd_overrides(args, teacher) if name == "opd" else {"run.name": "grpo"})
+    for name, cfg in run_configs(args, student, teacher, out).items():
         t = time.perf_counter()
-        summary = run_train(load_config(RunConfig, EXAMPLE / "grpo.toml", over))
+        summary = run_train(cfg)
         runs[name] = {"eval_accuracy_before": summary["eval_accuracy_before"],
                       "eval_accuracy_after": summary["eval_accuracy_after"], **curve(Path(summary["run_dir"])),
                       "wall_s": round(time.perf_counter() - t, 1)}
         print(f"[bench distill] {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
     ray.shutdown()
-    first = runs[runs_asked[0]]
+    first = runs[args.only[0]]
     line = {"opd_eval_accuracy": runs["opd"]["eval_accuracy_after"] if "opd" in runs else None,
             "grpo_eval_accuracy": runs["grpo"]["eval_accuracy_after"] if "grpo" in runs else None,
             # Both runs evaluate the student before their first step, on the same problems.
