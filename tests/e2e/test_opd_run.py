@@ -115,6 +115,6 @@ def test_distillation_from_teacher_engines_the_reverse_kl_falls_and_the_teacher_
     kl = [r["opd/reverse_kl"] for r in steps]
     # The student moved towards the teacher on its own samples: the last two steps' reverse KL is well
     # below the first two's (each step's estimate is a mean over about 500 sampled tokens).
-    assert (kl[-2] + kl[-1]) / 2 < 0.75 * (kl[0] + kl[1]) / 2, kl
+    assert (kl[-2] + kl[-1]) / 2 < 0.8 * (kl[0] + kl[1]) / 2, kl
     assert steps[-1]["rollout/weight_version"] == 4  # the student's engines got the student's new weights
     assert digest(taught_teacher_dir) == before
