@@ -134,8 +134,9 @@ def main(argv=None) -> int:
         teacher = str(out / "teacher")
         s = sft(student, Path(teacher), args.teacher_target, args.sft_steps, args.seed)
         line["teacher_sft"] = {"extra_steps": s["steps"], "held_out_accuracy": s.get("held_out_accuracy")}
-    line["teacher_eval_accuracy"] = run_eval(load_config(RunConfig, EXAMPLE / "grpo.toml", {
-        "model.path": teacher, "run.seed": str(args.seed), "eval.num_prompts": str(args.eval_prompts)}))["eval/accuracy"]
+    teacher_eval = run_eval(load_config(RunConfig, EXAMPLE / "grpo.toml", {
+        "model.path": teacher, "run.seed": str(args.seed), "eval.num_prompts": str(args.eval_prompts)}))
+    line["teacher_eval_accuracy"] = teacher_eval["eval/accuracy"]
     print(f"[bench distill] teacher eval accuracy {line['teacher_eval_accuracy']:.3f}", file=sys.stderr, flush=True)
 
     runs = {}
