@@ -93,6 +93,22 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start_with_the_reason(ti
     assert cfg.trainer.algorithm.opd.kl_coef == 1.0
 
 
+def test_the_arithmetic_example_config_is_pure_distillation_from_a_teacher_engine(tiny_model_dir, tmp_path):
+    example, shipped = "examples/arithmetic/opd.toml", "examples/arithmetic/grpo.toml"
+    over = {"model.path": tiny_model_dir, "run.output_dir": str(tmp_path)}
+    cfg = load_config(RunConfig, example, {**over, "teacher.model.path": tiny_model_dir})
+    assert cfg.trainer.algorithm.name == "opd" and cfg.trainer.algorithm.opd.reward_coef == 0
+    assert cfg.teacher.model.path == tiny_model_dir and cfg.teacher.num_engines == 1
+    assert cfg.buffer.filter == "none" and cfg.rollout.temperature == 1.0
+    # The GRPO example's task and sampling, so the two compare at one sampling budget.
+    grpo = load_config(RunConfig, shipped, over)
+    assert (cfg.rollout.task, cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt,
+            cfg.rollout.max_new_tokens) == (grpo.rollout.task, grpo.rollout.prompts_per_step,
+                                            grpo.rollout.n_samples_per_prompt, grpo.rollout.max_new_tokens)
+    with pytest.raises(ConfigError, match="teacher.model.path"):
+        load_config(RunConfig, example, over)
+
+
 @pytest.fixture(scope="module")
 def gloo():
     import torch.distributed as dist
