@@ -127,12 +127,14 @@ class TrainContext:
         final = folder / f"state_{step}"
         staging = fresh_staging(final)
         trainer = self.trainer
+        # The rollout side hands over its state while the ranks copy theirs: the loop is held here, so
+        # neither the policy nor the versions move in between.
+        rollout_state = self.submit(self.rollout.buffer_state_dict)
         trainer.save_checkpoint(str(staging), background=True)
         path = trainer.save_hf(str(folder / f"step_{step}"), background=True) if export else str(final)
-        rollout = self.call(self.rollout.buffer_state_dict)
+        rollout = rollout_state()
         meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version,
                 "batch_in_flight": self.batch_in_flight}
-
         num_ranks = self.cfg.trainer.num_ranks
         self.checkpoints.start(final.name, lambda: commit_when_written(trainer, staging, final, rollout, meta,
                                                                        num_ranks))
