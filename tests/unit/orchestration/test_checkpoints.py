@@ -90,4 +90,7 @@ def test_a_process_killed_in_the_middle_of_a_write_leaves_the_previous_checkpoin
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = json.loads((tmp_path / "resume.json").read_text())
     assert result["latest"] == "state_1"
-    assert result["steps"] == crashed["steps"]  # steps 2 and 3 again, bit for bit
+    def figures(steps):
+        return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in steps]  # timings differ
+
+    assert figures(result["steps"]) == figures(crashed["steps"])  # steps 2 and 3 again, bit for bit
