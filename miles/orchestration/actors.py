@@ -166,8 +166,16 @@ class TrainerShell:
         finally:
             _drain(named)
 
-    def save_hf(self, out_dir: str):
-        return self.trainer.save_hf(out_dir)
+    def save_hf(self, out_dir: str, background: bool = False):
+        return self.trainer.save_hf(out_dir, background)
+
+    def save_checkpoint(self, path: str, background: bool = False) -> None:
+        self.trainer.save_checkpoint(path, background)
+
+    def checkpoint_written(self) -> None:
+        """Called in the actor's "checkpoint" concurrency group, so it can wait for the background
+        writes while train steps and pushes go on in the default one."""
+        self.trainer.checkpoint_written()
 
     def call_trainer(self, method: str, *args):
         """Forward any other trainer call (checkpoint save/load, ...) without a shell method each."""
@@ -189,12 +197,15 @@ class CollectiveTimeout(RuntimeError):
     """A trainer collective outlived trainer.collective_timeout_s: a peer rank died or stalled."""
 
 
-def remote(cls, max_concurrency: int = 1):
+def remote(cls, max_concurrency: int = 1, concurrency_groups: dict[str, int] | None = None):
     """Wrap a shell as a Ray actor class that takes no logical CPUs.
 
     max_concurrency > 1 runs calls on a thread pool, so one call may block (a trainer waiting for
-    groups) while others (version updates, evaluation) proceed.
+    groups) while others (version updates, evaluation) proceed. `concurrency_groups` adds named
+    groups of threads of their own, which a call picks with `.options(concurrency_group=...)`.
     """
     import ray
 
+    if concurrency_groups:
+        return ray.remote(num_cpus=0, max_concurrency=max_concurrency, concurrency_groups=concurrency_groups)(cls)
     return ray.remote(num_cpus=0, max_concurrency=max_concurrency)(cls)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from miles.config.run import RunConfig
 from miles.metrics.progress import Progress
 from miles.metrics.sink import Sink
-from miles.trainer.checkpoint import commit, latest_checkpoint, staging_path
+from miles.orchestration.checkpoints import CheckpointWrites, commit_when_written
+from miles.trainer.checkpoint import fresh_staging, latest_checkpoint
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -56,7 +57,9 @@ class TrainContext:
     batch_in_flight: bool = False
     trainer_restarts: int = 0   # trainer groups replaced after a failure (fault.restart_trainer)
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
-    save_s: list[float] = field(default_factory=list)  # seconds each save (state + HF export) took
+    save_s: list[float] = field(default_factory=list)  # seconds the loop waited for each save (state + HF export)
+    checkpoints: CheckpointWrites = field(default_factory=CheckpointWrites)  # the write in progress
+    final_wait_s: float | None = None  # seconds the run's end waited for the last write
     _memory_warned: bool = False
 
     # -- the two places a schedule meets Ray -------------------------------------------------------
@@ -105,33 +108,58 @@ class TrainContext:
         self.history.append((step, metrics))
 
     def save(self, step: int) -> str:
-        """The resumable checkpoint and the Hugging Face export of this step (timed together in save_s)."""
+        """This step's resumable checkpoint and Hugging Face export (returns the export's path). The
+        loop waits only for the snapshot (and for the previous write, if it is still going); the
+        writes finish in the background (`checkpoints.wait()`). save_s times what the loop waited."""
         t0 = time.perf_counter()
-        self.save_state(step)
-        path = self.trainer.save_hf(str(self.run_dir / "checkpoints" / f"step_{step}"))
+        path = self._save(step, export=True)
         self.save_s.append(time.perf_counter() - t0)
         return path
 
     def save_state(self, step: int) -> str:
-        """Resumable checkpoint (trainer state and RNGs, the buffer with its in-flight prompts, ledger
-        and prompt position, versions), made visible by one rename once every part is written."""
-        final = self.run_dir / "checkpoints" / f"state_{step}"
-        staging = staging_path(final)
-        self.trainer.save_checkpoint(str(staging))
-        (staging / "rollout.json").write_text(json.dumps(self.call(self.rollout.buffer_state_dict)))
+        """Resumable checkpoint only (trainer state and RNGs, the buffer with its in-flight prompts,
+        ledger and prompt position, versions), written in the background like `save`."""
+        return self._save(step, export=False)
+
+    def _save(self, step: int, export: bool) -> str:
+        self.checkpoints.wait()  # one write at a time, committed in order
+        folder = self.run_dir / "checkpoints"
+        final = folder / f"state_{step}"
+        staging = fresh_staging(final)
+        trainer = self.trainer
+        # The rollout side hands over its state while the ranks copy theirs: the loop is held here, so
+        # neither the policy nor the versions move in between.
+        rollout_state = self.submit(self.rollout.buffer_state_dict)
+        trainer.save_checkpoint(str(staging), background=True)
+        path = trainer.save_hf(str(folder / f"step_{step}"), background=True) if export else str(final)
+        rollout = rollout_state()
         meta = {"step": step, "policy_version": self.policy_version, "weight_version": self.weight_version,
                 "batch_in_flight": self.batch_in_flight}
-        return str(commit(staging, final, meta))
+        num_ranks = self.cfg.trainer.num_ranks
+        self.checkpoints.start(final.name, lambda: commit_when_written(trainer, staging, final, rollout, meta,
+                                                                       num_ranks))
+        return path
+
+    def wait_for_saves(self) -> None:
+        """Until every checkpoint started is committed (the run's end; its wait is `final_wait_s`)."""
+        t0 = time.perf_counter()
+        self.checkpoints.wait()
+        self.final_wait_s = time.perf_counter() - t0
 
     def checkpoint_cost(self) -> dict[str, float | int | None]:
         """What saving cost this run (resumable checkpoint + HF export, every loop.save_every steps and
-        at the end): how many, their mean seconds, and that mean as a share of the mean step time (a
-        step's record is written before its save, so perf/step_s leaves the save out)."""
+        at the end): how many, the mean seconds the loop waited for one (the snapshot, and a previous
+        write still going), that mean as a share of the mean step time (a step's record is written
+        before its save, so perf/step_s leaves the save out), the mean seconds each took to be written
+        in the background, and the wait for the last one at the run's end."""
         steps = [m["perf/step_s"] for _, m in self.history if m.get("perf/step_s")]
         mean = sum(self.save_s) / len(self.save_s) if self.save_s else None
         step = sum(steps) / len(steps) if steps else None
+        writes = self.checkpoints.write_s
         return {"saves": len(self.save_s), "mean_save_s": mean, "mean_step_s": step,
-                "save_share_of_step": mean / step if mean is not None and step else None}
+                "save_share_of_step": mean / step if mean is not None and step else None,
+                "mean_write_s": sum(writes) / len(writes) if writes else None,
+                "final_wait_s": self.final_wait_s}
 
     def restore(self) -> None:
         """Continue from the run directory's latest resumable checkpoint: trainer state, buffer and

@@ -349,6 +349,11 @@ def _run_schedule(ctx: TrainContext, start_trainer: Callable[[], TrainerGroup]) 
             log(f"{exc}\n[miles] fault.restart_trainer: starting a new trainer group "
                 f"(restart {ctx.trainer_restarts} of at most {fault.max_trainer_restarts})")
             ctx.trainer.close()
+            # The write the failed group was making ends with it (its ranks are gone) or had finished;
+            # either way `latest` is settled before the run goes back to it.
+            lost = ctx.checkpoints.abandon()
+            if lost:
+                log(f"the checkpoint being written when the trainer failed was not committed ({lost})")
             ctx.trainer = start_trainer()
             step = rewind_run_dir(ctx.run_dir)
             ctx.history = [(s, m) for s, m in ctx.history if s <= step]
@@ -399,6 +404,7 @@ def _finish(ctx: TrainContext, before: dict, t_start: float, router=None) -> dic
     ctx.progress.close()
     after = ctx.history[-1][1] if ctx.history else before
     final_ckpt = ctx.save(cfg.loop.num_steps)
+    ctx.wait_for_saves()  # the summary names a checkpoint that is on disk, and `latest` is this one
     summary = {
         "run_dir": str(ctx.run_dir), "steps": cfg.loop.num_steps,
         "eval_accuracy_before": before["eval/accuracy"],

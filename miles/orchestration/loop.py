@@ -29,7 +29,8 @@ class LoopConfig:
     """RL training steps."""
     save_every: int = 0
     """Write a resumable checkpoint and a Hugging Face export every this many steps (0 = only at the
-    end); `miles train --resume` and fault.restart_trainer go back to the newest one."""
+    end), in the background behind the next steps; `miles train --resume` and fault.restart_trainer
+    go back to the newest one fully written."""
     update_weights_interval: int = 1
     """Push weights to the engines every this many steps."""
     pause_mode: Literal["none", "abort", "retract", "in_place"] = "none"

@@ -19,6 +19,11 @@ def train_on(ctx: TrainContext, step: int, groups: list[Group], metrics: dict, t
     metrics["buffer/samples_trained"] = sum(len(g.samples) for g in groups)
     ctx.progress.phase("train")
     if ctx.faults is not None:
+        if step in ctx.cfg.fault.steps_of("kill_trainer"):
+            # A scheduled trainer kill stands for a rank dying once the last save is on disk, so the
+            # point the run goes back to is the same on a fast machine and a slow one (a kill in the
+            # middle of a background write: tests/unit/trainer/test_checkpoint_writes.py).
+            ctx.checkpoints.wait()
         ctx.faults.before_train(step, ctx.trainer, lambda: ctx.call(ctx.rollout.reward_worker_pids))
     with timer.span("train"), ctx.weights_lock():
         if groups:

@@ -30,7 +30,9 @@ class TrainerGroup:
         import ray
 
         n = trainer_cfg.num_ranks
-        cls = remote(TrainerShell)
+        # The "checkpoint" group's thread waits for background checkpoint writes (from the driver's
+        # writer thread) while the default group's thread trains.
+        cls = remote(TrainerShell, concurrency_groups={"checkpoint": 1})
         if trainer_cfg.device == "cuda":
             # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): one per rank.
             cls = cls.options(num_gpus=1)
@@ -53,9 +55,11 @@ class TrainerGroup:
         refs = [getattr(a, method).remote(*(args[r] for args in args_per_rank)) for r, a in enumerate(self.actors)]
         return self._gather(method, refs)
 
-    def _gather(self, method: str, refs: list):
+    def _gather(self, method: str, refs: list, settles: bool = True):
         """Every rank's result; the first rank that fails ends the call at once with a TrainerFailure
-        (the other ranks are then stuck in a collective until its timeout, or already failed too)."""
+        (the other ranks are then stuck in a collective until its timeout, or already failed too).
+        A call that `settles` marks the group healthy again when every rank answers; a call made
+        beside the loop's (the checkpoint waits) does not, lest it hide a failure the loop just saw."""
         ray = self._ray
         pending = list(refs)
         while pending:
@@ -69,7 +73,8 @@ class TrainerGroup:
                                      "not complete; continue from the last checkpoint with "
                                      "`miles train --resume RUN_DIR` (fault.restart_trainer = true "
                                      "does that in place)") from exc
-        self.failed = False
+        if settles:
+            self.failed = False
         return ray.get(refs)
 
     def train_groups(self, groups) -> dict[str, float]:
@@ -115,17 +120,29 @@ class TrainerGroup:
             metrics["sync/lora_merged"] = 1.0 if self.cfg.lora.sync == "merged" else 0.0
         return metrics
 
-    def save_hf(self, out_dir: str) -> str:
-        return self._all("save_hf", [out_dir] * len(self.actors))[0]
+    def save_hf(self, out_dir: str, background: bool = False) -> str:
+        """Export a Hugging Face checkpoint; with `background` the call returns once the weights are
+        gathered and copied, and the write goes on (`checkpoint_written` waits for it)."""
+        n = len(self.actors)
+        return self._all("save_hf", [out_dir] * n, [background] * n)[0]
 
     def greedy_accuracy(self, seqs) -> float:
         """Fraction of demonstrations whose answer greedy decoding reproduces (teacher-forced argmax)."""
         hits = self._call_trainer("greedy_matches", seqs)
         return sum(hits) / max(1, len(hits))
 
-    def save_checkpoint(self, path: str) -> None:
-        """Collective distributed checkpoint of the trainer state into `path` (a staging folder)."""
-        self._call_trainer("save_checkpoint", path)
+    def save_checkpoint(self, path: str, background: bool = False) -> None:
+        """Collective distributed checkpoint of the trainer state into `path` (a staging folder); with
+        `background` the call returns once every rank has copied its state, and the writes go on."""
+        n = len(self.actors)
+        self._all("save_checkpoint", [path] * n, [background] * n)
+
+    def checkpoint_written(self) -> None:
+        """Wait until every rank's background writes are on disk. Safe to call while the loop drives
+        the group: it runs on each rank's checkpoint thread. Raises TrainerFailure if a rank died
+        or a write failed."""
+        refs = [a.checkpoint_written.options(concurrency_group="checkpoint").remote() for a in self.actors]
+        self._gather("checkpoint_written", refs, settles=False)
 
     def load_checkpoint(self, path: str) -> None:
         self._call_trainer("load_checkpoint", path)

@@ -1,20 +1,96 @@
 """Resumable trainer state: model, optimizer, LR schedule, critic, reference and RNG, written as
 a torch.distributed checkpoint (each rank writes its own shards, in parallel).
 
+A save has two halves. The snapshot copies the state to host memory (every tensor copied, so the
+next optimizer step cannot change what is written) and takes the caller's time; the write (DCP
+shards, the rank's own `rank*.pt`, each file fsynced) runs on the rank's `CheckpointWriter`
+thread while training goes on. Writes of one rank run one at a time, in the order saved; their
+collectives (DCP's plan exchange) go over a gloo group of their own, never interleaving with the
+training's collectives on the default group.
+
 A checkpoint is written into a staging folder and becomes visible by one rename (`commit`), after
-the caller has added its own state (data position, buffer); `latest` names the newest one. A crash
-mid-write leaves only a staging folder, which resume ignores.
+every rank's write has finished and the caller has added its own state (data position, buffer);
+`latest` names the newest. A crash mid-write leaves only a staging folder, which resume ignores.
+Non-goal: deciding when to save or who waits for a write (orchestration/checkpoints.py does).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 STAGING_SUFFIX = ".staging"
+
+
+class CheckpointWriter:
+    """One rank's background writes: each runs on one thread, one after another, in save order."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-checkpoint")
+        self._pending: list[Future] = []
+        self._group = None
+
+    @property
+    def group(self):
+        """The gloo group the writes' own collectives use. Made on the first save, which every rank
+        reaches together (creating a group is itself a collective on the default group)."""
+        if self._group is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._group
+
+    def submit(self, fn, *args) -> None:
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Until every write submitted so far is on disk; raises the first one's failure."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+
+def host_copy(state):
+    """`state` with every tensor (DTensor shards included) copied to host memory, the rest as is."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        return stager.stage(state)
+    finally:
+        stager.close()
+
+
+def fsync_write(path: Path, write) -> None:
+    """Write `path` through `write(file)` into a temporary name, fsync it, then rename it into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable (POSIX: the directory entry lives in the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _dcp_state(trainer, optimizers) -> dict:
@@ -41,31 +117,36 @@ def _forget_unstarted(trainer, optimizers) -> None:
         opt.state.clear()
 
 
-def save_trainer_state(trainer, path: str) -> None:
-    """Collective: every rank writes its shards under `path`."""
+def save_trainer_state(trainer, path: str, writer: CheckpointWriter) -> None:
+    """Snapshot this rank's state into host memory now and queue its write under `path` on
+    `writer` (`writer.wait()` says when it is on disk). Every rank calls it, in the same order."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    group = writer.group
     with trainer.optim.materialized() as optimizers:
         started = any(opt.state for opt in _all_optimizers(trainer, optimizers))
-        state = _dcp_state(trainer, optimizers)
-        dcp.save(state, checkpoint_id=str(out / "dcp"))
+        state = host_copy(_dcp_state(trainer, optimizers))
         if not started:
             _forget_unstarted(trainer, optimizers)
     local = {
         "optimizer_started": started,
         "step": trainer.step,
-        "schedulers": [s.state_dict() for s in trainer.optim.schedulers],
+        "schedulers": copy.deepcopy([s.state_dict() for s in trainer.optim.schedulers]),
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
     }
     if trainer.reference is not None and trainer.reference.version:
-        local["reference"] = trainer.reference.state_dict()
-    torch.save(local, out / f"rank{trainer.rank}.pt")
-    dist.barrier()
+        local["reference"] = host_copy(trainer.reference.state_dict())
+    writer.submit(_write_trainer_state, state, local, Path(path), trainer.rank, group)
+
+
+def _write_trainer_state(state: dict, local: dict, out: Path, rank: int, group) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(out / "dcp"), process_group=group)  # fsyncs each file it writes
+    fsync_write(out / f"rank{rank}.pt", lambda f: torch.save(local, f))
 
 
 def load_trainer_state(trainer, path: str) -> None:
@@ -103,19 +184,39 @@ def staging_path(final: str | Path) -> Path:
     return final.with_name(final.name + STAGING_SUFFIX)
 
 
+def fresh_staging(final: str | Path) -> Path:
+    """An empty staging folder for `final` (what a crashed earlier attempt left there is removed, so
+    no stale file can be committed with the new checkpoint)."""
+    staging = staging_path(final)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def missing_parts(staging: str | Path, num_ranks: int) -> list[str]:
+    """The parts of a trainer checkpoint not (yet) in `staging`: DCP's metadata, which its coordinator
+    writes only after every rank's shards, and each rank's own file."""
+    staging = Path(staging)
+    want = ["dcp/.metadata"] + [f"rank{r}.pt" for r in range(num_ranks)]
+    return [p for p in want if not (staging / p).is_file()]
+
+
 def commit(staging: str | Path, final: str | Path, meta: dict | None = None) -> Path:
     """Make a fully written staging folder the checkpoint `final`, atomically, and point
     `latest` (next to it) at it."""
     staging, final = Path(staging), Path(final)
     if meta is not None:
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
+        fsync_write(staging / "meta.json", lambda f: f.write((json.dumps(meta, indent=2) + "\n").encode()))
+    old = None
+    if final.exists():  # the same step saved again (the run's end): the old copy goes once the new is in place
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(staging, final)
-    latest = final.parent / "latest"
-    tmp = final.parent / "latest.tmp"
-    tmp.write_text(final.name + "\n")
-    os.replace(tmp, latest)
+    if old is not None:
+        shutil.rmtree(old)
+    fsync_write(final.parent / "latest", lambda f: f.write((final.name + "\n").encode()))
+    fsync_dir(final.parent)
     return final
 
 

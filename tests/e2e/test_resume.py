@@ -87,6 +87,24 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, strai
     AutoModelForCausalLM.from_pretrained(ckpts / "step_4")
 
 
+def test_every_checkpoint_is_complete_when_the_run_returns(straight_sync):
+    """Checkpoints are written in the background; the run waits for the last write before it returns."""
+    from transformers import AutoModelForCausalLM
+
+    summary = json.loads((straight_sync / "summary.json").read_text())
+    ckpts = straight_sync / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "state_4"
+    assert not list(ckpts.glob("*.staging")) and not list(ckpts.glob("*.tmp"))  # nothing half-written
+    for step in (2, 4):
+        state = ckpts / f"state_{step}"
+        assert json.loads((state / "meta.json").read_text())["step"] == step
+        assert all((state / part).is_file() for part in ("dcp/.metadata", "rank0.pt", "rollout.json"))
+        AutoModelForCausalLM.from_pretrained(ckpts / f"step_{step}")
+    assert summary["final_checkpoint"] == str(ckpts / "step_4")
+    cost = summary["checkpoints"]
+    assert cost["saves"] == 3 and cost["mean_write_s"] > 0 and cost["final_wait_s"] is not None
+
+
 def rollout_state(run_dir, step):
     return json.loads((run_dir / "checkpoints" / f"state_{step}" / "rollout.json").read_text())
 

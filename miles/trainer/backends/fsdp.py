@@ -36,7 +36,7 @@ from miles.models.moe import moe_shape, routers
 from miles.precision.linear import quantize_linears
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.batching import build_micro_batch, plan_micro_batches
-from miles.trainer.checkpoint import load_trainer_state, save_trainer_state
+from miles.trainer.checkpoint import CheckpointWriter, fsync_file, load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
 from miles.trainer.device import HOST, collective_backend, compute_device, mixed_precision
 from miles.trainer.forward import forward_logprobs
@@ -61,6 +61,7 @@ class FSDPTrainer:
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model_path, self.temperature = model_path, temperature
         self.step = 0
+        self.checkpoints = CheckpointWriter(cfg.collective_timeout_s)  # background checkpoint and export writes
         torch.manual_seed(seed)
         self.pad_id = load_tokenizer(model_path).pad_token_id or 0
         self.algorithm = get_algorithm(cfg.algorithm)
@@ -262,38 +263,58 @@ class FSDPTrainer:
             # Weights leave through host memory, which every transport reads (a no-op on a CPU trainer).
             yield name, (full.detach().to(HOST) if (self.rank == 0 or all_ranks) else None)
 
-    def save_hf(self, out_dir: str) -> str | None:
-        """Export a Hugging Face checkpoint directory (loadable by from_pretrained). Collective.
-        LoRA runs export the merged model."""
-
+    def save_hf(self, out_dir: str, background: bool = False) -> str | None:
+        """Export a Hugging Face checkpoint directory (loadable by from_pretrained). Collective: every
+        rank gathers; rank 0 writes. LoRA runs export the merged model. With `background` the write
+        runs on the checkpoint thread (`checkpoint_written` waits for it); the weights are copied first."""
         state = {n: t.clone() for n, t in self.full_named_tensors(merged=True) if t is not None}
         if self.rank != 0:
             return None
-        config = AutoConfig.from_pretrained(self.model_path)
-        with HOST:
-            model = AutoModelForCausalLM.from_config(config)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise RuntimeError(f"export mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if config.tie_word_embeddings:
-            model.tie_weights()
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        model.save_pretrained(tmp, safe_serialization=True)
-        load_tokenizer(self.model_path).save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)  # a checkpoint directory appears whole or not at all
-        return str(out)
+        if background:
+            self.checkpoints.submit(write_hf_export, state, self.model_path, out_dir)
+        else:
+            write_hf_export(state, self.model_path, out_dir)
+        return str(Path(out_dir))
 
     # -- resumable state ------------------------------------------------------------------------
-    def save_checkpoint(self, path: str) -> None:
-        """Distributed checkpoint of everything the next step depends on. Collective."""
-        save_trainer_state(self, path)
+    def save_checkpoint(self, path: str, background: bool = False) -> None:
+        """Distributed checkpoint of everything the next step depends on. Collective. With `background`
+        it returns once the state is copied, and the write goes on behind the next steps."""
+        save_trainer_state(self, path, self.checkpoints)
+        if not background:
+            self.checkpoints.wait()
+
+    def checkpoint_written(self) -> None:
+        """Wait until this rank's background writes (checkpoints, exports) are on disk; raises a failed one's error."""
+        self.checkpoints.wait()
 
     def load_checkpoint(self, path: str) -> None:
+        self.checkpoints.wait()
         load_trainer_state(self, path)
+
+
+def write_hf_export(state: dict, model_path: str, out_dir: str) -> None:
+    """Write full weights (HF names) as a checkpoint directory `out_dir` with `model_path`'s config and
+    tokenizer. The model is built on the meta device: its weights are `state`'s, never initialised."""
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"export mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(model_path).save_pretrained(tmp)
+    for f in tmp.iterdir():
+        fsync_file(f)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)  # a checkpoint directory appears whole or not at all
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
