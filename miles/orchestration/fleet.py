@@ -455,16 +455,18 @@ class EngineFleet:
     def push(self, sync: Callable[[], dict]) -> dict:
         """Run one main weight push (the caller holds weights_lock) against the serving engines.
 
-        An engine that fails during it is declared dead and the push is retried on the others; with
-        no engine serving there is nothing to push to, and replacements get the version at bring-up.
+        An engine that fails during it is declared dead and the push is retried on the others
+        (`sync/engine_loss_retries` counts these); with no engine serving there is nothing to push to,
+        and replacements get the version at bring-up.
         """
-        for _ in range(3):
+        for tries in range(3):
             self._reconnect_absorbing_failures()
             if not self._transport_urls:
                 return {}
             pushed_to = set(self._transport_urls)
             try:
-                return sync()
+                metrics = sync()
+                return {**metrics, "sync/engine_loss_retries": tries} if tries else metrics
             except Exception as exc:  # noqa: BLE001 - re-raised below unless an engine explains it
                 self.check_now()
                 # Retry only if an engine of this push has since left the serving set (declared dead
