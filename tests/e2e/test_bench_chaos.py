@@ -46,3 +46,21 @@ def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     # One save a step (loop.save_every = 1) from the resumed driver's first step on, and the final one.
     saves = line["checkpoints"]
     assert saves["saves"] == 8 - 2 + 1 and saves["mean_save_s"] > 0 and saves["save_share_of_step"] > 0
+
+
+def test_the_plan_puts_push_faults_on_kill_steps_and_counts_one_only_when_its_push_recovered():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.chaos import kill_plan, push_figures, push_plan
+
+    kills = kill_plan(40, 3, 2)
+    assert kills == {"engine": [4, 8, 12], "trainer": [5, 9, 13], "reward_worker": [6, 10, 14], "router": [7, 11, 15]}
+    pushes = push_plan(kills, stalls=4, corrupt=2, resume_s=12.0)
+    assert pushes == {"corrupt_delta": [5, 7], "stall": [6, 9, 10, 11], "stall_resume_s": [0.0, 12.0, 0.0, 12.0]}
+    with pytest.raises(SystemExit, match="raise --kills-per-kind or --steps"):
+        push_plan(kill_plan(8, 1, 2), stalls=3, corrupt=1, resume_s=12.0)
+    recs = [{"step": 5, "sync/total_s": 1.0, "sync/rollbacks": 1, "sync/verified_buckets": 3},
+            {"step": 6, "sync/total_s": 1.0, "sync/engine_loss_retries": 1, "sync/verified_buckets": 3},
+            {"step": 7, "sync/total_s": 1.0, "sync/verified_buckets": 3},           # no rollback: not recovered
+            {"step": 9, "sync/total_s": 1.0, "sync/rollbacks": 1}]                  # not verified
+    figures = push_figures(recs, pushes)
+    assert figures == {"push_faults_recovered": 2, "rollbacks": 2, "engine_loss_retries": 1, "pushes_unverified": 1}
