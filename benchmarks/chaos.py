@@ -72,7 +72,9 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "arithmetic"
 EXAMPLE = EXAMPLES / "grpo.toml"
 FAILURE_REASONS = ("engine_failure", "timeout", "aborted")
-SYNC_RETRIES, HEALTH_TIMEOUT_S = 1, 5.0
+# A version's deadline is generous (the first push fills every engine with noise and compares every
+# tensor, slow on a loaded machine); a stalled engine fails the push at the per-call deadline instead.
+SYNC_RETRIES, VERSION_TIMEOUT_S = 1, 120.0
 LAST = 4  # steps whose mean training reward is compared between the two runs
 # The order kill kinds take turns in. A trainer kill rewinds the run to the checkpoint before it,
 # taking the record of the step it hit with it: so each one follows an engine kill (whose recovery is
@@ -122,13 +124,14 @@ def push_plan(kills: dict[str, list[int]], stalls: int, corrupt: int, resume_s: 
 
 
 def deadlines(push_deadline_s: float) -> dict[str, float]:
-    """The weight push's deadlines, and the longest a push may take by design: the fleet tries a
-    version up to 3 times (an engine left it), each a run of (sync.retries + 1) attempts of at most
-    sync.version_timeout_s plus a rollback call (at most sync.timeout_s), then one probe of every
-    engine (health.timeout_s for /health_generate, then for /health)."""
-    version_s = 4 * push_deadline_s
-    bound = 3 * ((SYNC_RETRIES + 1) * (version_s + push_deadline_s) + 2 * HEALTH_TIMEOUT_S)
-    return {"timeout_s": push_deadline_s, "version_timeout_s": version_s, "push_bound_s": bound}
+    """The weight push's deadlines (health probes wait as long as a push's call), and the longest a
+    push may take by design: the fleet tries a version up to 3 times (an engine left it), each a run
+    of (sync.retries + 1) attempts of at most sync.version_timeout_s plus a rollback call (at most
+    sync.timeout_s), then one probe of every engine (health.timeout_s for /health_generate, then for
+    /health)."""
+    bound = 3 * ((SYNC_RETRIES + 1) * (VERSION_TIMEOUT_S + push_deadline_s) + 2 * push_deadline_s)
+    return {"timeout_s": push_deadline_s, "version_timeout_s": VERSION_TIMEOUT_S, "health_timeout_s": push_deadline_s,
+            "push_bound_s": bound}
 
 
 def run_overrides(model: Path, out: Path, name: str, steps: int, seed: int, quick: bool,
@@ -143,7 +146,7 @@ def run_overrides(model: Path, out: Path, name: str, steps: int, seed: int, quic
         "sync.transport": "disk_delta", "sync.delta_dir": str(out / f"{name}-deltas"),
         "sync.timeout_s": str(limits["timeout_s"]), "sync.version_timeout_s": str(limits["version_timeout_s"]),
         "sync.retries": str(SYNC_RETRIES),
-        "health.interval_s": "0.5", "health.timeout_s": str(HEALTH_TIMEOUT_S), "ray.num_cpus": "2",
+        "health.interval_s": "0.5", "health.timeout_s": str(limits["health_timeout_s"]), "ray.num_cpus": "2",
         "metrics.progress": "off",
     }
     if quick:  # the untrained tiny model: small steps, a reward it already varies on
@@ -321,12 +324,13 @@ def main(argv=None) -> int:
                         "that the resumed driver's summary covers every other fault")
     p.add_argument("--stalls", type=int, default=4, help="engines SIGSTOPped as a push starts; every second one "
                    "is resumed, the others never")
-    p.add_argument("--stall-resume-s", type=float, default=12.0,
-                   help="seconds before a resumed stall's SIGCONT: past the push's per-call deadline (the attempt "
-                        "is rolled back), short of two missed health probes (the engine is not replaced)")
+    p.add_argument("--stall-resume-s", type=float, default=25.0,
+                   help="seconds before a resumed stall's SIGCONT: past the push's per-call deadline plus the delta's "
+                        "writing (the attempt is rolled back), short of two missed health probe rounds, 4 times the "
+                        "deadline (the engine is not replaced)")
     p.add_argument("--corrupt-deltas", type=int, default=2, help="pushes whose disk delta is damaged once written")
-    p.add_argument("--push-deadline-s", type=float, default=5.0, help="sync.timeout_s, the deadline of each call "
-                   "of a push (sync.version_timeout_s is 4 times it)")
+    p.add_argument("--push-deadline-s", type=float, default=10.0, help="sync.timeout_s, the deadline of each call "
+                   "of a push, and health.timeout_s (sync.version_timeout_s is 120 s)")
     p.add_argument("--baselines", type=int, default=1, help="fault-free runs, seeds seed .. seed+N-1: their spread "
                    "is what timing alone does to a fully_async run's accuracy")
     p.add_argument("--no-baseline", action="store_true", help="skip the fault-free runs")

@@ -22,6 +22,7 @@ def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "miles.cli", "bench", "chaos", "--quick", "--steps", "8",
                            "--kills-per-kind", "1", "--driver-kill-at", "2", "--stalls", "2", "--corrupt-deltas", "1",
+                           "--push-deadline-s", "5", "--stall-resume-s", "12",
                            "--no-baseline", "--timeout", "900", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
