@@ -151,14 +151,14 @@ def test_a_push_an_engine_stalls_in_for_good_is_rolled_back_and_made_again_witho
 
     with ThreadPoolExecutor(2) as pool:
         engines = list(pool.map(start, [0, 1]))
-    cfg = SyncConfig(bucket_size_mb=1, timeout_s=2.0, version_timeout_s=8.0, retries=0)
+    cfg = SyncConfig(bucket_size_mb=1, timeout_s=5.0, version_timeout_s=30.0, retries=0)
     with _running_fleet(tiny_model_dir, engines, start, cfg) as f:
         stalled, survivor = engines
         os.kill(stalled.pid, signal.SIGSTOP)  # as the push starts (fault.stall_engine_at_steps), never resumed
         t0 = time.monotonic()
         with f.weights_lock:
             metrics = f.push(lambda: f.main.push(iter(f.weights.items()), 2))
-        assert time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < 120
         assert metrics["sync/engine_loss_retries"] >= 1, metrics  # the version went again, to the engine serving
         assert metrics["sync/verified_buckets"] > 0
         assert stalled.url not in f.serving_urls()
