@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _MAX_FAILED_READMISSIONS = 3  # an engine that answers but keeps failing its bring-up is left out
 _RESTARTED = "restarted"       # a probe's verdict that takes an engine out at once, whatever the threshold
+RECONNECT_PAUSE_S = 2.0  # pause before reconnecting again after a failure no engine loss explains (x2 next)
 ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
 
 
@@ -486,17 +487,23 @@ class EngineFleet:
             self._transport_urls = urls
 
     def _reconnect_absorbing_failures(self) -> None:
-        """Reconnect; if an engine dies while the transport joins it, drop it and try again."""
+        """Reconnect; if it fails, try again (three tries in all): an engine that died meanwhile is
+        dropped by the health check, and one that was only stalled (a stopped process, a long pause)
+        may answer a few seconds later."""
         for attempt in range(3):
             before = set(self.serving_urls())
             try:
                 return self._reconnect()
-            except Exception as exc:  # noqa: BLE001 - re-raised unless an engine left meanwhile
+            except Exception as exc:  # noqa: BLE001 - re-raised after the last try
                 self.check_now()
-                if set(self.serving_urls()) == before or attempt == 2:
+                if attempt == 2:
                     raise
-                log.warning("reconnecting the weight transport failed (%s); an engine left the fleet, "
-                            "retrying", str(exc).splitlines()[0][:200])
+                left = set(self.serving_urls()) != before
+                log.warning("reconnecting the weight transport failed (%s); %s, retrying",
+                            str(exc).splitlines()[0][:200],
+                            "an engine left the fleet" if left else "no engine left the fleet")
+                if not left:
+                    time.sleep(RECONNECT_PAUSE_S * (attempt + 1))
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
