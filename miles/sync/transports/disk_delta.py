@@ -57,6 +57,7 @@ from miles.sync import files, verify
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.trainer.checkpoint import fsync_dir
 from miles.versions import to_wire
 
 if TYPE_CHECKING:
@@ -113,14 +114,6 @@ def _write_atomic(path: str, data: bytes | list) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_base(base_path: str) -> dict[str, "torch.Tensor"]:
@@ -437,11 +430,11 @@ class DiskDeltaTransport:
             tmp = self._vdir_tmp()
             os.makedirs(tmp, exist_ok=True)
             _write_atomic(os.path.join(tmp, INDEX), json.dumps(index).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if os.path.exists(vdir):
                 shutil.rmtree(vdir)
             os.replace(tmp, vdir)
-            _fsync_dir(self.delta_dir)
+            fsync_dir(self.delta_dir)
         except OSError as exc:
             self._begin()
             raise TransportError(f"not committing weight version {version}: writing its index failed ({exc}); "
@@ -480,11 +473,11 @@ class DiskDeltaTransport:
             index = {"format": FORMAT, "version": version, "base_version": self.base_version, "encoding": ENCODING,
                      "tensors": entries}
             _write_atomic(os.path.join(tmp, INDEX), json.dumps(index).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if os.path.exists(jdir):
                 shutil.rmtree(jdir)
             os.replace(tmp, jdir)
-            _fsync_dir(os.path.dirname(jdir))
+            fsync_dir(os.path.dirname(jdir))
         except OSError as exc:
             self._begin()
             raise TransportError(f"not committing weight version {version}: writing the catch-up delta for "
