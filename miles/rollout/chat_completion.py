@@ -4,8 +4,8 @@
     naming the first offending field;
   - `render_prompt`: the request's messages (and tools) through the tokenizer's chat template, once,
     tokenized once;
-  - `Completion`, `completion_body`, `completion_chunks`: the answered turn as OpenAI's JSON body or
-    as the chunks of a stream.
+  - `Completion`, `completion_body`: the answered turn as OpenAI's JSON body;
+  - `TurnStream`: the turn as the chunks of an OpenAI stream while it is being generated.
 
 Two routes use them: the session API (openai_api.py), which adds exact-token bookkeeping across the
 turns of one conversation, and the built-in engine's stateless /v1/chat/completions
@@ -108,38 +108,73 @@ def completion_body(c: Completion, model: str) -> dict:
             "usage": c.usage()}
 
 
-def completion_chunks(c: Completion, model: str, tokenizer, include_usage: bool) -> list[dict]:
-    """The turn as the chunks of an OpenAI stream: content token by token (when it has no tool calls,
-    whose text is not content), then one delta per call, then the finish reason and usage."""
-    def chunk(delta: dict, finish: str | None = None) -> dict:
-        return {"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": model,
+class TurnStream:
+    """One turn as the chunks of an OpenAI stream, sent while the engine generates it: the role first,
+    then content token by token and each tool call as soon as its block is closed (what the parser's
+    `settled` says more tokens cannot change), then what the finished turn adds, its finish reason and
+    usage. The streamed content and calls add up to the non-streamed reply exactly.
+
+    `decode(ids)` is the turn's text as the caller decodes the finished turn; `parser` None means the
+    request's tools are not parsed (content only); `call_id(j)` names the j-th call; `holdback` is how
+    many trailing characters to hold while a stop string may still cut them off."""
+
+    def __init__(self, id: str, created: int, model: str, decode, parser=None, call_id=None, holdback: int = 0):
+        self.id, self.created, self.model = id, created, model
+        self.decode, self.parser, self.call_id, self.holdback = decode, parser, call_id, holdback
+        self.sent_content = ""
+        self.sent_calls = 0
+        self.started = False
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
-    out = [chunk({"role": "assistant", "content": ""})]
-    content = c.content or ""
-    pieces = [content] if content else []
-    if content and not c.tool_calls:
-        pieces, seen = [], ""
-        for i in range(1, len(c.ids) + 1):
-            text = tokenizer.decode(c.ids[:i], skip_special_tokens=True)
-            if text.endswith("\ufffd") or not text.startswith(seen):
-                continue  # a token in the middle of a multi-byte character: wait for the rest
-            if text != seen:
-                pieces.append(text[len(seen):])
-                seen = text
-        if "".join(pieces) != content:
-            pieces = [content]
-    out += [chunk({"content": p}) for p in pieces]
-    out += [chunk({"tool_calls": [{"index": j, **call}]}) for j, call in enumerate(c.tool_calls)]
-    out.append(chunk({}, c.finish_reason))
-    if include_usage:
-        out.append({"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": model,
-                    "choices": [], "usage": c.usage()})
-    return out
+    def _start(self) -> list[dict]:
+        if self.started:
+            return []
+        self.started = True
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def _send(self, content: str, calls: list[dict]) -> list[dict]:
+        out = self._start()
+        if content.startswith(self.sent_content) and len(content) > len(self.sent_content):
+            out.append(self._chunk({"content": content[len(self.sent_content):]}))
+            self.sent_content = content
+        for call in calls[self.sent_calls:]:
+            out.append(self._chunk({"tool_calls": [{"index": self.sent_calls, **call}]}))
+            self.sent_calls += 1
+        return out
+
+    def feed(self, ids: list[int]) -> list[dict]:
+        """The chunks the turn's tokens so far (all of them, not only the new ones) allow."""
+        text = self.decode(ids)
+        if text.endswith("\ufffd"):
+            return self._start()  # a token in the middle of a multi-byte character: wait for the rest
+        if self.holdback:
+            text = text[:max(0, len(text) - self.holdback)]
+        if self.parser is None:
+            return self._send(text, [])
+        settled = getattr(self.parser, "settled", None)
+        if settled is None:
+            return self._start()
+        turn = settled(text)
+        calls = [{"id": self.call_id(j), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for j, c in enumerate(turn.calls)]
+        return self._send(turn.content or "", calls)
+
+    def finish(self, c: Completion, include_usage: bool) -> list[dict]:
+        """What the finished turn adds, its finish reason and (when asked) usage."""
+        out = self._send(c.content or "", c.tool_calls)
+        out.append(self._chunk({}, c.finish_reason))
+        if include_usage:
+            out.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.model, "choices": [], "usage": c.usage()})
+        return out
 
 
-def sse(chunks: list[dict]):
-    """The chunks as server-sent events, ending with OpenAI's `[DONE]`."""
-    for ch in chunks:
-        yield f"data: {json.dumps(ch, ensure_ascii=False)}\n\n"
-    yield "data: [DONE]\n\n"
+def sse_event(chunk: dict) -> str:
+    """One chunk as a server-sent event."""
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"  # what ends an OpenAI stream

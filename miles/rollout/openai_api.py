@@ -23,9 +23,10 @@ the rest, one logprob per model token and one weight version per model turn.
     GET    /sessions/{id}/trajectory             the recorded tokens
     DELETE /sessions/{id}                        forget the session (returns its trajectory)
 
-`stream: true` answers with the SSE chunks the `openai` client reads (role, content deltas, one
-delta per tool call, the finish reason, usage when `stream_options.include_usage`), sent once the
-turn is generated: the engine API returns whole turns. A session made for a training run
+`stream: true` answers with the SSE chunks the `openai` client reads, sent while the engine streams
+the turn (/generate with `stream: true`): the role, content token by token, each tool call as soon
+as its block is closed, the finish reason, usage when `stream_options.include_usage` (TurnStream).
+The recorded tokens are the engine's whole turn either way. A session made for a training run
 (`miles train` with rollout.generate_fn = "harness") has an API key, a turn and token budget, and
 samples under the run's temperature/top_p/top_k whatever the request asks, because the trainer's
 logprobs assume them.
@@ -58,8 +59,8 @@ from miles.buffer.types import Sample, SampleStatus
 from miles.models.loading import load_tokenizer
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
-from miles.rollout.chat_completion import Completion, RequestRefused, arguments, completion_body, \
-    completion_chunks, parse_request, render_prompt, sse, template_message, tools_of
+from miles.rollout.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, arguments, \
+    completion_body, parse_request, render_prompt, sse_event, template_message, tools_of
 from miles.rollout.chat_format import ChatFormat
 from miles.rollout.engine.protocol import openapi_body, parse_json
 from miles.rollout.engine.types import InvalidRequest
@@ -190,7 +191,10 @@ class SessionStore:
             raise SessionError(f"messages: the chat template refused the appended messages: {e}",
                                param="messages") from None
 
-    async def complete(self, sid: str, req: ChatCompletionRequest, authorization: str | None = None) -> Completion:
+    async def complete(self, sid: str, req: ChatCompletionRequest, authorization: str | None = None,
+                       on_tokens=None) -> Completion:
+        """Generate the session's next turn. `on_tokens(turn, ids)`, when given, is called with the turn's
+        number and all its model tokens so far each time the engine streams more (streamed replies)."""
         session = self.authorize(sid, authorization)
         tools = tools_of(req)
         canon = [_canonical(m) for m in req.messages]
@@ -222,7 +226,9 @@ class SessionStore:
                 session_tools = session.tools
             params = self._sampling(req, session, 0 if first else len(new_ids))  # the prompt is not budgeted
             input_ids = new_ids if first else session.prompt_ids + session.response_ids + new_ids
-            out = await self._generate(session, input_ids, params, f"{sid}-{len(session.weight_versions)}")
+            turn = len(session.weight_versions) + 1
+            listener = None if on_tokens is None else (lambda ids: on_tokens(turn, ids))
+            out = await self._generate(session, input_ids, params, f"{sid}-{turn - 1}", listener)
             meta = out["meta_info"]
             ids = list(out["output_ids"])
             lps = [float(lp) for lp, *_ in meta["output_token_logprobs"]]
@@ -230,10 +236,10 @@ class SessionStore:
                 raise SessionError(f"the engine returned {len(ids)} tokens but {len(lps)} logprobs", status=502)
             closed = bool(ids) and ids[-1] == self.fmt.end_id
             finish = meta["finish_reason"]["type"]
-            text = self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
-            parsed = self.parser.parse(text) if tools and req.tool_choice != "none" else ParsedTurn(text)
-            turn = len(session.weight_versions) + 1
-            calls = [{"id": f"call_{sid}_{turn}_{j}", "type": "function",
+            text = self.text(ids)
+            parser = self.parser_for(req)
+            parsed = parser.parse(text) if parser is not None else ParsedTurn(text)
+            calls = [{"id": call_id(sid, turn, j), "type": "function",
                       "function": {"name": c.name, "arguments": c.arguments}} for j, c in enumerate(parsed.calls)]
             # Commit only after the engine answered, so a failed call leaves the session as it was.
             with session.commit_lock:
@@ -259,8 +265,17 @@ class SessionStore:
                 session.last_response_id = f"resp_{sid}_{turn}"
                 self._check_budget(session)
         reason = "tool_calls" if calls else _FINISH.get(finish, "stop")
-        return Completion(f"chatcmpl-{sid}-{turn}", int(time.time()), parsed.content, calls, reason, ids,
+        return Completion(completion_id(sid, turn), int(time.time()), parsed.content, calls, reason, ids,
                           len(input_ids))
+
+    def text(self, ids: list[int]) -> str:
+        """A model turn's text, without the token that closed it."""
+        closed = bool(ids) and ids[-1] == self.fmt.end_id
+        return self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
+
+    def parser_for(self, req: ChatCompletionRequest):
+        """The tool-call parser for the request's reply; None when it offers no tools or tool_choice = none."""
+        return self.parser if req.tools and req.tool_choice != "none" else None
 
     def _sampling(self, req: ChatCompletionRequest, session: Session, appended: int) -> dict:
         max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
@@ -295,23 +310,74 @@ class SessionStore:
         elif lim.max_response_tokens is not None and len(session.response_ids) >= lim.max_response_tokens:
             session.exhausted = f"max_response_tokens = {lim.max_response_tokens} reached"
 
-    async def _generate(self, session: Session, input_ids: list[int], sp: dict, rid: str) -> dict:
+    async def _generate(self, session: Session, input_ids: list[int], sp: dict, rid: str, listener=None) -> dict:
+        """The engine's answer (SGLang's /generate body). With `listener`, the engine streams and
+        listener(ids) gets the turn's tokens so far after every chunk."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=600)
         url = session.engine_url or self.engine_url
+        body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
         try:
-            resp = await self._client.post(f"{url}/generate", json={
-                "input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid})
+            if listener is None:
+                resp = await self._client.post(f"{url}/generate", json=body)
+                _check_engine_status(resp.status_code, resp.text)
+                return resp.json()
+            async with self._client.stream("POST", f"{url}/generate", json={**body, "stream": True}) as resp:
+                if resp.status_code != 200:
+                    _check_engine_status(resp.status_code, (await resp.aread()).decode(errors="replace"))
+                return await _read_stream(resp, listener, url)
         except httpx.HTTPError as e:
             raise SessionError(f"the engine at {url} could not be reached: {e}", status=502) from None
-        if resp.status_code != 200:
-            raise SessionError(f"the engine refused the request ({resp.status_code}): {resp.text[:300]}",
-                               status=502 if resp.status_code >= 500 else 400)
-        return resp.json()
 
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+def completion_id(sid: str, turn: int) -> str:
+    return f"chatcmpl-{sid}-{turn}"
+
+
+def call_id(sid: str, turn: int, j: int) -> str:
+    return f"call_{sid}_{turn}_{j}"
+
+
+def _check_engine_status(status: int, text: str) -> None:
+    if status != 200:
+        raise SessionError(f"the engine refused the request ({status}): {text[:300]}",
+                           status=502 if status >= 500 else 400)
+
+
+async def _read_stream(resp: httpx.Response, listener, url: str) -> dict:
+    """A streamed /generate read to its end: the last chunk, with the output ids and logprobs of the
+    whole turn. SGLang sends each chunk's ids either as all so far (its default) or as only the new
+    ones (--incremental-streaming-output); meta_info.completion_tokens tells them apart."""
+    ids: list[int] = []
+    lps: list = []
+    last = None
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise SessionError(f"the engine at {url} failed the turn: {chunk['error']}", status=502)
+        meta = chunk["meta_info"]
+        new, new_lps = list(chunk["output_ids"]), meta.get("output_token_logprobs") or []
+        if len(new) == meta["completion_tokens"]:
+            ids, lps = new, new_lps
+        else:
+            ids, lps = ids + new, lps + new_lps
+        last = chunk
+        if meta.get("finish_reason") is None:
+            listener(ids)
+    if last is None or last["meta_info"].get("finish_reason") is None:
+        raise SessionError(f"the engine at {url} ended the stream before the turn finished", status=502)
+    last["output_ids"] = ids
+    last["meta_info"]["output_token_logprobs"] = lps
+    return last
 
 
 def response_body(c: Completion, req: ResponsesRequest, response_id: str, model: str) -> dict:
@@ -363,12 +429,10 @@ def build_session_router(store: SessionStore) -> APIRouter:
     @router.post("/sessions/{sid}/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(sid: str, request: Request):
         req = parse_request(await _json_body(request))
-        c = await store.complete(sid, req, request.headers.get("authorization"))
+        auth = request.headers.get("authorization")
         if not req.stream:
-            return completion_body(c, store.model_name)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = completion_chunks(c, store.model_name, store.tokenizer, include_usage)
-        return StreamingResponse(sse(chunks), media_type="text/event-stream")
+            return completion_body(await store.complete(sid, req, auth), store.model_name)
+        return await _streamed(store, sid, req, auth)
 
     @router.post("/sessions/{sid}/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def responses(sid: str, request: Request):
@@ -404,6 +468,47 @@ def build_session_router(store: SessionStore) -> APIRouter:
         return store.pop(sid).trajectory()
 
     return router
+
+
+async def _streamed(store: SessionStore, sid: str, req: ChatCompletionRequest, auth: str | None):
+    """A streamed turn: the chunks go out as the engine streams the tokens. A request refused before
+    its first token gets its status and error body as a non-streamed one would; a failure later ends
+    the stream with an error event (the openai client raises it)."""
+    events: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(store.complete(sid, req, auth, lambda turn, ids: events.put_nowait((turn, ids))))
+    task.add_done_callback(lambda _: events.put_nowait(None))
+    first = await events.get()
+    if first is None:
+        c = task.result()  # raises the refusal, answered as JSON with its status
+        turn = int(c.id.rsplit("-", 1)[1])
+    else:
+        turn = first[0]
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    ts = TurnStream(completion_id(sid, turn), int(time.time()), store.model_name, store.text, store.parser_for(req),
+                    lambda j: call_id(sid, turn, j), max((len(x) for x in _stops(req)), default=0))
+
+    async def chunks():
+        event = first
+        try:
+            while event is not None:
+                for chunk in ts.feed(event[1]):
+                    yield sse_event(chunk)
+                event = await events.get()
+            for chunk in ts.finish(task.result(), include_usage):
+                yield sse_event(chunk)
+        except RequestRefused as e:
+            yield sse_event({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
+                                       "code": e.status}})
+        finally:
+            if not task.done():  # the client went away mid-turn; the episode's own timeout ends the session
+                task.cancel()
+        yield SSE_DONE
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+def _stops(req: ChatCompletionRequest) -> list[str]:
+    return [] if not req.stop else [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
 def build_app(store: SessionStore, max_request_mb: float = DEFAULT_MAX_BODY_MB) -> FastAPI:

@@ -16,7 +16,9 @@ is given as `module:attr` and must implement the ToolCallParser protocol.
 Parsing only reads text: the tokens the model produced are recorded as they were whether or not a
 call parses, and a block that is not valid JSON stays in `content` (the harness sees what the model
 wrote; the trainer sees the same tokens either way).
-Non-goals: constrained decoding (a call is never forced), streaming deltas of partial calls.
+A streamed turn sends what a parser's `settled` says more tokens cannot change: content as it comes,
+each call once its block closes. Non-goals: constrained decoding (a call is never forced), deltas of
+a call's arguments while they are being written.
 """
 
 from __future__ import annotations
@@ -46,10 +48,21 @@ class ToolCallParser(Protocol):
         """Split one model turn's text into content and tool calls."""
 
 
+class StreamingToolCallParser(ToolCallParser, Protocol):
+    """A parser that can also say, of a turn still being generated, what more tokens cannot change:
+    streamed replies send that content and those calls at once (chat_completion.TurnStream). A parser
+    without `settled` streams its turn's content and calls when the turn ends."""
+
+    def settled(self, text: str) -> ParsedTurn:
+        """The content and calls of `text` (a turn so far) that any continuation keeps: its content a
+        prefix of the finished turn's content, its calls the finished turn's first calls."""
+
+
 class HermesParser:
     """`<tool_call>{json}</tool_call>` blocks anywhere in the turn (Hermes, Qwen2.5, Qwen3)."""
 
     _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    _open, _close = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> ParsedTurn:
         calls: list[ParsedCall] = []
@@ -63,8 +76,22 @@ class HermesParser:
             pos = m.end()
             calls.append(call)
         kept.append(text[pos:])
-        content = "".join(kept).strip() if calls else text
+        content = text
+        if calls:
+            # Whitespace around the calls goes; text the turn opened with keeps its indentation, so
+            # the content streamed before the first call (settled) stays a prefix of this one.
+            content = "".join(kept).rstrip()
+            content = content if kept[0].strip() else content.lstrip()
         return ParsedTurn(content or None, tuple(calls))
+
+    def settled(self, text: str) -> ParsedTurn:
+        # An opened block that is not closed yet, or the start of an opening tag, may still become a call.
+        cut = text.rfind(self._open)
+        if cut == -1 or text.find(self._close, cut) != -1:
+            cut = len(text) - _partial_tail(text, self._open)
+        turn = self.parse(text[:cut])
+        # Trailing whitespace may yet be dropped (before a call) or kept: hold it back.
+        return ParsedTurn((turn.content or "").rstrip() or None, turn.calls)
 
 
 class Llama3JsonParser:
@@ -75,12 +102,29 @@ class Llama3JsonParser:
         call = _call_of(body) if body.startswith("{") else None
         return ParsedTurn(None, (call,)) if call is not None else ParsedTurn(text)
 
+    def settled(self, text: str) -> ParsedTurn:
+        body = text.lstrip()
+        if not body or body.startswith("{") or "<|python_tag|>".startswith(body[:14]):
+            return ParsedTurn(None)  # may still be (or become) a call: nothing is settled until it ends
+        return ParsedTurn(text)
+
 
 class NoParser:
     """Tools are never parsed: the turn is all content."""
 
     def parse(self, text: str) -> ParsedTurn:
         return ParsedTurn(text)
+
+    def settled(self, text: str) -> ParsedTurn:
+        return ParsedTurn(text)
+
+
+def _partial_tail(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
 
 
 def _call_of(body: str) -> ParsedCall | None:

@@ -107,9 +107,10 @@ class Engine:
                                return_logprob=return_logprob, return_routed_experts=return_routed_experts,
                                logprob_start_len=logprob_start_len if return_logprob else -1, adapter=adapter)
 
-    def submit(self, req: GenerateRequest) -> Future:
-        """Queue a request; the future resolves to a GenerateResult."""
-        return self.scheduler.submit(req)
+    def submit(self, req: GenerateRequest, listener=None) -> Future:
+        """Queue a request; the future resolves to a GenerateResult. `listener(ids, logprobs)` gets the
+        new tokens after every step (Scheduler.submit; streaming.py wraps it for an event loop)."""
+        return self.scheduler.submit(req, listener)
 
     def generate(self, input_ids, params: SamplingParams | None = None, return_logprob: bool = False,
                  rid: str | None = None, timeout: float | None = None) -> GenerateResult:

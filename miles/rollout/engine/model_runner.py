@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -74,11 +75,15 @@ class Row:
     # that no request could be blamed for.
     isolation: str | None = None
     unblamed: int = 0
+    # Streaming (scheduler.py): called on the scheduler's thread with each run of new output tokens
+    # and their logprobs; `streamed` counts the tokens it was given.
+    listener: Callable[[list[int], list[float]], None] | None = None
+    streamed: int = 0
 
     @classmethod
-    def of(cls, req: GenerateRequest, future: Future) -> Row:
+    def of(cls, req: GenerateRequest, future: Future, listener=None) -> Row:
         seed = req.params.seed
-        return cls(req, future, None if seed is None else torch.Generator().manual_seed(seed))
+        return cls(req, future, None if seed is None else torch.Generator().manual_seed(seed), listener=listener)
 
     def input_logprob_start(self) -> int | None:
         """The prompt position its input logprobs start at, while they are still to be computed."""

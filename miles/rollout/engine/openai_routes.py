@@ -7,8 +7,8 @@
 A chat turn renders the request's messages (and tools) through the model's chat template once,
 generates exactly as /generate would on those ids (same scheduler, sampling and stop handling, so
 greedy text is /generate's), and splits the reply into `content` and `tool_calls` with the engine's
-`tool_call_parser` when the request offers tools. `stream: true` sends the finished turn as OpenAI
-stream chunks. Every bound is the engine's own (protocol.py): a refusal is SGLang's error object
+`tool_call_parser` when the request offers tools. `stream: true` sends OpenAI stream chunks as the
+tokens are sampled (content token by token, each tool call once its block closes; TurnStream). Every bound is the engine's own (protocol.py): a refusal is SGLang's error object
 `{"object": "error", "message", "type", "param", "code"}` with status 400 and the field named.
 Non-goals: the legacy /v1/completions, n > 1, logprobs in the answer (/generate with return_logprob
 has them), exact tokens across the turns of one conversation (the session API, openai_api.py,
@@ -24,10 +24,11 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from miles.rollout.chat_completion import Completion, RequestRefused, completion_body, completion_chunks, \
-    parse_request, render_prompt, sse, tools_of
+from miles.rollout.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
+    parse_request, render_prompt, sse_event, tools_of
 from miles.rollout.engine import protocol
-from miles.rollout.engine.types import InvalidRequest
+from miles.rollout.engine.streaming import TokenDelta, stream
+from miles.rollout.engine.types import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.openai_schema import ChatCompletionRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
 
@@ -103,20 +104,49 @@ def add_openai_routes(app: FastAPI, engine, served_model_name: str) -> None:
         except InvalidRequest as exc:
             message = _chat_field(str(exc))
             return error(message, message.split(":", 1)[0] if ":" in message else None)
+        model = req.model or served_model_name
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        tools_parser = parser if req.tools and req.tool_choice != "none" else None
+
+        def call_id(j: int) -> str:
+            return f"call_{engine_req.rid}_{j}"
+
+        def turn_of(result) -> Completion:
+            parsed = tools_parser.parse(result.text) if tools_parser is not None else ParsedTurn(result.text)
+            calls = [{"id": call_id(j), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                     for j, c in enumerate(parsed.calls)]
+            finish = "tool_calls" if calls else _FINISH.get(result.finish_reason.type, "stop")
+            return Completion(cid, created, parsed.content, calls, finish, list(result.output_ids), len(ids))
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_chunks(engine, engine_req, TurnStream(
+                cid, created, model, lambda out: engine.tokenizer.decode(
+                    out, skip_special_tokens=engine_req.params.skip_special_tokens),
+                tools_parser, call_id, max((len(x) for x in engine_req.params.stop), default=0)),
+                turn_of, include_usage), media_type="text/event-stream")
         try:
             result = await asyncio.wrap_future(engine.submit(engine_req))
         except asyncio.CancelledError:
             engine.abort(engine_req.rid)  # the client went away: free the batch slot
             raise
-        parsed = parser.parse(result.text) if req.tools and req.tool_choice != "none" else ParsedTurn(result.text)
-        calls = [{"id": f"call_{engine_req.rid}_{j}", "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}} for j, c in enumerate(parsed.calls)]
-        finish = "tool_calls" if calls else _FINISH.get(result.finish_reason.type, "stop")
-        turn = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), parsed.content, calls, finish,
-                          list(result.output_ids), len(ids))
-        model = req.model or served_model_name
-        if not req.stream:
-            return completion_body(turn, model)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = completion_chunks(turn, model, engine.tokenizer, include_usage)
-        return StreamingResponse(sse(chunks), media_type="text/event-stream")
+        return completion_body(turn_of(result), model)
+
+
+async def _chunks(engine, engine_req, ts: TurnStream, turn_of, include_usage: bool):
+    """The SSE events of a streamed turn, as the engine samples its tokens; a request that fails midway
+    ends with an error event (what the openai client raises on)."""
+    out: list[int] = []
+    try:
+        async for item in stream(engine, engine_req):
+            if isinstance(item, TokenDelta):
+                out += item.ids
+                for chunk in ts.feed(out):
+                    yield sse_event(chunk)
+            else:
+                for chunk in ts.finish(turn_of(item), include_usage):
+                    yield sse_event(chunk)
+    except (RequestFailed, EngineStepFailed) as exc:
+        yield sse_event({"error": {"message": str(exc), "type": "InternalServerError", "param": None,
+                                   "code": 503 if isinstance(exc, EngineStepFailed) else 422}})
+    yield SSE_DONE

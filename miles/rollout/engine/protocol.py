@@ -124,8 +124,7 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
                                  "or leave it out")
     for k in _BOOKKEEPING & set(body):
         _bool(body[k], k)
-    if body.get("stream", False) is not False:
-        raise InvalidRequest("stream: streaming is not supported by the built-in engine; send stream=false")
+    stream = _bool(body.get("stream", False), "stream")
     routed = _bool(body.get("return_routed_experts", False), "return_routed_experts")
     if body.get("top_logprobs_num", 0) not in (0, None):
         raise InvalidRequest("top_logprobs_num: top logprobs are not supported; send 0")
@@ -151,6 +150,9 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
     n = len(prompts)
     if batched and n == 0:
         raise InvalidRequest("input_ids/text: the batch is empty")
+    if stream and batched:
+        raise InvalidRequest("stream: a streamed request takes one prompt; send one request per prompt, or the "
+                             "batch with stream = false")
     params = _per_item(body.get("sampling_params"), n, batched, "sampling_params")
     logprob = _per_item(body.get("return_logprob"), n, batched, "return_logprob")
     rids = _per_item(body.get("rid"), n, batched, "rid")
@@ -257,7 +259,7 @@ class GenerateBody(BaseModel):
     sampling_params: SamplingParamsBody | list[SamplingParamsBody] | None = None
     return_logprob: bool | list[bool] = False
     rid: str | list[str] | None = None
-    stream: Literal[False] = False
+    stream: bool = False
     return_text_in_logprobs: bool = False
     logprob_start_len: StartLen | list[StartLen] | None = None
     top_logprobs_num: Literal[0] | None = 0

@@ -6,6 +6,8 @@ Each iteration of the loop it
   3. has the runner decode one token for every running row;
   4. answers rows that finished (EOS, stop token or string, max_new_tokens, context length, abort) at
      once, so a finished request frees its slot for the next step.
+A streamed request (submit with a listener) is handed its new tokens after every prefill and decode
+step, before it is answered.
 Whatever holds `_cond` may read the queue; only the loop's thread touches the running batch.
 
 Pausing (SGLang's pause modes): `abort` finishes everything in flight as aborted; `retract` puts
@@ -78,10 +80,12 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="miles-engine-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, req: GenerateRequest) -> Future:
-        """Queue a request; the future resolves to a GenerateResult."""
+    def submit(self, req: GenerateRequest, listener=None) -> Future:
+        """Queue a request; the future resolves to a GenerateResult. `listener(ids, logprobs)`, when
+        given, is called on the scheduler's thread with each run of new output tokens as they are
+        sampled, before the future resolves; it must be quick (hand the tokens to another thread)."""
         fut: Future = Future()
-        row = Row.of(req, fut)
+        row = Row.of(req, fut, listener)
         if req.params.max_new_tokens == 0 and row.input_logprob_start() is None:  # nothing to compute
             fut.set_result(self.runner.result(row, FinishReason("length", length=0)))
             return fut
@@ -200,6 +204,7 @@ class Scheduler:
                 if admit:
                     self._evict_finished(compact=True)  # merging copies the batch anyway: drop finished rows now
                     runner.prefill(admit)
+                    self._stream(admit)
                     self._evict_finished()
                 # After admission, so an abort that raced with it still finds its row.
                 if aborts:
@@ -213,6 +218,7 @@ class Scheduler:
                     continue
                 if runner.rows and not self._held():
                     runner.decode()
+                    self._stream(runner.rows)
                     self._evict_finished()
                 if alone:
                     self._clear(admit[0])
@@ -224,6 +230,19 @@ class Scheduler:
                 for _, done in control:
                     done.set()
         self._shutdown()
+
+    def _stream(self, rows: list[Row]) -> None:
+        """Hand each streamed row the tokens it has not seen yet; before its future resolves, so the
+        listener has every token by the time the result arrives."""
+        for row in rows:
+            if row.listener is None or len(row.output_ids) == row.streamed:
+                continue
+            a, row.streamed = row.streamed, len(row.output_ids)
+            try:
+                row.listener(row.output_ids[a:], row.logprobs[a:])
+            except Exception:  # noqa: BLE001 - a client that went away must not stop the engine
+                log.warning("dropping the stream listener of %s", row.req.rid, exc_info=True)
+                row.listener = None
 
     # ---- failure isolation ------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ SGLang's routes and fields are served, which is how miles is tested against SGLa
 LoRA adapters are loaded and unloaded with SGLang's /load_lora_adapter and /unload_lora_adapter
 (admin routes; what a request without `lora_path` uses is in lora.py).
 SGLang's OpenAI-compatible /v1/models and /v1/chat/completions are openai_routes.py's.
-Non-goals: streaming /generate, multi-node engines.
+`stream: true` on /generate sends each step's tokens as they are sampled (SSE chunks, streaming.py).
+Non-goals: streaming a batched /generate, multi-node engines.
 
     python -m miles.rollout.engine.server --model DIR --port 30000
 """
@@ -23,13 +24,14 @@ Non-goals: streaming /generate, multi-node engines.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from miles.config.flags import load_server_config
 from miles.config import ConfigError
@@ -38,12 +40,39 @@ from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.openai_routes import add_openai_routes
 from miles.rollout.engine.sampler import SamplingParams
+from miles.rollout.engine.streaming import TokenDelta, stream
 from miles.rollout.engine.types import MEMORY_TAGS, EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.weight_api import WeightRoutes
 
 log = logging.getLogger(__name__)
 
 LARGE_BODY = 1 << 20  # bytes: a /generate body past this is parsed on the one large-body thread
+
+
+async def _generate_chunks(engine, req):
+    """A streamed /generate as SGLang sends it by default (not incremental): every chunk holds the text,
+    output ids and output logprobs so far, `finish_reason` null until the last, then `data: [DONE]`.
+    A request that fails after its first chunk ends the stream with `{"error": ...}`."""
+    ids: list[int] = []
+    lps: list[float] = []
+    try:
+        async for item in stream(engine, req):
+            if isinstance(item, TokenDelta):
+                ids += item.ids
+                lps += item.logprobs
+                meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": len(ids),
+                        "finish_reason": None, "weight_version": engine.weight_version}
+                if req.return_logprob:
+                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+                p = req.params
+                chunk = {"text": engine.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens),
+                         "output_ids": list(ids), "meta_info": meta}
+            else:
+                chunk = item.to_sglang()
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except (RequestFailed, EngineStepFailed) as exc:
+        yield f"data: {json.dumps({'error': str(exc)})}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 def build_app(engine) -> FastAPI:
@@ -89,12 +118,14 @@ def build_app(engine) -> FastAPI:
                 "served_model_name": engine.config.model_path, "is_generation": True,
                 "weight_version": engine.weight_version}
 
-    def checked_generate(raw: bytes) -> tuple[list, bool]:
-        items, batched = protocol.parse_generate(protocol.parse_json(raw), engine.tokenizer,
-                                                 engine.config.default_max_new_tokens, engine.context_length)
+    def checked_generate(raw: bytes) -> tuple[list, bool, bool]:
+        body = protocol.parse_json(raw)
+        items, batched = protocol.parse_generate(body, engine.tokenizer, engine.config.default_max_new_tokens,
+                                                 engine.context_length)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
         return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts,
-                                    it.lora_path, it.logprob_start_len) for it in items], batched
+                                    it.lora_path, it.logprob_start_len) for it in items], batched, \
+            body.get("stream", False)
 
     # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.
     # Bodies past LARGE_BODY queue for one thread of their own: a flood of them then holds the GIL
@@ -105,9 +136,12 @@ def build_app(engine) -> FastAPI:
     async def generate(request: Request):
         raw = await request.body()
         if len(raw) > LARGE_BODY:
-            reqs, batched = await asyncio.get_running_loop().run_in_executor(large_lane, checked_generate, raw)
+            reqs, batched, streamed = await asyncio.get_running_loop().run_in_executor(large_lane, checked_generate,
+                                                                                        raw)
         else:
-            reqs, batched = await asyncio.to_thread(checked_generate, raw)
+            reqs, batched, streamed = await asyncio.to_thread(checked_generate, raw)
+        if streamed:
+            return StreamingResponse(_generate_chunks(engine, reqs[0]), media_type="text/event-stream")
         futures = [engine.submit(r) for r in reqs]
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))

@@ -7,7 +7,9 @@ policy; /abort_request and /flush_cache go to every engine; /add_worker and /rem
 the set at run time (as in sglang-router). Admin calls (membership, /flush_cache, aborting every
 request) need the admin token when one is set, and only an authorized call is forwarded with the
 router's own token; a router without one serves on loopback only unless given `--insecure-admin`.
-An engine's refusal (4xx) comes back as that refusal, from one engine or from all of them.
+An engine's refusal (4xx) comes back as that refusal, from one engine or from all of them. A streamed
+request (`stream: true` on /generate or /v1/chat/completions) is answered piece by piece as the
+engine streams.
 Non-goals: the routing decisions themselves (policy.py).
 
     miles router --port 30000 --worker-urls http://HOST:30001 http://HOST:30002
@@ -16,6 +18,7 @@ Non-goals: the routing decisions themselves (policy.py).
 # No `from __future__ import annotations`: FastAPI reads the route functions' annotations, and
 # `Request` is imported inside build_app so that loading a run config never imports FastAPI.
 import asyncio
+import json
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -29,10 +32,21 @@ from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.policy import Router
 from miles.versions import to_wire
 
+def _streamed(body: bytes) -> bool:
+    """Whether a request body asks for a streamed answer (a JSON object with "stream": true)."""
+    if b'"stream"' not in body:
+        return False
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False  # the engine refuses it, unstreamed
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
 def build_app(router: Router):
     """The FastAPI app serving `router`; its lifespan runs the liveness checks."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     from miles.rollout.engine import protocol  # pydantic: only once a router is built
     from miles.rollout.engine.types import InvalidRequest
@@ -57,9 +71,26 @@ def build_app(router: Router):
 
     async def forward(request: Request, path: str):
         key = request.headers.get(router.config.routing_key_header)
-        status, body, ctype = await router.proxy(request.method, path, await request.body(),
+        body = await request.body()
+        if request.method == "POST" and _streamed(body):
+            return await relay(router.proxy_stream(path, body, request.headers.get("content-type"), key))
+        status, body, ctype = await router.proxy(request.method, path, body,
                                                  request.headers.get("content-type"), key)
         return Response(content=body, status_code=status, media_type=ctype)
+
+    async def relay(answer):
+        """The engine's streamed answer, handed on piece by piece; the engine's connection stays open
+        until the last piece went out (or the client left)."""
+        status, ctype, pieces = await answer.__aenter__()
+
+        async def out():
+            try:
+                async for piece in pieces:
+                    yield piece
+            finally:
+                await answer.__aexit__(None, None, None)
+
+        return StreamingResponse(out(), status_code=status, media_type=ctype)
 
     @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
     async def generate(request: Request):

@@ -16,7 +16,9 @@ because the first engine may still be generating.
 
 Proxying is transparent: the request body goes out byte for byte and the engine's response (status,
 body) comes back byte for byte, so every field survives (logprobs, weight versions, routed experts).
-Non-goals: HTTP serving (app.py), prefill/decode disaggregation, cache-aware (radix) routing, streaming.
+A streamed request (`stream: true`) is chosen and retried the same way, and its answer is handed on
+as the engine sends it (proxy_stream).
+Non-goals: HTTP serving (app.py), prefill/decode disaggregation, cache-aware (radix) routing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import itertools
 import json
 import logging
 from collections import OrderedDict
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from miles.net import bearer_headers
@@ -193,6 +196,48 @@ class Router:
         return 503, _json({"error": f"no engine could serve the request ({why}); check /list_workers"}), \
             "application/json"
 
+    @asynccontextmanager
+    async def proxy_stream(self, path: str, body: bytes, content_type: str | None, key: str | None):
+        """As proxy, for an answer the engine streams: yields (status, content type, async iterator of the
+        body's pieces). Only a failure before the engine answered is retried on another engine."""
+        self.counters.requests += 1
+        tried: set[str] = set()
+        errors = []
+        for attempt in range(self.config.max_retries + 1):
+            w = self.pick(key, tried)
+            if w is None:
+                break
+            if attempt:
+                self.counters.retries += 1
+            w.outstanding += 1
+            answered = False
+            try:
+                async with self.client().stream(w.url + path, body,
+                                                {"content-type": content_type or "application/json"}) as answer:
+                    answered = True
+                    w.served += 1
+                    yield answer
+                    return
+            except Unreachable as exc:
+                if answered:
+                    raise
+                self.record_failure(w, str(exc))
+                tried.add(w.url)
+                errors.append(f"{w.url}: {exc}")
+                continue
+            except TimedOut:
+                if answered:
+                    raise
+                yield 504, "application/json", _pieces(_json({"error": f"engine {w.url} did not answer within "
+                                                                        f"{self.config.request_timeout_s}s"}))
+                return
+            finally:
+                w.outstanding -= 1
+        self.counters.unavailable += 1
+        why = "; ".join(errors) or "every engine is quarantined"
+        yield 503, "application/json", _pieces(_json({"error": f"no engine could serve the request ({why}); check "
+                                                               "/list_workers"}))
+
     async def broadcast(self, path: str, body: bytes, authorized: bool) -> list[dict]:
         """POST `body` to every engine; with the router's admin token only when the caller was authorized."""
         headers = {"content-type": "application/json",
@@ -252,3 +297,8 @@ class Router:
 
 def _json(obj) -> bytes:
     return json.dumps(obj).encode()
+
+
+async def _pieces(*chunks: bytes):
+    for c in chunks:
+        yield c

@@ -1,12 +1,14 @@
 """The router's HTTP client to its engines: one request out, (status, body, content type) back, and
 two failures told apart: the engine never answered (safe to retry elsewhere) or it took too long.
 
+A streamed answer (`stream`) is handed on piece by piece as the engine sends it.
 Non-goals: choosing the engine (policy.py) and serving clients (app.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 
 class Unreachable(Exception):
@@ -72,6 +74,46 @@ class Upstream:
             raise TimedOut() from None
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+
+    @asynccontextmanager
+    async def stream(self, url: str, body: bytes, headers: dict | None = None):
+        """POST `body`; yields (status, content type, async iterator of the body's pieces as they come).
+        Unreachable or TimedOut when the engine never answered; a failure midway ends the iterator
+        with an error."""
+        if self._aiohttp is not None:
+            aiohttp = self._aiohttp
+            if self._session is None:
+                self._session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0), auto_decompress=False)
+            try:
+                r = await self._session.request("POST", url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(
+                    total=self.timeout_s, connect=5.0))
+            except asyncio.TimeoutError:
+                raise TimedOut() from None
+            except aiohttp.ClientError as exc:
+                raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+            try:
+                yield r.status, r.headers.get("content-type"), r.content.iter_any()
+            finally:
+                r.release()
+            return
+        import httpx
+
+        if self._session is None:
+            self._session = httpx.AsyncClient(limits=httpx.Limits(max_connections=4096,
+                                                                  max_keepalive_connections=256))
+        try:
+            request = self._session.build_request("POST", url, content=body, headers=headers,
+                                                  timeout=httpx.Timeout(self.timeout_s, connect=5.0, pool=None))
+            r = await self._session.send(request, stream=True)
+        except httpx.TimeoutException:
+            raise TimedOut() from None
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+        try:
+            yield r.status_code, r.headers.get("content-type"), r.aiter_raw()
+        finally:
+            await r.aclose()
 
     async def close(self) -> None:
         if self._session is not None:

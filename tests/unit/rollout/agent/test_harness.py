@@ -198,7 +198,7 @@ def test_the_example_agent_calls_its_tool_and_scores_its_answer(agent_model_dir,
     engine = ScriptedEngine()
     try:
         engine.replies += [
-            tok('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>',
+            tok('<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>',
                 add_special_tokens=False).input_ids + end,
             tok("42", add_special_tokens=False).input_ids + end]
         s = run(engine.url, tok, HarnessConfig(command=f"{sys.executable} examples/harness/agent.py"),
@@ -208,10 +208,13 @@ def test_the_example_agent_calls_its_tool_and_scores_its_answer(agent_model_dir,
     assert s.reward == 1.0 and len(s.weight_versions) == 2, s.metadata
     tool_turn = [t for t, m in zip(s.response_ids, s.loss_mask) if m == 0]
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(tool_turn)  # the agent ran its calculator
-    assert "calculator" in tok.decode(s.prompt_ids)  # its tool schema reached the prompt
+    assert "calc" in tok.decode(s.prompt_ids)  # its tool schema reached the prompt
+    # The agent streams its replies, so the session had the engine stream every turn.
+    assert [r.get("stream") for r in engine.requests] == [True, True]
 
 
 def test_the_example_run_config_loads():
     cfg = load_config(RunConfig, "examples/harness/grpo.toml", {"model.path": "unused"})
     assert cfg.rollout.generate_fn == "harness" and cfg.rollout.agent.harness.command.endswith("agent.py")
+    assert cfg.rollout.task.fixed_width and cfg.rollout.max_new_tokens >= 64  # room for a calc call
     assert os.path.isabs(cfg.rollout.agent.harness.cwd)  # fixed where the run was configured

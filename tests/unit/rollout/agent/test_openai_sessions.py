@@ -67,6 +67,40 @@ def test_openai_client_drives_a_session_and_miles_records_exact_tokens(sessions,
     assert sample.response_ids == ids and sample.loss_mask[-1] == 1
 
 
+def test_a_streamed_multi_turn_session_on_a_real_engine_records_the_engines_output_ids(sessions, agent_engine_url,
+                                                                                     agent_tokenizer):
+    """The openai client streams every turn (tools offered, tool results sent back); the engine
+    streams its tokens to the session, which forwards them as they come. Each recorded model turn is
+    exactly what the engine outputs for that turn's input ids (replayed unstreamed, greedily)."""
+    tok = agent_tokenizer
+    sid = sessions.new_session().id
+    client = openai.OpenAI(base_url=sessions.base_url(sid), api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "What is 12+30?"}]
+    streamed = []
+    for observation in ("42", "ok", None):
+        chunks = list(client.chat.completions.create(model="miles", messages=messages, tools=tools, max_tokens=12,
+                                                     temperature=0, stream=True))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert len([c for c in chunks if c.choices[0].delta.content]) > 1  # token by token, not one piece
+        streamed.append(content)
+        if observation is not None:
+            messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": observation}]
+    traj = httpx.get(f"{sessions.url}/sessions/{sid}/trajectory").json()
+    ids, mask = traj["prompt_ids"] + traj["response_ids"], [0] * len(traj["prompt_ids"]) + traj["loss_mask"]
+    starts = [i for i in range(len(ids)) if mask[i] and not mask[i - 1]]
+    ends = [next((j for j in range(i, len(ids)) if not mask[j]), len(ids)) for i in starts]
+    assert len(starts) == 3
+    for i, j, content in zip(starts, ends, streamed):
+        engine = httpx.post(f"{agent_engine_url}/generate", timeout=120, json={
+            "input_ids": ids[:i], "sampling_params": {"temperature": 0, "max_new_tokens": 12,
+                                                      "stop_token_ids": [tok.convert_tokens_to_ids("<|im_end|>")]}})
+        assert ids[i:j] == engine.json()["output_ids"]
+        assert content == tok.decode([t for t in ids[i:j] if t != tok.convert_tokens_to_ids("<|im_end|>")],
+                                     skip_special_tokens=True)
+
+
 def test_rewriting_history_is_refused_with_a_reason(sessions):
     sid = sessions.new_session().id
     client = openai.OpenAI(base_url=sessions.base_url(sid), api_key="unused", max_retries=0)

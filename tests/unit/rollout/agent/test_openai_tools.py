@@ -288,3 +288,83 @@ def test_responses_api_tool_round_trip_by_previous_response_id_and_by_full_input
         client.responses.create(model="miles", previous_response_id="resp_nope", input="more")
     r = httpx.post(f"{server.url}/sessions/{sid}/v1/responses", json={"input": "x", "stream": True})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("stream: ")
+
+
+def test_a_streamed_turn_reaches_the_client_while_the_engine_still_generates_it(server, engine, tok):
+    """Content goes out token by token and a tool call as soon as its block closes, while the engine
+    is still generating the rest of the turn; the recorded tokens are the engine's whole turn."""
+    first = 'Checking.<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    reply = first + '\n<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    held = len(by_char(tok, first)) - 1  # the engine stops after the first call's closing tag
+    engine.replies.append(by_char(tok, reply))
+    engine.hold_after, n0 = held, len(engine.streamed_to)
+    engine.release.clear()
+    sid = server.new_session().id
+    try:
+        stream = client_for(server, sid).chat.completions.create(
+            model="miles", messages=[{"role": "user", "content": "6*7 and 1+1?"}], tools=[CALC], stream=True)
+        content, calls = "", []
+        for chunk in stream:
+            content += chunk.choices[0].delta.content or ""
+            calls += chunk.choices[0].delta.tool_calls or []
+            if calls:
+                break
+        # The client holds the first call and the text before it; the engine has not sent one more token.
+        assert content == "Checking." and json.loads(calls[0].function.arguments) == {"expression": "6*7"}
+        assert engine.streamed_to[n0] == held
+        engine.release.set()
+        rest = list(stream)
+    finally:
+        engine.hold_after = None
+        engine.release.set()
+    calls += [tc for c in rest for tc in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(c.choices[0].delta.content or "" for c in rest) == ""
+    assert [(c.index, json.loads(c.function.arguments)["expression"]) for c in calls] == [(0, "6*7"), (1, "1+1")]
+    assert rest[-1].choices[0].finish_reason == "tool_calls"
+    traj = httpx.get(f"{server.url}/sessions/{sid}/trajectory").json()
+    assert traj["response_ids"] == engine.replied[-1] and traj["loss_mask"] == [1] * len(engine.replied[-1])
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_streamed_and_unstreamed_multi_turn_sessions_record_the_same_tokens(server, engine, tok, incremental):
+    """A tool-calling conversation driven streamed gives the client the same content and calls as
+    unstreamed, and the session records the engine's ids either way, whether the engine streams all
+    ids so far in each chunk (SGLang's default) or only the new ones (its incremental mode)."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call>'
+    script = [by_char(tok, "Let me check.\n" + call), by_char(tok, "It is 36.")]
+    engine.incremental = incremental
+    results = []
+    try:
+        for streamed in (False, True):
+            engine.replies += script
+            sid = server.new_session().id
+            client = client_for(server, sid)
+            messages = [{"role": "user", "content": "What is 12*3?"}]
+            seen = []
+            for observation in ("36", None):
+                kw = {"stream": True} if streamed else {}
+                r = client.chat.completions.create(model="miles", messages=messages, tools=[CALC], **kw)
+                if streamed:
+                    chunks = list(r)
+                    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+                    calls = [(tc.function.name, tc.function.arguments, tc.id)
+                             for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+                    finish = chunks[-1].choices[0].finish_reason
+                else:
+                    m = r.choices[0].message
+                    content, finish = m.content or "", r.choices[0].finish_reason
+                    calls = [(tc.function.name, tc.function.arguments, tc.id) for tc in m.tool_calls or []]
+                seen.append((content, calls, finish))
+                if observation is not None:
+                    messages += [{"role": "assistant", "content": content, "tool_calls": [
+                        {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for n, a, i in calls]},
+                                 {"role": "tool", "tool_call_id": calls[0][2], "content": observation}]
+            traj = httpx.get(f"{server.url}/sessions/{sid}/trajectory").json()
+            model_ids = [t for t, m in zip(traj["response_ids"], traj["loss_mask"]) if m]
+            assert model_ids == engine.replied[-2] + engine.replied[-1]
+            results.append(([(c, [(n, a) for n, a, _ in k], f) for c, k, f in seen], traj["loss_mask"]))
+    finally:
+        engine.incremental = False
+    assert results[0] == results[1]
+    assert results[1][0][0] == ("Let me check.", [("calculator", '{"expression": "12*3"}')], "tool_calls")
+    assert results[1][0][1] == ("It is 36.", [], "stop")

@@ -46,7 +46,8 @@ BAD_JSON = [
     ({"input_ids": [[5], [6]], "sampling_params": [{}, {}, {}]}, "sampling_params"),
     ({"input_ids": [5], "return_logprob": "yes"}, "return_logprob"),
     ({"input_ids": [5], "rid": 12}, "rid"),
-    ({"input_ids": [5], "stream": True}, "stream"),
+    ({"input_ids": [[5], [6]], "stream": True}, "stream"),
+    ({"input_ids": [5], "stream": "yes"}, "stream"),
 ]
 
 

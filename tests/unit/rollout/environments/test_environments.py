@@ -128,3 +128,23 @@ def test_env_args_and_sandbox_limits_reach_the_environment_from_the_run_config(t
     with pytest.raises(ConfigError, match="cannot be built with rollout.agent.env_args"):
         cfg.rollout.agent.env_args = {"no_such_knob": 1}
         cfg.rollout.agent.validate()
+
+
+def test_the_terminal_examples_rl_config_runs_episodes_in_the_rootless_sandbox(tiny_model_dir):
+    """examples/terminal/grpo.toml: terminal episodes and prompts, commands confined without privilege."""
+    from miles.config import load_config
+    from miles.config.run import RunConfig
+    from miles.rollout.environments import build_environment
+
+    cfg = load_config(RunConfig, "examples/terminal/grpo.toml", {"model.path": tiny_model_dir})
+    agent = cfg.rollout.agent
+    assert cfg.rollout.generate_fn == "agent" and agent.environment == "terminal"
+    assert cfg.rollout.task.name == "terminal" and agent.sandbox.backend == "rootless"
+    env = build_environment(agent.environment, agent.env_args, agent.sandbox)
+    try:
+        env.reset(Prompt(index=0, text=TASKS[0].instruction, label=TASKS[0].name))
+        assert env.sandbox.backend == "rootless"
+        env.step(TASKS[0].solution)
+        assert env.step("done").reward == 1.0
+    finally:
+        env.close()

@@ -171,3 +171,54 @@ def test_config_refusals_name_the_fix():
     with pytest.raises(ConfigError, match="routed experts"):
         RouterConfig(kind="sglang").check_features(return_routed_experts=True)
     RouterConfig(kind="miles").check_features(return_routed_experts=True)
+
+
+def test_a_streamed_answer_passes_through_piece_by_piece():
+    """An edge engine that streams one chunk, then waits: the client already holds that chunk, through
+    the router, while the engine has not sent the rest; then the whole stream arrives unchanged."""
+    import threading
+
+    from fastapi.responses import StreamingResponse
+
+    from miles.rollout.liveness import HealthConfig
+    from miles.rollout.router import RouterConfig, start_router_thread
+
+    release = threading.Event()
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        async def chunks():
+            yield b'data: {"output_ids": [1]}\n\n'
+            await asyncio.to_thread(release.wait, 30)
+            yield b'data: {"output_ids": [1, 2]}\n\ndata: [DONE]\n\n'
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    @app.get("/get_model_info")
+    async def version():
+        return {"weight_version": "1"}
+
+    edge = serve_app(app, bind("127.0.0.1", 0), "127.0.0.1", what="edge engine", ready_path="/health",
+                     startup_timeout_s=30, log_level="error", lifespan="off")
+    r = start_router_thread(RouterConfig(), [edge.url])
+    dead = start_router_thread(RouterConfig(), [f"http://127.0.0.1:{free_port()}"], HealthConfig(interval_s=60))
+    try:
+        with httpx.stream("POST", r.url + "/generate", json={"input_ids": [1], "stream": True}, timeout=60) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            lines = resp.iter_lines()
+            assert next(lines) == 'data: {"output_ids": [1]}'
+            assert not release.is_set()  # the engine is still holding the rest
+            release.set()
+            assert [ln for ln in lines if ln] == ['data: {"output_ids": [1, 2]}', "data: [DONE]"]
+        # No engine to stream from: the same 503 naming the cause as an unstreamed request.
+        resp = httpx.post(dead.url + "/generate", json={"input_ids": [1], "stream": True})
+        assert resp.status_code == 503 and "no engine could serve" in resp.json()["error"]
+    finally:
+        release.set()
+        dead.stop()
+        r.stop()
+        edge.stop()
