@@ -553,7 +553,8 @@ def start_session_server(engine_url: str, tokenizer_path: str | None = None, hos
     except RegistryError as e:
         raise ValueError(f"tool_parser: {e}") from None
     http = serve_app(build_app(store), bind(host, port), host, what="session server",
-                     ready_path="/sessions/none/trajectory", startup_timeout_s=30, lifespan="off")
+                     ready_path="/sessions/none/trajectory", startup_timeout_s=30, lifespan="off",
+                     timeout_graceful_shutdown=5)  # a client that never closes its stream cannot hold the exit
     return RunningSessionServer(http.url, store, http)
 
 
