@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Self
 
+from miles import owners
 from miles.config import ConfigError
 
 LOOPBACK = "127.0.0.1"
@@ -210,6 +211,25 @@ def serve_app(app, sock: socket.socket, host: str, *, what: str, ready_path: str
     return served
 
 
+PARENT_PID_ENV = "MILES_PARENT_PID"  # set by ServerProcess for its child: the process that started it
+
+
+def exit_with_parent(check_every_s: float = 1.0) -> None:
+    """In a server a ServerProcess started: end this process once the process that started it is gone.
+    A SIGKILLed driver cannot stop its children, and an orphaned router would hold its port for good.
+    A server started by hand (no MILES_PARENT_PID in its environment) is left alone."""
+    parent = os.environ.get(PARENT_PID_ENV, "")
+    if not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while owners.alive(int(parent)) and os.getppid() == int(parent):
+            time.sleep(check_every_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="miles-exit-with-parent", daemon=True).start()
+
+
 class ServerProcess:
     """A miles server run as a child process, reached at `.url`; `.stop()` (or `with`) ends it.
 
@@ -221,7 +241,7 @@ class ServerProcess:
     def __init__(self, cmd: list[str], *, url_line: str, ready_path: str, startup_timeout_s: float, what: str,
                  env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **(env or {})})
         self.output: list[str] = []  # everything the child printed, for error messages
         self.url: str | None = None
         self._url_line = re.compile(url_line)

@@ -134,10 +134,14 @@ def check_fleet(run) -> None:
     if run.fault.drop_response_prob and run.router.own_process:
         raise ConfigError("fault.drop_response_prob acts on a router in the driver's process: set "
                           "router.own_process = false, or drop_response_prob = 0")
+    if run.fault.corrupt_delta_at_steps and run.sync.transport != "disk_delta":
+        raise ConfigError(f"fault.corrupt_delta_at_steps damages the disk delta of a push, and sync.transport = "
+                          f"{run.sync.transport!r} writes none: set sync.transport = 'disk_delta', or drop the fault")
     engine_faults = (run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
-                     or run.fault.kill_engine_at_steps)
+                     or run.fault.kill_engine_at_steps or run.fault.stall_engine_at_steps)
     if engine_faults and run.rollout.engine_urls:
-        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps act on engines "
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps / "
+                          "stall_engine_at_steps act on engines "
                           "the run starts; with "
                           "rollout.engine_urls the engines are someone else's: unset one of the two")
     if run.health.standby_engines and run.rollout.engine_urls:
@@ -145,7 +149,8 @@ def check_fleet(run) -> None:
                           "starts, and with rollout.engine_urls it starts none (a dead one is routed around and "
                           "re-admitted when its operator restarts it): set health.standby_engines = 0")
     if engine_faults and not (run.health.enabled and run.health.restart):
-        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps need "
+        raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps / "
+                          "stall_engine_at_steps need "
                           "health.enabled = true and "
                           "health.restart = true, or nothing would replace the engines they break")
 

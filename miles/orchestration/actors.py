@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 from miles.net import free_port
+from miles.orchestration.faults import damage_delta
 from miles.orchestration.placement import pin_current_process
 from miles.orchestration.ray_cluster import node_address
 from miles.rollout.engine.server import start_server_thread
@@ -139,6 +140,13 @@ class TrainerShell:
         if self.rank == 0 and self.transport is None:
             raise RuntimeError("sync_weights before connect_engines: the trainer has no route to the engines")
         return self._push(self.transport, version)
+
+    def damage_next_delta(self) -> bool:
+        """Rank 0, fault injection (fault.corrupt_delta_at_steps): the next version's delta files are
+        damaged once written, before any engine reads them; False when no disk delta is written."""
+        if self.rank != 0 or not isinstance(self.transport, WeightUpdater):
+            return False
+        return self.transport.tamper_next_version(damage_delta)
 
     def push_full(self, urls: list[str], version: int) -> dict[str, float]:
         """Collective: bring new engines to `version` with a full push, noise-fill verified, over a

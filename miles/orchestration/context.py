@@ -86,7 +86,7 @@ class TrainContext:
         """Push the trainer's weights to every serving engine as `version` (engines that die meanwhile
         are replaced and the push goes to the rest)."""
         if self.faults is not None:
-            self.faults.before_push()
+            self.faults.before_push(version, self.trainer)
         if self.fleet is None:
             return self.trainer.sync_weights(version)
         with self.fleet.weights_lock:

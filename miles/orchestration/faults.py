@@ -10,11 +10,18 @@
     --fault.kill_trainer_at_steps 3,6          SIGKILL the last trainer rank as these steps start
     --fault.kill_reward_worker_at_steps 4      SIGKILL a reward process-pool worker as these steps start
     --fault.kill_router_at_steps 6             SIGKILL the router process (router.own_process) likewise
+    --fault.stall_engine_at_steps 7            SIGSTOP a serving engine as these steps' weight pushes start
+    --fault.stall_resume_after_s 8             ... and SIGCONT it 8 s later (0: never; the fleet replaces it)
+    --fault.corrupt_delta_at_steps 9           damage the disk delta of this step's push once it is written
 
 Timed engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
-health monitor (fleet.py) must find and replace each. Step-scheduled faults fire as the step's
-training starts, so a fast machine and a slow one get the same faults at the same points of the
-run; each fires once per run (a step trained again after a restart is left alone). Every injected
+health monitor (fleet.py) must find and replace each. Step-scheduled kills fire as the step's
+training starts, and the push faults (a stalled engine, a damaged delta) as the step's weight push
+starts, so a fast machine and a slow one get the same faults at the same points of the run; each
+fires once per run (a step trained or pushed again after a restart is left alone). A push fault
+must end in a rollback (no engine commits the version) and a retry within the push's deadlines
+(sync/updater.py): the engine stopped for longer than one call's deadline (sync.timeout_s) fails
+the attempt, and so does a delta whose bytes no longer match their checksums. Every injected
 fault is recorded with its wall-clock time, so recovery can be measured from the moment of the
 fault, not of its detection, and appended to the run directory's `faults.jsonl`, which a run
 resumed by a new driver reads back: its report counts the faults before the resume, and none fires
@@ -72,6 +79,14 @@ class FaultConfig:
     these steps' training starts."""
     kill_router_at_steps: list[int] = field(default_factory=list)
     """SIGKILL the router process (router.own_process = true) as each of these steps' training starts."""
+    stall_engine_at_steps: list[int] = field(default_factory=list)
+    """SIGSTOP a serving engine (picked by seed) as each of these steps' weight push starts."""
+    stall_resume_after_s: list[float] = field(default_factory=list)
+    """Seconds after which each stall of stall_engine_at_steps, in order, is ended by SIGCONT; one value
+    applies to every stall, 0 (or none given) is never: the health monitor then replaces the engine."""
+    corrupt_delta_at_steps: list[int] = field(default_factory=list)
+    """Flip a byte of the disk delta of each of these steps' weight push, after the trainer wrote it and
+    before any engine reads it (sync.transport = 'disk_delta'): the engines' checksums must refuse it."""
     max_trainer_restarts: int = 3
     """With restart_trainer: the most restarts in one run; the failure after that ends the run."""
     seed: int = 0
@@ -84,19 +99,24 @@ class FaultConfig:
             raise ConfigError("fault.* intervals, delays and counts must be >= 0")
         if not 0 <= self.drop_response_prob < 1:
             raise ConfigError("fault.drop_response_prob must be in [0, 1)")
-        for key in STEP_FAULTS.values():
+        for key in (*STEP_FAULTS.values(), *PUSH_FAULTS.values()):
             if any(type(v) is not int or v < 1 for v in getattr(self, key)):
                 raise ConfigError(f"fault.{key} must list training steps (integers >= 1), got {getattr(self, key)}")
+        resume = self.stall_resume_after_s
+        if any(v < 0 for v in resume) or len(resume) not in (0, 1, len(self.stall_engine_at_steps)):
+            raise ConfigError(f"fault.stall_resume_after_s = {resume}: give one value (seconds >= 0, 0 = never) "
+                              f"for every stall, or one per step of fault.stall_engine_at_steps "
+                              f"({len(self.stall_engine_at_steps)})")
 
     @property
     def active(self) -> bool:
         return bool(self.kill_engine_every_s or self.stall_engine_every_s or self.drop_response_prob
                     or self.delay_weight_sync_s or self.kill_trainer_at_step
-                    or any(getattr(self, key) for key in STEP_FAULTS.values()))
+                    or any(getattr(self, key) for key in (*STEP_FAULTS.values(), *PUSH_FAULTS.values())))
 
     def steps_of(self, kind: str) -> set[int]:
         """The steps a step-scheduled fault of this kind fires at."""
-        steps = set(getattr(self, STEP_FAULTS[kind]))
+        steps = set(getattr(self, {**STEP_FAULTS, **PUSH_FAULTS}[kind]))
         if kind == "kill_trainer" and self.kill_trainer_at_step:
             steps.add(self.kill_trainer_at_step)
         return steps
@@ -108,15 +128,18 @@ ENGINE_FAULTS = ("kill_engine", "stall_engine")  # the faults the fleet recovers
 # and the FaultConfig key listing each one's steps.
 STEP_FAULTS = {"kill_reward_worker": "kill_reward_worker_at_steps", "kill_router": "kill_router_at_steps",
                "kill_engine": "kill_engine_at_steps", "kill_trainer": "kill_trainer_at_steps"}
+# Faults that fire as a step's weight push starts.
+PUSH_FAULTS = {"stall_engine": "stall_engine_at_steps", "corrupt_delta": "corrupt_delta_at_steps"}
 
 
 @dataclass
 class InjectedFault:
-    kind: str       # kill_engine | stall_engine | kill_trainer | kill_reward_worker | kill_router
-    target: str     # the engine URL, "trainer rank N", "reward worker" or "router URL"
-    pid: int
+    kind: str       # kill_engine | stall_engine | kill_trainer | kill_reward_worker | kill_router | corrupt_delta
+    target: str     # the engine URL, "trainer rank N", "reward worker", "router URL" or "weight version N"
+    pid: int        # the process signalled (for corrupt_delta: the trainer rank that writes the delta)
     at: float       # time.time() when the signal was sent
     step: int = 0   # the step a step-scheduled fault fired at (0: a timed one)
+    resume_after_s: float = 0.0  # stall_engine at a step: SIGCONT this long after the SIGSTOP (0: never)
 
 
 class FaultInjector:
@@ -189,9 +212,46 @@ class FaultInjector:
     def drop_response(self) -> bool:
         return self.cfg.drop_response_prob > 0 and self._drop_rng.random() < self.cfg.drop_response_prob
 
-    def before_push(self) -> None:
+    def before_push(self, version: int, trainer=None) -> None:
+        """As the push of `version` (the step that trained it) starts: the delay, then the push faults
+        due at that step, each once per run."""
         if self.cfg.delay_weight_sync_s:
             time.sleep(self.cfg.delay_weight_sync_s)
+        fired = {(f.kind, f.step) for f in self.faults}
+        if version in self.cfg.steps_of("stall_engine") and ("stall_engine", version) not in fired:
+            self._stall_at(version)
+        if version in self.cfg.steps_of("corrupt_delta") and ("corrupt_delta", version) not in fired:
+            if trainer is None or not trainer.damage_next_delta():
+                log.warning("fault injection: the trainer writes no disk delta at step %d (sync.transport is "
+                            "not disk_delta); corrupt_delta skipped", version)
+                return
+            fault = InjectedFault("corrupt_delta", f"weight version {version}", trainer.pids()[0], time.time(),
+                                  version)
+            log.warning("fault injection: corrupt_delta of weight version %d (written by pid %d)", version, fault.pid)
+            self._record(fault)
+
+    def _stall_at(self, step: int) -> None:
+        serving = self.fleet.serving() if self.fleet is not None else []
+        if not serving:
+            log.warning("fault injection: no engine is serving at step %d; stall_engine skipped", step)
+            return
+        _, engine = self._rng.choice(serving)
+        resume = self.cfg.stall_resume_after_s
+        steps = self.cfg.stall_engine_at_steps
+        after = (resume[steps.index(step)] if len(resume) > 1 else resume[0]) if resume and step in steps else 0.0
+        fault = InjectedFault("stall_engine", engine.url, engine.pid, time.time(), step, after)
+        try:
+            engine.send_signal(signal.SIGSTOP)
+        except ProcessLookupError:
+            log.warning("fault injection: engine %s was gone at step %d; stall_engine skipped", engine.url, step)
+            return
+        self._record(fault)
+        log.warning("fault injection: stall_engine %s (pid %d) at step %d, %s", engine.url, engine.pid, step,
+                    f"resumed in {after:g}s" if after else "never resumed")
+        if after:
+            timer = threading.Timer(after, _resume, args=(engine,))
+            timer.daemon = True
+            timer.start()
 
     def before_train(self, step: int, trainer, reward_workers: Callable[[], list[int]] = list) -> None:
         """The step-scheduled faults due at this step, each once per run; `reward_workers` lists the
@@ -259,3 +319,27 @@ class FaultInjector:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+def _resume(engine) -> None:
+    """SIGCONT a stalled engine; one the fleet replaced meanwhile is gone, and stays so."""
+    try:
+        engine.send_signal(signal.SIGCONT)
+        log.warning("fault injection: engine %s (pid %d) resumed", engine.url, engine.pid)
+    except Exception as exc:  # noqa: BLE001 - ProcessLookupError here, an actor error on another node
+        log.warning("fault injection: engine %s was not resumed (%s)", engine.url, exc)
+
+
+def damage_delta(paths: list[str]) -> None:
+    """Flip one byte in the middle of the first shard of each delta directory (fault.corrupt_delta_at_steps):
+    the zstd frame's checksum, or failing that the tensor's bound xxh3, no longer matches."""
+    for path in paths:
+        shards = sorted(f for f in os.listdir(path) if f.startswith("shard-"))
+        if not shards:
+            continue
+        with open(os.path.join(path, shards[0]), "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _MAX_FAILED_READMISSIONS = 3  # an engine that answers but keeps failing its bring-up is left out
 _RESTARTED = "restarted"       # a probe's verdict that takes an engine out at once, whatever the threshold
+RECONNECT_PAUSE_S = 2.0  # pause before reconnecting again after a failure no engine loss explains (x2 next)
 ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
 
 
@@ -455,16 +456,18 @@ class EngineFleet:
     def push(self, sync: Callable[[], dict]) -> dict:
         """Run one main weight push (the caller holds weights_lock) against the serving engines.
 
-        An engine that fails during it is declared dead and the push is retried on the others; with
-        no engine serving there is nothing to push to, and replacements get the version at bring-up.
+        An engine that fails during it is declared dead and the push is retried on the others
+        (`sync/engine_loss_retries` counts these); with no engine serving there is nothing to push to,
+        and replacements get the version at bring-up.
         """
-        for _ in range(3):
+        for tries in range(3):
             self._reconnect_absorbing_failures()
             if not self._transport_urls:
                 return {}
             pushed_to = set(self._transport_urls)
             try:
-                return sync()
+                metrics = sync()
+                return {**metrics, "sync/engine_loss_retries": tries} if tries else metrics
             except Exception as exc:  # noqa: BLE001 - re-raised below unless an engine explains it
                 self.check_now()
                 # Retry only if an engine of this push has since left the serving set (declared dead
@@ -484,17 +487,23 @@ class EngineFleet:
             self._transport_urls = urls
 
     def _reconnect_absorbing_failures(self) -> None:
-        """Reconnect; if an engine dies while the transport joins it, drop it and try again."""
+        """Reconnect; if it fails, try again (three tries in all): an engine that died meanwhile is
+        dropped by the health check, and one that was only stalled (a stopped process, a long pause)
+        may answer a few seconds later."""
         for attempt in range(3):
             before = set(self.serving_urls())
             try:
                 return self._reconnect()
-            except Exception as exc:  # noqa: BLE001 - re-raised unless an engine left meanwhile
+            except Exception as exc:  # noqa: BLE001 - re-raised after the last try
                 self.check_now()
-                if set(self.serving_urls()) == before or attempt == 2:
+                if attempt == 2:
                     raise
-                log.warning("reconnecting the weight transport failed (%s); an engine left the fleet, "
-                            "retrying", str(exc).splitlines()[0][:200])
+                left = set(self.serving_urls()) != before
+                log.warning("reconnecting the weight transport failed (%s); %s, retrying",
+                            str(exc).splitlines()[0][:200],
+                            "an engine left the fleet" if left else "no engine left the fleet")
+                if not left:
+                    time.sleep(RECONNECT_PAUSE_S * (attempt + 1))
 
     def raise_if_failed(self) -> None:
         if self.error is not None:

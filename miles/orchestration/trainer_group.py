@@ -113,6 +113,11 @@ class TrainerGroup:
         """Label the engines' weights as `version` without moving them (before going back to a checkpoint)."""
         self._all("relabel_engines", [version] * len(self.actors))
 
+    def damage_next_delta(self) -> bool:
+        """Fault injection: the next disk delta the source rank writes is damaged before any engine reads
+        it (see TrainerShell.damage_next_delta); False when weights do not travel as disk deltas."""
+        return self._ray.get(self.actors[0].damage_next_delta.remote())
+
     def sync_weights(self, version: int) -> dict[str, float]:
         metrics = dict(self._all("sync_weights", [version] * len(self.actors))[0])
         if self.cfg.lora.rank:

@@ -57,6 +57,7 @@ class WeightUpdater:
         self.started_checked = False  # check_start has verified the transport on these engines
         self._fresh_engines = False  # every engine reported SGLang's initial version at connect
         self.quantized: dict = {}  # engine name -> Format of weights sent as their format's bytes (wire.py)
+        self._tamper = None  # tamper_next_version's function, until the next attempt takes it
 
     @property
     def plain(self) -> bool:
@@ -176,6 +177,16 @@ class WeightUpdater:
         # The last attempt's kind (a VerificationError stays one), with every attempt's reason.
         raise type(last)(f"weight version {version} failed on every attempt: " + " | ".join(errors))
 
+    def tamper_next_version(self, damage) -> bool:
+        """Fault injection: `damage(paths)` runs once, on the files of the next attempt's version after
+        they are written and before any engine reads them, to show that verification refuses them and
+        the version is rolled back and retried. False when the transport writes no files (only
+        transports with an `after_write` hook, disk_delta, do)."""
+        if not hasattr(TRANSPORTS.get(self.cfg.transport), "after_write"):
+            return False
+        self._tamper = damage
+        return True
+
     def _attempt(self, name: str, named, version: int, fresh: bool) -> dict[str, float]:
         """One push of the version over transport `name` (a fresh sender after a failure), run on a
         thread so that a stalled transport costs at most sync.version_timeout_s."""
@@ -187,6 +198,8 @@ class WeightUpdater:
                     self.transport = self._build(name)
                     self.transport.connect(self.engine_urls)
                     self._disconnected = False
+                if self._tamper is not None and hasattr(self.transport, "after_write"):
+                    self.transport.after_write, self._tamper = self._tamper, None
                 result["metrics"] = self._push_checked(named, version)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 result["error"] = exc

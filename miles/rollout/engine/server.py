@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from miles.config.flags import load_server_config
 from miles.config import ConfigError
-from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, serve_app, url_of
+from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, exit_with_parent, serve_app, url_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.openai_routes import add_openai_routes
@@ -390,6 +390,7 @@ def main(argv=None) -> int:
     from miles.rollout.engine.engine import Engine
 
     logging.basicConfig(level=log_level.upper())
+    exit_with_parent()  # an engine process started by a ServerProcess ends with its parent
     engine = Engine(config)
     sock = bind(config.host, config.port)
     server = uvicorn.Server(uvicorn.Config(build_app(engine), log_level=log_level, **_UVICORN_OPTIONS))

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 from miles.config import ConfigError
 from miles.config.flags import load_server_config
-from miles.net import UNAUTHORIZED, BodyLimit, ServerProcess, ServerThread, bearer_ok, bind, serve_app, url_of
+from miles.net import (UNAUTHORIZED, BodyLimit, ServerProcess, ServerThread, bearer_ok, bind, exit_with_parent,
+                       serve_app, url_of)
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.policy import Router
@@ -273,6 +274,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     config, urls = cfg.router, cfg.worker_urls
     logging.basicConfig(level=cfg.log_level.upper())
+    exit_with_parent()  # a router process of a run ends with the driver that started it, even a SIGKILLed one
     sock = bind(config.host, config.port)
     print(f"miles router serving {len(urls)} engines at {url_of(sock, config.host)}", flush=True)
     server = uvicorn.Server(uvicorn.Config(build_app(Router(config, urls, cfg.health)), log_level=cfg.log_level,

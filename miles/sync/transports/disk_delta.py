@@ -321,6 +321,7 @@ class DiskDeltaTransport:
     """The sender: writes each version's delta against the previous one, then applies it in two phases."""
 
     Config = DiskDeltaConfig
+    after_write: Callable[[list[str]], None] | None = None  # see __init__
     # Colocated engines share the trainer's machine (nothing to save on the wire); a LoRA run and
     # prefill/decode-disaggregated engines do not hold the full base weights the delta patches.
     supports_colocation = supports_lora = supports_pd_disaggregation = False
@@ -346,6 +347,9 @@ class DiskDeltaTransport:
         self._failed: str | None = None
         self._joining: set[str] = set()  # engines whose local copy is the base: sent a catch-up delta
         self.last_stats: dict[str, float] = {}
+        # Called once with the version's directories between writing and applying them, then cleared:
+        # fault injection damages them here (WeightUpdater.tamper_next_version).
+        self.after_write = None
 
     @classmethod
     def from_config(cls, cfg: DiskDeltaConfig, admin_token: str | None, base_path: str = "") -> DiskDeltaTransport:
@@ -409,7 +413,11 @@ class DiskDeltaTransport:
             raise
 
     def commit(self, weight_version: int) -> None:
-        self.write(weight_version)
+        vdir = self.write(weight_version)
+        if self.after_write is not None:
+            hook, self.after_write = self.after_write, None
+            jdir = join_dir(self.delta_dir, int(weight_version))
+            hook([vdir] + ([jdir] if os.path.isdir(jdir) else []))
         self.apply(weight_version)
 
     def write(self, weight_version: int) -> str:

@@ -1,16 +1,20 @@
 """Step-scheduled faults: each kind fires once, at its step, against a real process; the record in
-faults.jsonl survives the driver, so a resumed run neither fires a fault twice nor forgets it."""
+faults.jsonl survives the driver, so a resumed run neither fires a fault twice nor forgets it. Push
+faults fire as a step's weight push starts: a stalled engine (SIGSTOP) is resumed when its
+stall_resume_after_s says, or never; a delta is damaged through the trainer."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from miles.config.loader import ConfigError
 from miles.orchestration.faults import FaultConfig, FaultInjector
+from miles.orchestration.fleet import EngineHandle
 
 
 class _Trainer:
@@ -21,6 +25,25 @@ class _Trainer:
 
     def pids(self) -> list[int]:
         return [self._pid]
+
+    def damage_next_delta(self) -> bool:
+        self.damaged = getattr(self, "damaged", 0) + 1
+        return True
+
+
+class _Fleet:
+    """What the injector asks of a fleet: the engines serving."""
+
+    def __init__(self, pid: int):
+        self.engine = EngineHandle("http://127.0.0.1:1", pid, lambda: None)
+
+    def serving(self):
+        return [(0, self.engine)]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]  # R, S, T (stopped), ...
 
 
 def _sleeper() -> subprocess.Popen:
@@ -65,7 +88,42 @@ def test_a_fault_with_nothing_to_hit_is_skipped_not_recorded(tmp_path):
 
 
 @pytest.mark.parametrize("key", ["kill_engine_at_steps", "kill_trainer_at_steps", "kill_reward_worker_at_steps",
-                                 "kill_router_at_steps"])
+                                 "kill_router_at_steps", "stall_engine_at_steps", "corrupt_delta_at_steps"])
 def test_a_step_list_that_is_not_steps_is_refused_by_name(key):
     with pytest.raises(ConfigError, match=f"fault.{key} must list training steps"):
         FaultConfig(**{key: [0]}).validate()
+
+
+def test_push_faults_stall_an_engine_until_resumed_or_for_good_and_damage_a_delta_once(tmp_path):
+    engine, trainer = _sleeper(), _Trainer(0)
+    cfg = FaultConfig(stall_engine_at_steps=[2, 4], stall_resume_after_s=[0.5, 0], corrupt_delta_at_steps=[3])
+    faults = FaultInjector(cfg, _Fleet(engine.pid), log_path=tmp_path / "faults.jsonl")
+    try:
+        faults.before_push(1, trainer)
+        assert _state(engine.pid) != "T" and not hasattr(trainer, "damaged")
+        faults.before_push(2, trainer)
+        assert _state(engine.pid) == "T"  # stopped as the push starts ...
+        t0 = time.monotonic()
+        while _state(engine.pid) == "T" and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert 0.3 < time.monotonic() - t0 < 10 and engine.poll() is None  # ... and resumed half a second later
+        faults.before_push(2, trainer)  # the step pushed again after a restart: left alone
+        assert _state(engine.pid) != "T"
+        faults.before_push(3, trainer)
+        faults.before_push(3, trainer)
+        assert trainer.damaged == 1
+        faults.before_push(4, trainer)
+        time.sleep(1.0)
+        assert _state(engine.pid) == "T"  # never resumed: the fleet's health monitor must replace it
+        rows = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+        assert [(r["kind"], r["step"], r["resume_after_s"]) for r in rows] == [
+            ("stall_engine", 2, 0.5), ("corrupt_delta", 3, 0.0), ("stall_engine", 4, 0.0)]
+        assert faults.report()["by_kind"] == {"stall_engine": 2, "corrupt_delta": 1}
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_stall_resume_times_that_match_no_stall_are_refused_by_name():
+    with pytest.raises(ConfigError, match="fault.stall_resume_after_s"):
+        FaultConfig(stall_engine_at_steps=[2, 4, 6], stall_resume_after_s=[1, 2]).validate()

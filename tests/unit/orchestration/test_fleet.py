@@ -20,8 +20,9 @@ TOKEN = "fleet-test-token"
 
 
 @contextlib.contextmanager
-def _running_fleet(model_dir, engines, start):
-    """A fleet over `engines` at weight version 1 behind a real router, its monitor running."""
+def _running_fleet(model_dir, engines, start, sync_cfg=None):
+    """A fleet over `engines` at weight version 1 behind a real router, its monitor running; `.main` is
+    the main weight updater and `.weights` the "trainer's" weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +39,7 @@ def _running_fleet(model_dir, engines, start):
         for p in model.parameters():
             p.add_(0.01)
     weights = dict(model.state_dict())
-    sync_cfg = SyncConfig(bucket_size_mb=1)
+    sync_cfg = sync_cfg or SyncConfig(bucket_size_mb=1)
     main = WeightUpdater(sync_cfg, TOKEN, base_path=model_dir)
     main.connect([e.url for e in engines])
     main.push(iter(weights.items()), 1)  # the fleet's weight version is 1
@@ -56,7 +57,7 @@ def _running_fleet(model_dir, engines, start):
                     bring_up=bring_up, reconnect=main.connect)
     f.adopt(engines)
     f.start_monitor()
-    f.pushed, f.router = pushed, router
+    f.pushed, f.router, f.main, f.weights = pushed, router, main, weights
     try:
         yield f
     finally:
@@ -136,6 +137,34 @@ def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version
     fleet.router.router.response_fault = FaultInjector(FaultConfig(drop_response_prob=0.99), fleet).drop_response
     r = _generate(fleet.router_url)
     assert r.status_code == 502 and "dropped (fault injection)" in r.text
+
+
+def test_a_push_an_engine_stalls_in_for_good_is_rolled_back_and_made_again_without_it(tiny_model_dir):
+    import signal
+
+    from miles.orchestration.fleet import EngineHandle
+    from miles.sync.prepare import SyncConfig
+
+    def start(slot: int) -> EngineHandle:
+        proc = _engine_process(tiny_model_dir)
+        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(start, [0, 1]))
+    cfg = SyncConfig(bucket_size_mb=1, timeout_s=5.0, version_timeout_s=30.0, retries=0)
+    with _running_fleet(tiny_model_dir, engines, start, cfg) as f:
+        stalled, survivor = engines
+        os.kill(stalled.pid, signal.SIGSTOP)  # as the push starts (fault.stall_engine_at_steps), never resumed
+        t0 = time.monotonic()
+        with f.weights_lock:
+            metrics = f.push(lambda: f.main.push(iter(f.weights.items()), 2))
+        assert time.monotonic() - t0 < 120
+        assert metrics["sync/engine_loss_retries"] >= 1, metrics  # the version went again, to the engine serving
+        assert metrics["sync/verified_buckets"] > 0
+        assert stalled.url not in f.serving_urls()
+        assert httpx.get(survivor.url + "/get_weight_version").json()["weight_version"] in (2, "2")
+        with pytest.raises(ProcessLookupError):  # SIGKILLed by the fleet, not left stopped
+            os.kill(stalled.pid, 0)
 
 
 def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after_its_restart(tiny_model_dir):

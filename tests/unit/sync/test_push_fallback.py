@@ -1,7 +1,9 @@
 """No weight push hangs or silently does nothing: an engine that stalls mid-push (SIGSTOP: alive,
 holding its port, answering nothing) fails the version at its deadline, the version is rolled back
 (no engine commits it, so no engine is on a mixed version), and the next transport of sync.fallback
-delivers it, verified, once the engine answers again; the metrics say so."""
+delivers it, verified, once the engine answers again; the metrics say so. A disk delta damaged after
+it was written (fault.corrupt_delta_at_steps) is refused by the engines' checksums, rolled back and
+sent again."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import httpx
 import pytest
 import torch
 
+from miles.orchestration.faults import damage_delta
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports import TransportError
-from miles.sync.transports.disk_delta import load_base
+from miles.sync.transports.disk_delta import DiskDeltaConfig, load_base
 from miles.sync.updater import WeightUpdater
 
 
@@ -87,3 +90,32 @@ def test_when_every_attempt_fails_no_engine_moves_and_the_error_says_so(engine_p
         os.kill(engine_proc.proc.pid, signal.SIGCONT)
         updater.close()
     assert httpx.get(f"{engine_proc.url}/get_weight_version", timeout=30).json()["weight_version"] == "default"
+
+
+def test_a_damaged_disk_delta_is_refused_rolled_back_and_sent_again(engine_proc, engine_thread, base_model_dir,
+                                                                   admin_token, tmp_path):
+    urls = [engine_proc.url, engine_thread.url]
+    _relabel(urls, admin_token)
+    cfg = DiskDeltaConfig(delta_dir=str(tmp_path / "deltas"), bucket_size_mb=1, timeout_s=30.0,
+                          version_timeout_s=60.0, retries=1, verify_first_update=False)
+    updater = WeightUpdater(cfg, admin_token, base_path=base_model_dir)
+    updater.connect(urls)
+    damaged = []
+    state = _state(base_model_dir, seed=23)
+    try:
+        assert updater.tamper_next_version(lambda paths: (damaged.extend(paths), damage_delta(paths)))
+        metrics = updater.push(iter(state.items()), version=9)
+    finally:
+        updater.close()
+    assert len(damaged) == 1 and damaged[0].endswith("v00000009")  # the first attempt's files, once
+    assert metrics["sync/rollbacks"] == 1 and "sync/fell_back" not in metrics, metrics
+    assert metrics["sync/verified_buckets"] > 0
+    for url in urls:
+        assert httpx.get(f"{url}/get_weight_version", timeout=30).json()["weight_version"] == "9"
+    engine = engine_thread.engine.model.state_dict()
+    assert all(torch.equal(engine[n], t) for n, t in state.items())
+
+
+def test_a_transport_that_writes_no_files_cannot_be_tampered_with(base_model_dir, admin_token):
+    updater = WeightUpdater(SyncConfig(transport="broadcast"), admin_token, base_path=base_model_dir)
+    assert not updater.tamper_next_version(damage_delta)

@@ -1,10 +1,13 @@
 """A run's router in a process of its own (router.own_process): SIGKILLed, it is started again on the
-same port with the same settings, and requests through its URL are served again."""
+same port with the same settings, and requests through its URL are served again. A router whose
+driver is SIGKILLed does not outlive it (nothing else would ever stop it)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -60,3 +63,30 @@ def test_a_killed_router_is_restarted_on_its_port_and_serves_again(engines):
         raise AssertionError("the router still answers after stop()")
     except httpx.TransportError:
         pass
+
+
+def test_a_router_process_ends_when_the_driver_that_started_it_is_killed():
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from miles.rollout.router import RouterProcess\n"
+        "r = RouterProcess(['http://127.0.0.1:1'])\n"
+        "print(r.proc.pid, flush=True)\n"
+        "time.sleep(300)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        router_pid = int(parent.stdout.readline())
+        assert os.kill(router_pid, 0) is None  # serving while its driver lives
+        parent.kill()  # SIGKILL: the driver cannot stop its children
+        parent.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            try:
+                os.kill(router_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(router_pid, signal.SIGKILL)
+            raise AssertionError("the router process outlived its killed driver by 30 s")
+    finally:
+        parent.kill()
+        parent.wait()
