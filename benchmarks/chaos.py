@@ -38,8 +38,9 @@ Last line, one JSON object:
   hung_pushes              weight pushes (perf/sync_s) longer than their deadlines allow (see
                            push_bound_s), plus runs that outlived --timeout (hung_runs)
   push_faults_recovered    stalls and damaged deltas whose step's push was rolled back and retried
-                           (sync/rollbacks) or made again without the failed engine
-                           (sync/engine_loss_retries), and then verified
+                           (sync/rollbacks), made again without the failed engine
+                           (sync/engine_loss_retries), or held until the engine answered the
+                           reconnect to a changed fleet (sync/reconnect_retries), and then verified
   pushes_unverified        pushes whose engines' checksums were not compared with the trainer's (an
                            engine on a mixed version fails that comparison)
   eval_accuracy, eval_accuracy_without_faults   greedy accuracy on the same held-out prompts at the
@@ -276,7 +277,10 @@ def push_figures(recs: list[dict], pushes: dict) -> dict:
     recovered = 0
     for step in pushes["stall"] + pushes["corrupt_delta"]:
         r = by_step.get(step, {})
-        if (r.get("sync/rollbacks", 0) or r.get("sync/engine_loss_retries", 0)) and _verified(r):
+        # A stall ends in a rollback, a push without the stalled engine, or (when the push began by
+        # reconnecting to a changed fleet) in reconnect retries until the engine answered again.
+        if (r.get("sync/rollbacks", 0) or r.get("sync/engine_loss_retries", 0)
+                or r.get("sync/reconnect_retries", 0)) and _verified(r):
             recovered += 1
     return {"push_faults_recovered": recovered,
             "rollbacks": sum(int(r.get("sync/rollbacks", 0)) for r in recs),

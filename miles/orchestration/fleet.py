@@ -460,13 +460,16 @@ class EngineFleet:
         (`sync/engine_loss_retries` counts these); with no engine serving there is nothing to push to,
         and replacements get the version at bring-up.
         """
+        reconnect_retries = 0
         for tries in range(3):
-            self._reconnect_absorbing_failures()
+            reconnect_retries += self._reconnect_absorbing_failures()
             if not self._transport_urls:
                 return {}
             pushed_to = set(self._transport_urls)
             try:
                 metrics = sync()
+                if reconnect_retries:
+                    metrics = {**metrics, "sync/reconnect_retries": reconnect_retries}
                 return {**metrics, "sync/engine_loss_retries": tries} if tries else metrics
             except Exception as exc:  # noqa: BLE001 - re-raised below unless an engine explains it
                 self.check_now()
@@ -486,14 +489,15 @@ class EngineFleet:
                 self.reconnect(urls)
             self._transport_urls = urls
 
-    def _reconnect_absorbing_failures(self) -> None:
+    def _reconnect_absorbing_failures(self) -> int:
         """Reconnect; if it fails, try again (three tries in all): an engine that died meanwhile is
         dropped by the health check, and one that was only stalled (a stopped process, a long pause)
-        may answer a few seconds later."""
+        may answer a few seconds later. Returns how many tries failed before one succeeded."""
         for attempt in range(3):
             before = set(self.serving_urls())
             try:
-                return self._reconnect()
+                self._reconnect()
+                return attempt
             except Exception as exc:  # noqa: BLE001 - re-raised after the last try
                 self.check_now()
                 if attempt == 2:
