@@ -285,6 +285,7 @@ def push_figures(recs: list[dict], pushes: dict) -> dict:
     return {"push_faults_recovered": recovered,
             "rollbacks": sum(int(r.get("sync/rollbacks", 0)) for r in recs),
             "engine_loss_retries": sum(int(r.get("sync/engine_loss_retries", 0)) for r in recs),
+            "reconnect_retries": sum(int(r.get("sync/reconnect_retries", 0)) for r in recs),
             "pushes_unverified": sum(not _verified(r) for r in pushed)}
 
 
