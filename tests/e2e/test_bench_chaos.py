@@ -18,6 +18,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "miles.cli", "bench", "chaos", "--quick", "--steps", "8",

@@ -24,6 +24,7 @@ def bench(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quick_run_reports_both_workloads_side_by_side(tiny_model_dir, tmp_path):
     done = bench("--quick", "--workloads", "long", "--sft-model", tiny_model_dir, "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]

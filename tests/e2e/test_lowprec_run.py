@@ -29,6 +29,7 @@ def test_a_qat_run_keeps_engine_and_trainer_on_the_same_policy(tiny_model_dir, t
         assert r["train/rollout_logprob_abs_diff"] < 1e-5
 
 
+@pytest.mark.slow
 def test_bench_lowprec_rl_cell_trains_in_the_format_with_the_embeddings_and_reports_its_gap(
         tiny_model_dir, tmp_path, ray_cluster, capsys):
     # One cell of `miles bench lowprec --rl` (the baseline's accuracy given): a GRPO step of the arithmetic

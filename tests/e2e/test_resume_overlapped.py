@@ -27,6 +27,7 @@ def kill_during_step_3_then_resume(tiny_model_dir, tmp_path, name, **over):
     return run_dir
 
 
+@pytest.mark.slow
 def test_one_step_off_resumed_trains_each_prompt_at_the_step_an_uninterrupted_run_does(
         tiny_model_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train
@@ -71,7 +72,7 @@ def test_fully_async_resumed_regenerates_what_was_in_flight_and_trains_nothing_t
 
 
 
-@pytest.mark.parametrize("schedule", ["one_step_off", "fully_async"])
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow) for s in ("one_step_off", "fully_async")])
 def test_overlapped_runs_restart_a_killed_trainer_and_train_every_prompt_once(
         tiny_model_dir, tmp_path, ray_cluster, schedule):
     from miles.orchestration.driver import run_train

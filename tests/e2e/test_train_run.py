@@ -39,6 +39,7 @@ def test_short_grpo_run_writes_run_dir_and_updates_engines(tiny_model_dir, tmp_p
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
+@pytest.mark.slow
 def test_run_on_engines_started_outside_the_run(tiny_model_dir, tmp_path, ray_cluster, monkeypatch):
     """rollout.engine_urls: generate with and push weights to an engine the run did not start (as
     with SGLang servers), authenticated by the token from the environment; the engine outlives the run."""
@@ -57,6 +58,7 @@ def test_run_on_engines_started_outside_the_run(tiny_model_dir, tmp_path, ray_cl
         assert httpx.get(engine.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_a_run_routes_around_a_killed_external_engine_and_readmits_it_after_its_restart(
         tiny_model_dir, tmp_path, ray_cluster, monkeypatch):
     """Two engines the run did not start; one is SIGKILLed mid-run and started again on its port by

@@ -137,6 +137,7 @@ def test_bad_quantization_settings_name_the_key_and_the_fix():
     build(TrainerConfig, {"quantization": "int4_asym"}).validate()
 
 
+@pytest.mark.slow
 def test_sharded_qat_gives_the_one_rank_gradient(tiny_model_dir, tmp_path):
     """Under FSDP each Linear quantizes its full (all-gathered) weight, so two data-parallel ranks train
     exactly the policy one rank does: the step's gradient matches."""
