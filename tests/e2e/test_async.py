@@ -19,6 +19,7 @@ def records_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_fully_async_trains_within_the_staleness_bound_with_off_policy_correction(tiny_model_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train
 

@@ -124,6 +124,7 @@ def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_mod
     assert summary["steps"] == 2
 
 
+@pytest.mark.slow
 def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cluster, tiny_model_dir, tmp_path):
     # Two engines: requests (evaluation's too) go to the other one while the killed one is replaced, by
     # a standby engine (started with the others, on node 2 too), so the slot serves again within the run.

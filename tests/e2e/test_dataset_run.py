@@ -57,6 +57,7 @@ def _verl_parquet(tmp_path, pairs):
     return {"rollout.task.data.layout": "verl", "rollout.task.data.path": str(path)}
 
 
+@pytest.mark.slow
 def test_a_verl_parquet_dataset_trains(tiny_model_dir, tmp_path, ray_cluster):
     """A second layout end to end (Parquet, nested chat prompts, the label under reward_model): its rows
     reach the engines and the trainer. Every layout's rows are checked in tests/unit/data/test_layouts.py;
