@@ -160,17 +160,28 @@ class Router:
             self._client = Upstream(self.config.request_timeout_s)
         return self._client
 
-    async def proxy(self, method: str, path: str, body: bytes, content_type: str | None, key: str | None):
-        """Returns (status, body bytes, content type) from the engine that served it."""
+    def _attempts(self, key: str | None, tried: set[str]):
+        """The engines one request is tried on, in order: each pick skips those in `tried` (the caller
+        adds an engine that could not be reached), at most max_retries + 1 of them."""
         self.counters.requests += 1
-        tried: set[str] = set()
-        errors = []
         for attempt in range(self.config.max_retries + 1):
             w = self.pick(key, tried)
             if w is None:
-                break
+                return
             if attempt:
                 self.counters.retries += 1
+            yield w
+
+    def _unavailable(self, errors: list[str]) -> bytes:
+        self.counters.unavailable += 1
+        why = "; ".join(errors) or "every engine is quarantined"
+        return _json({"error": f"no engine could serve the request ({why}); check /list_workers"})
+
+    async def proxy(self, method: str, path: str, body: bytes, content_type: str | None, key: str | None):
+        """Returns (status, body bytes, content type) from the engine that served it."""
+        tried: set[str] = set()
+        errors = []
+        for w in self._attempts(key, tried):
             w.outstanding += 1
             try:
                 status, content, ctype = await self.client().request(
@@ -191,24 +202,15 @@ class Router:
                 return 502, _json({"error": f"the reply of {w.url} was dropped (fault injection)"}), \
                     "application/json"
             return status, content, ctype
-        self.counters.unavailable += 1
-        why = "; ".join(errors) or "every engine is quarantined"
-        return 503, _json({"error": f"no engine could serve the request ({why}); check /list_workers"}), \
-            "application/json"
+        return 503, self._unavailable(errors), "application/json"
 
     @asynccontextmanager
     async def proxy_stream(self, path: str, body: bytes, content_type: str | None, key: str | None):
         """As proxy, for an answer the engine streams: yields (status, content type, async iterator of the
         body's pieces). Only a failure before the engine answered is retried on another engine."""
-        self.counters.requests += 1
         tried: set[str] = set()
         errors = []
-        for attempt in range(self.config.max_retries + 1):
-            w = self.pick(key, tried)
-            if w is None:
-                break
-            if attempt:
-                self.counters.retries += 1
+        for w in self._attempts(key, tried):
             w.outstanding += 1
             answered = False
             try:
@@ -233,10 +235,7 @@ class Router:
                 return
             finally:
                 w.outstanding -= 1
-        self.counters.unavailable += 1
-        why = "; ".join(errors) or "every engine is quarantined"
-        yield 503, "application/json", _pieces(_json({"error": f"no engine could serve the request ({why}); check "
-                                                               "/list_workers"}))
+        yield 503, "application/json", _pieces(self._unavailable(errors))
 
     async def broadcast(self, path: str, body: bytes, authorized: bool) -> list[dict]:
         """POST `body` to every engine; with the router's admin token only when the caller was authorized."""
