@@ -56,6 +56,9 @@ class TrainContext:
     # finishes that batch instead of drawing a new one)
     batch_in_flight: bool = False
     trainer_restarts: int = 0   # trainer groups replaced after a failure (fault.restart_trainer)
+    # Set from a trainer group's failure until its replacement has restored the checkpoint: until then no
+    # engine may be brought up (the new group would push the model's initial weights under a live version).
+    trainer_restoring: bool = False
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     save_s: list[float] = field(default_factory=list)  # seconds the loop waited for each save (state + HF export)
     checkpoints: CheckpointWrites = field(default_factory=CheckpointWrites)  # the write in progress

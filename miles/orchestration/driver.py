@@ -136,6 +136,8 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
 
     def bring_up(url: str) -> None:
         ctx = run["ctx"]
+        if ctx.trainer_restoring:
+            raise TrainerFailure("the trainer group is being restarted; the engine is brought up after it")
         ctx.trainer.push_full([url], ctx.policy_version)
 
     def reconnect(urls: list[str]) -> None:
@@ -346,6 +348,7 @@ def _run_schedule(ctx: TrainContext, start_trainer: Callable[[], TrainerGroup]) 
             if not fault.restart_trainer or ctx.trainer_restarts >= fault.max_trainer_restarts:
                 raise
             ctx.trainer_restarts += 1
+            ctx.trainer_restoring = True
             log(f"{exc}\n[miles] fault.restart_trainer: starting a new trainer group "
                 f"(restart {ctx.trainer_restarts} of at most {fault.max_trainer_restarts})")
             ctx.trainer.close()
@@ -358,6 +361,7 @@ def _run_schedule(ctx: TrainContext, start_trainer: Callable[[], TrainerGroup]) 
             step = rewind_run_dir(ctx.run_dir)
             ctx.history = [(s, m) for s, m in ctx.history if s <= step]
             ctx.restore()
+            ctx.trainer_restoring = False
 
 
 def run_train(cfg: RunConfig, resume: str | None = None) -> dict:

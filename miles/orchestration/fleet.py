@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _MAX_FAILED_READMISSIONS = 3  # an engine that answers but keeps failing its bring-up is left out
 _RESTARTED = "restarted"       # a probe's verdict that takes an engine out at once, whatever the threshold
+REPLACE_TRIES, REPLACE_PAUSE_S = 4, 10.0  # a replacement that failed (e.g. its trainer died mid-push) starts over
 RECONNECT_PAUSE_S = 2.0  # pause before reconnecting again after a failure no engine loss explains (x2 next)
 ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
 
@@ -376,20 +377,30 @@ class EngineFleet:
                     rec.old_url, slot.index, rec.admitted_at - rec.first_miss)
 
     def _replace(self, slot: Slot, rec: Replacement) -> None:
-        try:
-            engine = self._take_engine(slot.index)
-            rec.new_url, rec.started_at = engine.url, time.time()
-            if self._stop.is_set():  # the run ended while it started
-                engine.stop()
+        """Bring a new engine up in the slot. A failed try (the trainer group died during the bring-up push,
+        the new engine crashed) kills that engine and starts over with another, outside weights_lock, so a
+        trainer group being restarted meanwhile can restore; after REPLACE_TRIES the run is told."""
+        for attempt in range(REPLACE_TRIES):
+            try:
+                engine = self._take_engine(slot.index)
+                rec.new_url, rec.started_at = engine.url, time.time()
+                if self._stop.is_set():  # the run ended while it started
+                    engine.stop()
+                    return
+                self._admit(slot, engine, rec)
+                rec.admitted_at = time.time()
+                log.warning("engine slot %d serving again at %s, %.1fs after its first missed probe",
+                            slot.index, engine.url, rec.admitted_at - rec.first_miss)
                 return
-            self._admit(slot, engine, rec)
-            rec.admitted_at = time.time()
-            log.warning("engine slot %d serving again at %s, %.1fs after its first missed probe",
-                        slot.index, engine.url, rec.admitted_at - rec.first_miss)
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the loop through `raise_if_failed`
-            rec.error = f"{type(exc).__name__}: {exc}"
-            self.error = FleetError(f"could not replace engine slot {slot.index} ({rec.old_url}): {rec.error}")
-            log.error("%s", self.error)
+            except BaseException as exc:  # noqa: BLE001 - surfaced to the loop through `raise_if_failed`
+                rec.error = f"{type(exc).__name__}: {exc}"
+                if attempt + 1 < REPLACE_TRIES and not self._stop.wait(REPLACE_PAUSE_S):
+                    log.warning("replacing engine slot %d failed (%s); starting over", slot.index,
+                                rec.error.splitlines()[0][:200])
+                    continue
+                self.error = FleetError(f"could not replace engine slot {slot.index} ({rec.old_url}): {rec.error}")
+                log.error("%s", self.error)
+                return
 
     def _take_engine(self, index: int) -> EngineHandle:
         with self._lock:

@@ -312,3 +312,35 @@ def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_m
         fleet.close()
         router.stop()
         main.close()
+
+
+def test_a_replacement_whose_bring_up_fails_starts_over_with_another_engine(fleet, monkeypatch):
+    """The trainer group dying in the middle of a replacement's weight push (here: the push raises once)
+    does not end the run: that engine is killed and the replacement starts over after a pause."""
+    import signal
+
+    from miles.orchestration import fleet as fleet_module
+
+    monkeypatch.setattr(fleet_module, "REPLACE_PAUSE_S", 0.5)
+    push, tried = fleet.bring_up, []
+
+    def failing_once(url: str) -> None:
+        tried.append(url)
+        if len(tried) == 1:
+            raise RuntimeError("trainer rank 0 failed in push_full: the actor is dead")
+        push(url)
+
+    fleet.bring_up = failing_once
+    _, victim = fleet.serving()[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while not (fleet.replacements and fleet.replacements[0].admitted_at) and time.monotonic() - t0 < 120:
+        assert fleet.error is None, fleet.error
+        time.sleep(0.2)
+    rec = fleet.replacements[0]
+    assert rec.admitted_at is not None and fleet.error is None, (rec, fleet.error)
+    assert len(tried) == 2 and tried[1] == rec.new_url != tried[0]
+    assert fleet.pushed == [rec.new_url]  # only the engine that was admitted holds the pushed weights
+    assert rec.new_url in fleet.serving_urls() and tried[0] not in fleet.serving_urls()
+    with pytest.raises(httpx.TransportError):  # the engine of the failed try was stopped
+        httpx.get(tried[0] + "/health", timeout=2)
