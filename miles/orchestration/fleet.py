@@ -394,13 +394,16 @@ class EngineFleet:
                 return
             except BaseException as exc:  # noqa: BLE001 - surfaced to the loop through `raise_if_failed`
                 rec.error = f"{type(exc).__name__}: {exc}"
-                if attempt + 1 < REPLACE_TRIES and not self._stop.wait(REPLACE_PAUSE_S):
+                if self._stop.is_set():  # the run is ending: nothing to replace it for
+                    return
+                if attempt + 1 < REPLACE_TRIES:
                     log.warning("replacing engine slot %d failed (%s); starting over", slot.index,
                                 rec.error.splitlines()[0][:200])
+                    if self._stop.wait(REPLACE_PAUSE_S):
+                        return
                     continue
                 self.error = FleetError(f"could not replace engine slot {slot.index} ({rec.old_url}): {rec.error}")
                 log.error("%s", self.error)
-                return
 
     def _take_engine(self, index: int) -> EngineHandle:
         with self._lock:
