@@ -151,3 +151,30 @@ def test_refuses_rather_than_running_unconfined(monkeypatch):
     monkeypatch.setattr(sandbox_mod.os, "geteuid", lambda: 1000)
     with pytest.raises(SandboxUnavailable, match="needs root.*refusing to run terminal tasks unconfined"):
         Sandbox(SandboxConfig(backend="root"))
+
+
+def test_a_command_killed_from_outside_ends_its_turn_and_the_sandbox_goes_on(sandbox):
+    """A sandbox process SIGKILLed by something else (the OOM killer, an operator, a chaos run) ends that
+    command at once with its signal in the exit status; the episode's next command runs in the same
+    directory, its files intact."""
+    import signal
+
+    assert sandbox.run("echo kept > state.txt").ok
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(r=sandbox.run("sleep 30")))
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not sandbox.processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victims = sandbox.processes()
+    assert victims, "the command never started"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=15)
+    assert not runner.is_alive(), "the killed command did not end its turn"
+    r = result["r"]
+    assert not r.ok and not r.timed_out and r.elapsed_s < 15
+    assert r.exit_code == 128 + signal.SIGKILL and "[exit status 137]" in r.observation()
+    after = sandbox.run("cat state.txt")
+    assert after.ok and after.stdout == "kept\n"
+    assert sandbox.processes() == []
