@@ -97,8 +97,7 @@ def _train_on_the_cluster(cluster: LocalCluster, model_dir: str, out_dir, **over
     return _python(_TRAIN, model_dir, str(out_dir), json.dumps(over))
 
 
-@pytest.mark.parametrize("transport", ["broadcast", *(pytest.param(t, marks=pytest.mark.slow)
-                                                      for t in ("disk_delta", "p2p"))])
+@pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.slow) for t in ("broadcast", "disk_delta", "p2p")])
 def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_model_dir, tmp_path, transport):
     extra = {"sync.delta_dir": str(tmp_path / "deltas")} if transport == "disk_delta" else {}
     summary = _train_on_the_cluster(cluster, tiny_model_dir, tmp_path, **{"sync.transport": transport}, **extra)

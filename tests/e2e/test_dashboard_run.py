@@ -16,6 +16,7 @@ from miles.net import free_port
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_run_with_dashboard_sinks_and_report(tiny_model_dir, tmp_path, ray_cluster):
     from miles.config import load_config
     from miles.config.run import RunConfig

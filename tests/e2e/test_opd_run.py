@@ -66,7 +66,7 @@ def taught_teacher_dir(tiny_model_dir, tmp_path_factory):
     return taught_teacher(tiny_model_dir, tmp_path_factory.mktemp("taught-teacher") / "teacher")
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "fully_async"])
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow) for s in ("sync", "fully_async")])
 def test_pure_distillation_run_reports_reverse_kl_from_the_teacher(tiny_model_dir, teacher_dir, tmp_path,
                                                                    ray_cluster, schedule):
     from miles.orchestration.driver import run_train

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "examples" / "own_task"
 
 
+@pytest.mark.slow
 def test_own_task_example_trains_on_its_dataset_with_its_reward(tiny_model_dir, tmp_path, ray_cluster, monkeypatch):
     from miles.orchestration.driver import run_sft, run_train
 

@@ -167,6 +167,7 @@ def test_a_push_an_engine_stalls_in_for_good_is_rolled_back_and_made_again_witho
             os.kill(stalled.pid, 0)
 
 
+@pytest.mark.slow
 def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after_its_restart(tiny_model_dir):
     """rollout.engine_urls engines: miles cannot restart a dead one, so it routes around it, keeps probing,
     and when its operator has started it again on the same port, pushes it the fleet's weights before
