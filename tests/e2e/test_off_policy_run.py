@@ -11,6 +11,7 @@ from tests.helpers.runs import small_config
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_fully_async_trains_stale_groups_with_decoupled_ppo(tiny_model_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train
 

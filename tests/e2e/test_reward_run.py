@@ -27,6 +27,7 @@ def flaky_digits(sample):
 '''
 
 
+@pytest.mark.slow
 def test_run_with_a_failing_user_reward_completes_and_counts_the_failures(tiny_model_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train
 
