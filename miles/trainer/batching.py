@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles.buffer.types import Group
+from miles.buffer.types import Group, SampleStatus
 from miles.trainer.algorithms.base import Algorithm
 from miles.trainer.types import BatchTotals, TrainSequence
 
@@ -29,12 +29,15 @@ def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[Tra
     """One sequence per sample, with the algorithm's advantages within its group.
 
     A group whose rewards are all equal gets zero advantages from the group-relative algorithms: it
-    adds no gradient to their policy loss but is still trained (and counted as trained)."""
+    adds no gradient to their policy loss but is still trained (and counted as trained). With
+    `mask_truncated`, a truncated sample keeps its place (and its reward in the baseline) but no loss token."""
+    mask_truncated = getattr(algorithm.cfg, "mask_truncated", False)
     seqs = []
     for g in groups:
         for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
+            mask = [0] * len(s.loss_mask) if mask_truncated and s.status is SampleStatus.TRUNCATED else s.loss_mask
             seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
-                                      loss_mask=s.loss_mask, old_logprobs=s.rollout_logprobs, advantage=adv,
+                                      loss_mask=mask, old_logprobs=s.rollout_logprobs, advantage=adv,
                                       routed_experts=s.routed_experts, teacher_logprobs=s.teacher_logprobs))
     return seqs
 

@@ -60,6 +60,9 @@ class AlgorithmConfig:
     """Lower bound of the importance weight (truncate) or of the kept band (mask)."""
     tis_clip_high: float = 2.0
     """Upper bound of the importance weight (truncate) or of the kept band (mask)."""
+    mask_truncated: bool = False
+    """Overlong filtering (DAPO): a sample cut off by a length limit (max_new_tokens, the context, an
+    agent's turn or token budget) adds no loss tokens. Its reward still counts in its group's baseline."""
 
     @classmethod
     def variant(cls, data: dict[str, Any]) -> type["AlgorithmConfig"]:

@@ -33,3 +33,26 @@ def test_clipped_token_loss():
 def test_unknown_algorithm_is_refused():
     with pytest.raises(ValueError, match="choose one of"):
         get_algorithm(AlgorithmConfig(name="nope"))
+
+
+def _sample(reward: float, status, n: int = 3):
+    from miles.buffer.types import Sample
+
+    return Sample(prompt_ids=[1, 2], response_ids=[5] * n, rollout_logprobs=[-0.1] * n, loss_mask=[1] * n,
+                  reward=reward, status=status)
+
+
+def test_mask_truncated_drops_a_cut_off_samples_loss_tokens_but_keeps_its_reward_in_the_baseline():
+    from miles.buffer.types import Group, SampleStatus
+    from miles.trainer.batching import prepare_global_batch, sequences_from_groups
+
+    group = Group(samples=[_sample(1.0, SampleStatus.COMPLETED), _sample(0.0, SampleStatus.TRUNCATED, 4),
+                           _sample(0.0, SampleStatus.COMPLETED), _sample(1.0, SampleStatus.COMPLETED)])
+    plain = sequences_from_groups([group], get_algorithm(AlgorithmConfig()))
+    masked = sequences_from_groups([group], get_algorithm(AlgorithmConfig(mask_truncated=True)))
+    assert [s.loss_mask for s in plain][1] == [1, 1, 1, 1]  # off by default
+    assert [s.loss_mask for s in masked] == [[1, 1, 1], [0, 0, 0, 0], [1, 1, 1], [1, 1, 1]]
+    # The truncated sample's 0 still enters the group's mean and std: the advantages are unchanged.
+    assert [s.advantage for s in masked] == [s.advantage for s in plain] == pytest.approx([1, -1, -1, 1], abs=1e-5)
+    _, totals = prepare_global_batch(masked, get_algorithm(AlgorithmConfig(mask_truncated=True)))
+    assert (totals.loss_tokens, totals.num_seqs) == (9, 3)  # nor does it count in the loss's denominators
