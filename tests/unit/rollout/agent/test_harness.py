@@ -215,6 +215,8 @@ def test_the_example_agent_calls_its_tool_and_scores_its_answer(agent_model_dir,
 
 def test_the_example_run_config_loads():
     cfg = load_config(RunConfig, "examples/harness/grpo.toml", {"model.path": "unused"})
-    assert cfg.rollout.generate_fn == "harness" and cfg.rollout.agent.harness.command.endswith("agent.py")
-    assert cfg.rollout.task.fixed_width and cfg.rollout.max_new_tokens >= 64  # room for a calc call
+    assert cfg.rollout.generate_fn == "harness" and cfg.rollout.agent.harness.function == "examples.harness.agent:episode"
+    # Room for a whole calc call (67 tokens of the example's tokenizer) and its turn end, in rollouts and evals:
+    # a call cut off before its closing tag is no call, and the episode scores 0.
+    assert cfg.rollout.task.fixed_width and cfg.rollout.max_new_tokens >= 68 and cfg.eval.max_new_tokens >= 68
     assert os.path.isabs(cfg.rollout.agent.harness.cwd)  # fixed where the run was configured
