@@ -66,8 +66,8 @@ def _serve(run_dir: str, host: str, port: int) -> int:
     dash = Dashboard(run_dir, host, port).start()
     print(f"dashboard for {run_dir}: {dash.url} (Ctrl-C to stop)", flush=True)
     try:
-        while True:
-            time.sleep(3600)
+        while True:  # short sleeps: Ctrl-C caught by a server thread is handled once the main thread wakes
+            time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:

@@ -583,7 +583,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     print(f"miles sessions at {server.url}: POST {server.url}/sessions to start one", flush=True)
     try:
-        threading.Event().wait()
+        # Short waits, not one endless one: the kernel may hand SIGINT to a server thread, and the main
+        # thread runs Python's handler only once its wait returns.
+        idle = threading.Event()
+        while not idle.wait(0.5):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
