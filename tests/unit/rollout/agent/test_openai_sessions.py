@@ -130,9 +130,12 @@ def test_miles_sessions_command_serves_sessions_an_openai_client_can_drive(agent
     import subprocess
     import sys
 
+    # As from a terminal, where Ctrl-C reaches the process: a shell's background job (a suite started
+    # with `&`) inherits SIGINT ignored, and so would this child.
     proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "sessions", "--engine-url", agent_engine_url,
                              "--tokenizer", agent_model_dir, "--max-tokens", "6"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         assert line.startswith("miles sessions at http://127.0.0.1:"), line
