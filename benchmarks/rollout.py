@@ -3,15 +3,15 @@
 GRPO workload: P prompts x n samples, sampled at temperature 1 with per-sample completion limits drawn
 from a long-tailed distribution (most short, a few reaching max_new_tokens; EOS is ignored so both
 sides produce exactly those lengths). The same prompts and limits go
-  * to miles: one built-in engine process behind the built-in router, every request sent at once
-    through the real client (miles.rollout.generate.generate);
+  * to miles: one built-in engine process behind the built-in router, every group sent at once as one
+    batched /generate of its samples, as `miles train` sends them (miles.rollout.generate.generate_many);
   * to transformers: model.generate() in this process on static batches of `--hf-batch-size`
     samples, each batch running to its longest limit (the static-batching cost), outputs cut to each
     sample's own limit.
 Throughput counts only the tokens each sample asked for. Both sides use one torch thread.
 Raw decode (the ceiling for a batch on this CPU): the same model in a hand-written static-batch KV
-decode loop (one prefill, then one forward per token for the whole batch, multinomial sampling, no
-scheduler, no HTTP), against the engine on the same prompts with uniform lengths (every sample
+decode loop (each distinct prompt prefilled once, then one forward per token for the whole batch
+into a preallocated KV cache, multinomial sampling, no scheduler, no HTTP), against the engine on the same prompts with uniform lengths (every sample
 `--uniform-tokens`, EOS ignored): `raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
 Multi-turn workload: episodes share a system prompt and grow their history turn by turn (TITO: the
 next prompt is the previous prompt + its output ids + the new user turn), routed by episode key.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import random
 import tempfile
@@ -71,44 +72,58 @@ def run_hf(model, prompts, n, limits, batch_size: int, pad_id: int) -> tuple[flo
 
 
 def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[float, int]:
-    """Every sample in one static batch: prefill once, then `new_tokens - 1` single-token forwards
-    reusing the KV cache. Nothing is spent on anything but the model and the sampling."""
+    """Every sample in one static batch: each distinct prompt prefilled once and its KV copied to its n
+    samples, then `new_tokens - 1` single-token forwards whose keys and values are written in place
+    into preallocated room (no per-step copy of the cache). Nothing is spent on anything but the model
+    and the sampling."""
     import torch
 
-    batch = [p for p in prompts for _ in range(n)]
-    L = max(len(p) for p in batch)
-    ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), L), dtype=torch.long)
-    for i, p in enumerate(batch):
+    from miles.rollout.engine.kv_cache import new_cache
+
+    # The cache's keyword in this transformers release, as the engine picks it.
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    L = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), L), dtype=torch.long)
+    for i, p in enumerate(prompts):
         ids[i, L - len(p):] = torch.tensor(p)
         mask[i, L - len(p):] = 1
     t0 = time.perf_counter()
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        past, nxt = out.cache, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
-        last = pos[:, -1:]
+        cache = new_cache(model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                    **{kwarg: cache})
+        rows = torch.arange(len(prompts)).repeat_interleave(n)  # each prompt's KV, once per sample
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            layer.reserve(L + new_tokens)
+        mask, last = mask[rows], pos[rows, -1:]
+        nxt = torch.multinomial(torch.softmax(out.logits[rows, -1].float(), -1), 1)
         for _ in range(new_tokens - 1):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             last = last + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, cache=past, use_cache=True)
-            past, nxt = out.cache, torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
-    return time.perf_counter() - t0, len(batch) * new_tokens
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, use_cache=True, **{kwarg: cache})
+            nxt = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
+    return time.perf_counter() - t0, len(rows) * new_tokens
 
 
 async def run_miles_grpo(url: str, prompts, n, limits, seed: int) -> tuple[float, int]:
+    """Every group at once, each as one batched /generate of its n samples: what `miles train`'s rollout
+    sends (rollout.batch_requests, on by default)."""
     import httpx
 
-    from miles.rollout.generate import SamplingParams, generate
+    from miles.rollout.generate import SamplingParams, generate_many
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as client:
         t0 = time.perf_counter()
-        tasks = [generate(client, url, p, SamplingParams(temperature=1.0, max_new_tokens=limits[i * n + j],
-                                                         seed=seed + i * n + j, ignore_eos=True))
-                 for i, p in enumerate(prompts) for j in range(n)]
-        samples = await asyncio.gather(*tasks)
+        tasks = [generate_many(client, url, [p] * n,
+                               [SamplingParams(temperature=1.0, max_new_tokens=limits[i * n + j], seed=seed + i * n + j,
+                                               ignore_eos=True) for j in range(n)])
+                 for i, p in enumerate(prompts)]
+        groups = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-    tokens = sum(len(s.response_ids) for s in samples)
+    tokens = sum(len(s.response_ids) for g in groups for s in g)
     return wall, tokens
 
 
@@ -146,7 +161,8 @@ def _counters(url: str) -> dict:
 
     st = httpx.get(url + "/get_server_info", timeout=30).json()["engine_stats"]
     return {"prompt": st["prompt_tokens"], "cached": st["cached_tokens"], "busy_s": st["busy_s"],
-            "decode_forwards": st["decode_forwards"]}
+            "decode_forwards": st["decode_forwards"], "prefill_forwards": st["prefill_forwards"],
+            "max_running_reqs": st["max_running_reqs"]}
 
 
 def _flush(url: str) -> None:
@@ -196,12 +212,15 @@ def main(argv=None) -> int:
     model = load_model(model_dir).eval()
     hf_wall = miles_wall = raw_wall = uni_wall = 0.0
     hf_tokens = miles_tokens = raw_tokens = uni_tokens = 0
-    with EngineProcess(model_dir, extra_args=["--num-threads", "1", "--max-batch-size", "256"]) as engine:
+    # Room for every sample of a round at once, as the raw loop's one batch holds them.
+    max_batch = str(max(256, a.prompts * a.samples))
+    with EngineProcess(model_dir, extra_args=["--num-threads", "1", "--max-batch-size", max_batch]) as engine:
         # Its own process, as `miles router` runs: sharing the client's interpreter would make the two
         # take turns on one GIL.
         with RouterProcess([engine.url]) as router:
             asyncio.run(run_miles_grpo(router.url, prompts[:2], 2, [4] * 4, a.seed))  # warm-up
             busy, grpo = 0.0, {"prompt": 0, "cached": 0}
+            uni = {"busy_s": 0.0, "decode_forwards": 0, "prefill_forwards": 0}
             for r in range(a.rounds):
                 torch.manual_seed(a.seed + r)
                 w, t = run_hf(model, prompts, a.samples, limits, a.hf_batch_size, tok.pad_token_id)
@@ -220,9 +239,13 @@ def main(argv=None) -> int:
                 raw_wall, raw_tokens = raw_wall + w, raw_tokens + t
                 print(f"round {r}: raw static-batch decode {t} tokens in {w:.2f}s", flush=True)
                 _flush(engine.url)
+                c0 = _counters(engine.url)
                 w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, [uniform] * len(limits),
                                                   a.seed + 1000 * r + 500))
+                c1 = _counters(engine.url)
                 uni_wall, uni_tokens = uni_wall + w, uni_tokens + t
+                for k in ("busy_s", "decode_forwards", "prefill_forwards"):
+                    uni[k] += c1[k] - c0[k]
                 print(f"round {r}: miles engine, uniform lengths, {t} tokens in {w:.2f}s", flush=True)
             _flush(engine.url)
             c_mt = _counters(engine.url)
@@ -237,6 +260,13 @@ def main(argv=None) -> int:
         "miles_uniform_tokens_per_s": round(uni_tokens / uni_wall, 1),
         "raw_decode_fraction": round((uni_tokens / uni_wall) / (raw_tokens / raw_wall), 3),
         "uniform_tokens": uniform,
+        # Where the engine's uniform rounds went: a batch admitted at once decodes uniform - 1 steps
+        # after one prefill; requests that arrive while it runs add prefills (merges) and steps.
+        "uniform_breakdown": {"wall_s": round(uni_wall, 2), "engine_busy_s": round(uni["busy_s"], 2),
+                              "decode_forwards": uni["decode_forwards"],
+                              "prefill_forwards": uni["prefill_forwards"],
+                              "decode_forwards_if_admitted_at_once": (uniform - 1) * a.rounds,
+                              "raw_decode_wall_s": round(raw_wall, 2)},
         "grpo_prefix_cache_hit_rate": round(grpo["cached"] / grpo["prompt"], 3),
         "multi_turn_prefix_cache_hit_rate": round(_hit_rate(c_mt, c2), 3),
         "miles_wall_s": round(miles_wall, 2),

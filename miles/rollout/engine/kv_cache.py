@@ -61,18 +61,24 @@ class GrowingLayer(DynamicLayer):
         self.values = value_states.new_zeros((B, H, 0, value_states.shape[-1]))
         self.is_initialized = True
 
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` columns in all, so appends up to it copy nothing already held."""
+        L = self._len
+        if capacity <= self._k.shape[-2]:
+            return
+        k, v = self._k, self._v
+        self._k = k.new_empty(k.shape[:2] + (capacity, k.shape[3]))
+        self._v = v.new_empty(v.shape[:2] + (capacity, v.shape[3]))
+        self._k[:, :, :L] = k[:, :, :L]
+        self._v[:, :, :L] = v[:, :, :L]
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         L, n = self._len, key_states.shape[-2]
         if L + n > self._k.shape[-2]:
             # Half again as much headroom: a long decode reallocates O(log L) times, not every step.
-            cap = L + n + max(64, L // 2)
-            k, v = self._k, self._v
-            self._k = k.new_empty(k.shape[:2] + (cap, k.shape[3]))
-            self._v = v.new_empty(v.shape[:2] + (cap, v.shape[3]))
-            self._k[:, :, :L] = k[:, :, :L]
-            self._v[:, :, :L] = v[:, :, :L]
+            self.reserve(L + n + max(64, L // 2))
         self._k[:, :, L:L + n] = key_states
         self._v[:, :, L:L + n] = value_states
         self._len = L + n
