@@ -96,8 +96,12 @@ class TrainContext:
             return self.fleet.push(lambda: self.trainer.sync_weights(version))
 
     def engine_memory(self, action: str) -> None:
-        """Colocated turn-taking on the engine side (release before training, resume after)."""
-        if not self.call(self.rollout.engine_memory, action) and not self._memory_warned:
+        """Colocated turn-taking on the engine side (release before training, resume after), of the
+        memory kinds placement.release_memory names; none named, nothing to ask."""
+        tags = self.cfg.placement.release_memory
+        if not tags:
+            return
+        if not self.call(self.rollout.engine_memory, action, list(tags)) and not self._memory_warned:
             self._memory_warned = True
             log("colocated: the engines do not offer /release_memory_occupation; they keep their memory "
                 "while the trainer works")

@@ -9,7 +9,7 @@ Cores, within a node: disaggregated (default): engines and trainer get disjoint 
 run concurrently. On CPU a pool is a set of cores; each process pins its threads to its pool's cores
 (only where both pools may share a node; pools on nodes of their own keep every core of it).
 colocated: both get every core and take turns (sync schedule only): while the trainer works the
-engines release their memory (/release_memory_occupation). The trainer keeps its parameters
+engines release their memory (/release_memory_occupation; `release_memory` says which kinds). The trainer keeps its parameters
 between steps (it pushes them right after training); its optimizer state can live off the device
 between steps (trainer.offload_optimizer).
 Non-goals: starting nodes (`ray start`), autoscaling, GPU bundles.
@@ -18,7 +18,7 @@ Non-goals: starting nodes (`ray start`), autoscaling, GPU bundles.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.config.loader import ConfigError
@@ -29,6 +29,11 @@ class PlacementConfig:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     """disaggregated: engines and trainer on separate device pools; colocated: they share all devices
     and take turns (sync schedule only)."""
+    release_memory: list[str] = field(default_factory=lambda: ["weights", "kv_cache"])
+    """colocated: what the engines free while the trainer works (SGLang's memory tags: weights,
+    kv_cache). An empty list keeps both: on a host with memory for engines and trainer at once
+    (a CPU machine, where the released weights go to a file) that skips writing and reading the
+    engine's weights back every step."""
     pin_cpus: bool = True
     """On CPU, pin engine and trainer processes to disjoint cores."""
     engine_cpu_fraction: float = 0.5
@@ -49,6 +54,10 @@ class PlacementConfig:
                               f"{self.trainer_nodes!r} and placement.engine_nodes = {self.engine_nodes!r} name "
                               "different nodes: name the same resource in both, or set placement.mode = "
                               "'disaggregated'")
+        bad = [t for t in self.release_memory if t not in ("weights", "kv_cache")]
+        if bad:
+            raise ConfigError(f"placement.release_memory: {bad[0]!r} is not a memory kind; use weights, kv_cache "
+                              "or both (an empty list keeps the engines' memory)")
         if self.timeout_s <= 0:
             raise ConfigError(f"placement.timeout_s = {self.timeout_s}: set it > 0 (seconds)")
 

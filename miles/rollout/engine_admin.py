@@ -28,11 +28,13 @@ class EngineAdmin:
         """The serving engines changed (one replaced, added or removed); admin calls follow them."""
         self.urls = list(urls)
 
-    def memory(self, action: Literal["release", "resume"]) -> bool:
-        """Ask every engine to release (or take back) its memory; False when they do not offer it."""
+    def memory(self, action: Literal["release", "resume"], tags: list[str] | None = None) -> bool:
+        """Ask every engine to release (or take back) its memory, the kinds in `tags` (None: all); False
+        when they do not offer it."""
         ok = True
+        body = {} if tags is None else {"tags": list(tags)}
         for url in self.urls:
-            r = httpx.post(f"{url}/{action}_memory_occupation", json={}, headers=self.headers, timeout=120)
+            r = httpx.post(f"{url}/{action}_memory_occupation", json=body, headers=self.headers, timeout=120)
             if r.status_code == 404:
                 ok = False
             elif r.status_code != 200:

@@ -148,12 +148,13 @@ class RolloutManager:
         self.buffer.source.load_state_dict(source)
 
     # -- engine admin ----------------------------------------------------------------------------
-    def engine_memory(self, action: Literal["release", "resume"]) -> bool:
-        """Colocated turn-taking: ask every engine to release (or take back) its memory.
+    def engine_memory(self, action: Literal["release", "resume"], tags: list[str] | None = None) -> bool:
+        """Colocated turn-taking: ask every engine to release (or take back) its memory (`tags`: the
+        kinds, None for all).
 
         Returns False when the engines do not offer the endpoint, so the caller can say so.
         """
-        return self.admin.memory(action)
+        return self.admin.memory(action, tags)
 
     def pause_engines(self, mode: str) -> None:
         """Pause every engine for a weight push (abort | retract | in_place, the engine's pause modes)."""

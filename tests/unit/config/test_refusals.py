@@ -59,6 +59,7 @@ def refusal(overrides: dict[str, str], path=None) -> str:
     ("sync.timeout_s", "-1", "> 0"),
     ("eval.max_new_tokens", "0", "set it >= 1"),
     ("rollout.engine.tool_call_parser", "bogus", "choose one of hermes"),
+    ("placement.release_memory", "weights,gpu", "use weights, kv_cache or both"),
 ])
 def test_impossible_values_are_refused_naming_key_and_fix(model_dir, key, value, fix):
     msg = refusal({"model.path": model_dir, key: value})

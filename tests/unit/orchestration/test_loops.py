@@ -74,8 +74,8 @@ class Rollout:
     def continue_engines(self) -> None:
         self.events.append(("continue",))
 
-    def engine_memory(self, action: str) -> bool:
-        self.events.append(("memory", action))
+    def engine_memory(self, action: str, tags: list[str] | None = None) -> bool:
+        self.events.append(("memory", action) if tags == ["weights", "kv_cache"] else ("memory", action, tags))
         return True
 
     def start_producer(self) -> None:
@@ -174,6 +174,15 @@ def test_colocated_sync_hands_the_cores_over_around_the_train_step(tmp_path):
     events, _ = run("sync", tmp_path, placement__mode="colocated")
     first = [e for e in events[:events.index(("push", 1)) + 1] if e[0] in ("memory", "train", "push")]
     assert first == [("memory", "release"), ("train", [0]), ("memory", "resume"), ("push", 1)]
+
+
+def test_colocated_engines_release_only_the_memory_kinds_named_and_nothing_when_none_are(tmp_path):
+    events, _ = run("sync", tmp_path / "kv", placement__mode="colocated", placement__release_memory=["kv_cache"])
+    first = [e for e in events[:events.index(("push", 1)) + 1] if e[0] in ("memory", "train", "push")]
+    assert first == [("memory", "release", ["kv_cache"]), ("train", [0]), ("memory", "resume", ["kv_cache"]),
+                     ("push", 1)]
+    events, _ = run("sync", tmp_path / "none", placement__mode="colocated", placement__release_memory=[])
+    assert kinds(events, "memory") == [] and kinds(events, "push") == [("push", k) for k in (1, 2, 3, 4)]
 
 
 def test_one_step_off_generates_the_next_batch_before_training_the_current_one(tmp_path):
