@@ -11,8 +11,8 @@ sides produce exactly those lengths). The same prompts and limits go
 Throughput counts only the tokens each sample asked for. Both sides use one torch thread.
 Raw decode (the ceiling for a batch on this CPU): the same model in a hand-written static-batch KV
 decode loop (each distinct prompt prefilled once, then one forward per token for the whole batch
-into a preallocated KV cache, multinomial sampling, no scheduler, no HTTP), against the engine on the same prompts with uniform lengths (every sample
-`--uniform-tokens`, EOS ignored): `raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
+into a preallocated KV cache, multinomial sampling, no scheduler, no HTTP), against the engine on
+the same prompts with uniform lengths (every sample `--uniform-tokens`, EOS ignored): `raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
 Multi-turn workload: episodes share a system prompt and grow their history turn by turn (TITO: the
 next prompt is the previous prompt + its output ids + the new user turn), routed by episode key.
 Prefix-cache hit rates are read from the engine's counters around each workload.

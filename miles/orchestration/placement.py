@@ -9,9 +9,9 @@ Cores, within a node: disaggregated (default): engines and trainer get disjoint 
 run concurrently. On CPU a pool is a set of cores; each process pins its threads to its pool's cores
 (only where both pools may share a node; pools on nodes of their own keep every core of it).
 colocated: both get every core and take turns (sync schedule only): while the trainer works the
-engines release their memory (/release_memory_occupation; `release_memory` says which kinds). The trainer keeps its parameters
-between steps (it pushes them right after training); its optimizer state can live off the device
-between steps (trainer.offload_optimizer).
+engines release their memory (/release_memory_occupation; `release_memory` says which kinds). The
+trainer keeps its parameters between steps (it pushes them right after training); its optimizer
+state can live off the device between steps (trainer.offload_optimizer).
 Non-goals: starting nodes (`ray start`), autoscaling, GPU bundles.
 """
 
