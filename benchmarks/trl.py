@@ -75,7 +75,8 @@ UNMATCHED = [
     "generation dtype and kernels: miles' built-in engine (float32, its own KV cache and batching) vs "
     "transformers.generate() on the training model",
     "threads: TRL one process with every core; miles sync engine and trainer each with every core, "
-    "taking turns; miles fully_async half the cores each",
+    "taking turns (colocated; the engines keep their memory meanwhile, placement.release_memory = []); "
+    "miles fully_async half the cores each",
     "fully_async trains groups in the order they finish (staleness <= --max-staleness, TIS truncate "
     "on the stale ones); TRL and miles sync train each step's prompts on the current policy",
     "old-policy logprobs: miles takes them from the trainer's forward pass; TRL with one iteration per "
@@ -140,37 +141,43 @@ def evaluate(model_dir: str, prompts, reward, max_new_tokens: int, batch: int = 
 
 def long_format_sft(sft_model: str, out: Path, steps: int, max_new_tokens: int, seed: int) -> str:
     """Teach the long format on top of the SFT checkpoint: answer, then `=answer` repeated a Pareto
-    number of times, then EOS. Loss on response tokens only; returns the new checkpoint's folder."""
+    number of times, then EOS. Loss on response tokens only, with the answer weighing as much as
+    everything after it: the repeats are copies (easy tokens, many of them), and under a plain token
+    mean they drown the arithmetic the answer needs. Returns the new checkpoint's folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     tok = AutoTokenizer.from_pretrained(sft_model)
     model = AutoModelForCausalLM.from_pretrained(sft_model, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     demos = train_prompts(sft_model, seed + 7, steps * 16)  # a stream apart from the GRPO prompts
     for step in range(steps):
-        rows, labels = [], []
+        rows, kinds = [], []  # kinds per token: 0 prompt/pad, 1 the answer, 2 what follows it
         for j, p in enumerate(demos[step * 16:(step + 1) * 16]):
             length = min(max_new_tokens, long_tail_length(4 * max_new_tokens, seed * 1_000_003 + step * 16 + j))
             repeats = max(0, (length - len(p.label)) // (len(p.label) + 1))
             prompt = tok(p.text, add_special_tokens=False).input_ids
-            response = tok(p.label + f"={p.label}" * repeats, add_special_tokens=False).input_ids
-            response = response[:max_new_tokens - 1] + [tok.eos_token_id]
+            answer = tok(p.label, add_special_tokens=False).input_ids
+            rest = tok(f"={p.label}" * repeats, add_special_tokens=False).input_ids if repeats else []
+            response = (answer + rest)[:max_new_tokens - 1] + [tok.eos_token_id]
             rows.append(prompt + response)
-            labels.append([-100] * len(prompt) + response)
+            kinds.append([0] * len(prompt) + [1] * len(answer) + [2] * (len(response) - len(answer)))
         width = max(len(r) for r in rows)
         ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-        lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-        mask = (lab != -100) | (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None])
-        loss = model(input_ids=ids, attention_mask=mask.long(), labels=lab).loss
+        kind = torch.tensor([k + [0] * (width - len(k)) for k in kinds])
+        mask = torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]
+        logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        target = kind[:, 1:]
+        loss = sum(nll[target == k].mean() for k in (1, 2) if (target == k).any())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         if step % 20 == 0 or step == steps - 1:
-            print(f"[bench trl] long-format SFT step {step + 1}/{steps}: nll {loss.item():.3f}", file=sys.stderr,
-                  flush=True)
+            answer_nll = nll[target == 1].mean().item()
+            print(f"[bench trl] long-format SFT step {step + 1}/{steps}: answer nll {answer_nll:.3f}, "
+                  f"total {loss.item():.3f}", file=sys.stderr, flush=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
@@ -252,8 +259,10 @@ def run_miles(w: dict, out: Path, schedule: str, seed: int, max_staleness: int) 
             "trainer.lr": str(w["lr"]), "buffer.filter": w["filter"], "eval.every_steps": "0", "eval.num_prompts": "8",
             "eval.max_new_tokens": str(w["eval_new_tokens"]), "metrics.progress": "plain"}
     if schedule == "sync":
+        # Every core to each side in turn; the engines keep their memory while the trainer works, as
+        # TRL keeps its one model (this machine holds both, and releasing writes the weights to a file).
         over.update({"placement.mode": "colocated", "rollout.engine.num_threads": str(cores),
-                     "trainer.num_threads": str(cores)})
+                     "trainer.num_threads": str(cores), "placement.release_memory": ""})
     else:
         half = str(max(1, cores // 2))
         over.update({"loop.schedule": "fully_async", "placement.mode": "disaggregated",
@@ -379,7 +388,8 @@ def main(argv=None) -> int:
     unmatched = UNMATCHED if args.miles_filter == "nonzero_std" else UNMATCHED[1:]
     matched = MATCHED if args.miles_filter == "nonzero_std" else [
         *MATCHED, "zero-variance groups: kept and trained on both sides (--miles-filter none)"]
-    line.update({"matched_settings": matched, "unmatched_settings": unmatched, "trl_version": TRL_VERSION, "eval_prompts": args.eval_prompts,
+    line.update({"matched_settings": matched, "unmatched_settings": unmatched, "trl_version": TRL_VERSION,
+                 "eval_prompts": args.eval_prompts,
                  "cores": ncores(), "sft_model": sft_model, "long_model": long_model or None,
                  "wall_s": time.perf_counter() - t_start})
     print(json.dumps(line), flush=True)
