@@ -392,7 +392,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--sync-mib", type=_floats, default=[16.0, 64.0, 256.0, 1024.0],
                    help="model sizes in MiB of bf16 weights (the nearest whole number of layers)")
     p.add_argument("--sync-width", type=int, default=512, help="hidden size of the sync models")
-    p.add_argument("--sync-engines", type=int, default=2, help="engines each sync model is pushed to")
+    p.add_argument("--sync-engines", type=int, default=1,
+                   help="engines each sync model is pushed to (every size's fleet lives for the whole curve: "
+                        "two engines per size up to 1 GiB hold more than 24 GiB)")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes per transport and size (median)")
     p.add_argument("--bucket-mb", type=int, default=512)
     p.add_argument("--train-batches", type=_ints, default=[8, 16, 32, 64, 128], help="sequences per step")
