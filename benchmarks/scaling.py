@@ -378,6 +378,46 @@ QUICK = {"max_concurrency": 8, "new_tokens": 8, "context": [16, 64, 128], "conte
          "async_ratios": [0.5, 1.0, 2.0], "async_train_s": 0.1, "async_steps": 5, "async_pps": 4}
 
 
+def plot(outputs: list[str], out_dir: str) -> list[Path]:
+    """One PNG per curve from saved outputs of this benchmark (its stdout, one file per run): each run's
+    points and its fitted line, on linear axes (a line stays a line). Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [[json.loads(line) for line in Path(f).read_text().splitlines() if line.startswith('{"curve"')]
+            for f in outputs]
+    names = list(dict.fromkeys(c["curve"] for lines in runs for c in lines))
+    if not names:
+        raise ValueError(f"no curve lines in {', '.join(outputs)}: pass files holding this benchmark's output")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names:
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for i, lines in enumerate(runs):
+            curve = next((c for c in lines if c["curve"] == name), None)
+            if curve is None:
+                continue
+            xs, ys = [p[0] for p in curve["points"]], [p[1] for p in curve["points"]]
+            fit = curve["fit"]
+            dots = ax.plot(xs, ys, "o", label=f"run {i + 1}: {fit['fixed']:.3g} + {fit['per_unit']:.3g} x")
+            grid = [min(xs) + (max(xs) - min(xs)) * k / 200 for k in range(201)]
+            # The speedup is fitted in the overlap min(r, 1/r), not in the ratio the points are drawn at.
+            at = (lambda r: min(r, 1 / r)) if name == "async_speedup" else (lambda r: r)
+            ax.plot(grid, [fit["fixed"] + fit["per_unit"] * at(x) for x in grid], "-", color=dots[0].get_color())
+        ax.set_xlabel(curve.get("x", fit["unit"]))
+        ax.set_ylabel(curve["y"])
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = Path(out_dir) / f"scaling_{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="miles bench scaling", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes of every curve (a smoke run, minutes)")
@@ -404,6 +444,9 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument("--async-steps", type=int, default=20)
     p.add_argument("--async-pps", type=int, default=8, help="groups per step in the simulation")
     p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--plot-from", default="", help="measure nothing: plot the curves of saved outputs of this "
+                   "benchmark (comma-separated files, one run each) into --plot-dir")
+    p.add_argument("--plot-dir", default="scaling-plots", help="where --plot-from writes one PNG per curve")
     a = p.parse_args(argv)
     if a.quick:
         explicit = {arg.split("=")[0].lstrip("-").replace("-", "_") for arg in (argv or []) if arg.startswith("--")}
@@ -429,6 +472,10 @@ def parse(argv) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.plot_from:
+        for path in plot([f for f in a.plot_from.split(",") if f], a.plot_dir):
+            print(path)
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 

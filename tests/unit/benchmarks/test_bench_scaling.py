@@ -69,3 +69,23 @@ def test_simulated_fully_async_overlaps_rollout_and_training_on_the_real_buffer(
     wall, dropped = bench._simulated_fully_async(0.1, 0.1, pps=2, steps=6, max_staleness=2)
     assert dropped == 0
     assert 0.6 <= wall < 1.15  # in turn: 1.2 s
+
+
+def test_plot_draws_one_png_per_curve_from_saved_runs_and_refuses_a_file_without_curves(tmp_path):
+    def run(slope: float) -> str:
+        lines = ["[bench scaling] log lines are skipped",
+                 json.dumps({"curve": "sync_p2p", "points": [[16, 0.01], [256, 0.1]], "y": "s per push",
+                             "fit": bench.fit_line([[16, 0.01], [256, 0.1 * slope]], "MiB")}),
+                 json.dumps({"curve": "async_speedup", "points": [[0.5, 1.5], [1, 1.9], [2, 1.5]], "y": "speedup",
+                             "x": "rollout_s / train_s", "fit": bench.fit_line([[0.5, 1.5], [1, 1.9]], "overlap")})]
+        path = tmp_path / f"run{slope}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+
+    written = bench.plot([run(1.0), run(1.2)], str(tmp_path / "plots"))
+    assert [p.name for p in written] == ["scaling_sync_p2p.png", "scaling_async_speedup.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000 for p in written)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("nothing here\n")
+    with pytest.raises(ValueError, match="no curve lines"):
+        bench.plot([str(empty)], str(tmp_path / "none"))
