@@ -76,8 +76,10 @@ def wait_until_running(url: str, timeout: float = 20.0) -> None:
     raise AssertionError("the engine never started decoding")
 
 
-def abort_until_seen(m, url: str, timeout: float = 20.0) -> None:
-    """Abort everything the engine is decoding until one group comes back aborted."""
+def abort_until_seen(m, url: str, timeout: float = 60.0) -> None:
+    """Abort everything the engine is decoding until one group comes back aborted. An abort can land
+    between two requests of a group and catch nothing (more often on a loaded machine), so it is
+    tried again until one lands."""
     deadline = time.monotonic() + timeout
     while m.buffer.ledger.events["retried_aborted"] == 0:
         assert time.monotonic() < deadline, "no abort reached a group"
