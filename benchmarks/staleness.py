@@ -6,7 +6,8 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
   cells   fully_async at each `buffer.max_staleness` s in --staleness, with each objective in --only:
             grpo_tis       GRPO with truncated importance sampling (`tis_mode = "truncate"`)
             decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`)
-          each for as many steps as it takes to train the samples the sync run trained.
+          each for as many steps as it takes to train the samples the sync run trained (or, with
+          --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
 
 Making the staleness happen. The bound only caps staleness; what a group actually lags by is how far
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--sft-model", default="", help="start from this warm-started checkpoint (skips the SFT)")
     p.add_argument("--sft-steps", type=int, default=None, help="cap on the SFT steps (default: sft.toml's)")
     p.add_argument("--preset", default="small-qwen3", help="model preset of the warm start (the example's)")
+    p.add_argument("--match", default="samples", choices=("samples", "updates"),
+                   help="what every cell shares with the sync run: its trained samples (the default; cells make "
+                        "fewer, fuller updates) or its number of optimizer updates (cells then train more samples)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
     objectives = [n for n in args.only.split(",") if n] or list(OBJECTIVES)
@@ -172,7 +176,9 @@ def main(argv=None) -> int:
         sync.append(fig)
         print(f"[bench staleness] sync seed {seed}: {json.dumps(fig)}", file=sys.stderr, flush=True)
         # Equal trained samples: sync trains only the groups its filter keeps, so it may need fewer steps.
-        steps = steps_for_samples(fig["trained_samples"], pps, args.samples_per_prompt)
+        # Equal updates: as many optimizer steps as sync made, each a full step of kept groups.
+        steps = (steps_for_samples(fig["trained_samples"], pps, args.samples_per_prompt) if args.match == "samples"
+                 else args.steps)
         for s, objective in cells:
             name = f"{objective}-s{s}-seed{seed}"
             cell = figures(*rl_run(sft_model, out, name, {**seeded, **cell_overrides(s, objective, pps, steps)}))
@@ -180,7 +186,7 @@ def main(argv=None) -> int:
             print(f"[bench staleness] {name}: {json.dumps(cell)}", file=sys.stderr, flush=True)
     ray.shutdown()
     line = table(sync, cells)
-    line.update({"steps": args.steps, "seeds": seeds, "prompts_per_step": pps,
+    line.update({"steps": args.steps, "match": args.match, "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,
                  "sync_runs": sync, "wall_s": time.perf_counter() - t0})
     print(json.dumps(line), flush=True)
