@@ -12,7 +12,8 @@ Throughput counts only the tokens each sample asked for. Both sides use one torc
 Raw decode (the ceiling for a batch on this CPU): the same model in a hand-written static-batch KV
 decode loop (each distinct prompt prefilled once, then one forward per token for the whole batch
 into a preallocated KV cache, multinomial sampling, no scheduler, no HTTP), against the engine on
-the same prompts with uniform lengths (every sample `--uniform-tokens`, EOS ignored): `raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
+the same prompts with uniform lengths (every sample `--uniform-tokens`, EOS ignored):
+`raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
 Multi-turn workload: episodes share a system prompt and grow their history turn by turn (TITO: the
 next prompt is the previous prompt + its output ids + the new user turn), routed by episode key.
 Prefix-cache hit rates are read from the engine's counters around each workload.
@@ -161,8 +162,7 @@ def _counters(url: str) -> dict:
 
     st = httpx.get(url + "/get_server_info", timeout=30).json()["engine_stats"]
     return {"prompt": st["prompt_tokens"], "cached": st["cached_tokens"], "busy_s": st["busy_s"],
-            "decode_forwards": st["decode_forwards"], "prefill_forwards": st["prefill_forwards"],
-            "max_running_reqs": st["max_running_reqs"]}
+            "decode_forwards": st["decode_forwards"], "prefill_forwards": st["prefill_forwards"]}
 
 
 def _flush(url: str) -> None:

@@ -76,13 +76,8 @@ def fit_line(points: list[list[float]] | list[tuple[float, float]], unit: str) -
     """Least-squares y = fixed + per_unit * x over (x, y) points, with r2 (1 on a perfect line)."""
     if len(points) < 2 or len({x for x, _ in points}) < 2:
         raise ValueError(f"a line needs points at two or more distinct x, got {points}: measure more sizes")
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    sxy = sum((x - mx) * (y - my) for x, y in points)
-    per_unit = sxy / sxx
-    fixed = my - per_unit * mx
+    per_unit, fixed = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    my = statistics.fmean(y for _, y in points)
     ss_res = sum((y - fixed - per_unit * x) ** 2 for x, y in points)
     ss_tot = sum((y - my) ** 2 for _, y in points)
     # A flat series leaves no spread to explain, and its flat line passes through every point.

@@ -31,7 +31,7 @@ def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[Tra
     A group whose rewards are all equal gets zero advantages from the group-relative algorithms: it
     adds no gradient to their policy loss but is still trained (and counted as trained). With
     `mask_truncated`, a truncated sample keeps its place (and its reward in the baseline) but no loss token."""
-    mask_truncated = getattr(algorithm.cfg, "mask_truncated", False)
+    mask_truncated = algorithm.cfg.mask_truncated
     seqs = []
     for g in groups:
         for s, adv in zip(g.samples, algorithm.advantages(g.rewards)):
