@@ -107,7 +107,8 @@ class ColocatedTransport:
 # ---- engine side ----------------------------------------------------------------------------------
 
 _TENSOR_FIELDS = {"load_format", "shm_path", "names", "dtypes", "shapes", "offsets", "commit", "weight_version",
-                  "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors", "swap_buffers"}
+                  "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors", "swap_buffers",
+                  "screened"}
 
 
 class ColocatedReceiver(TransportReceiver):
@@ -141,7 +142,7 @@ class ColocatedReceiver(TransportReceiver):
                 raise WeightUpdateError("shm_path: send the path of the shared-memory buffer holding the bucket")
             try:
                 self.receive_shm(path, names, api.list(body, "dtypes"), api.list(body, "shapes"),
-                                 api.list(body, "offsets"))
+                                 api.list(body, "offsets"), screened=api.flag(body, "screened", False))
             except WeightUpdateError:
                 if api.flag(body, "commit", False):
                     self.weights.reset_staging()
@@ -149,8 +150,10 @@ class ColocatedReceiver(TransportReceiver):
         return api.finish(body, f"staged {len(names)} tensors")
 
     def receive_shm(self, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                    offsets: list[int]) -> None:
-        """Stage one bucket from a shared-memory buffer (one this engine lent, or a sender's)."""
+                    offsets: list[int], screened: bool = False) -> None:
+        """Stage one bucket from a shared-memory buffer (one this engine lent, or a sender's).
+        screened: the sender found no NaN/Inf in the bytes it wrote into a buffer this engine lent it,
+        so they are not read again here (a buffer someone else owns is always screened)."""
         import torch
 
         if not names:
@@ -187,7 +190,8 @@ class ColocatedReceiver(TransportReceiver):
                 chunk = buf[off:end] if own else w.buffer(end - off).copy_(buf[off:end])
                 received[name] = chunk.view(dtype).reshape(shape)
             del buf
-            err = w.validate(received)
+            # Only the sender writes into a lent buffer, and it screened every byte as it wrote them.
+            err = w.validate(received, set() if screened and own else None)
             if err is not None:
                 raise w.fail(err)
             w.stage(received, owned=not own, lent=path if own else None)

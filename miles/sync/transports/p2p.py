@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -155,25 +156,32 @@ class P2PTransport:
             self._layout[k] += meta[k]
         self._cursor = start + nbytes
 
-        def to_shm(url: str) -> None:
-            path, buf = self._shm[url]
-            if buf.numel() < start + nbytes:
-                # Stage what the old buffer holds (it stays mapped on the engine until commit), then
-                # take a bigger one, with headroom so that this happens about once per run.
-                self._client.post(url, "/update_weights_from_tensor", {
-                    **announced, "shm_path": path, "load_format": "shm", "commit": False, "reset_staging": reset})
-                self._client.post(url, "/p2p_close_buffer", {"shm_path": path})
-                r = self._client.post(url, "/p2p_open_buffer", {"nbytes": (start + nbytes) * 5 // 4})
-                path, size = r["shm_path"], r.get("nbytes", (start + nbytes) * 5 // 4)
-                if size < start + nbytes:
-                    raise TransportError(f"engine {url}: lent a buffer of {size} bytes, smaller than this version "
-                                         f"needs ({start + nbytes} bytes): is the sender's model the engine's?")
-                buf = shm.attach(path, size)[:size]
-                self._shm[url] = (path, buf)
-            shm.write_bucket(buf, bucket, offsets)
+        def grow(url: str) -> None:
+            # Stage what the old buffer holds (it stays mapped on the engine until commit), then take a
+            # bigger one, with headroom so that this happens about once per run.
+            path, _ = self._shm[url]
+            self._client.post(url, "/update_weights_from_tensor", {
+                **announced, "shm_path": path, "load_format": "shm", "commit": False, "reset_staging": reset,
+                "screened": True})
+            self._client.post(url, "/p2p_close_buffer", {"shm_path": path})
+            r = self._client.post(url, "/p2p_open_buffer", {"nbytes": (start + nbytes) * 5 // 4})
+            path, size = r["shm_path"], r.get("nbytes", (start + nbytes) * 5 // 4)
+            if size < start + nbytes:
+                raise TransportError(f"engine {url}: lent a buffer of {size} bytes, smaller than this version "
+                                     f"needs ({start + nbytes} bytes): is the sender's model the engine's?")
+            self._shm[url] = (path, shm.attach(path, size)[:size])
 
-        jobs = [lambda u=u: to_shm(u) for u in self._shm] + [lambda t=t: t.send_bucket(bucket)
-                                                               for t in self._tcp.values()]
+        def to_shm() -> None:
+            for url in [u for u, (_, buf) in self._shm.items() if buf.numel() < start + nbytes]:
+                grow(url)
+            # One pass writes every engine's copy and screens the bytes for NaN/Inf: engines adopt a
+            # lent buffer without reading it again (the commit says `screened`).
+            bufs = [buf for _, buf in self._shm.values()]
+            bad = shm.write_copies(bufs, bucket, offsets, threads=min(len(bufs), os.cpu_count() or 1))
+            if bad:
+                raise TransportError(f"tensor {bad[0]!r} contains NaN or Inf; nothing of this version is applied")
+
+        jobs = ([to_shm] if self._shm else []) + [lambda t=t: t.send_bucket(bucket) for t in self._tcp.values()]
         try:
             self._client.run_all(jobs)
         except TransportError as exc:
@@ -202,7 +210,7 @@ class P2PTransport:
             raise TransportError(f"not committing weight version {weight_version}: a bucket of it failed ({why}); "
                                  "engines keep their previous weights")
         body = {**layout, "load_format": "shm", "commit": True, "weight_version": to_wire(weight_version),
-                "reset_staging": fresh, "swap_buffers": True}
+                "reset_staging": fresh, "swap_buffers": True, "screened": True}
         replies, *_ = self._client.run_all(
             [lambda: self._client.post_all(shm_urls, "/update_weights_from_tensor",
                                            lambda _i, url: {**body, "shm_path": self._shm[url][0]})]
