@@ -87,6 +87,10 @@ def named_bf16(model):
     return out
 
 
+# Untimed pushes of a transport before each timed one (see Fleet.measure).
+SETTLE_PUSHES = 2
+
+
 def time_push(transport, named, version: int, bucket_bytes: int, parts: list | None = None) -> float:
     """Seconds for one whole push; `parts` gets its split (bucket sends, then the commit)."""
     from miles.sync.prepare import push_weights
@@ -212,6 +216,12 @@ class Fleet:
     def measure(self, method: str, version: int, timed: bool) -> int:
         """One push of `method` (a transport, the raw broadcast or the copy); returns the last version used."""
         if method in self.transports:
+            # Two untimed pushes first: a run pushes every version with one transport, so its engines
+            # receive into what that transport's earlier versions left them (a broadcast's two receive
+            # buffers alternate, p2p's lent buffers swap), not into what another transport left.
+            for _ in range(SETTLE_PUSHES):
+                version += 1
+                time_push(self.transports[method], self.named, version, self.bucket_bytes)
             version += 1
             s = time_push(self.transports[method], self.named, version, self.bucket_bytes,
                           self.parts[method] if timed else None)

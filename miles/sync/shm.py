@@ -145,63 +145,6 @@ def write_bucket(buf: "torch.Tensor", bucket, offsets: list[int]) -> None:
             buf[off:off + n].copy_(t.detach().contiguous().reshape(-1).view(_uint8()))
 
 
-# Bytes copied per step of write_copies: small enough that the chunk read for the first destination
-# is still in cache for the next ones and for the NaN/Inf screen, large enough that the Python loop
-# around the copies costs little (1 MiB measured best on a 2 MiB-L2 CPU).
-CHUNK_BYTES = 1 << 20
-
-
-def write_copies(bufs: list["torch.Tensor"], bucket, offsets: list[int], threads: int = 1) -> list[str]:
-    """Copy every tensor's bytes into each buffer of `bufs` at its offset, and screen floating-point
-    tensors for NaN/Inf on the way; returns the names of those holding any.
-
-    Each chunk of the source is read from memory once: the copies after the first and the screen find
-    it in cache, so N destinations plus the screen cost about N copies, where separate copies and a
-    separate screen pass would read the source N + 1 times. `threads` share the chunks (copies and
-    sums release the GIL)."""
-    import threading
-
-    import torch
-
-    chunks = []  # (tensor index, first byte, end byte) within the tensor
-    for i, (_, t) in enumerate(bucket):
-        n = t.numel() * t.element_size()
-        chunks += [(i, lo, min(n, lo + CHUNK_BYTES)) for lo in range(0, n, CHUNK_BYTES)]
-    srcs = [t.detach().contiguous().reshape(-1) for _, t in bucket]
-    raw = [s.view(torch.uint8) for s in srcs]
-    suspect: set[int] = set()
-    errors: list[BaseException] = []
-
-    def run(part) -> None:
-        try:
-            copy(part)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
-            errors.append(exc)
-
-    def copy(part) -> None:
-        for i, lo, hi in part:
-            src, off = raw[i][lo:hi], offsets[i]
-            for buf in bufs:
-                buf[off + lo:off + hi].copy_(src)
-            t = srcs[i]
-            # A sum is a fast screen (NaN/Inf make it non-finite); the exact check runs only on a hit.
-            if t.is_floating_point() and not bool(torch.isfinite(src.view(t.dtype).sum())):
-                suspect.add(i)
-
-    threads = max(1, min(threads, len(chunks)))
-    per = -(-len(chunks) // threads)
-    workers = [threading.Thread(target=run, args=(chunks[k * per:(k + 1) * per],), daemon=True)
-               for k in range(1, threads)]
-    for w in workers:
-        w.start()
-    run(chunks[:per])
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    return [bucket[i][0] for i in sorted(suspect) if not bool(torch.isfinite(srcs[i]).all())]
-
-
 def bucket_meta(bucket, offsets: list[int]) -> dict:
     return {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket], "offsets": offsets}

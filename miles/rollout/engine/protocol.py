@@ -333,6 +333,8 @@ class MilesUpdateWeightsFromDistributed(UpdateWeightsFromDistributed):
     shapes: list[list[NonNegInt]] = Field(default_factory=list, max_length=MAX_ITEMS)
     commit: bool = True
     reset_staging: bool = False
+    screened: bool = False
+    """flattened_small: the sender found no NaN/Inf in these bytes, so the engine stages them unread."""
 
 
 class UpdateWeightFromDisk(Body):

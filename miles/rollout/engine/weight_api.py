@@ -45,7 +45,7 @@ EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
     "staged_commit": {"/update_weights_from_distributed": frozenset({"commit", "reset_staging"}),
                       "/update_weights_from_disk": frozenset({"commit", "reset_staging"}),
                       "/update_weights_from_tensor": frozenset({"commit", "reset_staging", "swap_buffers"})},
-    "flattened_small": {},
+    "flattened_small": {"/update_weights_from_distributed": frozenset({"screened"})},
     "checked_weights": {"/weights_checker": frozenset({"seed", "expected", "buckets"})},
     "engine_load": {"/get_load": None, "/get_weight_version": None},
     "p2p": {"/p2p_open_buffer": None, "/p2p_close_buffer": None,

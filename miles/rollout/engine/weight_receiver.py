@@ -116,11 +116,9 @@ class WeightReceiver:
             version, displaced = self.engine.apply_weights(staged, weight_version,
                                                            adopt=set(staged) if swap else owned,
                                                            quantized=quantized)
-            self._spares = {}  # spares the last version did not use are not kept twice
-            if not swap and self.engine.config.reuse_weight_memory:
-                for t in displaced:
-                    flat = t.reshape(-1).view(torch.uint8)
-                    self._spares.setdefault(flat.numel(), []).append(flat)
+            # Spares the last version did not use are not kept twice.
+            self._spares = spare_buffers(displaced, self.engine.model) \
+                if not swap and self.engine.config.reuse_weight_memory else {}
             for part in self.parts.values():
                 part.committed(source if swap else None)
             if not self._session and self.engine.covers_parameters(staged):
@@ -354,6 +352,23 @@ class WeightReceiver:
     def _clear_staging(self) -> None:
         self._staging, self._owned, self._lent_from = {}, set(), {}
         self._quantized, self._decoded = {}, {}
+
+
+def spare_buffers(displaced: list[torch.Tensor], model) -> dict[int, list[torch.Tensor]]:
+    """The memory a commit displaced, as receive buffers by size: each whole storage that no tensor of
+    the model still uses. A version staged as views of one buffer (a flattened broadcast) so leaves
+    that buffer whole, ready to receive the next one. Shared-memory files stay with the transport
+    that mapped them."""
+    live = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    spares: dict[int, list[torch.Tensor]] = {}
+    for t in displaced:
+        storage = t.untyped_storage()
+        if storage.data_ptr() in live or storage.filename is not None:
+            continue
+        live.add(storage.data_ptr())  # once per storage
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)  # (storage bytes,)
+        spares.setdefault(whole.numel(), []).append(whole)
+    return spares
 
 
 def _parse_dtype(name) -> torch.dtype | None:

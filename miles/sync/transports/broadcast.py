@@ -2,10 +2,13 @@
 
 Per bucket: the metadata (names, dtypes, shapes, load_format, commit=false) is POSTed to every
 engine's /update_weights_from_distributed, then the bytes follow from rank 0. With load_format
-"flattened_small" (the default) tensors under SPLIT_BYTES are flattened into ONE uint8 broadcast and
-every larger tensor is broadcast on its own, from its own memory: flattening a bucket of large
-tensors would cost one more full copy of the bucket on the sender for no saving in messages.
-"flattened_bucket" (SGLang's) flattens everything. Engines reply only after their receive
+"flattened_small" (the default) tensors under SPLIT_BYTES are flattened together into uint8
+broadcasts of about SPLIT_BYTES each (message_plan), and every larger tensor is broadcast on its
+own, from its own memory: each broadcast has a fixed cost, which a few large messages make small,
+while flattening tensors that are large already would cost one more copy for nothing. The sender
+flattens into a buffer it keeps, one message while gloo sends the one before; engines receive the
+flattened tensors into one buffer and stage them as views of it.
+"flattened_bucket" (SGLang's) flattens everything into one message. Engines reply only after their receive
 completes, so collecting the replies is also the barrier.
 
 Against engines without miles' `staged_commit` extension (plain SGLang servers) each bucket is one
@@ -28,7 +31,8 @@ The engine's end (Receiver, SGLang's `update_weights_from_distributed` plus mile
     metadata is wrong, so every member of the collective stays in step - then validates names/shapes
     against the model and stages the tensors (commit=true then applies the version). Wire formats:
     "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes in order; "flattened_small"
-    as above (small tensors screened for NaN/Inf as they arrive); null = one broadcast per tensor in
+    as above (screened for NaN/Inf by the sender as it flattens, screen.py; by the engine, each
+    message while the next arrives, when the sender does not say `screened`); null = one broadcast per tensor in
     its own dtype.
 Non-goals: NCCL/CUDA IPC (a GPU variant would swap the backend), multi-source fan-out (p2p.py).
 """
@@ -45,7 +49,7 @@ from typing import TYPE_CHECKING
 
 from miles.net import LOOPBACK
 from miles.rollout.engine import protocol
-from miles.sync import verify
+from miles.sync import screen, verify
 from miles.sync.engine_client import reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
@@ -69,8 +73,39 @@ def _spawn(fn, *args) -> cf.Future:
     return fut
 
 
-# Tensors smaller than this travel together in one flat broadcast; larger ones go alone, uncopied.
-SPLIT_BYTES = 1 << 20
+# flattened_small: tensors smaller than this travel flattened together, in messages of about this
+# size; each larger one goes alone, from its own memory (uncopied). Every broadcast is a gloo
+# operation of its own, with a fixed cost: messages this big make it small next to the bytes, while
+# the engine still screens one message for NaN/Inf as the next arrives.
+SPLIT_BYTES = 32 << 20
+
+
+def message_plan(sizes: list[int]) -> tuple[list[list[int]], list[int], int]:
+    """How flattened_small splits a bucket of tensors of `sizes` bytes; the sender and every engine
+    compute the same. Returns the messages (indices into the bucket, in sending order), each flattened
+    tensor's byte offset in the flat buffer of all of them (-1 for a tensor sent alone), and that
+    buffer's size. Offsets are 64-byte aligned, so each tensor is a view of the flat buffer in its
+    own dtype; a flattened message is the span of the flat buffer from its first tensor to its last."""
+    messages, group, offsets, size, flat = [], [], [-1] * len(sizes), 0, 0
+    for i, n in enumerate(sizes):
+        if n >= SPLIT_BYTES:
+            messages.append([i])
+            continue
+        flat = (flat + 63) // 64 * 64
+        offsets[i], flat = flat, flat + n
+        group.append(i)
+        size += n
+        if size >= SPLIT_BYTES:
+            messages.append(group)
+            group, size = [], 0
+    if group:
+        messages.append(group)
+    return messages, offsets, flat
+
+
+def _span(message: list[int], offsets: list[int], sizes: list[int]) -> tuple[int, int]:
+    """The bytes of the flat buffer a flattened message covers."""
+    return offsets[message[0]], offsets[message[-1]] + sizes[message[-1]]
 
 # After an engine errors while our broadcast is still running, how long to let the broadcast finish
 # before concluding the engine never joined it.
@@ -106,6 +141,7 @@ class BroadcastTransport:
         self._broken: str | None = None
         self._fresh = True  # no bucket sent since the last commit: the next request resets engine staging
         self._version_failed = False  # a bucket of the pending version failed: commit must refuse
+        self._flat = None  # (bytes,) uint8 the small tensors are flattened into, kept (and its pages with it)
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> BroadcastTransport:
@@ -162,35 +198,64 @@ class BroadcastTransport:
         }
         if self.staged:
             meta.update(commit=False, reset_staging=self._fresh)
+        if self.wire_format == "flattened_small":
+            meta.update(screened=True)  # the sender screens what it sends (screen.py); engines need not
         else:  # applied at once; the cache is flushed once, when the version is complete
             meta.update(flush_cache=False)
         raw = [t.reshape(-1).view(torch.uint8) for t in tensors]
-        if self.wire_format == "flattened_bucket":
-            messages = [torch.cat(raw)]  # (total_bytes,) uint8, each tensor's bytes in bucket order
-        else:
-            small = [r for r in raw if r.numel() < SPLIT_BYTES]
-            messages = ([torch.cat(small)] if small else []) + [r for r in raw if r.numel() >= SPLIT_BYTES]
-        total = sum(m.numel() for m in messages)
+        total = sum(r.numel() for r in raw)
         replies = [_spawn(self._post, url, "/update_weights_from_distributed", meta)
                    for url in self.engine_urls]
+
+        bad: list[str] = []  # tensors the sender found NaN/Inf in (flattened_small screens on the sender)
+
+        def messages():
+            if self.wire_format == "flattened_bucket":
+                yield torch.cat(raw)  # (total_bytes,) uint8, each tensor's bytes in bucket order
+                return
+            sizes = [r.numel() for r in raw]
+            plan, offsets, flat_bytes = message_plan(sizes)
+            flat = self._send_buffer(flat_bytes)
+            for message in plan:
+                items = [(meta["names"][i], tensors[i]) for i in message]
+                if offsets[message[0]] < 0:
+                    yield raw[message[0]]
+                    bad.extend(screen.nonfinite(items))  # while gloo sends it
+                    continue
+                bad.extend(screen.copy_screened([flat], items, [offsets[i] for i in message]))
+                lo, hi = _span(message, offsets, sizes)
+                yield flat[lo:hi]
 
         def broadcast():
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-            # All queued at once: gloo runs them in order, so no message waits for the one before it
-            # to be acknowledged.
-            works = [self._pg.broadcast([m], opts) for m in messages if m.numel()]
+            # Each message is queued as soon as it is flattened: gloo sends it while the next one is
+            # copied, and runs them in order, so none waits for the one before it to be acknowledged.
+            works = [self._pg.broadcast([m], opts) for m in messages() if m.numel()]
             for w in works:
                 w.wait()
 
         self._fresh = False
+        what = f"sending a bucket of {len(bucket)} tensors ({total} bytes, first {bucket[0][0]!r})"
         try:
-            self._wait(_spawn(broadcast), replies, f"sending a bucket of {len(bucket)} tensors "
-                       f"({total} bytes, first {bucket[0][0]!r})")
+            self._wait(_spawn(broadcast), replies, what)
         except TransportError:
             self._version_failed = True
             raise
+        if bad:  # the engines staged it unread, trusting the screen: the version must not commit
+            self._version_failed = True
+            raise TransportError(f"weight sync failed while {what}: tensor {bad[0]!r} contains NaN or Inf; "
+                                 "nothing of this version is applied")
+
+    def _send_buffer(self, nbytes: int) -> "torch.Tensor":
+        """The flat send buffer, grown to `nbytes`: kept across buckets and versions, so flattening
+        writes into pages already mapped (a fresh buffer's first touch costs about a copy's time)."""
+        import torch
+
+        if self._flat is None or self._flat.numel() < nbytes:
+            self._flat = torch.zeros(nbytes, dtype=torch.uint8)
+        return self._flat
 
     def commit(self, weight_version: int) -> None:
         self._check_usable()
@@ -239,7 +304,7 @@ class BroadcastTransport:
                     pass
         if self._http is not None:
             self._http.close()
-        self._pg = self._store = self._http = None
+        self._pg = self._store = self._http = self._flat = None
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -328,7 +393,8 @@ class BroadcastReceiver(TransportReceiver):
             raise WeightUpdateError("load_format: 'flattened_small' is a miles extension, not served in SGLang-only "
                                     "mode; use 'flattened_bucket' or null")
         try:
-            self.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format)
+            self.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format,
+                         screened=getattr(req, "screened", False))
         except WeightUpdateError:
             if commit:  # this request closed its version (SGLang single-shot); it failed as a whole
                 self.weights.reset_staging()
@@ -380,8 +446,10 @@ class BroadcastReceiver(TransportReceiver):
             self._groups.pop(group_name, None)
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                group_name: str = "weight_update_group", load_format: str | None = None) -> None:
-        """Receive one bucket into staging; raises WeightUpdateError (staging discarded) on bad data."""
+                group_name: str = "weight_update_group", load_format: str | None = None,
+                screened: bool = False) -> None:
+        """Receive one bucket into staging; raises WeightUpdateError (staging discarded) on bad data.
+        screened: the sender screened a flattened_small bucket for NaN/Inf, so it is staged unread."""
         if not names:
             return
         w = self.weights
@@ -398,7 +466,7 @@ class BroadcastReceiver(TransportReceiver):
                              f"{len(names)}, {len(dtypes)}, {len(shapes)}")
             specs = w.specs(names, dtypes, shapes)
             try:
-                received, nonfinite = self._broadcast(group, specs, load_format)
+                received, nonfinite = self._broadcast(group, specs, load_format, screened)
             except WeightUpdateError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a dead or late peer; the group is unusable now
@@ -412,10 +480,10 @@ class BroadcastReceiver(TransportReceiver):
                 raise w.fail(err)
             w.stage(received, owned=True)
 
-    def _broadcast(self, group: _Group, specs, load_format: str | None
+    def _broadcast(self, group: _Group, specs, load_format: str | None, screened: bool = False
                    ) -> tuple[dict[str, "torch.Tensor"], set[str] | None]:
         """The received tensors, and the names among them holding NaN/Inf when the format screens
-        them on arrival (flattened_small; None otherwise)."""
+        them on arrival or the sender did (flattened_small; None otherwise)."""
         import torch
         import torch.distributed as dist
 
@@ -441,31 +509,33 @@ class BroadcastReceiver(TransportReceiver):
                 out[name] = chunk.view(dtype).reshape(shape)
                 offset += n
         elif load_format == "flattened_small":
-            # Tensors under SPLIT_BYTES arrive in one flat broadcast, in order; every larger one then
-            # arrives alone, straight into its own buffer, so the sender never copies it to flatten.
+            # The same plan as the sender's (message_plan). Every receive is queued at once (gloo
+            # completes them in order), so each message is screened for NaN/Inf (unless the sender
+            # did) while the ones after it are still arriving. Flattened tensors are staged as views of one buffer, which the
+            # commit adopts whole, so the next version is received into the memory this one leaves.
             sizes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
-            small = [(spec, n) for spec, n in zip(specs, sizes) if n < SPLIT_BYTES]
-            large = [(spec, n) for spec, n in zip(specs, sizes) if n >= SPLIT_BYTES]
-            # Every receive is queued at once (gloo completes them in order), so each tensor is
-            # screened for NaN/Inf while the ones after it are still arriving.
-            flat = torch.empty(sum(n for _, n in small), dtype=torch.uint8) if small else None
-            bufs = [w.buffer(n) for _, n in large]
-            works = ([group.pg.broadcast([flat], opts)] if small else []) + \
-                [group.pg.broadcast([b], opts) for b in bufs]
+            plan, offsets, flat_bytes = message_plan(sizes)
+            flat = w.buffer(flat_bytes)
+            bufs = []
+            for message in plan:
+                if offsets[message[0]] < 0:
+                    bufs.append(w.buffer(sizes[message[0]]))
+                else:
+                    lo, hi = _span(message, offsets, sizes)
+                    bufs.append(flat[lo:hi])
+            # The sender skips empty messages (only empty tensors): so does this end.
+            works = [group.pg.broadcast([b], opts) if b.numel() else None for b in bufs]
             nonfinite = set()
-            if small:
-                works.pop(0).wait()
-                offset = 0
-                for (name, dtype, shape), n in small:
-                    out[name] = flat[offset:offset + n].clone().view(dtype).reshape(shape)
-                    offset += n
-                    if not verify.finite(out[name]):
+            for message, buf, work in zip(plan, bufs, works):
+                if work is not None:
+                    work.wait()
+                for i in message:
+                    name, dtype, shape = specs[i]
+                    at = offsets[i]
+                    data = buf if at < 0 else flat[at:at + sizes[i]]
+                    out[name] = data.view(dtype).reshape(shape)
+                    if not screened and not verify.finite(out[name]):
                         nonfinite.add(name)
-            for ((name, dtype, shape), _), buf, work in zip(large, bufs, works):
-                work.wait()
-                out[name] = buf.view(dtype).reshape(shape)
-                if not verify.finite(out[name]):
-                    nonfinite.add(name)
             out = {name: out[name] for name, _, _ in specs}
         elif load_format is None:
             for name, dtype, shape in specs:

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 from miles.config.loader import ConfigError
 from miles.net import LOOPBACK, resolve
-from miles.sync import shm
+from miles.sync import screen, shm
 from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
@@ -177,7 +177,7 @@ class P2PTransport:
             # One pass writes every engine's copy and screens the bytes for NaN/Inf: engines adopt a
             # lent buffer without reading it again (the commit says `screened`).
             bufs = [buf for _, buf in self._shm.values()]
-            bad = shm.write_copies(bufs, bucket, offsets, threads=min(len(bufs), os.cpu_count() or 1))
+            bad = screen.copy_screened(bufs, bucket, offsets, threads=min(len(bufs), os.cpu_count() or 1))
             if bad:
                 raise TransportError(f"tensor {bad[0]!r} contains NaN or Inf; nothing of this version is applied")
 

@@ -189,15 +189,29 @@ def test_wrong_admin_token_fails_fast_naming_the_engine(engine_proc):
     transport.close()
 
 
+@pytest.mark.parametrize("screens", ["sender", "engine"])
 @pytest.mark.parametrize("where", ["small", "large"])
 def test_non_finite_tensor_is_refused_by_name_in_either_message_kind(default_group, engine_thread, base_model_dir,
-                                                                     admin_token, monkeypatch, where):
-    """Tensors are screened for NaN/Inf as they arrive: in the flat message of small tensors and in
-    the per-tensor messages of large ones (the engine runs in this process, so a smaller split
-    makes the tiny model's matrices 'large')."""
+                                                                     admin_token, monkeypatch, where, screens):
+    """Tensors are screened for NaN/Inf in the flat messages of small tensors and in the messages of
+    large ones (the engine runs in this process, so a smaller split makes the tiny model's matrices
+    'large'): by miles' sender as it sends them, or, for a sender that does not say `screened`, by
+    the engine as they arrive."""
     import miles.sync.transports.broadcast as bc
+    from miles.sync import screen
 
     monkeypatch.setattr(bc, "SPLIT_BYTES", 4096)
+    if screens == "engine":  # a sender that neither screens nor vouches
+        def copy_unscreened(bufs, bucket, offsets, threads=1):
+            for (_, t), o in zip(bucket, offsets):
+                bufs[0][o:o + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+            return []
+
+        monkeypatch.setattr(screen, "nonfinite", lambda bucket: [])
+        monkeypatch.setattr(screen, "copy_screened", copy_unscreened)
+        post = BroadcastTransport._post
+        monkeypatch.setattr(BroadcastTransport, "_post", lambda self, url, path, body: post(
+            self, url, path, {k: v for k, v in (body or {}).items() if k != "screened"}))
     url = engine_thread.url
     sd = _perturbed_model(base_model_dir, seed=2).state_dict()
     name = "model.norm.weight" if where == "small" else "model.layers.1.mlp.up_proj.weight"
@@ -225,3 +239,47 @@ def test_non_finite_tensor_is_refused_by_name_in_either_message_kind(default_gro
         transport.close()
     assert _version(url) == version + 1
     assert torch.equal(engine_thread.engine.model.state_dict()[name], sd[name])
+
+
+def test_message_plan_flattens_small_tensors_into_aligned_groups_and_sends_large_ones_alone(monkeypatch):
+    import miles.sync.transports.broadcast as bc
+
+    monkeypatch.setattr(bc, "SPLIT_BYTES", 100)
+    sizes = [30, 6, 250, 40, 30, 0, 100, 2]
+    messages, offsets, flat_bytes = bc.message_plan(sizes)
+    # 30+6+40+30 reaches 100 after the fourth small tensor; 250 and 100 go alone, in bucket order.
+    assert messages == [[2], [0, 1, 3, 4], [6], [5, 7]]
+    assert offsets[2] == offsets[6] == -1
+    flattened = [i for i, o in enumerate(offsets) if o >= 0]
+    assert all(offsets[i] % 64 == 0 for i in flattened)
+    ends = sorted((offsets[i], offsets[i] + sizes[i]) for i in flattened)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no overlap
+    assert flat_bytes == max(e for _, e in ends)
+
+
+def test_flattened_tensors_are_staged_as_views_and_the_next_version_reuses_their_buffer(
+        default_group, engine_thread, base_model_dir, admin_token, monkeypatch):
+    """No receive copies a flattened tensor out of its message, and in steady state a version is
+    received into the memory the version before the last one left (no fresh pages per update)."""
+    import miles.sync.transports.broadcast as bc
+
+    monkeypatch.setattr(bc, "SPLIT_BYTES", 1 << 16)
+    name = "model.norm.weight"  # small: flattened
+    transport = BroadcastTransport(admin_token=admin_token, timeout_s=60)
+    transport.connect([engine_thread.url])
+    storages = []
+    try:
+        for version in (1, 2, 3, 4):
+            sd = _perturbed_model(base_model_dir, seed=version).state_dict()
+            transport.send_bucket([(n, t) for n, t in sd.items() if n != "lm_head.weight"])
+            transport.commit(version)
+            held = engine_thread.engine.model.state_dict()
+            assert torch.equal(held[name], sd[name])
+            storages.append(held[name].untyped_storage())
+    finally:
+        transport.close()
+    # Every flattened tensor of a version lives in one buffer, bigger than any one of them ...
+    assert storages[0].nbytes() > 8 * held[name].numel() * held[name].element_size()
+    # ... and two buffers alternate: version 3 arrived where version 1 lived, version 4 where 2 did.
+    ptrs = [s.data_ptr() for s in storages]
+    assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1]

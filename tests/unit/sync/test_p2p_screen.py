@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from miles.sync import shm, verify
+from miles.sync import screen, shm, verify
 from miles.sync.prepare import push_weights
 from miles.sync.transports import TransportError, get_transport
 
@@ -25,13 +25,13 @@ def _bucket() -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_write_copies_fills_every_buffer_and_names_exactly_the_non_finite_tensors(monkeypatch, threads):
-    monkeypatch.setattr(shm, "CHUNK_BYTES", 256)  # many chunks per tensor, split across the threads
+def test_copy_screened_fills_every_buffer_and_names_exactly_the_non_finite_tensors(monkeypatch, threads):
+    monkeypatch.setattr(screen, "CHUNK_BYTES", 256)  # many chunks per tensor, split across the threads
     bucket = _bucket()
     offsets, nbytes = shm.layout(bucket)
     bufs = [torch.zeros(nbytes + 64, dtype=torch.uint8) for _ in range(3)]
 
-    bad = shm.write_copies(bufs, bucket, offsets, threads=threads)
+    bad = screen.copy_screened(bufs, bucket, offsets, threads=threads)
 
     assert bad == ["nan", "inf"]
     for buf in bufs:
