@@ -120,7 +120,8 @@ class BroadcastTransport:
 
     def __init__(self, master_address: str = LOOPBACK, master_port: int = 0, backend: str = "gloo",
                  admin_token: str | None = None, timeout_s: float = 120.0,
-                 group_name: str = "weight_update_group", load_format: str = "flattened_small"):
+                 group_name: str = "weight_update_group", load_format: str = "flattened_small",
+                 keep_send_buffer: bool = True):
         if backend != "gloo":
             raise ValueError(f"backend {backend!r}: the broadcast transport runs on CPU tensors; use 'gloo'")
         self.master_address = master_address
@@ -142,6 +143,7 @@ class BroadcastTransport:
         self._fresh = True  # no bucket sent since the last commit: the next request resets engine staging
         self._version_failed = False  # a bucket of the pending version failed: commit must refuse
         self._flat = None  # (bytes,) uint8 the small tensors are flattened into, kept (and its pages with it)
+        self.keep_send_buffer = keep_send_buffer  # false: a fresh one per bucket (many senders, e.g. p2p's)
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> BroadcastTransport:
@@ -250,9 +252,12 @@ class BroadcastTransport:
 
     def _send_buffer(self, nbytes: int) -> "torch.Tensor":
         """The flat send buffer, grown to `nbytes`: kept across buckets and versions, so flattening
-        writes into pages already mapped (a fresh buffer's first touch costs about a copy's time)."""
+        writes into pages already mapped (a fresh buffer's first touch costs about a copy's time).
+        Unless keep_send_buffer is off: one sender per engine (p2p across hosts) would keep one each."""
         import torch
 
+        if not self.keep_send_buffer:
+            return torch.empty(nbytes, dtype=torch.uint8)
         if self._flat is None or self._flat.numel() < nbytes:
             self._flat = torch.zeros(nbytes, dtype=torch.uint8)
         return self._flat

@@ -135,7 +135,8 @@ class P2PTransport:
             self._shm[url] = (r["shm_path"], shm.attach(r["shm_path"], size)[:size])
         for i, url in enumerate(remote):
             self._tcp[url] = BroadcastTransport(master_address=self.master_address, admin_token=self.admin_token,
-                                                timeout_s=self.timeout_s, group_name=f"miles_p2p_{i}")
+                                                timeout_s=self.timeout_s, group_name=f"miles_p2p_{i}",
+                                                keep_send_buffer=False)
         self._client.run_all([lambda t=t, u=u: t.connect([u]) for u, t in self._tcp.items()])
         self._fresh, self._failed, self._cursor = True, None, 0
 
