@@ -112,11 +112,10 @@ def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[flo
 async def run_miles_grpo(url: str, prompts, n, limits, seed: int) -> tuple[float, int]:
     """Every group at once, each as one batched /generate of its n samples: what `miles train`'s rollout
     sends (rollout.batch_requests, on by default)."""
-    import httpx
-
     from miles.rollout.generate import SamplingParams, generate_many
+    from miles.rollout.http import async_client
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as client:
+    async with async_client(600) as client:  # the client `miles train`'s rollout uses
         t0 = time.perf_counter()
         tasks = [generate_many(client, url, [p] * n,
                                [SamplingParams(temperature=1.0, max_new_tokens=limits[i * n + j], seed=seed + i * n + j,

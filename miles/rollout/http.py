@@ -12,10 +12,83 @@ import threading
 import httpx
 
 
-def async_client(timeout_s: float):
-    """An httpx.AsyncClient sized for a whole step's requests in flight at once."""
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=timeout_s, limits=limits)
+def async_client(timeout_s: float) -> httpx.AsyncClient:
+    """The client rollouts talk to engines and routers with: an httpx.AsyncClient (what generate
+    functions and agents are handed), whose requests travel on aiohttp's connection pool."""
+    return httpx.AsyncClient(timeout=timeout_s, transport=AiohttpTransport())
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """httpx's interface over aiohttp's connection pool.
+
+    httpx's own async pool spends time per request that grows with the connections it holds: with a
+    step's few hundred requests in flight on kept-alive connections, starting them took the client
+    seconds of CPU (measured: 192 batched /generate requests reached an engine over 2-4 s, against
+    0.2-0.6 s on fresh connections or through aiohttp). aiohttp's pool stays flat, so the client
+    keeps the httpx API and takes aiohttp's pool. Responses are streamed through as they arrive.
+    """
+
+    # Idle connections are dropped before a uvicorn server's own keep-alive (5 s by default) would
+    # close them under a request.
+    KEEPALIVE_S = 2.0
+
+    def __init__(self):
+        self._session = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.KEEPALIVE_S),
+                auto_decompress=False)  # httpx decodes what the headers say
+        t = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
+        headers = [(k, v) for k, v in request.headers.multi_items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding")]
+        body = await request.aread()
+        try:
+            r = await self._session.request(request.method, str(request.url), data=body or None, headers=headers,
+                                            timeout=timeout, allow_redirects=False)
+        except aiohttp.ServerTimeoutError as exc:
+            raise (httpx.ConnectTimeout if "onnect" in str(exc) else httpx.ReadTimeout)(str(exc),
+                                                                                        request=request) from None
+        except asyncio.TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from None
+        except aiohttp.ClientConnectorError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from None
+        except aiohttp.ServerDisconnectedError as exc:
+            raise httpx.RemoteProtocolError(str(exc) or "server disconnected", request=request) from None
+        except aiohttp.ClientError as exc:
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=request) from None
+        return httpx.Response(r.status, headers=[(k, v) for k, v in r.raw_headers], stream=_Body(r, request),
+                              request=request)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _Body(httpx.AsyncByteStream):
+    """An aiohttp response's body, piece by piece as it arrives; closing it frees the connection."""
+
+    def __init__(self, response, request: httpx.Request):
+        self._response, self._request = response, request
+
+    async def __aiter__(self):
+        import aiohttp
+
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except asyncio.TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "timed out", request=self._request) from None
+        except aiohttp.ClientError as exc:
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=self._request) from None
+
+    async def aclose(self) -> None:
+        self._response.release()
 
 
 def run_coroutine(coro):
