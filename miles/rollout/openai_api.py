@@ -65,6 +65,7 @@ from miles.rollout.chat_format import ChatFormat
 from miles.rollout.engine.protocol import openapi_body, parse_json
 from miles.rollout.engine.types import InvalidRequest
 from miles.rollout.generate import versions_of
+from miles.rollout.http import async_client
 from miles.rollout.openai_schema import RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, CreateSessionRequest, \
     ResponsesRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
@@ -314,7 +315,7 @@ class SessionStore:
         """The engine's answer (SGLang's /generate body). With `listener`, the engine streams and
         listener(ids) gets the turn's tokens so far after every chunk."""
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=600)
+            self._client = async_client(600)
         url = session.engine_url or self.engine_url
         body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
         try:
