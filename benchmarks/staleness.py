@@ -9,6 +9,8 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
           each for as many steps as it takes to train the samples the sync run trained (or, with
           --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
+With --minibatches k, every run, sync included, makes k optimizer updates per step
+(`trainer.minibatches_per_step`), so the cells are compared with a sync run trained the same way.
 
 Making the staleness happen. The bound only caps staleness; what a group actually lags by is how far
 the rollout runs ahead of the trainer. Each cell lets it run s steps ahead and no further: s steps'
@@ -20,10 +22,10 @@ rollout got ahead (0, 1, …, s − 1 versions old), so a short run's mean stays
 reports the staleness it measured (the mean over every trained group) beside its bound.
 
 Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "objective",
-"eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", ...}; with several --seeds,
+"eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", "minibatches", ...}; with several --seeds,
 accuracies are the mean over seeds and each cell lists its per-seed figures.
 
-    miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo] [--seeds 0]
+    miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo] [--seeds 0] [--minibatches 1]
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--match", default="samples", choices=("samples", "updates"),
                    help="what every cell shares with the sync run: its trained samples (the default; cells make "
                         "fewer, fuller updates) or its number of optimizer updates (cells then train more samples)")
+    p.add_argument("--minibatches", type=int, default=1,
+                   help="optimizer updates per step of every run, sync included (trainer.minibatches_per_step)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
     objectives = [n for n in args.only.split(",") if n] or list(OBJECTIVES)
@@ -151,8 +155,8 @@ def main(argv=None) -> int:
         p.error("--staleness and --seeds take comma-separated integers, e.g. --staleness 1,4,8 --seeds 0,1")
     if not bounds or min(bounds) < 1 or not seeds:
         p.error("--staleness needs bounds >= 1 (e.g. 1,4,8) and --seeds at least one seed")
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
+    if args.steps < 1 or args.minibatches < 1:
+        p.error("--steps and --minibatches must be at least 1")
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
     sft_model = warm_start(out, args.sft_model, args.preset, args.sft_steps)
     pps = args.prompts_per_step
     common = {"eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(pps),
-              "rollout.n_samples_per_prompt": str(args.samples_per_prompt)}
+              "rollout.n_samples_per_prompt": str(args.samples_per_prompt),
+              "trainer.minibatches_per_step": str(args.minibatches)}
     sync: list[dict] = []
     cells: dict[tuple[int, str], list[dict]] = {(s, o): [] for s in bounds for o in objectives}
     for seed in seeds:
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
             print(f"[bench staleness] {name}: {json.dumps(cell)}", file=sys.stderr, flush=True)
     ray.shutdown()
     line = table(sync, cells)
-    line.update({"steps": args.steps, "match": args.match, "seeds": seeds, "prompts_per_step": pps,
+    line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches, "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,
                  "sync_runs": sync, "wall_s": time.perf_counter() - t0})
     print(json.dumps(line), flush=True)

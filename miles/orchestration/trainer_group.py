@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from miles.orchestration.actors import CollectiveTimeout, TrainerShell, remote
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
-from miles.trainer.batching import prepare_global_batch, sequences_from_groups
+from miles.trainer.batching import minibatch_sizes, prepare_global_batch, sequences_from_groups
+from miles.trainer.types import BatchTotals
 
 
 def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
@@ -78,17 +79,28 @@ class TrainerGroup:
         return ray.get(refs)
 
     def train_groups(self, groups) -> dict[str, float]:
-        """One optimizer step on rollout groups, with the configured algorithm's advantages."""
-        return self.train_step(sequences_from_groups(groups, self.algorithm))
+        """One step on rollout groups, with the configured algorithm's advantages: as many optimizer
+        updates as `trainer.minibatches_per_step`, each on whole groups."""
+        return self.train_step(sequences_from_groups(groups, self.algorithm),
+                               minibatch_sizes=minibatch_sizes(groups, self.cfg.minibatches_per_step))
 
-    def train_step(self, seqs, algorithm: str | None = None) -> dict[str, float]:
-        """One optimizer step on sequences carrying per-sample advantages; `algorithm` names another
-        algorithm's loss for this step (e.g. "sft" on demonstrations), None = the configured one."""
+    def train_step(self, seqs, algorithm: str | None = None, minibatch_sizes: list[int] | None = None) -> dict[str, float]:
+        """One step on sequences carrying per-sample advantages; `algorithm` names another algorithm's loss
+        for this step (e.g. "sft" on demonstrations), None = the configured one. One optimizer update, or
+        one per minibatch of the given sizes (consecutive sequences; the advantages' batch-wide pass still
+        sees the whole batch, and each minibatch's loss is normalised by its own totals)."""
         n = len(self.actors)
         algo = self.algorithm if algorithm is None else get_algorithm(AlgorithmConfig(name=algorithm))
-        seqs, totals = prepare_global_batch(seqs, algo)
+        seqs, _ = prepare_global_batch(seqs, algo)
         tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
-        return self._all("train_step", split_for_ranks(seqs, n, tp), [totals] * n, [algorithm] * n)[0]
+        per_rank: list[list] = [[] for _ in range(n)]
+        start = 0
+        for size in minibatch_sizes or [len(seqs)]:
+            part = seqs[start:start + size]
+            start += size
+            for r, shard in enumerate(split_for_ranks(part, n, tp)):
+                per_rank[r].append((shard, BatchTotals.of(part)))
+        return self._all("train_step", per_rank, [algorithm] * n)[0]
 
     def connect_engines(self, urls: list[str]) -> None:
         if self._all("connect_engines", [urls] * len(self.actors))[0]:

@@ -49,6 +49,15 @@ def prepare_global_batch(seqs: list[TrainSequence], algorithm: Algorithm) -> tup
     return seqs, BatchTotals.of(seqs)
 
 
+def minibatch_sizes(groups: list[Group], k: int) -> list[int]:
+    """Sequences in each of a step's `k` minibatches: consecutive runs of whole groups, as even in groups
+    as they divide (fewer minibatches when there are fewer groups). `sequences_from_groups` keeps a
+    group's samples together, so a group never straddles two updates."""
+    k = max(1, min(k, len(groups)))
+    return [sum(len(g.samples) for g in groups[i * len(groups) // k:(i + 1) * len(groups) // k])
+            for i in range(k)]
+
+
 def plan_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, pack: bool) -> list[list[int]]:
     """Group sequence indices into micro-batches whose token cost stays within `max_tokens`
     (0 = no token budget) and whose size stays within `max_seqs` (padded mode only).
@@ -90,6 +99,7 @@ class MicroBatch:
     seqs: list
     routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
     teacher_logprobs: "torch.Tensor | None" = None  # (B, T-1) a teacher engine's, when every sequence has them
+    prox_logprobs: "torch.Tensor | None" = None     # (B, T-1) the proximal policy's, when every sequence has them
 
     def to(self, device) -> "MicroBatch":
         """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
@@ -124,6 +134,7 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
     sid = torch.full((B, width - 1), -1, dtype=torch.long)
     # Teacher engines scored every sample, or none did (the in-trainer teacher scores at the forward).
     teacher = torch.zeros(B, width - 1) if seqs and all(s.teacher_logprobs is not None for s in seqs) else None
+    prox = torch.zeros(B, width - 1) if seqs and all(s.prox_logprobs is not None for s in seqs) else None
     offsets = [(0, 0)] * len(seqs)
     for r, members in enumerate(rows):
         off = 0
@@ -147,6 +158,8 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
                     raise ValueError(f"a sequence has {n} response tokens but {len(s.teacher_logprobs)} teacher "
                                      "logprobs; the teacher engine must score every response token")
                 teacher[r, lo:lo + n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+            if prox is not None:
+                prox[r, lo:lo + n] = torch.tensor(s.prox_logprobs, dtype=torch.float32)
             offsets[i] = (r, off)
             off += L
     routed = None
@@ -156,5 +169,5 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     if pack:
         # Padding to the right would be read as one more packed sequence; there is none here.
-        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed, teacher)
-    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed, teacher)
+        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed, teacher, prox)
+    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed, teacher, prox)

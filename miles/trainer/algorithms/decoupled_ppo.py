@@ -6,15 +6,16 @@ Per loss token, with r = π_θ / π_prox and w = π_prox / π_behav (no gradient
 
     loss = -w · min(r·A, clip(r, 1 - ε_low, 1 + ε_high)·A),   w := 0 where w > behav_weight_cap
 
-The proximal logprobs are the trainer's own, computed at collect time by the policy that is about to
-be updated: a step runs one optimizer update per rollout batch, so the weights of the training
-forward *are* the proximal policy and `log π_prox = log π_θ` detached, exact and free (no extra
-forward). Approximating them from recorded versions (interpolating between the engine's behaviour
-logprobs and the current ones by weight version) would add error for nothing here, and the engine's
-logprobs differ from the trainer's by numerics even at the same version. Consequence worth knowing:
-with one update per batch, r = 1 in value, so the clip never binds; the objective's effect is the
-capped behaviour weight (AReaL's behaviour with one minibatch). Advantages are GRPO's.
-Non-goal: several updates per batch (the loss core's non-goal), where the clip would start to bind.
+The proximal policy is the trainer's weights at the start of the step. With one optimizer update per
+step (`trainer.minibatches_per_step = 1`) those are the weights of the training forward, so
+`log π_prox = log π_θ` detached, exact and free; r = 1 in value, the clip never binds, and the
+objective's effect is the capped behaviour weight (AReaL's behaviour with one minibatch). With k > 1
+minibatches the trainer records every sequence's logprobs under those weights in one no-grad forward
+before the first update (`LossInputs.prox_logprobs`): from the second minibatch on r moves away from 1
+and the clip bounds how far one step's k updates take the policy from where it started, whatever the
+staleness of the samples. Approximating π_prox from recorded versions (interpolating between the
+engine's logprobs and the current ones by weight version) would add error for nothing: the engine's
+logprobs differ from the trainer's by numerics even at the same version. Advantages are GRPO's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from miles.config.loader import ConfigError
-from miles.trainer.algorithms.base import LossInputs, clipped_surrogate
+from miles.trainer.algorithms.base import LossInputs, clipped_surrogate, proximal_logprobs
 from miles.trainer.algorithms.grpo import GRPO
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class DecoupledPPO(GRPO):
 
     cfg: Config
 
+    @property
+    def needs_proximal(self) -> bool:
+        return True
+
     def behaviour_weights(self, x: LossInputs, prox: "torch.Tensor"):
         """Per-token weight π_prox/π_behav after the cap, before it, and the tokens it dropped (B, T-1)."""
         import torch
@@ -62,7 +67,7 @@ class DecoupledPPO(GRPO):
         return torch.where(dropped, torch.zeros_like(w), w), w, dropped
 
     def token_loss(self, x: LossInputs):
-        prox = x.logprobs.detach()  # (B, T-1): the proximal policy is the policy before this step's update
+        prox = proximal_logprobs(x)  # (B, T-1): the weights at the start of this step
         w, raw, dropped = self.behaviour_weights(x, prox)
         loss, clipped = clipped_surrogate(x.logprobs, prox, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)
