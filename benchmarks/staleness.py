@@ -6,6 +6,8 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
   cells   fully_async at each `buffer.max_staleness` s in --staleness, with each objective in --only:
             grpo_tis       GRPO with truncated importance sampling (`tis_mode = "truncate"`)
             decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`)
+            decoupled_ppo_reweighted  the same, each group's baseline and std re-estimated under the
+                           current policy (`trainer.algorithm.group_reweight = true`)
           each for as many steps as it takes to train the samples the sync run trained (or, with
           --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
@@ -45,6 +47,8 @@ from benchmarks.algorithms import rl_run, warm_start
 OBJECTIVES = {
     "grpo_tis": {"trainer.algorithm.name": "grpo", "trainer.algorithm.tis_mode": "truncate"},
     "decoupled_ppo": {"trainer.algorithm.name": "decoupled_ppo", "trainer.algorithm.tis_mode": "off"},
+    "decoupled_ppo_reweighted": {"trainer.algorithm.name": "decoupled_ppo", "trainer.algorithm.tis_mode": "off",
+                                 "trainer.algorithm.group_reweight": "true"},
 }
 
 
@@ -89,7 +93,8 @@ def staleness_of(steps: list[dict]) -> dict[str, float]:
 # how far the behaviour policy was from the trained one, and how many tokens each objective bounded.
 WEIGHT_FIGURES = ("train/train_rollout_logprob_gap", "train/tis_weight_mean", "train/tis_clipped_frac",
                   "train/tis_ess", "decoupled_ppo/behav_weight_mean", "decoupled_ppo/clipped_frac_weight_cap",
-                  "decoupled_ppo/behav_weight_le_0.5", "decoupled_ppo/behav_weight_le_2")
+                  "decoupled_ppo/behav_weight_le_0.5", "decoupled_ppo/behav_weight_le_2",
+                  "decoupled_ppo/clipped_frac_ratio", "train/group_baseline_shift")
 
 
 def figures(summary: dict, steps: list[dict]) -> dict:

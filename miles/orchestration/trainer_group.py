@@ -11,9 +11,11 @@ every rank joins it; so the rendezvous lives wherever placement put rank 0, on a
 
 from __future__ import annotations
 
+import dataclasses
+
 from miles.orchestration.actors import CollectiveTimeout, TrainerShell, remote
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
-from miles.trainer.batching import minibatch_sizes, prepare_global_batch, sequences_from_groups
+from miles.trainer.batching import minibatch_sizes, prepare_global_batch, reweight_groups, sequences_from_groups
 from miles.trainer.types import BatchTotals
 
 
@@ -81,8 +83,25 @@ class TrainerGroup:
     def train_groups(self, groups) -> dict[str, float]:
         """One step on rollout groups, with the configured algorithm's advantages: as many optimizer
         updates as `trainer.minibatches_per_step`, each on whole groups."""
-        return self.train_step(sequences_from_groups(groups, self.algorithm),
-                               minibatch_sizes=minibatch_sizes(groups, self.cfg.minibatches_per_step))
+        seqs = sequences_from_groups(groups, self.algorithm)
+        extra = {}
+        if getattr(self.algorithm, "reweights_groups", False):
+            # The advantages read the current policy: its logprobs first (they are then the step's proximal ones).
+            seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(seqs, self.proximal_logprobs(seqs))]
+            seqs, extra = reweight_groups(groups, seqs, self.algorithm)
+        metrics = self.train_step(seqs, minibatch_sizes=minibatch_sizes(groups, self.cfg.minibatches_per_step))
+        return {**metrics, **extra}
+
+    def proximal_logprobs(self, seqs) -> list[list[float]]:
+        """Each sequence's response logprobs under the trainer's current weights (one collective forward)."""
+        n = len(self.actors)
+        tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
+        dp = n // tp
+        per_rank = self._all("call_trainer", ["proximal_logprobs"] * n, split_for_ranks(seqs, n, tp))
+        out: list = [None] * len(seqs)
+        for d in range(dp):  # shard d holds seqs[d::dp]; its tensor-parallel peers returned the same
+            out[d::dp] = per_rank[d * tp]
+        return out
 
     def train_step(self, seqs, algorithm: str | None = None, minibatch_sizes: list[int] | None = None) -> dict[str, float]:
         """One step on sequences carrying per-sample advantages; `algorithm` names another algorithm's loss

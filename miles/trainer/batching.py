@@ -14,6 +14,7 @@ Non-goal: splitting one sequence over micro-batches (a sequence over budget gets
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,27 @@ def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[Tra
                                       loss_mask=mask, old_logprobs=s.rollout_logprobs, advantage=adv,
                                       routed_experts=s.routed_experts, teacher_logprobs=s.teacher_logprobs))
     return seqs
+
+
+def reweight_groups(groups: list[Group], seqs: list[TrainSequence], algorithm) -> tuple[list[TrainSequence], dict]:
+    """Advantages re-estimated per group under the proximal policy (`algorithm.reweighted_advantages`),
+    from each sequence's recorded proximal logprobs; `seqs` are `sequences_from_groups(groups)`, in order.
+    Returns them and the mean shift of the groups' baselines (proximal minus behaviour)."""
+    out, shifts, i = [], [], 0
+    for g in groups:
+        part = seqs[i:i + len(g.samples)]
+        i += len(g.samples)
+        # Σ over loss tokens of log π_prox − log π_behav, clamped: one near-impossible token must not overflow.
+        logw = [max(-20.0, min(20.0, sum(m * (p - b) for m, p, b in zip(s.loss_mask, s.prox_logprobs, s.old_logprobs))))
+                for s in part]
+        advs = algorithm.reweighted_advantages(g.rewards, logw)
+        out += [dataclasses.replace(s, advantage=a) for s, a in zip(part, advs)]
+        if part:
+            top = max(logw)
+            w = [math.exp(lw - top) for lw in logw]
+            shifts.append(sum(wi * r for wi, r in zip(w, g.rewards)) / sum(w) - sum(g.rewards) / len(g.rewards))
+    shift = sum(shifts) / len(shifts) if shifts else 0.0
+    return out, {f"{algorithm.metric_prefix}/group_baseline_shift": shift}
 
 
 def prepare_global_batch(seqs: list[TrainSequence], algorithm: Algorithm) -> tuple[list[TrainSequence], BatchTotals]:

@@ -20,6 +20,7 @@ logprobs differ from the trainer's by numerics even at the same version. Advanta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,11 @@ class DecoupledPPO(GRPO):
         behav_weight_cap: float = 5.0
         """Tokens whose behaviour weight π_prox/π_behav exceeds this are dropped from the loss (0 = no cap)."""
 
+        group_reweight: bool = False
+        """Centre and scale each group's rewards as the proximal policy would see them: its mean and std
+        under self-normalised sequence weights π_prox(y)/π_behav(y), not the stale policy's that sampled
+        them (costs one no-grad forward of the batch per step)."""
+
         def validate(self) -> None:
             super().validate()
             if self.behav_weight_cap < 0:
@@ -55,6 +61,33 @@ class DecoupledPPO(GRPO):
     @property
     def needs_proximal(self) -> bool:
         return True
+
+    @property
+    def reweights_groups(self) -> bool:
+        return self.cfg.group_reweight
+
+    def reweighted_advantages(self, rewards: list[float], log_weights: list[float]) -> list[float]:
+        """A group's advantages with its baseline and std under the proximal policy.
+
+        `log_weights` are the samples' sequence log-ratios log π_prox(y) − log π_behav(y). Normalised, the
+        weights estimate the group's mean reward and spread as fresh samples would show them, so a prompt
+        the policy has since learned is centred near its new success rate, as sync would centre it. The
+        std is floored at that of a fresh group of this size with one sample apart (for 0/1 rewards, the
+        smallest a trained group can have): a group the proximal policy would all but solve would otherwise
+        divide by a near-zero spread."""
+        n = len(rewards)
+        if n < 2:
+            return [0.0] * n
+        top = max(log_weights)
+        w = [math.exp(max(lw - top, -40.0)) for lw in log_weights]  # relative weights, overflow-free
+        total = sum(w)
+        mean = sum(wi * r for wi, r in zip(w, rewards)) / total
+        centred = [r - mean for r in rewards]
+        if not self.cfg.std_normalize:
+            return centred
+        std = math.sqrt(sum(wi * c * c for wi, c in zip(w, centred)) / total)
+        floor = (max(rewards) - min(rewards)) * math.sqrt(n - 1) / n
+        return [c / (max(std, floor) + 1e-6) for c in centred]
 
     def behaviour_weights(self, x: LossInputs, prox: "torch.Tensor"):
         """Per-token weight π_prox/π_behav after the cap, before it, and the tokens it dropped (B, T-1)."""

@@ -131,7 +131,8 @@ class FSDPTrainer:
         no-grad forward: later minibatches clip and weight against those, not against weights the
         earlier updates already moved. Metrics are means over the minibatches (perf/ seconds: sums)."""
         algo = self._algorithm(algorithm)
-        if len(minibatches) > 1 and getattr(algo, "needs_proximal", False):
+        recorded = all(s.prox_logprobs is not None for seqs, _ in minibatches for s in seqs)
+        if len(minibatches) > 1 and getattr(algo, "needs_proximal", False) and not recorded:
             t_prox = time.perf_counter()
             flat = self.proximal_logprobs([s for seqs, _ in minibatches for s in seqs], algo)
             it = iter(flat)
@@ -157,10 +158,12 @@ class FSDPTrainer:
         return merged
 
     @torch.no_grad()
-    def proximal_logprobs(self, seqs, algorithm) -> list[list[float]]:
+    def proximal_logprobs(self, seqs, algorithm=None) -> list[list[float]]:
         """Per sequence, the logprobs of its response tokens under the current weights (collective: every
-        rank runs as many forwards). Micro-batched as training is, at the training temperature."""
+        rank runs as many forwards). Micro-batched as training is, at the training temperature of
+        `algorithm` (None = the configured one)."""
         cfg = self.cfg
+        algorithm = algorithm or self.algorithm
         plan = plan_micro_batches([len(s.tokens) for s in seqs], cfg.max_tokens_per_micro_batch,
                                   cfg.micro_batch_size, cfg.pack_sequences)
         n_mb = torch.tensor([len(plan)], device=self.device)

@@ -71,8 +71,10 @@ def test_every_cell_config_is_a_run_the_loader_accepts(objective, tiny_model_dir
     cfg = load_config(RunConfig, EXAMPLE / "grpo.toml", over)
     assert cfg.loop.schedule == "fully_async" and cfg.loop.num_steps == 9
     assert (cfg.buffer.max_staleness, cfg.buffer.max_inflight_groups, cfg.buffer.capacity) == (4, 32, 96)
-    assert (cfg.trainer.algorithm.name, cfg.trainer.algorithm.tis_mode) == {
-        "grpo_tis": ("grpo", "truncate"), "decoupled_ppo": ("decoupled_ppo", "off")}[objective]
+    a = cfg.trainer.algorithm
+    assert (a.name, a.tis_mode, getattr(a, "group_reweight", False)) == {
+        "grpo_tis": ("grpo", "truncate", False), "decoupled_ppo": ("decoupled_ppo", "off", False),
+        "decoupled_ppo_reweighted": ("decoupled_ppo", "off", True)}[objective]
 
 
 def test_cells_train_at_least_the_samples_sync_trained_in_whole_steps():
