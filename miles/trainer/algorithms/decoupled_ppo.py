@@ -43,6 +43,9 @@ class DecoupledPPO(GRPO):
         behav_weight_cap: float = 5.0
         """Tokens whose behaviour weight π_prox/π_behav exceeds this are dropped from the loss (0 = no cap)."""
 
+        m2_threshold: float = 0.0
+        """Second-moment trust region (M2PO): drop the tokens with the largest (log π_prox − log π_behav)²
+        until the mean over the micro-batch's remaining loss tokens is at most this (e.g. 0.04; 0 = off)."""
         group_reweight: bool = False
         """Centre and scale each group's rewards as the proximal policy would see them: its mean and std
         under self-normalised sequence weights π_prox(y)/π_behav(y), not the stale policy's that sampled
@@ -50,6 +53,8 @@ class DecoupledPPO(GRPO):
 
         def validate(self) -> None:
             super().validate()
+            if self.m2_threshold < 0:
+                raise ConfigError("trainer.algorithm.m2_threshold must be >= 0 (e.g. 0.04), or 0 for no trust region")
             if self.behav_weight_cap < 0:
                 raise ConfigError("trainer.algorithm.behav_weight_cap must be >= 0 (e.g. 5.0), or 0 for no cap")
             if self.tis_mode != "off":
@@ -100,8 +105,14 @@ class DecoupledPPO(GRPO):
         return torch.where(dropped, torch.zeros_like(w), w), w, dropped
 
     def token_loss(self, x: LossInputs):
+        import torch
+
         prox = proximal_logprobs(x)  # (B, T-1): the weights at the start of this step
         w, raw, dropped = self.behaviour_weights(x, prox)
+        if self.cfg.m2_threshold > 0:
+            outside = ~second_moment_keep(prox - x.old_logprobs, x.mask, self.cfg.m2_threshold)
+            w = torch.where(outside, torch.zeros_like(w), w)
+            dropped = dropped | outside
         loss, clipped = clipped_surrogate(x.logprobs, prox, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)
         p = "decoupled_ppo"  # its own metrics, next to the shared train/ ones
@@ -109,6 +120,25 @@ class DecoupledPPO(GRPO):
                    f"{p}/clipped_frac_weight_cap": dropped.float(), f"{p}/behav_weight_mean": raw}
         metrics.update(weight_histogram(p, raw))
         return loss * w, metrics
+
+
+def second_moment_keep(log_ratio: "torch.Tensor", mask: "torch.Tensor", threshold: float) -> "torch.Tensor":
+    """(B, T-1) tokens to keep: all but the loss tokens of largest squared log-ratio, dropped largest
+    first until the mean squared log-ratio of the kept ones is at most `threshold`. Dropping the few
+    tokens the policy moved most, rather than clipping each, bounds how far the batch as a whole
+    steps from the behaviour policy (M2PO)."""
+    import torch
+
+    m2 = (log_ratio.detach() ** 2).masked_fill(mask <= 0, 0.0)
+    vals = m2[mask > 0]  # (N,)
+    order = torch.argsort(vals)
+    prefix_mean = torch.cumsum(vals[order], 0) / torch.arange(1, len(vals) + 1, device=vals.device)
+    n_keep = int((prefix_mean <= threshold).sum())  # prefix means rise with each larger value added
+    keep_flat = torch.zeros_like(vals, dtype=torch.bool)
+    keep_flat[order[:n_keep]] = True
+    keep = torch.ones_like(m2, dtype=torch.bool)
+    keep[mask > 0] = keep_flat
+    return keep
 
 
 def weight_histogram(prefix: str, w: "torch.Tensor") -> dict[str, "torch.Tensor"]:

@@ -159,3 +159,20 @@ def test_reweight_groups_reads_each_sequence_weight_over_its_loss_tokens():
     assert metrics["train/group_baseline_shift"] == pytest.approx(1 / 6)
     std = math.sqrt(2 / 9)
     assert [s.advantage for s in out] == pytest.approx([1 / 3 / std] * 2 + [-2 / 3 / std] * 2, abs=1e-4)
+
+
+def test_the_second_moment_trust_region_drops_the_most_moved_tokens_until_the_batch_is_within_it():
+    from miles.trainer.algorithms.decoupled_ppo import second_moment_keep
+
+    # Squared log-ratios 0.01, 0.01, 0.25, 0 on loss tokens (the fifth is off the mask): keeping the three
+    # smallest leaves a mean of 0.0067 <= 0.04; adding 0.25 would make it 0.0675.
+    log_ratio = torch.tensor([[0.1, -0.1, 0.5, 0.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    assert second_moment_keep(log_ratio, mask, 0.04).tolist() == [[True, True, False, True, True]]
+    assert second_moment_keep(log_ratio, mask, 1.0).all()
+    # In the loss: the dropped token adds nothing, and counts as dropped.
+    lp = torch.zeros(1, 5, requires_grad=True)
+    x = LossInputs(lp, -log_ratio, torch.ones(1, 5), mask, torch.zeros(1, 5, dtype=torch.long))
+    loss, metrics = algo("decoupled_ppo", m2_threshold=0.04, behav_weight_cap=0.0).token_loss(x)
+    assert loss[0, 2].item() == 0.0 and metrics["decoupled_ppo/clipped_frac_weight_cap"][0, 2].item() == 1.0
+    assert loss[0, 0].item() == pytest.approx(-math.exp(0.1))
