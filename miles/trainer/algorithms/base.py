@@ -268,6 +268,17 @@ def proximal_logprobs(x: LossInputs) -> "torch.Tensor":
     return x.prox_logprobs if x.prox_logprobs is not None else x.logprobs.detach()
 
 
+def sequence_sums(values: "torch.Tensor", seq_ids: "torch.Tensor") -> "torch.Tensor":
+    """(B, T-1): at each token, the sum of `values` over the tokens of its sequence (seq_ids numbers them;
+    -1 tokens add to sequence 0's sum and read it, so mask `values` and the result where that matters)."""
+    import torch
+
+    ids = torch.where(seq_ids >= 0, seq_ids, 0).flatten()
+    n_seq = max(int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0, 1)
+    sums = torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, ids, values.flatten())
+    return sums[ids].view_as(values)
+
+
 def kl_estimate(logprobs, ref_logprobs, estimator: str):
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3)."""
     import torch

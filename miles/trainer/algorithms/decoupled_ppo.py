@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from miles.config.loader import ConfigError
-from miles.trainer.algorithms.base import LossInputs, clipped_surrogate, proximal_logprobs
+from miles.trainer.algorithms.base import LossInputs, clipped_surrogate, proximal_logprobs, sequence_sums
 from miles.trainer.algorithms.grpo import GRPO
 
 if TYPE_CHECKING:
@@ -43,6 +43,10 @@ class DecoupledPPO(GRPO):
         behav_weight_cap: float = 5.0
         """Tokens whose behaviour weight π_prox/π_behav exceeds this are dropped from the loss (0 = no cap)."""
 
+        sequence_weight: bool = False
+        """Weight every token by its sequence's π_prox(y)/π_behav(y) (the product over its loss tokens)
+        rather than its own token's ratio, capped the same way: a stale response whose first tokens the
+        policy has since left counts as rarely as the policy would now produce it, continuation included."""
         m2_threshold: float = 0.0
         """Second-moment trust region (M2PO): drop the tokens with the largest (log π_prox − log π_behav)²
         until the mean over the micro-batch's remaining loss tokens is at most this (e.g. 0.04; 0 = off)."""
@@ -98,8 +102,11 @@ class DecoupledPPO(GRPO):
         """Per-token weight π_prox/π_behav after the cap, before it, and the tokens it dropped (B, T-1)."""
         import torch
 
+        log_w = prox - x.old_logprobs  # (B, T-1)
+        if self.cfg.sequence_weight:
+            log_w = sequence_sums(log_w * x.mask, x.seq_ids)
         # Clamp the log-ratio before exp: a token the engine found near-impossible must not overflow.
-        w = torch.exp(torch.clamp(prox - x.old_logprobs, -20.0, 20.0))
+        w = torch.exp(torch.clamp(log_w, -20.0, 20.0))
         cap = self.cfg.behav_weight_cap
         dropped = w > cap if cap > 0 else torch.zeros_like(w, dtype=torch.bool)
         return torch.where(dropped, torch.zeros_like(w), w), w, dropped

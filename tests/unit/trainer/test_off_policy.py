@@ -176,3 +176,16 @@ def test_the_second_moment_trust_region_drops_the_most_moved_tokens_until_the_ba
     loss, metrics = algo("decoupled_ppo", m2_threshold=0.04, behav_weight_cap=0.0).token_loss(x)
     assert loss[0, 2].item() == 0.0 and metrics["decoupled_ppo/clipped_frac_weight_cap"][0, 2].item() == 1.0
     assert loss[0, 0].item() == pytest.approx(-math.exp(0.1))
+
+
+def test_sequence_weight_gives_every_token_its_sequences_ratio():
+    # Sequence 0: token ratios 2 and 0.25, so ρ = 0.5 on both of its tokens.
+    # tokens. Sequence 1: one token at ratio 3. The off-mask position adds nothing.
+    prox = log([0.5, 0.2, 0.9, 0.3])
+    behav = log([0.25, 0.8, 0.3, 0.9])
+    x = LossInputs(prox.clone(), behav, torch.ones(1, 4), torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+                   torch.tensor([[0, 0, 1, 1]]))
+    w, raw, _ = algo("decoupled_ppo", sequence_weight=True).behaviour_weights(x, prox)
+    assert raw[0, :3].tolist() == pytest.approx([0.5, 0.5, 3.0], rel=1e-5)
+    token_level, _, _ = algo("decoupled_ppo").behaviour_weights(x, prox)
+    assert token_level[0, :3].tolist() == pytest.approx([2.0, 0.25, 3.0], rel=1e-5)
