@@ -5,9 +5,10 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
   sync    GRPO with the sync schedule for --steps steps (staleness 0 by construction);
   cells   fully_async at each `buffer.max_staleness` s in --staleness, with each objective in --only:
             grpo_tis       GRPO with truncated importance sampling (`tis_mode = "truncate"`)
-            decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`)
-            decoupled_ppo_reweighted  the same, each group's baseline and std re-estimated under the
-                           current policy (`trainer.algorithm.group_reweight = true`)
+            decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`), per-token weights
+            decoupled_ppo_seq  the same with sequence-level weights (`sequence_weight = true`)
+          and, with --only: decoupled_ppo_m2 (`m2_threshold = 0.04`), decoupled_ppo_reweighted
+          (`group_reweight = true`)
           each for as many steps as it takes to train the samples the sync run trained (or, with
           --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
@@ -24,7 +25,8 @@ rollout got ahead (0, 1, …, s − 1 versions old), so a short run's mean stays
 reports the staleness it measured (the mean over every trained group) beside its bound.
 
 Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "objective",
-"eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", "minibatches", ...}; with several --seeds,
+"eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", "gap_points_s4": {objective: gap},
+"minibatches", ...}; with several --seeds,
 accuracies are the mean over seeds and each cell lists its per-seed figures.
 
     miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo] [--seeds 0] [--minibatches 1]
@@ -47,9 +49,14 @@ from benchmarks.algorithms import rl_run, warm_start
 OBJECTIVES = {
     "grpo_tis": {"trainer.algorithm.name": "grpo", "trainer.algorithm.tis_mode": "truncate"},
     "decoupled_ppo": {"trainer.algorithm.name": "decoupled_ppo", "trainer.algorithm.tis_mode": "off"},
-    "decoupled_ppo_reweighted": {"trainer.algorithm.name": "decoupled_ppo", "trainer.algorithm.tis_mode": "off",
-                                 "trainer.algorithm.group_reweight": "true"},
 }
+# Decoupled PPO with one of its options on (algorithms/decoupled_ppo.py), each an objective of its own.
+OBJECTIVES.update({
+    "decoupled_ppo_seq": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.sequence_weight": "true"},
+    "decoupled_ppo_m2": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.m2_threshold": "0.04"},
+    "decoupled_ppo_reweighted": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.group_reweight": "true"},
+})
+DEFAULT_OBJECTIVES = ("grpo_tis", "decoupled_ppo", "decoupled_ppo_seq")
 
 
 def run_ahead(max_staleness: int, prompts_per_step: int) -> dict[str, str]:
@@ -127,14 +134,16 @@ def table(sync: list[dict], cells: dict[tuple[int, str], list[dict]]) -> dict:
     d4 = [r for r in rows if r["objective"] == "decoupled_ppo" and r["max_staleness"] == 4]
     return {"sync_eval_accuracy": sync_acc, "start_eval_accuracy": mean(sync, "eval_accuracy_before"),
             "sync_trained_samples": mean(sync, "trained_samples"), "cells": rows,
-            "gap_points_decoupled_s4": d4[0]["gap_points"] if d4 else None}
+            "gap_points_decoupled_s4": d4[0]["gap_points"] if d4 else None,
+            "gap_points_s4": {r["objective"]: r["gap_points"] for r in rows if r["max_staleness"] == 4}}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench staleness", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="GRPO steps of the sync run; every cell trains as many samples")
     p.add_argument("--staleness", default="1,4,8", help="comma-separated buffer.max_staleness bounds, one cell each")
-    p.add_argument("--only", default="", help=f"comma-separated objectives (default: all of {', '.join(OBJECTIVES)})")
+    p.add_argument("--only", default="", help=f"comma-separated objectives of {', '.join(OBJECTIVES)} "
+                                              f"(default: {', '.join(DEFAULT_OBJECTIVES)})")
     p.add_argument("--seeds", default="0", help="comma-separated run.seed values; every run is repeated per seed")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=8)
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
                    help="optimizer updates per step of every run, sync included (trainer.minibatches_per_step)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
-    objectives = [n for n in args.only.split(",") if n] or list(OBJECTIVES)
+    objectives = [n for n in args.only.split(",") if n] or list(DEFAULT_OBJECTIVES)
     unknown = set(objectives) - set(OBJECTIVES)
     if unknown:
         p.error(f"--only: unknown objectives {sorted(unknown)}; choose from {sorted(OBJECTIVES)}")
@@ -196,7 +205,8 @@ def main(argv=None) -> int:
             print(f"[bench staleness] {name}: {json.dumps(cell)}", file=sys.stderr, flush=True)
     ray.shutdown()
     line = table(sync, cells)
-    line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches, "seeds": seeds, "prompts_per_step": pps,
+    line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches,
+                 "sync": f"GRPO, sync schedule, {args.minibatches} optimizer update(s) per step", "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,
                  "sync_runs": sync, "wall_s": time.perf_counter() - t0})
     print(json.dumps(line), flush=True)
