@@ -6,9 +6,10 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
   cells   fully_async at each `buffer.max_staleness` s in --staleness, with each objective in --only:
             grpo_tis       GRPO with truncated importance sampling (`tis_mode = "truncate"`)
             decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`), per-token weights
-            decoupled_ppo_seq  the same with sequence-level weights (`sequence_weight = true`)
-          and, with --only: decoupled_ppo_m2 (`m2_threshold = 0.04`), decoupled_ppo_reweighted
-          (`group_reweight = true`)
+            decoupled_ppo_seq_m2  the same with sequence-level weights and the second-moment trust
+                           region (`sequence_weight = true`, `m2_threshold = 0.04`)
+          and, with --only: decoupled_ppo_seq and decoupled_ppo_m2 (one of those two options each),
+          decoupled_ppo_reweighted (`group_reweight = true`)
           each for as many steps as it takes to train the samples the sync run trained (or, with
           --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
@@ -56,7 +57,8 @@ OBJECTIVES.update({
     "decoupled_ppo_m2": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.m2_threshold": "0.04"},
     "decoupled_ppo_reweighted": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.group_reweight": "true"},
 })
-DEFAULT_OBJECTIVES = ("grpo_tis", "decoupled_ppo", "decoupled_ppo_seq")
+OBJECTIVES["decoupled_ppo_seq_m2"] = {**OBJECTIVES["decoupled_ppo_seq"], "trainer.algorithm.m2_threshold": "0.04"}
+DEFAULT_OBJECTIVES = ("grpo_tis", "decoupled_ppo", "decoupled_ppo_seq_m2")
 
 
 def run_ahead(max_staleness: int, prompts_per_step: int) -> dict[str, str]:

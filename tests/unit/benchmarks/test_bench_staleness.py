@@ -77,6 +77,7 @@ def test_every_cell_config_is_a_run_the_loader_accepts(objective, tiny_model_dir
         "grpo_tis": ("grpo", "truncate", (None, None, None)),
         "decoupled_ppo": ("decoupled_ppo", "off", (False, 0.0, False)),
         "decoupled_ppo_seq": ("decoupled_ppo", "off", (True, 0.0, False)),
+        "decoupled_ppo_seq_m2": ("decoupled_ppo", "off", (True, 0.04, False)),
         "decoupled_ppo_m2": ("decoupled_ppo", "off", (False, 0.04, False)),
         "decoupled_ppo_reweighted": ("decoupled_ppo", "off", (False, 0.0, True))}[objective]
 
