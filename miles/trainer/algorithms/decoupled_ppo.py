@@ -16,6 +16,12 @@ and the clip bounds how far one step's k updates take the policy from where it s
 staleness of the samples. Approximating π_prox from recorded versions (interpolating between the
 engine's logprobs and the current ones by weight version) would add error for nothing: the engine's
 logprobs differ from the trainer's by numerics even at the same version. Advantages are GRPO's.
+
+Options for stale samples (each off by default; docs/algorithms.md has what they measured):
+`sequence_weight` weights every token by its sequence's ratio, the exact correction for one reward
+per response; `m2_threshold` drops the most-moved tokens until the batch's second moment of the
+log-ratio is bounded (M2PO); `group_reweight` re-estimates each group's baseline and std under the
+proximal policy before the step (trainer/batching.py::reweight_groups).
 """
 
 from __future__ import annotations
