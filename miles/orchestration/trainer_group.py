@@ -26,6 +26,16 @@ def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
     return [shards[r // tp] for r in range(num_ranks)]
 
 
+def join_from_ranks(per_rank: list[list], num_ranks: int, tp: int) -> list:
+    """The inverse of `split_for_ranks` for per-sequence results: back in the global order (a data
+    shard's tensor-parallel peers returned the same, the first one's is taken)."""
+    dp = num_ranks // tp
+    out: list = [None] * sum(len(per_rank[d * tp]) for d in range(dp))
+    for d in range(dp):  # shard d holds seqs[d::dp]
+        out[d::dp] = per_rank[d * tp]
+    return out
+
+
 class TrainerGroup:
     def __init__(self, trainer_cfg, sync_cfg, model_path: str, seed: int, temperature: float,
                  cores=None, admin_token: str | None = None, pool=None):
@@ -96,12 +106,8 @@ class TrainerGroup:
         """Each sequence's response logprobs under the trainer's current weights (one collective forward)."""
         n = len(self.actors)
         tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
-        dp = n // tp
         per_rank = self._all("call_trainer", ["proximal_logprobs"] * n, split_for_ranks(seqs, n, tp))
-        out: list = [None] * len(seqs)
-        for d in range(dp):  # shard d holds seqs[d::dp]; its tensor-parallel peers returned the same
-            out[d::dp] = per_rank[d * tp]
-        return out
+        return join_from_ranks(per_rank, n, tp)
 
     def train_step(self, seqs, algorithm: str | None = None, minibatch_sizes: list[int] | None = None) -> dict[str, float]:
         """One step on sequences carrying per-sample advantages; `algorithm` names another algorithm's loss

@@ -50,6 +50,15 @@ def test_minibatches_are_runs_of_whole_groups_as_even_as_they_divide():
     assert minibatch_sizes([], 3) == [0]
 
 
+def test_per_sequence_results_come_back_from_the_ranks_in_the_global_order():
+    from miles.orchestration.trainer_group import join_from_ranks, split_for_ranks
+
+    seqs = list(range(7))
+    for ranks, tp in ((1, 1), (2, 1), (3, 1), (4, 2)):
+        shards = split_for_ranks(seqs, ranks, tp)
+        assert join_from_ranks([[10 * s for s in shard] for shard in shards], ranks, tp) == [10 * s for s in seqs]
+
+
 def test_zero_minibatches_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="trainer.minibatches_per_step"):
         build(TrainerConfig, {"minibatches_per_step": 0}).validate()
