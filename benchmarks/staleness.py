@@ -30,7 +30,8 @@ Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "
 "minibatches", ...}; with several --seeds,
 accuracies are the mean over seeds and each cell lists its per-seed figures.
 
-    miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo] [--seeds 0] [--minibatches 1]
+    miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo]
+                          [--seeds 0] [--minibatches 1] [--match samples|updates]
 """
 
 from __future__ import annotations
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
     ray.shutdown()
     line = table(sync, cells)
     line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches,
-                 "sync": f"GRPO, sync schedule, {args.minibatches} optimizer update(s) per step", "seeds": seeds, "prompts_per_step": pps,
+                 "sync": f"GRPO, sync schedule, {args.minibatches} optimizer update(s) per step",
+                 "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,
                  "sync_runs": sync, "wall_s": time.perf_counter() - t0})
     print(json.dumps(line), flush=True)

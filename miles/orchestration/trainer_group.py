@@ -109,7 +109,8 @@ class TrainerGroup:
         per_rank = self._all("call_trainer", ["proximal_logprobs"] * n, split_for_ranks(seqs, n, tp))
         return join_from_ranks(per_rank, n, tp)
 
-    def train_step(self, seqs, algorithm: str | None = None, minibatch_sizes: list[int] | None = None) -> dict[str, float]:
+    def train_step(self, seqs, algorithm: str | None = None,
+                   minibatch_sizes: list[int] | None = None) -> dict[str, float]:
         """One step on sequences carrying per-sample advantages; `algorithm` names another algorithm's loss
         for this step (e.g. "sft" on demonstrations), None = the configured one. One optimizer update, or
         one per minibatch of the given sizes (consecutive sequences; the advantages' batch-wide pass still

@@ -87,7 +87,8 @@ def test_decoupled_ppo_clips_around_a_recorded_proximal_policy():
 
 def test_tis_weights_and_clips_against_a_recorded_proximal_policy():
     x = LossInputs(torch.log(torch.tensor([[0.6]])), torch.log(torch.tensor([[0.2]])), torch.ones(1, 1),
-                   torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long), prox_logprobs=torch.log(torch.tensor([[0.4]])))
+                   torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long),
+                   prox_logprobs=torch.log(torch.tensor([[0.4]])))
     corrected, w, _ = corrected_inputs(x, "truncate", 0.0, 5.0)
     assert w.item() == pytest.approx(2.0)  # π_prox/π_rollout, not π_θ/π_rollout = 3
     assert torch.equal(corrected.old_logprobs, x.prox_logprobs)
