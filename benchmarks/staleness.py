@@ -5,10 +5,16 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
   sync    GRPO with the sync schedule for --steps steps (staleness 0 by construction);
   cells   fully_async at each `buffer.max_staleness` s in --staleness, with each objective in --only:
             grpo_tis       GRPO with truncated importance sampling (`tis_mode = "truncate"`)
-            decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`)
+            decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`), per-token weights
+            decoupled_ppo_seq_m2  the same with sequence-level weights and the second-moment trust
+                           region (`sequence_weight = true`, `m2_threshold = 0.04`)
+          and, with --only: decoupled_ppo_seq and decoupled_ppo_m2 (one of those two options each),
+          decoupled_ppo_reweighted (`group_reweight = true`)
           each for as many steps as it takes to train the samples the sync run trained (or, with
           --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
+With --minibatches k, every run, sync included, makes k optimizer updates per step
+(`trainer.minibatches_per_step`), so the cells are compared with a sync run trained the same way.
 
 Making the staleness happen. The bound only caps staleness; what a group actually lags by is how far
 the rollout runs ahead of the trainer. Each cell lets it run s steps ahead and no further: s steps'
@@ -20,10 +26,12 @@ rollout got ahead (0, 1, …, s − 1 versions old), so a short run's mean stays
 reports the staleness it measured (the mean over every trained group) beside its bound.
 
 Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "objective",
-"eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", ...}; with several --seeds,
+"eval_accuracy", "mean_staleness", ...}], "gap_points_decoupled_s4", "gap_points_s4": {objective: gap},
+"minibatches", ...}; with several --seeds,
 accuracies are the mean over seeds and each cell lists its per-seed figures.
 
-    miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo] [--seeds 0]
+    miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo]
+                          [--seeds 0] [--minibatches 1] [--match samples|updates]
 """
 
 from __future__ import annotations
@@ -44,6 +52,14 @@ OBJECTIVES = {
     "grpo_tis": {"trainer.algorithm.name": "grpo", "trainer.algorithm.tis_mode": "truncate"},
     "decoupled_ppo": {"trainer.algorithm.name": "decoupled_ppo", "trainer.algorithm.tis_mode": "off"},
 }
+# Decoupled PPO with one of its options on (algorithms/decoupled_ppo.py), each an objective of its own.
+OBJECTIVES.update({
+    "decoupled_ppo_seq": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.sequence_weight": "true"},
+    "decoupled_ppo_m2": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.m2_threshold": "0.04"},
+    "decoupled_ppo_reweighted": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.group_reweight": "true"},
+})
+OBJECTIVES["decoupled_ppo_seq_m2"] = {**OBJECTIVES["decoupled_ppo_seq"], "trainer.algorithm.m2_threshold": "0.04"}
+DEFAULT_OBJECTIVES = ("grpo_tis", "decoupled_ppo", "decoupled_ppo_seq_m2")
 
 
 def run_ahead(max_staleness: int, prompts_per_step: int) -> dict[str, str]:
@@ -87,7 +103,8 @@ def staleness_of(steps: list[dict]) -> dict[str, float]:
 # how far the behaviour policy was from the trained one, and how many tokens each objective bounded.
 WEIGHT_FIGURES = ("train/train_rollout_logprob_gap", "train/tis_weight_mean", "train/tis_clipped_frac",
                   "train/tis_ess", "decoupled_ppo/behav_weight_mean", "decoupled_ppo/clipped_frac_weight_cap",
-                  "decoupled_ppo/behav_weight_le_0.5", "decoupled_ppo/behav_weight_le_2")
+                  "decoupled_ppo/behav_weight_le_0.5", "decoupled_ppo/behav_weight_le_2",
+                  "decoupled_ppo/clipped_frac_ratio", "train/group_baseline_shift")
 
 
 def figures(summary: dict, steps: list[dict]) -> dict:
@@ -120,14 +137,16 @@ def table(sync: list[dict], cells: dict[tuple[int, str], list[dict]]) -> dict:
     d4 = [r for r in rows if r["objective"] == "decoupled_ppo" and r["max_staleness"] == 4]
     return {"sync_eval_accuracy": sync_acc, "start_eval_accuracy": mean(sync, "eval_accuracy_before"),
             "sync_trained_samples": mean(sync, "trained_samples"), "cells": rows,
-            "gap_points_decoupled_s4": d4[0]["gap_points"] if d4 else None}
+            "gap_points_decoupled_s4": d4[0]["gap_points"] if d4 else None,
+            "gap_points_s4": {r["objective"]: r["gap_points"] for r in rows if r["max_staleness"] == 4}}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench staleness", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="GRPO steps of the sync run; every cell trains as many samples")
     p.add_argument("--staleness", default="1,4,8", help="comma-separated buffer.max_staleness bounds, one cell each")
-    p.add_argument("--only", default="", help=f"comma-separated objectives (default: all of {', '.join(OBJECTIVES)})")
+    p.add_argument("--only", default="", help=f"comma-separated objectives of {', '.join(OBJECTIVES)} "
+                                              f"(default: {', '.join(DEFAULT_OBJECTIVES)})")
     p.add_argument("--seeds", default="0", help="comma-separated run.seed values; every run is repeated per seed")
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--samples-per-prompt", type=int, default=8)
@@ -138,9 +157,11 @@ def main(argv=None) -> int:
     p.add_argument("--match", default="samples", choices=("samples", "updates"),
                    help="what every cell shares with the sync run: its trained samples (the default; cells make "
                         "fewer, fuller updates) or its number of optimizer updates (cells then train more samples)")
+    p.add_argument("--minibatches", type=int, default=1,
+                   help="optimizer updates per step of every run, sync included (trainer.minibatches_per_step)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
-    objectives = [n for n in args.only.split(",") if n] or list(OBJECTIVES)
+    objectives = [n for n in args.only.split(",") if n] or list(DEFAULT_OBJECTIVES)
     unknown = set(objectives) - set(OBJECTIVES)
     if unknown:
         p.error(f"--only: unknown objectives {sorted(unknown)}; choose from {sorted(OBJECTIVES)}")
@@ -151,8 +172,8 @@ def main(argv=None) -> int:
         p.error("--staleness and --seeds take comma-separated integers, e.g. --staleness 1,4,8 --seeds 0,1")
     if not bounds or min(bounds) < 1 or not seeds:
         p.error("--staleness needs bounds >= 1 (e.g. 1,4,8) and --seeds at least one seed")
-    if args.steps < 1:
-        p.error("--steps must be at least 1")
+    if args.steps < 1 or args.minibatches < 1:
+        p.error("--steps and --minibatches must be at least 1")
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -167,7 +188,8 @@ def main(argv=None) -> int:
     sft_model = warm_start(out, args.sft_model, args.preset, args.sft_steps)
     pps = args.prompts_per_step
     common = {"eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(pps),
-              "rollout.n_samples_per_prompt": str(args.samples_per_prompt)}
+              "rollout.n_samples_per_prompt": str(args.samples_per_prompt),
+              "trainer.minibatches_per_step": str(args.minibatches)}
     sync: list[dict] = []
     cells: dict[tuple[int, str], list[dict]] = {(s, o): [] for s in bounds for o in objectives}
     for seed in seeds:
@@ -186,7 +208,9 @@ def main(argv=None) -> int:
             print(f"[bench staleness] {name}: {json.dumps(cell)}", file=sys.stderr, flush=True)
     ray.shutdown()
     line = table(sync, cells)
-    line.update({"steps": args.steps, "match": args.match, "seeds": seeds, "prompts_per_step": pps,
+    line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches,
+                 "sync": f"GRPO, sync schedule, {args.minibatches} optimizer update(s) per step",
+                 "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,
                  "sync_runs": sync, "wall_s": time.perf_counter() - t0})
     print(json.dumps(line), flush=True)

@@ -76,9 +76,10 @@ class TrainerShell:
                                    seed=seed, temperature=temperature)
         return node_address()
 
-    def train_step(self, seqs, totals, algorithm: str | None = None):
+    def train_step(self, minibatches, algorithm: str | None = None):
+        """One step: an optimizer update per (seqs, totals) minibatch (FSDPTrainer.train_minibatches)."""
         try:
-            return self.trainer.train_step(seqs, totals, algorithm)
+            return self.trainer.train_minibatches(minibatches, algorithm)
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():
                 raise

@@ -11,9 +11,12 @@ every rank joins it; so the rendezvous lives wherever placement put rank 0, on a
 
 from __future__ import annotations
 
+import dataclasses
+
 from miles.orchestration.actors import CollectiveTimeout, TrainerShell, remote
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
-from miles.trainer.batching import prepare_global_batch, sequences_from_groups
+from miles.trainer.batching import minibatch_sizes, prepare_global_batch, reweight_groups, sequences_from_groups
+from miles.trainer.types import BatchTotals
 
 
 def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
@@ -21,6 +24,16 @@ def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
     dp = num_ranks // tp
     shards = [seqs[d::dp] for d in range(dp)]
     return [shards[r // tp] for r in range(num_ranks)]
+
+
+def join_from_ranks(per_rank: list[list], num_ranks: int, tp: int) -> list:
+    """The inverse of `split_for_ranks` for per-sequence results: back in the global order (a data
+    shard's tensor-parallel peers returned the same, the first one's is taken)."""
+    dp = num_ranks // tp
+    out: list = [None] * sum(len(per_rank[d * tp]) for d in range(dp))
+    for d in range(dp):  # shard d holds seqs[d::dp]
+        out[d::dp] = per_rank[d * tp]
+    return out
 
 
 class TrainerGroup:
@@ -78,17 +91,42 @@ class TrainerGroup:
         return ray.get(refs)
 
     def train_groups(self, groups) -> dict[str, float]:
-        """One optimizer step on rollout groups, with the configured algorithm's advantages."""
-        return self.train_step(sequences_from_groups(groups, self.algorithm))
+        """One step on rollout groups, with the configured algorithm's advantages: as many optimizer
+        updates as `trainer.minibatches_per_step`, each on whole groups."""
+        seqs = sequences_from_groups(groups, self.algorithm)
+        extra = {}
+        if getattr(self.algorithm, "reweights_groups", False):
+            # The advantages read the current policy: its logprobs first (they are then the step's proximal ones).
+            seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(seqs, self.proximal_logprobs(seqs))]
+            seqs, extra = reweight_groups(groups, seqs, self.algorithm)
+        metrics = self.train_step(seqs, minibatch_sizes=minibatch_sizes(groups, self.cfg.minibatches_per_step))
+        return {**metrics, **extra}
 
-    def train_step(self, seqs, algorithm: str | None = None) -> dict[str, float]:
-        """One optimizer step on sequences carrying per-sample advantages; `algorithm` names another
-        algorithm's loss for this step (e.g. "sft" on demonstrations), None = the configured one."""
+    def proximal_logprobs(self, seqs) -> list[list[float]]:
+        """Each sequence's response logprobs under the trainer's current weights (one collective forward)."""
+        n = len(self.actors)
+        tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
+        per_rank = self._all("call_trainer", ["proximal_logprobs"] * n, split_for_ranks(seqs, n, tp))
+        return join_from_ranks(per_rank, n, tp)
+
+    def train_step(self, seqs, algorithm: str | None = None,
+                   minibatch_sizes: list[int] | None = None) -> dict[str, float]:
+        """One step on sequences carrying per-sample advantages; `algorithm` names another algorithm's loss
+        for this step (e.g. "sft" on demonstrations), None = the configured one. One optimizer update, or
+        one per minibatch of the given sizes (consecutive sequences; the advantages' batch-wide pass still
+        sees the whole batch, and each minibatch's loss is normalised by its own totals)."""
         n = len(self.actors)
         algo = self.algorithm if algorithm is None else get_algorithm(AlgorithmConfig(name=algorithm))
-        seqs, totals = prepare_global_batch(seqs, algo)
+        seqs, _ = prepare_global_batch(seqs, algo)
         tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
-        return self._all("train_step", split_for_ranks(seqs, n, tp), [totals] * n, [algorithm] * n)[0]
+        per_rank: list[list] = [[] for _ in range(n)]
+        start = 0
+        for size in minibatch_sizes or [len(seqs)]:
+            part = seqs[start:start + size]
+            start += size
+            for r, shard in enumerate(split_for_ranks(part, n, tp)):
+                per_rank[r].append((shard, BatchTotals.of(part)))
+        return self._all("train_step", per_rank, [algorithm] * n)[0]
 
     def connect_engines(self, urls: list[str]) -> None:
         if self._all("connect_engines", [urls] * len(self.actors))[0]:

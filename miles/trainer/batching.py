@@ -14,6 +14,7 @@ Non-goal: splitting one sequence over micro-batches (a sequence over budget gets
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,11 +43,41 @@ def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[Tra
     return seqs
 
 
+def reweight_groups(groups: list[Group], seqs: list[TrainSequence], algorithm) -> tuple[list[TrainSequence], dict]:
+    """Advantages re-estimated per group under the proximal policy (`algorithm.reweighted_advantages`),
+    from each sequence's recorded proximal logprobs; `seqs` are `sequences_from_groups(groups)`, in order.
+    Returns them and the mean shift of the groups' baselines (proximal minus behaviour)."""
+    out, shifts, i = [], [], 0
+    for g in groups:
+        part = seqs[i:i + len(g.samples)]
+        i += len(g.samples)
+        # Σ over loss tokens of log π_prox − log π_behav, clamped: one near-impossible token must not overflow.
+        logw = [max(-20.0, min(20.0, sum(m * (p - b) for m, p, b in zip(s.loss_mask, s.prox_logprobs, s.old_logprobs))))
+                for s in part]
+        advs = algorithm.reweighted_advantages(g.rewards, logw)
+        out += [dataclasses.replace(s, advantage=a) for s, a in zip(part, advs)]
+        if part:
+            top = max(logw)
+            w = [math.exp(lw - top) for lw in logw]
+            shifts.append(sum(wi * r for wi, r in zip(w, g.rewards)) / sum(w) - sum(g.rewards) / len(g.rewards))
+    shift = sum(shifts) / len(shifts) if shifts else 0.0
+    return out, {f"{algorithm.metric_prefix}/group_baseline_shift": shift}
+
+
 def prepare_global_batch(seqs: list[TrainSequence], algorithm: Algorithm) -> tuple[list[TrainSequence], BatchTotals]:
     """The algorithm's batch-wide advantage pass and the global totals of one step."""
     advs = algorithm.batch_advantages([s.advantage for s in seqs])
     seqs = [dataclasses.replace(s, advantage=a) for s, a in zip(seqs, advs)]
     return seqs, BatchTotals.of(seqs)
+
+
+def minibatch_sizes(groups: list[Group], k: int) -> list[int]:
+    """Sequences in each of a step's `k` minibatches: consecutive runs of whole groups, as even in groups
+    as they divide (fewer minibatches when there are fewer groups). `sequences_from_groups` keeps a
+    group's samples together, so a group never straddles two updates."""
+    k = max(1, min(k, len(groups)))
+    return [sum(len(g.samples) for g in groups[i * len(groups) // k:(i + 1) * len(groups) // k])
+            for i in range(k)]
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, pack: bool) -> list[list[int]]:
@@ -90,6 +121,7 @@ class MicroBatch:
     seqs: list
     routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
     teacher_logprobs: "torch.Tensor | None" = None  # (B, T-1) a teacher engine's, when every sequence has them
+    prox_logprobs: "torch.Tensor | None" = None     # (B, T-1) the proximal policy's, when every sequence has them
 
     def to(self, device) -> "MicroBatch":
         """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
@@ -124,6 +156,7 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
     sid = torch.full((B, width - 1), -1, dtype=torch.long)
     # Teacher engines scored every sample, or none did (the in-trainer teacher scores at the forward).
     teacher = torch.zeros(B, width - 1) if seqs and all(s.teacher_logprobs is not None for s in seqs) else None
+    prox = torch.zeros(B, width - 1) if seqs and all(s.prox_logprobs is not None for s in seqs) else None
     offsets = [(0, 0)] * len(seqs)
     for r, members in enumerate(rows):
         off = 0
@@ -147,6 +180,8 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
                     raise ValueError(f"a sequence has {n} response tokens but {len(s.teacher_logprobs)} teacher "
                                      "logprobs; the teacher engine must score every response token")
                 teacher[r, lo:lo + n] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+            if prox is not None:
+                prox[r, lo:lo + n] = torch.tensor(s.prox_logprobs, dtype=torch.float32)
             offsets[i] = (r, off)
             off += L
     routed = None
@@ -156,5 +191,5 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     if pack:
         # Padding to the right would be read as one more packed sequence; there is none here.
-        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed, teacher)
-    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed, teacher)
+        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed, teacher, prox)
+    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed, teacher, prox)

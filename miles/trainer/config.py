@@ -41,6 +41,12 @@ class TrainerConfig:
     """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
+    minibatches_per_step: int = 1
+    """Optimizer updates per RL step: the step's batch (its advantages computed over all of it) is split
+    into this many minibatches of whole groups, each trained by one update. From the second on, samples
+    are off the policy being trained; decoupled PPO and TIS clip and weight against the weights at the
+    start of the step (recorded in one extra no-grad forward), the other algorithms against the rollout's
+    logprobs. LR warm-up and decay count updates."""
     micro_batch_size: int = 64
     """Most sequences per padded micro-batch on one rank; gradients accumulate across micro-batches."""
     max_tokens_per_micro_batch: int = 0
@@ -108,6 +114,9 @@ class TrainerConfig:
                               "or 0 to turn clipping off")
         if self.num_threads < 1:
             raise ConfigError(f"trainer.num_threads = {self.num_threads}: set it >= 1")
+        if self.minibatches_per_step < 1:
+            raise ConfigError(f"trainer.minibatches_per_step = {self.minibatches_per_step}: set it >= 1 "
+                              "(1 = one optimizer update per step)")
         if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
             raise ConfigError("trainer.micro_batch_size must be >= 1 and trainer.max_tokens_per_micro_batch >= 0")
         if self.lr_schedule not in ("constant", "linear", "cosine"):

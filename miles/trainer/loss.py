@@ -55,7 +55,8 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
     acfg = algorithm.cfg
     logp = out.logprobs
     x = LossInputs(logp, mb.old_logprobs, mb.advantages, mb.mask, mb.seq_ids, entropy=out.entropy,
-                   ref_logprobs=out.ref_logprobs, teacher_logprobs=out.teacher_logprobs)
+                   ref_logprobs=out.ref_logprobs, teacher_logprobs=out.teacher_logprobs,
+                   prox_logprobs=mb.prox_logprobs)
     if x.ref_logprobs is not None and acfg.kl_mode == "reward":
         x.advantages = kl_reward_penalty(x.advantages, logp.detach(), x.ref_logprobs, mb.mask, mb.seq_ids,
                                          acfg.kl_coef)
@@ -100,7 +101,7 @@ def micro_batch_loss(algorithm: Algorithm, mb: MicroBatch, out: ForwardOutputs, 
                 _acc(sums, "mismatch_kl", ((torch.expm1(delta) - delta) * mb.mask).sum())
                 _acc(sums, "mismatch_tokens", ((delta.abs() > MISMATCH_THRESHOLD) * mb.mask).sum())
             if tis is not None:
-                for k, v in tis_sums(tis[0], tis[1], logp, mb.old_logprobs, mb.mask).items():
+                for k, v in tis_sums(tis[0], tis[1], x.old_logprobs, mb.old_logprobs, mb.mask).items():
                     _acc(sums, k, v)
     return loss
 

@@ -16,6 +16,8 @@ class TrainSequence:
     token_advantages: list[float] = field(default_factory=list)  # per response token; overrides advantage
     routed_experts: str | None = None  # the engine's expert ids per token (Sample.routed_experts), for R3
     teacher_logprobs: list[float] | None = None  # per response token; a teacher engine's (Sample.teacher_logprobs)
+    prox_logprobs: list[float] | None = None  # per response token; the proximal policy's (the weights at the
+    # start of a step of several minibatches), recorded by the trainer before its first update
 
     @property
     def num_loss_tokens(self) -> int:

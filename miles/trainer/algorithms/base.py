@@ -8,7 +8,9 @@ the clipped surrogate (with dual-clip), KL estimators, and aggregation; trainer/
 Aggregation is expressed as a weight per token that depends only on the sequence it belongs to and
 on counts over the *global* batch (loss tokens, sequences, a constant), never on how samples were
 split into ranks or micro-batches. So the step's gradient is the same for any split.
-Non-goal: multi-epoch PPO minibatching (one optimizer step per rollout batch).
+With `trainer.minibatches_per_step` > 1 a step's batch trains in several updates; the trainer then
+records the proximal policy (the weights at the start of the step) for the algorithms that read it.
+Non-goal: several epochs over one batch.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class LossInputs:
     ref_logprobs: "torch.Tensor | None" = None
     entropy: "torch.Tensor | None" = None
     teacher_logprobs: "torch.Tensor | None" = None  # a distillation teacher's, on the sampled tokens
+    prox_logprobs: "torch.Tensor | None" = None  # the proximal policy's (weights at the start of the step),
+    # recorded when a step makes several updates; None = the policy being trained is the proximal one
 
 
 class Algorithm(Protocol):
@@ -195,6 +199,12 @@ class AlgorithmBase:
     def corrects_off_policy(self) -> bool:
         return self.cfg.tis_mode != "off"
 
+    @property
+    def needs_proximal(self) -> bool:
+        """Reads the proximal policy's logprobs (`LossInputs.prox_logprobs`) when a step makes several
+        updates: the off-policy correction weights tokens π_prox/π_rollout and clips around π_prox."""
+        return self.corrects_off_policy
+
     def batch_advantages(self, advantages: list[float]) -> list[float]:
         return advantages
 
@@ -250,6 +260,23 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_low: float, clip_
         loss = torch.where(dual, bound, loss)
         was_clipped = torch.where(dual, torch.ones_like(was_clipped), was_clipped)
     return loss, was_clipped
+
+
+def proximal_logprobs(x: LossInputs) -> "torch.Tensor":
+    """log π_prox (B, T-1), no gradient: the weights at the start of the step where the trainer recorded
+    them (several updates per step), else the policy being trained (one update: the same weights)."""
+    return x.prox_logprobs if x.prox_logprobs is not None else x.logprobs.detach()
+
+
+def sequence_sums(values: "torch.Tensor", seq_ids: "torch.Tensor") -> "torch.Tensor":
+    """(B, T-1): at each token, the sum of `values` over the tokens of its sequence (seq_ids numbers them;
+    -1 tokens add to sequence 0's sum and read it, so mask `values` and the result where that matters)."""
+    import torch
+
+    ids = torch.where(seq_ids >= 0, seq_ids, 0).flatten()
+    n_seq = max(int(seq_ids.max().item()) + 1 if seq_ids.numel() else 0, 1)
+    sums = torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, ids, values.flatten())
+    return sums[ids].view_as(values)
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator: str):

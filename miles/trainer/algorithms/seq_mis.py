@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from miles.config.loader import ConfigError
-from miles.trainer.algorithms.base import LossInputs, clipped_surrogate
+from miles.trainer.algorithms.base import LossInputs, clipped_surrogate, proximal_logprobs, sequence_sums
 from miles.trainer.algorithms.decoupled_ppo import weight_histogram
 from miles.trainer.algorithms.grpo import GRPO
 
@@ -44,23 +44,23 @@ class SeqMIS(GRPO):
 
     cfg: Config
 
+    @property
+    def needs_proximal(self) -> bool:
+        return True
+
     def sequence_weights(self, x: LossInputs, prox):
         """ρ of each token's sequence (B, T-1), 0 where the sequence is dropped; the raw ρ; the dropped tokens."""
         import torch
 
-        delta = (prox - x.old_logprobs) * x.mask  # (B, T-1)
-        ids = torch.where(x.seq_ids >= 0, x.seq_ids, 0).flatten()
-        n_seq = max(int(x.seq_ids.max().item()) + 1 if x.seq_ids.numel() else 0, 1)
-        sums = torch.zeros(n_seq, dtype=delta.dtype).index_add(0, ids, delta.flatten())
+        sums = sequence_sums((prox - x.old_logprobs) * x.mask, x.seq_ids)  # (B, T-1)
         if self.cfg.geometric:
-            counts = torch.zeros(n_seq, dtype=delta.dtype).index_add(0, ids, x.mask.flatten())
-            sums = sums / counts.clamp(min=1.0)
-        rho = torch.exp(torch.clamp(sums, -20.0, 20.0))[ids].view_as(delta)
+            sums = sums / sequence_sums(x.mask, x.seq_ids).clamp(min=1.0)
+        rho = torch.exp(torch.clamp(sums, -20.0, 20.0))
         dropped = (rho < self.cfg.seq_is_low) | (rho > self.cfg.seq_is_high)
         return torch.where(dropped, torch.zeros_like(rho), rho), rho, dropped
 
     def token_loss(self, x: LossInputs):
-        prox = x.logprobs.detach()  # (B, T-1): the policy before this step's update (see decoupled_ppo.py)
+        prox = proximal_logprobs(x)  # (B, T-1): the weights at the start of this step (see decoupled_ppo.py)
         w, rho, dropped = self.sequence_weights(x, prox)
         loss, clipped = clipped_surrogate(x.logprobs, prox, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)

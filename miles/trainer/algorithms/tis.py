@@ -2,8 +2,9 @@
 
 Rollout logprobs come from the engine: older weights (async staleness), a different numeric path
 (bf16 kernels, batching), or both. With correction on, the clipped surrogate runs against the
-current policy (one optimizer step per batch, so it is also the proximal policy) and each token is
-weighted by w = π_train / π_rollout:
+proximal policy and each token is weighted by w = π_prox / π_rollout. With one optimizer update per
+step the proximal policy is the one being trained; with `trainer.minibatches_per_step` > 1 it is the
+weights at the start of the step, which the trainer records:
   truncate: w clipped into [tis_clip_low, tis_clip_high] (truncated importance sampling);
   mask:     w kept inside that band and set to 0 outside it (masked importance sampling), so tokens
             whose policies disagree a lot are dropped rather than down-weighted.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
+
+from miles.trainer.algorithms.base import proximal_logprobs
 
 if TYPE_CHECKING:
     import torch
@@ -38,9 +41,11 @@ def importance_weights(logprobs, rollout_logprobs, mode: str, low: float, high: 
 
 
 def corrected_inputs(x, mode: str, low: float, high: float):
-    """LossInputs whose surrogate runs against the current policy, plus the per-token weights."""
-    w, changed = importance_weights(x.logprobs, x.old_logprobs, mode, low, high)
-    return dataclasses.replace(x, old_logprobs=x.logprobs.detach()), w, changed
+    """LossInputs whose surrogate runs against the proximal policy, plus the per-token weights
+    π_prox/π_rollout (with one update per step the proximal policy is the current one)."""
+    prox = proximal_logprobs(x)
+    w, changed = importance_weights(prox, x.old_logprobs, mode, low, high)
+    return dataclasses.replace(x, old_logprobs=prox), w, changed
 
 
 def tis_sums(w: "torch.Tensor", changed, logprobs, rollout_logprobs, mask) -> dict[str, float]:

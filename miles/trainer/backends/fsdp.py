@@ -17,10 +17,12 @@ Tensor/expert parallel layouts come from transformers' distributed config (train
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Iterator
@@ -118,10 +120,67 @@ class FSDPTrainer:
         `totals` (BatchTotals, or the global loss-token count) describes the whole global batch.
         `algorithm` names another algorithm's loss for this step (e.g. "sft"); None = the configured one.
         """
-        out = self.compute_gradients(seqs, totals, algorithm)
-        t_opt = time.perf_counter()
-        out[f"{self._algorithm(algorithm).metric_prefix}/grad_norm"] = self._clip_and_step()
-        out["perf/train_optimizer_s"] = time.perf_counter() - t_opt
+        return self.train_minibatches([(seqs, totals)], algorithm)
+
+    def train_minibatches(self, minibatches, algorithm: str | None = None) -> dict[str, float]:
+        """One loop step of several optimizer updates: one per (seqs, totals) minibatch, in order, each
+        `totals` describing its minibatch's global batch (all ranks call this with as many minibatches).
+
+        With more than one and an algorithm that reads the proximal policy (decoupled PPO, TIS), every
+        sequence's logprobs under the weights at the start of the step are recorded first, in one
+        no-grad forward: later minibatches clip and weight against those, not against weights the
+        earlier updates already moved. Metrics are means over the minibatches (perf/ seconds: sums)."""
+        algo = self._algorithm(algorithm)
+        recorded = all(s.prox_logprobs is not None for seqs, _ in minibatches for s in seqs)
+        if len(minibatches) > 1 and getattr(algo, "needs_proximal", False) and not recorded:
+            t_prox = time.perf_counter()
+            flat = self.proximal_logprobs([s for seqs, _ in minibatches for s in seqs], algo)
+            it = iter(flat)
+            minibatches = [([dataclasses.replace(s, prox_logprobs=next(it)) for s in seqs], totals)
+                           for seqs, totals in minibatches]
+            prox_s = time.perf_counter() - t_prox
+        else:
+            prox_s = 0.0
+        outs = []
+        for seqs, totals in minibatches:
+            out = self.compute_gradients(seqs, totals, algorithm)
+            t_opt = time.perf_counter()
+            out[f"{algo.metric_prefix}/grad_norm"] = self._clip_and_step()
+            out["perf/train_optimizer_s"] = time.perf_counter() - t_opt
+            outs.append(out)
+        self.step += 1
+        if len(outs) == 1:
+            return outs[0]
+        merged = {k: (sum if k.startswith("perf/") else statistics.fmean)([o[k] for o in outs if k in o])
+                  for k in outs[0]}
+        merged["perf/train_proximal_s"] = prox_s
+        merged[f"{algo.metric_prefix}/minibatches"] = float(len(outs))
+        return merged
+
+    @torch.no_grad()
+    def proximal_logprobs(self, seqs, algorithm=None) -> list[list[float]]:
+        """Per sequence, the logprobs of its response tokens under the current weights (collective: every
+        rank runs as many forwards). Micro-batched as training is, at the training temperature of
+        `algorithm` (None = the configured one)."""
+        cfg = self.cfg
+        algorithm = algorithm or self.algorithm
+        plan = plan_micro_batches([len(s.tokens) for s in seqs], cfg.max_tokens_per_micro_batch,
+                                  cfg.micro_batch_size, cfg.pack_sequences)
+        n_mb = torch.tensor([len(plan)], device=self.device)
+        dist.all_reduce(n_mb, op=dist.ReduceOp.MAX)
+        plan += [[]] * (int(n_mb) - len(plan))
+        temperature = self.temperature if algorithm.on_rollouts else 1.0
+        out: list[list[float] | None] = [None] * len(seqs)
+        for members in plan:
+            chunk = [seqs[i] for i in members] or [_placeholder(self.pad_id)]
+            mb = build_micro_batch(chunk, [0.0] * len(chunk), cfg.pack_sequences, self.pad_id,
+                                   self.moe_shape).to(self.device)
+            with routing_replay(self.routers, mb.routed, cfg.routing_replay, {}):
+                logp, _ = forward_logprobs(self.model, mb.input_ids, mb.attention_mask, mb.position_ids,
+                                           temperature)  # (B, T-1)
+            logp, sid = logp.float().cpu(), mb.seq_ids.cpu()
+            for j, i in enumerate(members):
+                out[i] = logp[sid == j].tolist()  # row-major: the sequence's response tokens in order
         return out
 
     def compute_gradients(self, seqs, totals, algorithm: str | None = None) -> dict[str, float]:
@@ -206,7 +265,6 @@ class FSDPTrainer:
             clip_grad_norm([p for p in self.critic.parameters() if p.grad is not None], self.cfg.grad_clip)
             self.critic_optim.step()
             self.critic_optim.zero_grad(set_to_none=True)
-        self.step += 1
         return float(norm)
 
     def _maybe_refresh_reference(self) -> None:

@@ -71,8 +71,15 @@ def test_every_cell_config_is_a_run_the_loader_accepts(objective, tiny_model_dir
     cfg = load_config(RunConfig, EXAMPLE / "grpo.toml", over)
     assert cfg.loop.schedule == "fully_async" and cfg.loop.num_steps == 9
     assert (cfg.buffer.max_staleness, cfg.buffer.max_inflight_groups, cfg.buffer.capacity) == (4, 32, 96)
-    assert (cfg.trainer.algorithm.name, cfg.trainer.algorithm.tis_mode) == {
-        "grpo_tis": ("grpo", "truncate"), "decoupled_ppo": ("decoupled_ppo", "off")}[objective]
+    a = cfg.trainer.algorithm
+    options = tuple(getattr(a, k, None) for k in ("sequence_weight", "m2_threshold", "group_reweight"))
+    assert (a.name, a.tis_mode, options) == {
+        "grpo_tis": ("grpo", "truncate", (None, None, None)),
+        "decoupled_ppo": ("decoupled_ppo", "off", (False, 0.0, False)),
+        "decoupled_ppo_seq": ("decoupled_ppo", "off", (True, 0.0, False)),
+        "decoupled_ppo_seq_m2": ("decoupled_ppo", "off", (True, 0.04, False)),
+        "decoupled_ppo_m2": ("decoupled_ppo", "off", (False, 0.04, False)),
+        "decoupled_ppo_reweighted": ("decoupled_ppo", "off", (False, 0.0, True))}[objective]
 
 
 def test_cells_train_at_least_the_samples_sync_trained_in_whole_steps():
@@ -104,12 +111,13 @@ def test_the_last_line_averages_seeds_and_gives_the_decoupled_gap_at_staleness_4
     assert d4["weights"] == {"decoupled_ppo/clipped_frac_weight_cap": pytest.approx(0.02)}  # over steps, then seeds
     assert line["gap_points_decoupled_s4"] == pytest.approx(1.0)
     assert g4["gap_points"] == pytest.approx(6.0)
+    assert line["gap_points_s4"] == {"decoupled_ppo": pytest.approx(1.0), "grpo_tis": pytest.approx(6.0)}
     assert line["sync_trained_samples"] == 256
 
 
 def test_bad_options_are_refused_naming_the_option(capsys):
     for argv, named in ((["--only", "ppo"], "--only"), (["--staleness", "0,4"], "--staleness"),
-                        (["--seeds", "a"], "--seeds")):
+                        (["--seeds", "a"], "--seeds"), (["--minibatches", "0"], "--minibatches")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert named in capsys.readouterr().err

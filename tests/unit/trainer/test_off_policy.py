@@ -109,3 +109,83 @@ def test_a_stale_token_that_plain_ppo_clips_to_no_gradient_still_teaches_under_d
 
     assert grad("grpo") == 0.0
     assert grad("decoupled_ppo") == pytest.approx(-1.5, rel=1e-5)
+
+
+def test_group_reweight_with_equal_weights_is_grpo():
+    rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    a = algo("decoupled_ppo", group_reweight=True)
+    assert a.reweighted_advantages(rewards, [0.3] * 8) == pytest.approx(a.advantages(rewards))
+
+
+def test_group_reweight_recentres_a_group_the_policy_has_since_learned():
+    # Sampled 3/8 correct; the current policy makes the correct answer 2× likelier and the wrong ones
+    # 0.4×: under it the group would succeed 75% of the time. Fresh at 75%, GRPO would give the rarer
+    # wrong answer the larger (negative) advantage and the common right one a smaller positive one.
+    rewards = [1.0] * 3 + [0.0] * 5
+    a = algo("decoupled_ppo", group_reweight=True)
+    stale = a.advantages(rewards)
+    fresh = a.reweighted_advantages(rewards, [math.log(2.0)] * 3 + [math.log(0.4)] * 5)
+    assert stale[0] == pytest.approx(1.291, abs=1e-3) and stale[-1] == pytest.approx(-0.775, abs=1e-3)
+    std = math.sqrt(0.75 * 0.25)
+    assert fresh[0] == pytest.approx(0.25 / std, abs=1e-3) and fresh[-1] == pytest.approx(-0.75 / std, abs=1e-3)
+    # Weighted by the current policy, the advantages are centred again.
+    w = [2.0] * 3 + [0.4] * 5
+    assert sum(wi * f for wi, f in zip(w, fresh)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_group_reweight_floors_the_spread_of_a_group_the_policy_would_all_but_solve():
+    rewards = [1.0] * 3 + [0.0] * 5
+    adv = algo("decoupled_ppo", group_reweight=True).reweighted_advantages(rewards, [30.0] * 3 + [0.0] * 5)
+    # The spread of a fresh group of 8 with one sample apart, √7/8, not ~0: finite, like a 7-of-8 group's.
+    assert adv[-1] == pytest.approx(-8 / math.sqrt(7), rel=1e-4) and adv[0] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_reweight_groups_reads_each_sequence_weight_over_its_loss_tokens():
+    from miles.buffer.types import Group, Sample
+    from miles.trainer.batching import reweight_groups, sequences_from_groups
+
+    a = algo("decoupled_ppo", group_reweight=True)
+    # Two correct, two wrong; the current policy doubled the correct answers' probability (one token
+    # each, log 2) and kept the wrong ones'. A masked token's ratio (the second) does not count.
+    samples = [Sample(prompt_ids=[1], response_ids=[5, 6], rollout_logprobs=[-1.0, -1.0], loss_mask=[1, 0], reward=r)
+               for r in (1.0, 1.0, 0.0, 0.0)]
+    groups = [Group(samples)]
+    seqs = sequences_from_groups(groups, a)
+    shift = {1.0: math.log(2.0), 0.0: 0.0}
+    seqs = [TrainSequence(**{**s.__dict__, "prox_logprobs": [-1.0 + shift[r], 5.0]})
+            for s, r in zip(seqs, (1.0, 1.0, 0.0, 0.0))]
+    out, metrics = reweight_groups(groups, seqs, a)
+    # Under the current policy the group succeeds 4/(4 + 2) = 2/3 of the time, not 1/2.
+    assert metrics["train/group_baseline_shift"] == pytest.approx(1 / 6)
+    std = math.sqrt(2 / 9)
+    assert [s.advantage for s in out] == pytest.approx([1 / 3 / std] * 2 + [-2 / 3 / std] * 2, abs=1e-4)
+
+
+def test_the_second_moment_trust_region_drops_the_most_moved_tokens_until_the_batch_is_within_it():
+    from miles.trainer.algorithms.decoupled_ppo import second_moment_keep
+
+    # Squared log-ratios 0.01, 0.01, 0.25, 0 on loss tokens (the fifth is off the mask): keeping the three
+    # smallest leaves a mean of 0.0067 <= 0.04; adding 0.25 would make it 0.0675.
+    log_ratio = torch.tensor([[0.1, -0.1, 0.5, 0.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    assert second_moment_keep(log_ratio, mask, 0.04).tolist() == [[True, True, False, True, True]]
+    assert second_moment_keep(log_ratio, mask, 1.0).all()
+    # In the loss: the dropped token adds nothing, and counts as dropped.
+    lp = torch.zeros(1, 5, requires_grad=True)
+    x = LossInputs(lp, -log_ratio, torch.ones(1, 5), mask, torch.zeros(1, 5, dtype=torch.long))
+    loss, metrics = algo("decoupled_ppo", m2_threshold=0.04, behav_weight_cap=0.0).token_loss(x)
+    assert loss[0, 2].item() == 0.0 and metrics["decoupled_ppo/clipped_frac_weight_cap"][0, 2].item() == 1.0
+    assert loss[0, 0].item() == pytest.approx(-math.exp(0.1))
+
+
+def test_sequence_weight_gives_every_token_its_sequences_ratio():
+    # Sequence 0: token ratios 2 and 0.25, so ρ = 0.5 on both of its tokens.
+    # tokens. Sequence 1: one token at ratio 3. The off-mask position adds nothing.
+    prox = log([0.5, 0.2, 0.9, 0.3])
+    behav = log([0.25, 0.8, 0.3, 0.9])
+    x = LossInputs(prox.clone(), behav, torch.ones(1, 4), torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+                   torch.tensor([[0, 0, 1, 1]]))
+    w, raw, _ = algo("decoupled_ppo", sequence_weight=True).behaviour_weights(x, prox)
+    assert raw[0, :3].tolist() == pytest.approx([0.5, 0.5, 3.0], rel=1e-5)
+    token_level, _, _ = algo("decoupled_ppo").behaviour_weights(x, prox)
+    assert token_level[0, :3].tolist() == pytest.approx([2.0, 0.25, 3.0], rel=1e-5)
