@@ -8,8 +8,8 @@ own, from its own memory: each broadcast has a fixed cost, which a few large mes
 while flattening tensors that are large already would cost one more copy for nothing. The sender
 flattens into a buffer it keeps, one message while gloo sends the one before; engines receive the
 flattened tensors into one buffer and stage them as views of it.
-"flattened_bucket" (SGLang's) flattens everything into one message. Engines reply only after their receive
-completes, so collecting the replies is also the barrier.
+"flattened_bucket" (SGLang's) flattens everything into one message. Engines reply only after their
+receive completes, so collecting the replies is also the barrier.
 
 Against engines without miles' `staged_commit` extension (plain SGLang servers) each bucket is one
 SGLang request that applies what it carries (load_format "flattened_bucket", flush_cache false), and
@@ -32,8 +32,8 @@ The engine's end (Receiver, SGLang's `update_weights_from_distributed` plus mile
     against the model and stages the tensors (commit=true then applies the version). Wire formats:
     "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes in order; "flattened_small"
     as above (screened for NaN/Inf by the sender as it flattens, screen.py; by the engine, each
-    message while the next arrives, when the sender does not say `screened`); null = one broadcast per tensor in
-    its own dtype.
+    message while the next arrives, when the sender does not say `screened`); null = one broadcast
+    per tensor in its own dtype.
 Non-goals: NCCL/CUDA IPC (a GPU variant would swap the backend), multi-source fan-out (p2p.py).
 """
 
@@ -106,6 +106,7 @@ def message_plan(sizes: list[int]) -> tuple[list[list[int]], list[int], int]:
 def _span(message: list[int], offsets: list[int], sizes: list[int]) -> tuple[int, int]:
     """The bytes of the flat buffer a flattened message covers."""
     return offsets[message[0]], offsets[message[-1]] + sizes[message[-1]]
+
 
 # After an engine errors while our broadcast is still running, how long to let the broadcast finish
 # before concluding the engine never joined it.
@@ -200,10 +201,10 @@ class BroadcastTransport:
         }
         if self.staged:
             meta.update(commit=False, reset_staging=self._fresh)
-        if self.wire_format == "flattened_small":
-            meta.update(screened=True)  # the sender screens what it sends (screen.py); engines need not
         else:  # applied at once; the cache is flushed once, when the version is complete
             meta.update(flush_cache=False)
+        if self.wire_format == "flattened_small":
+            meta.update(screened=True)  # the sender screens what it sends (screen.py); engines need not
         raw = [t.reshape(-1).view(torch.uint8) for t in tensors]
         total = sum(r.numel() for r in raw)
         replies = [_spawn(self._post, url, "/update_weights_from_distributed", meta)
@@ -516,8 +517,9 @@ class BroadcastReceiver(TransportReceiver):
         elif load_format == "flattened_small":
             # The same plan as the sender's (message_plan). Every receive is queued at once (gloo
             # completes them in order), so each message is screened for NaN/Inf (unless the sender
-            # did) while the ones after it are still arriving. Flattened tensors are staged as views of one buffer, which the
-            # commit adopts whole, so the next version is received into the memory this one leaves.
+            # did) while the ones after it are still arriving. Flattened tensors are staged as views
+            # of one buffer, which the commit adopts whole, so the version after next is received
+            # into the memory this one leaves.
             sizes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
             plan, offsets, flat_bytes = message_plan(sizes)
             flat = w.buffer(flat_bytes)
