@@ -5,11 +5,12 @@ One SFT warm start of the arithmetic example (or --sft-model), then, from that s
   sync    GRPO with the sync schedule for --steps steps (staleness 0 by construction);
   cells   fully_async at each `buffer.max_staleness` s in --staleness, with each objective in --only:
             grpo_tis       GRPO with truncated importance sampling (`tis_mode = "truncate"`)
-            decoupled_ppo  decoupled PPO (`trainer.algorithm.name = "decoupled_ppo"`), per-token weights
-            decoupled_ppo_seq_m2  the same with sequence-level weights and the second-moment trust
-                           region (`sequence_weight = true`, `m2_threshold = 0.04`)
-          and, with --only: decoupled_ppo_seq and decoupled_ppo_m2 (one of those two options each),
-          decoupled_ppo_reweighted (`group_reweight = true`)
+            decoupled_ppo  decoupled PPO as shipped (`trainer.algorithm.name = "decoupled_ppo"`): per-token
+                           weights and the KL penalty toward the behaviour policy (`behav_kl_coef = 1`)
+            decoupled_ppo_areal  AReaL's objective: the same without the penalty (`behav_kl_coef = 0`)
+          and, with --only, AReaL's objective with options on: decoupled_ppo_seq (`sequence_weight`),
+          decoupled_ppo_m2 (`m2_threshold = 0.04`), decoupled_ppo_seq_m2 (both),
+          decoupled_ppo_reweighted (`group_reweight`)
           each for as many steps as it takes to train the samples the sync run trained (or, with
           --match updates, for as many steps as sync made).
 Eval: greedy exact-match accuracy on the example's held-out prompts after the last step.
@@ -52,14 +53,17 @@ OBJECTIVES = {
     "grpo_tis": {"trainer.algorithm.name": "grpo", "trainer.algorithm.tis_mode": "truncate"},
     "decoupled_ppo": {"trainer.algorithm.name": "decoupled_ppo", "trainer.algorithm.tis_mode": "off"},
 }
-# Decoupled PPO with one of its options on (algorithms/decoupled_ppo.py), each an objective of its own.
+# AReaL's objective, without the KL penalty toward the behaviour policy that decoupled_ppo adds by default.
+OBJECTIVES["decoupled_ppo_areal"] = {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.behav_kl_coef": "0"}
+# AReaL's objective with one or two of decoupled_ppo's options on (algorithms/decoupled_ppo.py), each an
+# objective of its own.
 OBJECTIVES.update({
-    "decoupled_ppo_seq": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.sequence_weight": "true"},
-    "decoupled_ppo_m2": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.m2_threshold": "0.04"},
-    "decoupled_ppo_reweighted": {**OBJECTIVES["decoupled_ppo"], "trainer.algorithm.group_reweight": "true"},
+    "decoupled_ppo_seq": {**OBJECTIVES["decoupled_ppo_areal"], "trainer.algorithm.sequence_weight": "true"},
+    "decoupled_ppo_m2": {**OBJECTIVES["decoupled_ppo_areal"], "trainer.algorithm.m2_threshold": "0.04"},
+    "decoupled_ppo_reweighted": {**OBJECTIVES["decoupled_ppo_areal"], "trainer.algorithm.group_reweight": "true"},
 })
 OBJECTIVES["decoupled_ppo_seq_m2"] = {**OBJECTIVES["decoupled_ppo_seq"], "trainer.algorithm.m2_threshold": "0.04"}
-DEFAULT_OBJECTIVES = ("grpo_tis", "decoupled_ppo", "decoupled_ppo_seq_m2")
+DEFAULT_OBJECTIVES = ("grpo_tis", "decoupled_ppo", "decoupled_ppo_areal")
 
 
 def run_ahead(max_staleness: int, prompts_per_step: int) -> dict[str, str]:
@@ -104,7 +108,8 @@ def staleness_of(steps: list[dict]) -> dict[str, float]:
 WEIGHT_FIGURES = ("train/train_rollout_logprob_gap", "train/tis_weight_mean", "train/tis_clipped_frac",
                   "train/tis_ess", "decoupled_ppo/behav_weight_mean", "decoupled_ppo/clipped_frac_weight_cap",
                   "decoupled_ppo/behav_weight_le_0.5", "decoupled_ppo/behav_weight_le_2",
-                  "decoupled_ppo/clipped_frac_ratio", "train/group_baseline_shift")
+                  "decoupled_ppo/clipped_frac_ratio", "decoupled_ppo/behav_kl", "train/rollout_mismatch_kl",
+                  "train/group_baseline_shift")
 
 
 def figures(summary: dict, steps: list[dict]) -> dict:

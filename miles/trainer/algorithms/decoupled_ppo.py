@@ -4,7 +4,8 @@ importance weight, so a sample generated several versions ago neither clips away
 
 Per loss token, with r = π_θ / π_prox and w = π_prox / π_behav (no gradient through w):
 
-    loss = -w · min(r·A, clip(r, 1 - ε_low, 1 + ε_high)·A),   w := 0 where w > behav_weight_cap
+    loss = -w · min(r·A, clip(r, 1 - ε_low, 1 + ε_high)·A) + β · ½(log π_θ − log π_behav)²
+    w := 0 where w > behav_weight_cap,   β = behav_kl_coef (default 1; 0 = AReaL's objective)
 
 The proximal policy is the trainer's weights at the start of the step. With one optimizer update per
 step (`trainer.minibatches_per_step = 1`) those are the weights of the training forward, so
@@ -16,6 +17,12 @@ and the clip bounds how far one step's k updates take the policy from where it s
 staleness of the samples. Approximating π_prox from recorded versions (interpolating between the
 engine's logprobs and the current ones by weight version) would add error for nothing: the engine's
 logprobs differ from the trainer's by numerics even at the same version. Advantages are GRPO's.
+
+The KL penalty toward the behaviour policy is this objective's addition to AReaL's. With one update per
+step the weight alone is no trust region: a batch sampled s versions ago steers the policy by where it
+stood then, and at staleness 4 that loop swings and drifts (docs/algorithms.md). The penalty pulls each
+token back toward the probability it was sampled at, in proportion to how far it has moved, and is 0
+on a sample drawn by the weights being trained.
 
 Options for stale samples (each off by default; docs/algorithms.md has what they measured):
 `sequence_weight` weights every token by its sequence's ratio, the exact correction for one reward
@@ -56,6 +63,11 @@ class DecoupledPPO(GRPO):
         m2_threshold: float = 0.0
         """Second-moment trust region (M2PO): drop the tokens with the largest (log π_prox − log π_behav)²
         until the mean over the micro-batch's remaining loss tokens is at most this (e.g. 0.04; 0 = off)."""
+        behav_kl_coef: float = 1.0
+        """KL penalty toward the behaviour policy: add coef × ½(log π_θ − log π_behav)² per loss token (the
+        k2 estimate of the KL), pulling back the tokens the policy has moved furthest since the engine
+        sampled them. Zero on a sample as fresh as the weights it trains, so it acts on stale ones; 0 =
+        AReaL's objective exactly."""
         group_reweight: bool = False
         """Centre and scale each group's rewards as the proximal policy would see them: its mean and std
         under self-normalised sequence weights π_prox(y)/π_behav(y), not the stale policy's that sampled
@@ -65,6 +77,8 @@ class DecoupledPPO(GRPO):
             super().validate()
             if self.m2_threshold < 0:
                 raise ConfigError("trainer.algorithm.m2_threshold must be >= 0 (e.g. 0.04), or 0 for no trust region")
+            if self.behav_kl_coef < 0:
+                raise ConfigError("trainer.algorithm.behav_kl_coef must be >= 0 (e.g. 1.0), or 0 for no penalty")
             if self.behav_weight_cap < 0:
                 raise ConfigError("trainer.algorithm.behav_weight_cap must be >= 0 (e.g. 5.0), or 0 for no cap")
             if self.tis_mode != "off":
@@ -128,11 +142,13 @@ class DecoupledPPO(GRPO):
             dropped = dropped | outside
         loss, clipped = clipped_surrogate(x.logprobs, prox, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)
+        k2 = 0.5 * (x.logprobs - x.old_logprobs) ** 2  # per-token KL estimate, behaviour → trained policy
+        loss = loss * w + self.cfg.behav_kl_coef * k2 if self.cfg.behav_kl_coef > 0 else loss * w
         p = "decoupled_ppo"  # its own metrics, next to the shared train/ ones
-        metrics = {"clipfrac": clipped, f"{p}/clipped_frac_ratio": clipped,
+        metrics = {f"{p}/behav_kl": k2.detach(), "clipfrac": clipped, f"{p}/clipped_frac_ratio": clipped,
                    f"{p}/clipped_frac_weight_cap": dropped.float(), f"{p}/behav_weight_mean": raw}
         metrics.update(weight_histogram(p, raw))
-        return loss * w, metrics
+        return loss, metrics
 
 
 def second_moment_keep(log_ratio: "torch.Tensor", mask: "torch.Tensor", threshold: float) -> "torch.Tensor":

@@ -72,14 +72,16 @@ def test_every_cell_config_is_a_run_the_loader_accepts(objective, tiny_model_dir
     assert cfg.loop.schedule == "fully_async" and cfg.loop.num_steps == 9
     assert (cfg.buffer.max_staleness, cfg.buffer.max_inflight_groups, cfg.buffer.capacity) == (4, 32, 96)
     a = cfg.trainer.algorithm
-    options = tuple(getattr(a, k, None) for k in ("sequence_weight", "m2_threshold", "group_reweight"))
+    keys = ("sequence_weight", "m2_threshold", "group_reweight", "behav_kl_coef")
+    options = tuple(getattr(a, k, None) for k in keys)
     assert (a.name, a.tis_mode, options) == {
-        "grpo_tis": ("grpo", "truncate", (None, None, None)),
-        "decoupled_ppo": ("decoupled_ppo", "off", (False, 0.0, False)),
-        "decoupled_ppo_seq": ("decoupled_ppo", "off", (True, 0.0, False)),
-        "decoupled_ppo_seq_m2": ("decoupled_ppo", "off", (True, 0.04, False)),
-        "decoupled_ppo_m2": ("decoupled_ppo", "off", (False, 0.04, False)),
-        "decoupled_ppo_reweighted": ("decoupled_ppo", "off", (False, 0.0, True))}[objective]
+        "grpo_tis": ("grpo", "truncate", (None, None, None, None)),
+        "decoupled_ppo": ("decoupled_ppo", "off", (False, 0.0, False, 1.0)),
+        "decoupled_ppo_areal": ("decoupled_ppo", "off", (False, 0.0, False, 0.0)),
+        "decoupled_ppo_seq": ("decoupled_ppo", "off", (True, 0.0, False, 0.0)),
+        "decoupled_ppo_seq_m2": ("decoupled_ppo", "off", (True, 0.04, False, 0.0)),
+        "decoupled_ppo_m2": ("decoupled_ppo", "off", (False, 0.04, False, 0.0)),
+        "decoupled_ppo_reweighted": ("decoupled_ppo", "off", (False, 0.0, True, 0.0))}[objective]
 
 
 def test_cells_train_at_least_the_samples_sync_trained_in_whole_steps():

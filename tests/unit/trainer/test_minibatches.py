@@ -2,6 +2,8 @@
 into minibatches, the proximal policy the trainer records before the first update, and what it does
 to decoupled PPO's clip and TIS's weights (on a real tiny model where the trainer is involved)."""
 
+import math
+
 import pytest
 import torch
 
@@ -78,11 +80,17 @@ def test_decoupled_ppo_clips_around_a_recorded_proximal_policy():
     lp = torch.log(torch.tensor([[0.6]])).requires_grad_(True)
     x = LossInputs(lp, torch.log(torch.tensor([[0.4]])), torch.ones(1, 1), torch.ones(1, 1),
                    torch.zeros(1, 1, dtype=torch.long), prox_logprobs=torch.log(torch.tensor([[0.4]])))
-    loss, metrics = get_algorithm(build(AlgorithmConfig, {"name": "decoupled_ppo"})).token_loss(x)
+    areal = get_algorithm(build(AlgorithmConfig, {"name": "decoupled_ppo", "behav_kl_coef": 0.0}))
+    loss, metrics = areal.token_loss(x)
     loss.sum().backward()
     assert metrics["decoupled_ppo/clipped_frac_ratio"].item() == 1.0
     assert lp.grad.item() == 0.0  # clipped at 1 + ε: this token's update is spent for this step
     assert loss.item() == pytest.approx(-1.2)  # w = π_prox/π_behav = 1 times the clipped 1.2·A
+    # With the KL penalty (the default) the token moved since sampling is pulled back by log 1.5.
+    lp.grad = None
+    loss, _ = get_algorithm(build(AlgorithmConfig, {"name": "decoupled_ppo"})).token_loss(x)
+    loss.sum().backward()
+    assert lp.grad.item() == pytest.approx(math.log(1.5), rel=1e-5)
 
 
 def test_tis_weights_and_clips_against_a_recorded_proximal_policy():

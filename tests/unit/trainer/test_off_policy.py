@@ -29,8 +29,8 @@ def test_decoupled_ppo_weights_by_prox_over_behaviour_and_drops_tokens_over_the_
     logits = log([0.5, 0.4, 0.9]).clone().requires_grad_(True)
     x = LossInputs(logits, log([0.25, 0.4, 0.1]), torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3),
                    torch.zeros(1, 3, dtype=torch.long))
-    loss, m = algo("decoupled_ppo", behav_weight_cap=5.0).token_loss(x)
-    # r = π_θ/π_prox = 1 in value, so loss = -w·A and ∂loss/∂log π_θ = -w·A.
+    loss, m = algo("decoupled_ppo", behav_weight_cap=5.0, behav_kl_coef=0.0).token_loss(x)
+    # AReaL's objective (no KL penalty): r = π_θ/π_prox = 1 in value, so loss = -w·A and ∂loss/∂log π_θ = -w·A.
     assert loss[0].tolist() == pytest.approx([-2.0, 1.0, 0.0], abs=1e-6)
     loss.sum().backward()
     assert logits.grad[0].tolist() == pytest.approx([-2.0, 1.0, 0.0], abs=1e-6)
@@ -43,7 +43,7 @@ def test_decoupled_ppo_weights_by_prox_over_behaviour_and_drops_tokens_over_the_
 
 def test_decoupled_ppo_without_a_cap_keeps_every_token():
     x = LossInputs(log([0.9]), log([0.1]), torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
-    loss, _ = algo("decoupled_ppo", behav_weight_cap=0.0).token_loss(x)
+    loss, _ = algo("decoupled_ppo", behav_weight_cap=0.0, behav_kl_coef=0.0).token_loss(x)
     assert loss.item() == pytest.approx(-9.0, rel=1e-5)
 
 
@@ -71,6 +71,7 @@ def test_a_token_off_the_mask_does_not_move_the_sequence_weight():
 @pytest.mark.parametrize("name,kw,match", [
     ("decoupled_ppo", {"tis_mode": "truncate"}, "tis_mode = 'off'"),
     ("decoupled_ppo", {"behav_weight_cap": -1.0}, "behav_weight_cap must be >= 0"),
+    ("decoupled_ppo", {"behav_kl_coef": -0.5}, "behav_kl_coef must be >= 0"),
     ("seq_mis", {"seq_is_low": 1.5}, "seq_is_low < 1 < seq_is_high"),
     ("seq_mis", {"tis_mode": "mask"}, "tis_mode = 'off'"),
 ])
@@ -86,7 +87,7 @@ def test_a_step_reports_the_algorithms_own_metrics_as_token_means_under_its_pref
                         old_logprobs=[math.log(0.25), math.log(0.5)], advantage=1.0)
     mb = build_micro_batch([seq], [0.5], False, 0)
     logp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(True)
-    a = algo("decoupled_ppo", behav_weight_cap=1.5)
+    a = algo("decoupled_ppo", behav_weight_cap=1.5, behav_kl_coef=0.0)
     sums: dict = {}
     loss = micro_batch_loss(a, mb, ForwardOutputs(logp), sums, 1, True)
     assert loss.item() == pytest.approx(-0.5)  # token mean of (0, -1)
@@ -100,15 +101,17 @@ def test_a_step_reports_the_algorithms_own_metrics_as_token_means_under_its_pref
 def test_a_stale_token_that_plain_ppo_clips_to_no_gradient_still_teaches_under_decoupled_ppo():
     # The policy moved since sampling: π_θ/π_behav = 1.5 on a token with A > 0. GRPO's clip around the
     # behaviour policy (1.2) leaves it no gradient; decoupled PPO weighs its policy gradient by 1.5.
-    def grad(name):
+    def grad(name, **kw):
         lp = log([0.6]).clone().requires_grad_(True)
         x = LossInputs(lp, log([0.4]), torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
-        loss, _ = algo(name).token_loss(x)
+        loss, _ = algo(name, **kw).token_loss(x)
         loss.sum().backward()
         return lp.grad.item()
 
     assert grad("grpo") == 0.0
-    assert grad("decoupled_ppo") == pytest.approx(-1.5, rel=1e-5)
+    assert grad("decoupled_ppo", behav_kl_coef=0.0) == pytest.approx(-1.5, rel=1e-5)
+    # As shipped, the KL penalty pulls back by log 1.5, how far the token moved: it still teaches.
+    assert grad("decoupled_ppo") == pytest.approx(-1.5 + math.log(1.5), rel=1e-5)
 
 
 def test_group_reweight_with_equal_weights_is_grpo():
@@ -173,7 +176,8 @@ def test_the_second_moment_trust_region_drops_the_most_moved_tokens_until_the_ba
     # In the loss: the dropped token adds nothing, and counts as dropped.
     lp = torch.zeros(1, 5, requires_grad=True)
     x = LossInputs(lp, -log_ratio, torch.ones(1, 5), mask, torch.zeros(1, 5, dtype=torch.long))
-    loss, metrics = algo("decoupled_ppo", m2_threshold=0.04, behav_weight_cap=0.0).token_loss(x)
+    loss, metrics = algo("decoupled_ppo", m2_threshold=0.04, behav_weight_cap=0.0,
+                         behav_kl_coef=0.0).token_loss(x)
     assert loss[0, 2].item() == 0.0 and metrics["decoupled_ppo/clipped_frac_weight_cap"][0, 2].item() == 1.0
     assert loss[0, 0].item() == pytest.approx(-math.exp(0.1))
 
@@ -189,3 +193,23 @@ def test_sequence_weight_gives_every_token_its_sequences_ratio():
     assert raw[0, :3].tolist() == pytest.approx([0.5, 0.5, 3.0], rel=1e-5)
     token_level, _, _ = algo("decoupled_ppo").behaviour_weights(x, prox)
     assert token_level[0, :3].tolist() == pytest.approx([2.0, 0.25, 3.0], rel=1e-5)
+
+
+def test_the_behaviour_kl_penalty_pulls_moved_tokens_back_and_leaves_fresh_ones_alone():
+    # The first token moved from 0.25 (behaviour) to 0.5 since it was sampled; the second did not move.
+    # With zero advantages only the penalty is left: coef · ½ δ², δ = log π_θ − log π_behav.
+    lp = log([0.5, 0.4]).clone().requires_grad_(True)
+    x = LossInputs(lp, log([0.25, 0.4]), torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long))
+    loss, m = algo("decoupled_ppo", behav_kl_coef=2.0).token_loss(x)
+    d = math.log(2.0)
+    assert loss[0].tolist() == pytest.approx([d * d, 0.0], abs=1e-6)
+    loss.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([2.0 * d, 0.0], abs=1e-6)  # descent lowers the moved token
+    assert m["decoupled_ppo/behav_kl"][0].tolist() == pytest.approx([d * d / 2, 0.0], abs=1e-6)
+    # Off (AReaL's objective): the same inputs give no loss and no gradient; the metric is still reported.
+    assert algo("decoupled_ppo").cfg.behav_kl_coef == 1.0  # on by default
+    lp.grad = None
+    loss, m = algo("decoupled_ppo", behav_kl_coef=0.0).token_loss(x)
+    loss.sum().backward()
+    assert loss.abs().sum().item() == 0.0 and lp.grad.abs().sum().item() == 0.0
+    assert m["decoupled_ppo/behav_kl"][0, 0].item() == pytest.approx(d * d / 2, abs=1e-6)
