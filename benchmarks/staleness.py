@@ -32,7 +32,7 @@ Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "
 accuracies are the mean over seeds and each cell lists its per-seed figures.
 
     miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo]
-                          [--seeds 0] [--minibatches 1] [--match samples|updates]
+                          [--seeds 0] [--minibatches 1] [--match samples|updates] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -164,8 +164,14 @@ def main(argv=None) -> int:
                         "fewer, fuller updates) or its number of optimizer updates (cells then train more samples)")
     p.add_argument("--minibatches", type=int, default=1,
                    help="optimizer updates per step of every run, sync included (trainer.minibatches_per_step)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every cell, not sync (repeatable), e.g. "
+                        "--set trainer.algorithm.behav_kl_coef=0.3")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
     args = p.parse_args(argv)
+    if any("=" not in kv for kv in args.set):
+        p.error("--set takes KEY=VALUE, e.g. --set trainer.algorithm.behav_kl_coef=0.3")
+    cell_extra = dict(kv.split("=", 1) for kv in args.set)
     objectives = [n for n in args.only.split(",") if n] or list(DEFAULT_OBJECTIVES)
     unknown = set(objectives) - set(OBJECTIVES)
     if unknown:
@@ -208,12 +214,13 @@ def main(argv=None) -> int:
                  else args.steps)
         for s, objective in cells:
             name = f"{objective}-s{s}-seed{seed}"
-            cell = figures(*rl_run(sft_model, out, name, {**seeded, **cell_overrides(s, objective, pps, steps)}))
+            over = {**seeded, **cell_overrides(s, objective, pps, steps), **cell_extra}
+            cell = figures(*rl_run(sft_model, out, name, over))
             cells[(s, objective)].append(cell)
             print(f"[bench staleness] {name}: {json.dumps(cell)}", file=sys.stderr, flush=True)
     ray.shutdown()
     line = table(sync, cells)
-    line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches,
+    line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches, "cell_overrides": cell_extra,
                  "sync": f"GRPO, sync schedule, {args.minibatches} optimizer update(s) per step",
                  "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,
