@@ -21,8 +21,9 @@ logprobs differ from the trainer's by numerics even at the same version. Advanta
 The KL penalty toward the behaviour policy is this objective's addition to AReaL's. With one update per
 step the weight alone is no trust region: a batch sampled s versions ago steers the policy by where it
 stood then, and at staleness 4 that loop swings and drifts (docs/algorithms.md). The penalty pulls each
-token back toward the probability it was sampled at, in proportion to how far it has moved, and is 0
-on a sample drawn by the weights being trained.
+token back toward the probability it was sampled at, in proportion to how far it has moved. On a
+sample drawn by the weights being trained it is 0 up to the engine's numerics (a low-precision engine
+leaves a pull of the size of its logprob mismatch, `train/rollout_logprob_abs_diff`).
 
 Options for stale samples (each off by default; docs/algorithms.md has what they measured):
 `sequence_weight` weights every token by its sequence's ratio, the exact correction for one reward
@@ -66,8 +67,8 @@ class DecoupledPPO(GRPO):
         behav_kl_coef: float = 1.0
         """KL penalty toward the behaviour policy: add coef × ½(log π_θ − log π_behav)² per loss token (the
         k2 estimate of the KL), pulling back the tokens the policy has moved furthest since the engine
-        sampled them. Zero on a sample as fresh as the weights it trains, so it acts on stale ones; 0 =
-        AReaL's objective exactly."""
+        sampled them. Zero on a sample as fresh as the weights it trains (up to the engine's numerics),
+        so it acts on stale ones; 0 = AReaL's objective exactly."""
         group_reweight: bool = False
         """Centre and scale each group's rewards as the proximal policy would see them: its mean and std
         under self-normalised sequence weights π_prox(y)/π_behav(y), not the stale policy's that sampled
@@ -143,7 +144,7 @@ class DecoupledPPO(GRPO):
         loss, clipped = clipped_surrogate(x.logprobs, prox, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)
         k2 = 0.5 * (x.logprobs - x.old_logprobs) ** 2  # per-token KL estimate, behaviour → trained policy
-        loss = loss * w + self.cfg.behav_kl_coef * k2 if self.cfg.behav_kl_coef > 0 else loss * w
+        loss = loss * w + self.cfg.behav_kl_coef * k2
         p = "decoupled_ppo"  # its own metrics, next to the shared train/ ones
         metrics = {f"{p}/behav_kl": k2.detach(), "clipfrac": clipped, f"{p}/clipped_frac_ratio": clipped,
                    f"{p}/clipped_frac_weight_cap": dropped.float(), f"{p}/behav_weight_mean": raw}
