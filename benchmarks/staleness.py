@@ -32,7 +32,8 @@ Last line: one JSON object, {"sync_eval_accuracy", "cells": [{"max_staleness", "
 accuracies are the mean over seeds and each cell lists its per-seed figures.
 
     miles bench staleness [--sft-model DIR] [--steps 100] [--staleness 1,4,8] [--only grpo_tis,decoupled_ppo]
-                          [--seeds 0] [--minibatches 1] [--match samples|updates] [--set KEY=VALUE ...]
+                          [--seeds 0] [--minibatches 1] [--match samples|updates] [--threads 1]
+                          [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def main(argv=None) -> int:
                         "fewer, fuller updates) or its number of optimizer updates (cells then train more samples)")
     p.add_argument("--minibatches", type=int, default=1,
                    help="optimizer updates per step of every run, sync included (trainer.minibatches_per_step)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every run's engine and trainer (rollout.engine.num_threads, "
+                        "trainer.num_threads): figures should not hang on one thread count")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every cell, not sync (repeatable), e.g. "
                         "--set trainer.algorithm.behav_kl_coef=0.3")
@@ -183,8 +187,8 @@ def main(argv=None) -> int:
         p.error("--staleness and --seeds take comma-separated integers, e.g. --staleness 1,4,8 --seeds 0,1")
     if not bounds or min(bounds) < 1 or not seeds:
         p.error("--staleness needs bounds >= 1 (e.g. 1,4,8) and --seeds at least one seed")
-    if args.steps < 1 or args.minibatches < 1:
-        p.error("--steps and --minibatches must be at least 1")
+    if args.steps < 1 or args.minibatches < 1 or args.threads < 1:
+        p.error("--steps, --minibatches and --threads must be at least 1")
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -200,7 +204,8 @@ def main(argv=None) -> int:
     pps = args.prompts_per_step
     common = {"eval.num_prompts": str(args.eval_prompts), "rollout.prompts_per_step": str(pps),
               "rollout.n_samples_per_prompt": str(args.samples_per_prompt),
-              "trainer.minibatches_per_step": str(args.minibatches)}
+              "trainer.minibatches_per_step": str(args.minibatches),
+              "trainer.num_threads": str(args.threads), "rollout.engine.num_threads": str(args.threads)}
     sync: list[dict] = []
     cells: dict[tuple[int, str], list[dict]] = {(s, o): [] for s in bounds for o in objectives}
     for seed in seeds:
@@ -221,6 +226,7 @@ def main(argv=None) -> int:
     ray.shutdown()
     line = table(sync, cells)
     line.update({"steps": args.steps, "match": args.match, "minibatches": args.minibatches, "cell_overrides": cell_extra,
+                 "threads": args.threads,
                  "sync": f"GRPO, sync schedule, {args.minibatches} optimizer update(s) per step",
                  "seeds": seeds, "prompts_per_step": pps,
                  "samples_per_prompt": args.samples_per_prompt, "eval_prompts": args.eval_prompts,

@@ -120,13 +120,14 @@ def test_the_last_line_averages_seeds_and_gives_the_decoupled_gap_at_staleness_4
 def test_bad_options_are_refused_naming_the_option(capsys):
     for argv, named in ((["--only", "ppo"], "--only"), (["--staleness", "0,4"], "--staleness"),
                         (["--seeds", "a"], "--seeds"), (["--minibatches", "0"], "--minibatches"),
+                        (["--threads", "0"], "--threads"),
                         (["--set", "trainer.lr"], "--set")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert named in capsys.readouterr().err
 
 
-def test_set_overrides_every_cell_and_leaves_sync_alone(monkeypatch, tmp_path, capsys):
+def test_set_overrides_every_cell_and_leaves_sync_alone_threads_reach_every_run(monkeypatch, tmp_path, capsys):
     # The runs themselves are stood in for (the test checks what each is configured with, not training).
     import miles.orchestration.ray_cluster as ray_cluster
 
@@ -141,8 +142,10 @@ def test_set_overrides_every_cell_and_leaves_sync_alone(monkeypatch, tmp_path, c
     monkeypatch.setattr(bench, "warm_start", lambda out, path, preset, steps: Path(path))
     monkeypatch.setattr(ray_cluster, "ensure_ray", lambda cfg: None)
     assert bench.main(["--sft-model", str(tmp_path), "--steps", "4", "--staleness", "4", "--only", "decoupled_ppo",
-                       "--set", "trainer.algorithm.behav_kl_coef=0.3", "--out", str(tmp_path)]) == 0
+                       "--set", "trainer.algorithm.behav_kl_coef=0.3", "--threads", "2", "--out", str(tmp_path)]) == 0
     assert configured["decoupled_ppo-s4-seed0"]["trainer.algorithm.behav_kl_coef"] == "0.3"
     assert configured["decoupled_ppo-s4-seed0"]["loop.num_steps"] == "4"  # 864 samples in whole steps of 256
     assert "trainer.algorithm.behav_kl_coef" not in configured["sync-seed0"]
+    for run in configured.values():  # --threads reaches every run, sync included
+        assert (run["trainer.num_threads"], run["rollout.engine.num_threads"]) == ("2", "2")
     assert '"cell_overrides": {"trainer.algorithm.behav_kl_coef": "0.3"}' in capsys.readouterr().out
