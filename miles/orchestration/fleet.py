@@ -63,6 +63,11 @@ RECONNECT_PAUSE_S = 2.0  # pause before reconnecting again after a failure no en
 ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
 
 
+def _is_pushed(version) -> bool:
+    """A weight version miles sent (miles/versions.py: digits), not an engine's own ("default", None)."""
+    return isinstance(version, str) and version.isdigit()
+
+
 @dataclass
 class EngineHandle:
     """One running engine process, however it was started."""
@@ -258,15 +263,21 @@ class EngineFleet:
         err = self.probe(url)
         if err is not None or slot.state != "serving" or not slot.engine.external:
             return err
-        try:
-            version = self._http.get(url + "/get_model_info", timeout=self.cfg.timeout_s).json().get("weight_version")
-        except Exception:  # noqa: BLE001 - it answered /health_generate; the next round reads it again
+        version = self._version(url)
+        if version is None:  # it answered /health_generate; the next round reads it again
             return None
-        pushed = isinstance(version, str) and version.isdigit()  # miles/versions.py: what miles sends
+        pushed = _is_pushed(version)
         if slot.holds_pushed and not pushed:
             return f"{_RESTARTED}: it held a version miles pushed and now reports {version!r}"
         slot.holds_pushed = slot.holds_pushed or pushed
         return None
+
+    def _version(self, url: str):
+        """The engine's weight version, or None when it cannot be read."""
+        try:
+            return self._http.get(url + "/get_model_info", timeout=self.cfg.timeout_s).json().get("weight_version")
+        except Exception:  # noqa: BLE001 - unreadable now; the caller reads it again later
+            return None
 
     def _monitor_main(self) -> None:
         with cf.ThreadPoolExecutor(16, thread_name_prefix="miles-probe") as pool:
@@ -419,10 +430,14 @@ class EngineFleet:
         try:
             with self.weights_lock:
                 self.bring_up(engine.url)
+                # Whether it now holds a version miles pushed, read here rather than left to the next probe
+                # round: an engine restarted again before any round read it would otherwise go unnoticed.
+                holds = engine.external and _is_pushed(self._version(engine.url))
                 with self._lock:
                     # Serving from here on as far as weights go: the next push (which reconnects the main
                     # transport to the changed set first) includes it. The router admits it below.
                     slot.engine, slot.misses, slot.first_miss, slot.state = engine, 0, None, "serving"
+                    slot.holds_pushed = holds
             if rec is not None:
                 rec.pushed_at = time.time()
             self._router("add_worker", engine.url)

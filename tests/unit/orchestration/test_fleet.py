@@ -195,12 +195,19 @@ def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after
             time.sleep(1.0)  # still down: probed every round, never replaced
             assert [s.state for s in fleet.slots] == ["down", "serving"] and fleet.pushed == []
 
+            # Probe rounds 5 s apart from here: the round that finds it answering readmits it, and no later
+            # round reads its version before the checks below.
+            fleet.cfg = dataclasses.replace(fleet.cfg, interval_s=5.0)
             procs[0] = _engine_process(tiny_model_dir, port)  # its operator starts it again, same address
             assert procs[0].url == dead.url
             t0 = time.monotonic()
             while rec.admitted_at is None and time.monotonic() - t0 < 60:
                 time.sleep(0.1)
             assert rec.admitted_at is not None, rec
+            # Known to hold the pushed version from its admission on, not from the next probe round's read:
+            # restarted again before that round, it would otherwise go unnoticed.
+            assert fleet.slots[0].holds_pushed
+            fleet.cfg = dataclasses.replace(fleet.cfg, interval_s=0.3)
             assert rec.error is None and rec.new_url == dead.url and fleet.error is None
             assert fleet.pushed == [dead.url]  # caught up before admission
             assert httpx.get(dead.url + "/get_weight_version").json()["weight_version"] in (1, "1")
