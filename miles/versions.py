@@ -21,10 +21,15 @@ def to_wire(version: int) -> str:
     return str(version)
 
 
+def is_miles_version(value) -> bool:
+    """Whether an engine's `weight_version` is one miles sent (digits), not its own ("default", None)."""
+    return isinstance(value, str) and value.isdigit()
+
+
 def from_wire(value) -> int:
     """The policy version an engine's `weight_version` stands for: the number miles sent, or 0 for
     "default", a missing value or a label miles never sent."""
-    if isinstance(value, str) and value.isdigit():
+    if is_miles_version(value):
         return int(value)
     if type(value) is int and value >= 0:  # servers older than string versions
         return value
@@ -35,6 +40,6 @@ def never_backwards(current: str, new: str) -> bool:
     """Whether an engine at `current` may commit `new`: once an engine holds a version miles numbered,
     only that number (a retried push of the same version) or a higher one follows it, so a stale or
     replayed commit can never roll an engine back."""
-    if not (isinstance(current, str) and current.isdigit()):
+    if not is_miles_version(current):
         return True  # "default" or a label someone else gave: any version miles sends is newer
-    return isinstance(new, str) and new.isdigit() and int(new) >= int(current)
+    return is_miles_version(new) and int(new) >= int(current)

@@ -53,6 +53,7 @@ from typing import Callable
 from miles.net import bearer_headers
 from miles.sync import shm
 from miles.rollout.liveness import HealthConfig
+from miles.versions import is_miles_version
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,6 @@ _RESTARTED = "restarted"       # a probe's verdict that takes an engine out at o
 REPLACE_TRIES, REPLACE_PAUSE_S = 4, 10.0  # a replacement that failed (e.g. its trainer died mid-push) starts over
 RECONNECT_PAUSE_S = 2.0  # pause before reconnecting again after a failure no engine loss explains (x2 next)
 ROUTER_OUTAGE_S = 60.0  # how long a router call waits for a router process that is being restarted
-
-
-def _is_pushed(version) -> bool:
-    """A weight version miles sent (miles/versions.py: digits), not an engine's own ("default", None)."""
-    return isinstance(version, str) and version.isdigit()
 
 
 @dataclass
@@ -266,7 +262,7 @@ class EngineFleet:
         version = self._version(url)
         if version is None:  # it answered /health_generate; the next round reads it again
             return None
-        pushed = _is_pushed(version)
+        pushed = is_miles_version(version)
         if slot.holds_pushed and not pushed:
             return f"{_RESTARTED}: it held a version miles pushed and now reports {version!r}"
         slot.holds_pushed = slot.holds_pushed or pushed
@@ -432,7 +428,7 @@ class EngineFleet:
                 self.bring_up(engine.url)
                 # Whether it now holds a version miles pushed, read here rather than left to the next probe
                 # round: an engine restarted again before any round read it would otherwise go unnoticed.
-                holds = engine.external and _is_pushed(self._version(engine.url))
+                holds = engine.external and is_miles_version(self._version(engine.url))
                 with self._lock:
                     # Serving from here on as far as weights go: the next push (which reconnects the main
                     # transport to the changed set first) includes it. The router admits it below.

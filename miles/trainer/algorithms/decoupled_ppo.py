@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from miles.config.loader import ConfigError
-from miles.trainer.algorithms.base import LossInputs, clipped_surrogate, proximal_logprobs, sequence_sums
+from miles.trainer.algorithms.base import (LossInputs, clipped_surrogate, kl_estimate, proximal_logprobs,
+                                          sequence_sums)
 from miles.trainer.algorithms.grpo import GRPO
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class DecoupledPPO(GRPO):
             dropped = dropped | outside
         loss, clipped = clipped_surrogate(x.logprobs, prox, x.advantages, self.clip_low, self.clip_high,
                                           self.cfg.dual_clip_c)
-        k2 = 0.5 * (x.logprobs - x.old_logprobs) ** 2  # per-token KL estimate, behaviour → trained policy
+        k2 = kl_estimate(x.logprobs, x.old_logprobs, "k2")  # ½(log π_θ − log π_behav)², per token
         loss = loss * w + self.cfg.behav_kl_coef * k2
         p = "decoupled_ppo"  # its own metrics, next to the shared train/ ones
         metrics = {f"{p}/behav_kl": k2.detach(), "clipfrac": clipped, f"{p}/clipped_frac_ratio": clipped,

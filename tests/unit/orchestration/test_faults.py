@@ -96,17 +96,18 @@ def test_a_step_list_that_is_not_steps_is_refused_by_name(key):
 
 def test_push_faults_stall_an_engine_until_resumed_or_for_good_and_damage_a_delta_once(tmp_path):
     engine, trainer = _sleeper(), _Trainer(0)
-    cfg = FaultConfig(stall_engine_at_steps=[2, 4], stall_resume_after_s=[0.5, 0], corrupt_delta_at_steps=[3])
+    # Resumed after 2 s: time enough to see it stopped on a machine busy with other tests.
+    cfg = FaultConfig(stall_engine_at_steps=[2, 4], stall_resume_after_s=[2.0, 0], corrupt_delta_at_steps=[3])
     faults = FaultInjector(cfg, _Fleet(engine.pid), log_path=tmp_path / "faults.jsonl")
     try:
         faults.before_push(1, trainer)
         assert _state(engine.pid) != "T" and not hasattr(trainer, "damaged")
+        t0 = time.monotonic()
         faults.before_push(2, trainer)
         assert _state(engine.pid) == "T"  # stopped as the push starts ...
-        t0 = time.monotonic()
-        while _state(engine.pid) == "T" and time.monotonic() - t0 < 10:
+        while _state(engine.pid) == "T" and time.monotonic() - t0 < 12:
             time.sleep(0.05)
-        assert 0.3 < time.monotonic() - t0 < 10 and engine.poll() is None  # ... and resumed half a second later
+        assert 1.9 < time.monotonic() - t0 < 12 and engine.poll() is None  # ... and resumed 2 s later
         faults.before_push(2, trainer)  # the step pushed again after a restart: left alone
         assert _state(engine.pid) != "T"
         faults.before_push(3, trainer)
@@ -117,7 +118,7 @@ def test_push_faults_stall_an_engine_until_resumed_or_for_good_and_damage_a_delt
         assert _state(engine.pid) == "T"  # never resumed: the fleet's health monitor must replace it
         rows = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
         assert [(r["kind"], r["step"], r["resume_after_s"]) for r in rows] == [
-            ("stall_engine", 2, 0.5), ("corrupt_delta", 3, 0.0), ("stall_engine", 4, 0.0)]
+            ("stall_engine", 2, 2.0), ("corrupt_delta", 3, 0.0), ("stall_engine", 4, 0.0)]
         assert faults.report()["by_kind"] == {"stall_engine": 2, "corrupt_delta": 1}
     finally:
         engine.kill()
