@@ -59,3 +59,10 @@ def release_cached(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+
+
+def gpu_uuid(device) -> str:
+    """The physical GPU's UUID: device indices differ between processes that see different GPU sets."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)

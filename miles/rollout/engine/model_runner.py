@@ -54,6 +54,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(resolve(config.device, "rollout.engine.device"))
+        if self.device.type == "cuda":  # indexed, so it compares equal to the devices of its tensors
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
         quantize_linears(self.model, config.quantization, "serve", key="engine quantization",
