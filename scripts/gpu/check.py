@@ -5,7 +5,6 @@ trainer against a plain loop, and fold every part's output into one JSON line.
   check.py watch OUT.json METRICS -- CMD...    run CMD, sampling GPU utilisation; each step's window is
                                                read off METRICS (metrics.jsonl) as its lines appear
   check.py build-model PRESET DIR              a preset built on the GPU (fast for large shapes)
-  check.py trainer MODEL_DIR OUT.json          miles' trainer step vs a plain bf16 loop on one batch
   check.py report DIR                          one JSON line from DIR's parts
 
 Runs on CPU too (small sizes, utilisation absent), so the script's plumbing is checked off the GPU.
@@ -119,69 +118,6 @@ def build_model(preset: str, out: str) -> None:
         build_tiny_model(preset, out)
 
 
-def trainer(model_dir: str, out: str) -> None:
-    """Tokens/s of one optimizer step of miles' trainer against a plain bf16-autocast AdamW loop, on the
-    same batch of sequences, micro-batches and policy-gradient loss, one after the other in one process."""
-    import torch
-    import torch.distributed as dist
-
-    from miles.config.loader import build
-    from miles.models.loading import load_model
-    from miles.net import free_port
-    from miles.trainer.backends.fsdp import FSDPTrainer
-    from miles.trainer.config import TrainerConfig
-    from miles.trainer.types import BatchTotals, TrainSequence
-
-    device = "cuda" if _cuda() else "cpu"
-    small = device == "cpu"
-    B, P, C, MB = (8, 8, 16, 4) if small else (128, 16, 128, 16)  # sequences, prompt, completion, micro-batch
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(5, 300, (B, P + C), generator=g)
-    adv = torch.tensor([1.0 if i % 2 else -1.0 for i in range(B)])
-
-    def timed(step, n=2) -> float:
-        step()  # warm-up: allocator, kernels, optimizer state
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n
-
-    model = load_model(model_dir, device=device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device == "cuda")
-
-    def plain_step():
-        for i in range(0, B, MB):
-            ids = tokens[i:i + MB].to(device)
-            with torch.autocast(device, dtype=torch.bfloat16):
-                logits = model(ids).logits[:, P - 1:-1].float()  # (mb, C, V) predicting the completion
-            lp = torch.log_softmax(logits, -1).gather(2, ids[:, P:, None])[..., 0]
-            loss = -(adv[i:i + MB].to(device)[:, None] * lp).sum() / (B * C)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    plain_s = timed(plain_step)
-    del model, opt
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    seqs = [TrainSequence(tokens=tokens[i].tolist(), prompt_len=P, loss_mask=[1] * C, old_logprobs=[-5.0] * C,
-                          advantage=float(adv[i])) for i in range(B)]
-    cfg = build(TrainerConfig, {"device": device, "param_dtype": "bfloat16", "micro_batch_size": MB, "lr": 1e-6})
-    t = FSDPTrainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port())
-    try:
-        miles_s = timed(lambda: t.train_step(seqs, BatchTotals.of(seqs)))
-    finally:
-        dist.destroy_process_group()
-    n = B * (P + C)
-    Path(out).write_text(json.dumps({"batch": [B, P + C], "micro_batch": MB, "plain_tokens_per_s": round(n / plain_s),
-                                     "miles_tokens_per_s": round(n / miles_s),
-                                     "ratio": round(plain_s / miles_s, 3)}))
-
-
 def _read(path: Path):
     try:
         return json.loads(path.read_text())
@@ -221,7 +157,9 @@ def report(root: str) -> None:
     busy = [s["gpu_busy"] for s in later if s.get("gpu_busy") is not None]
     out["rl_0.6b"] = {**{k: v for k, v in rl.items() if k != "steps"}, "steps": steps,
                       "gpu_busy_after_step1": round(sum(busy) / len(busy), 3) if busy else None}
-    out["trainer_vs_plain"] = _read(d / "trainer.json")
+    bench = [json.loads(line) for line in (d / "bench-gpu.log").read_text().splitlines() if line.startswith('{"bench"')] \
+        if (d / "bench-gpu.log").exists() else []
+    out["trainer_vs_plain"] = bench[-1].get("trainer") if bench else None
     out["sections"] = _read(d / "sections.json")
     print(json.dumps(out))
 
@@ -235,8 +173,6 @@ def main(argv: list[str]) -> int:
         return watch(args[0], args[1], args[split + 1:])
     elif cmd == "build-model":
         build_model(*args)
-    elif cmd == "trainer":
-        trainer(*args)
     elif cmd == "report":
         report(*args)
     else:
