@@ -78,33 +78,63 @@ class _Utilisation:
 
 
 def watch(out: str, metrics: str, cmd: list[str]) -> int:
-    """Run `cmd`; note when each line of `metrics` appears (a step's end) and sample the GPU meanwhile."""
+    """Run `cmd`; note when each line of `metrics` appears (a step's end), sample the GPU meanwhile, and
+    poll the engine the run prints ("engines ready: URL") for its counters. `out` is rewritten after
+    every step, so a run cut short still leaves what it measured."""
+    import re
+    import urllib.request
+
     seen: list[tuple[float, dict]] = []
+    engine: dict = {"url": None, "stats": None}
     t0 = time.time()
+
+    def tee(stream) -> None:  # the run's output, passed through, watched for the engine's URL
+        for line in stream:
+            sys.stdout.write(line)
+            m = re.search(r"engines ready[^:]*: (http://[^\s,;]+)", line)
+            if m and engine["url"] is None:
+                engine["url"] = m.group(1)
+
+    def poll_engine() -> None:
+        if engine["url"]:
+            try:
+                with urllib.request.urlopen(engine["url"] + "/get_server_info", timeout=2) as r:
+                    engine["stats"] = json.loads(r.read())["engine_stats"]
+            except (OSError, ValueError, KeyError):
+                pass
+
+    def write(rc) -> None:
+        steps = []
+        for end, rec in seen:
+            if "perf/step_s" not in rec:
+                continue
+            start = end - rec["perf/step_s"]
+            inside = [u for t, u in util.samples if start <= t <= end]
+            steps.append({"step": rec["step"], **{k: v for k, v in rec.items() if k.startswith(("perf/", "sync/"))},
+                          "gpu_busy": round(sum(inside) / len(inside) / 100, 3) if inside else None})
+        Path(out).write_text(json.dumps({"rc": rc, "wall_s": round(time.time() - t0, 1), "steps": steps,
+                                         "engine_stats": engine["stats"]}))
+
     with _Utilisation() as util:
-        proc = subprocess.Popen(cmd)
-        pos = 0
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=tee, args=(proc.stdout,), daemon=True).start()
+        pos, last_poll = 0, 0.0
         while proc.poll() is None:
             time.sleep(0.05)
+            if time.time() - last_poll > 2:
+                poll_engine()
+                last_poll = time.time()
             if os.path.exists(metrics):
                 with open(metrics) as f:
                     f.seek(pos)
                     for line in f:
-                        if line.endswith("\n"):
-                            seen.append((time.time(), json.loads(line)))
-                            pos += len(line.encode())
-                        else:
+                        if not line.endswith("\n"):
                             break
-    steps = []
-    for end, rec in seen:
-        if "perf/step_s" not in rec:
-            continue
-        start = end - rec["perf/step_s"]
-        inside = [u for t, u in util.samples if start <= t <= end]
-        steps.append({"step": rec["step"], "step_s": rec["perf/step_s"],
-                      **{k.split("/")[1]: v for k, v in rec.items() if k.startswith("perf/") and k.endswith("_s")},
-                      "gpu_busy": round(sum(inside) / len(inside) / 100, 3) if inside else None})
-    Path(out).write_text(json.dumps({"rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "steps": steps}))
+                        seen.append((time.time(), json.loads(line)))
+                        pos += len(line.encode())
+                        poll_engine()
+                        write(None)
+    write(proc.returncode)
     return proc.returncode
 
 

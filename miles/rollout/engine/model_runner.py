@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 
 import torch
 
@@ -90,7 +91,10 @@ class ModelRunner:
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
                       "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0,
-                      "failed_steps": 0, "isolated_reqs": 0, "failed_reqs": 0}
+                      "failed_steps": 0, "isolated_reqs": 0, "failed_reqs": 0,
+                      # Where a step's time goes: prefill; decode's forward and sampling until the tokens
+                      # reach the host; decode's bookkeeping on the host (stops, spans); prefix-cache inserts.
+                      "prefill_s": 0.0, "decode_device_s": 0.0, "decode_host_s": 0.0, "cache_insert_s": 0.0}
         # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
@@ -104,6 +108,11 @@ class ModelRunner:
 
     def prefill(self, rows: list[Row]) -> None:
         """Compute `rows`' prompts, sample their first tokens and append them to the running batch."""
+        t0 = time.perf_counter()
+        self._prefill(rows)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def _prefill(self, rows: list[Row]) -> None:
         # Identical prompts (on the same adapter) are prefilled once; `lead[i]` is the unique prompt row i copies.
         with self.model_lock, torch.inference_mode():
             uniq: list[tuple[int, ...]] = []
@@ -159,12 +168,13 @@ class ModelRunner:
         lens = torch.tensor([len(uniq[j]) for j in lead], device=self.device)  # (R,)
         self.kv.merge(cache, mask, lens, tokens)
         self.rows = self.rows + rows
-        self._record(rows, tokens, logprobs, version)
+        self._record(rows, tokens.tolist(), logprobs.tolist(), version)
         self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], self.num_running)
 
     def decode(self) -> None:
         """One token for every row of the running batch."""
         kv = self.kv
+        t0 = time.perf_counter()
         mask = torch.cat([kv.mask, kv.mask.new_ones((len(self.rows), 1))], dim=1)  # (B, L+1)
         with self.model_lock, torch.inference_mode():
             epoch, version = self.weights_epoch, self.weight_version
@@ -174,6 +184,8 @@ class ModelRunner:
             logits, routed = self._forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
                                            capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
             tokens, logprobs = self._sample(logits, self.rows)
+            host = tokens.tolist(), logprobs.tolist()  # waits for the device: the step's device time ends here
+        t1 = time.perf_counter()
         if routed is not None:
             for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
                 if row.req.return_routed_experts and row.finish is None:
@@ -184,8 +196,10 @@ class ModelRunner:
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
         kv.last_tokens = tokens
-        self._record(self.rows, tokens, logprobs, version)
+        self._record(self.rows, *host, version)
         self.stats["decode_forwards"] += 1
+        self.stats["decode_device_s"] += t1 - t0
+        self.stats["decode_host_s"] += time.perf_counter() - t1
 
     def abort(self, rids: set[str]) -> None:
         """Finish running rows `rids` as aborted (the scheduler then retires them)."""
@@ -407,8 +421,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: list[Row]):
         return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
 
-    def _record(self, rows: list[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: str) -> None:
-        for row, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+    def _record(self, rows: list[Row], tokens: list[int], logprobs: list[float], version: str) -> None:
+        for row, t, lp in zip(rows, tokens, logprobs):
             if row.finish is not None:
                 continue
             row.weight_version = version
@@ -446,6 +460,7 @@ class ModelRunner:
         """Offer the prompt + completion KV of running rows to the prefix cache."""
         if self.prefix_cache.max_tokens == 0:
             return
+        t0 = time.perf_counter()
         with self.model_lock, torch.inference_mode():
             for i in indices:
                 row = self.rows[i]
@@ -454,6 +469,7 @@ class ModelRunner:
                 # The last sampled token was never fed to the model, so it has no KV yet.
                 ids = row.prefill_ids()[:-1]
                 self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b))
+        self.stats["cache_insert_s"] += time.perf_counter() - t0
 
 
 def _routed_experts(row: Row) -> str:
