@@ -35,7 +35,7 @@ async def play(url: str, model: str, prompts: int, samples: int, digits: int, fi
 
     from miles.models.loading import load_tokenizer
     from miles.rollout.agent import AgentConfig, ChatFormat, run_episode
-    from miles.rollout.data_source import PromptSource, TaskConfig
+    from miles.data.prompts import PromptSource, TaskConfig
     from miles.rollout.environments.tool_calc import CalculatorEnv
     from miles.rollout.generate import SamplingParams
 

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     from miles.models.loading import load_model, load_tokenizer
     from miles.rollout.agent import ChatFormat
-    from miles.rollout.data_source import PromptSource, TaskConfig
+    from miles.data.prompts import PromptSource, TaskConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)

@@ -37,7 +37,7 @@ from miles.orchestration.placement import CorePools, NodePool, PlacementError, c
 from miles.orchestration.ray_cluster import ensure_ray, node_address
 from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
-from miles.rollout.data_source import PromptSource
+from miles.data.prompts import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.rollout.teacher import check_served_teacher
@@ -300,7 +300,8 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.rollout.task.name != "dataset":
         return
     try:
-        counts = check_dataset(cfg.rollout.task, cfg.model.path, cfg.rollout.engine.context_length)
+        counts = check_dataset(cfg.rollout.task, load_tokenizer(cfg.model.path), cfg.model.path,
+                               cfg.rollout.engine.context_length)
     except DataError as exc:
         raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")

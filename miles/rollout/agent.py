@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 from miles.buffer.types import Sample, SampleStatus
 from miles.config import ConfigError
 from miles.registry import Registry
-from miles.rollout.chat_format import ChatFormat
+from miles.data.chat import ChatFormat
 from miles.rollout.environments import build_environment, check_environment
 from miles.rollout.environments.sandbox import SandboxConfig
 from miles.rollout.generate import GenerationError, generate, routed_experts_of, versions_of

@@ -14,7 +14,7 @@ from typing import Literal
 
 from miles.config import ConfigError
 from miles.rollout.agent import AgentConfig, get_generate_fn
-from miles.rollout.data_source import TaskConfig
+from miles.data.prompts import TaskConfig
 from miles.rewards.config import RewardConfig
 from miles.rewards.contract import load_components
 from miles.rollout.engine.config import EngineConfig

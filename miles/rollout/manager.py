@@ -28,7 +28,7 @@ from miles.models.loading import load_tokenizer
 from miles.rollout.agent import get_generate_fn
 from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import Prompt, PromptSource
+from miles.data.prompts import Prompt, PromptSource
 from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.group import GroupGenerator
 from miles.rollout.http import async_client, run_coroutine

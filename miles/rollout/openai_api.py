@@ -61,7 +61,7 @@ from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, BodyLimit, ServerThread, bi
 from miles.registry import RegistryError
 from miles.rollout.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, arguments, \
     completion_body, parse_request, render_prompt, sse_event, template_message, tools_of
-from miles.rollout.chat_format import ChatFormat
+from miles.data.chat import ChatFormat
 from miles.rollout.engine.protocol import openapi_body, parse_json
 from miles.rollout.engine.types import InvalidRequest
 from miles.rollout.generate import versions_of

@@ -10,8 +10,8 @@
 Where tasks live: a task whose episodes need an environment (its files, its verifier) is part of
 that environment and lives in its module here, e.g. terminal.py's TASKS and their prompt source.
 Task data that a single-turn rollout scores without an environment (arithmetic) stays a prompt
-source under rollout/tasks/. Every prompt source, either kind, is chosen from the one registry in
-rollout/tasks.
+source under data/tasks/. Every prompt source, either kind, is chosen from the one registry in
+data/tasks.
 
 Environments are chosen by name from ENVIRONMENTS or given as `module:function`, where the function
 needs no arguments and returns a fresh environment (a class with a no-argument constructor works

@@ -11,7 +11,7 @@ from miles.buffer.data_buffer import BufferConfig, DataBuffer
 from miles.buffer.types import Group, Sample
 from miles.config import load_config
 from miles.config.run import RunConfig
-from miles.rollout.data_source import PromptSource, TaskConfig
+from miles.data.prompts import PromptSource, TaskConfig
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "arithmetic"
 

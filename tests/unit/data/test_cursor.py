@@ -11,7 +11,7 @@ from miles.data.config import DataConfig
 from miles.data.cursor import DataCursor, DataExhausted
 from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import TaskConfig
+from miles.data.prompts import TaskConfig
 
 
 def test_each_epoch_is_a_fresh_permutation_fixed_by_the_seed():

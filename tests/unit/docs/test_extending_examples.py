@@ -32,7 +32,7 @@ def test_reward_example_loads_and_gives_partial_credit(examples):
 
 
 def test_environment_example_passes_the_protocol_check_and_plays_an_episode(examples):
-    from miles.rollout.data_source import Prompt
+    from miles.data.prompts import Prompt
     from miles.rollout.environments import check_environment, get_environment
 
     check_environment("my_envs:second_chance")
@@ -49,7 +49,7 @@ def test_generate_example_runs_against_a_real_engine(examples, tiny_model_dir):
     import httpx
 
     from miles.rollout.agent import AgentConfig, GenerateContext, get_generate_fn
-    from miles.rollout.data_source import Prompt
+    from miles.data.prompts import Prompt
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams

@@ -8,7 +8,7 @@ import pytest
 
 from miles.eval.config import EvalConfig, EvalSetConfig
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import PromptSource, TaskConfig
+from miles.data.prompts import PromptSource, TaskConfig
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_eval_prompts_made_of_messages_go_through_the_chat_template(tiny_model_d
     from miles.data.chat import encode_prompt
     from miles.eval.evaluator import Evaluator
     from miles.models.loading import load_tokenizer
-    from miles.rollout.data_source import Prompt, TaskConfig
+    from miles.data.prompts import Prompt, TaskConfig
 
     tok = load_tokenizer(tiny_model_dir)
     task = TaskConfig(name="dataset", system_prompt="Answer briefly.")

@@ -16,7 +16,7 @@ from miles.buffer.types import SampleStatus
 from miles.config import ConfigError, load_config
 from miles.config.run import RunConfig
 from miles.rollout.agent import AgentConfig, GenerateContext, get_generate_fn
-from miles.rollout.data_source import Prompt
+from miles.data.prompts import Prompt
 from miles.rollout.generate import SamplingParams
 from miles.rollout.harness import HarnessConfig, take_metrics
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from miles.rollout.chat_format import ChatFormat
+from miles.data.chat import ChatFormat
 from miles.rollout.openai_api import start_session_server
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from miles.config import ConfigError
 from miles.rollout.agent import AgentConfig
-from miles.rollout.data_source import Prompt
+from miles.data.prompts import Prompt
 from miles.rollout.environments import check_environment, get_environment
 from miles.rollout.environments.sandbox import SandboxConfig, SandboxUnavailable, check_available
 from miles.rollout.environments.terminal import TASKS, TerminalEnv, TerminalTaskSource
