@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_delegate("miles.rollout.router"))
     s = sub.add_parser("sessions", help="OpenAI-compatible chat sessions that record exact tokens, in front "
                        "of a serving engine", add_help=False)
-    s.set_defaults(fn=_delegate("miles.rollout.openai_api"))
+    s.set_defaults(fn=_delegate("miles.rollout.sessions.server"))
     s = sub.add_parser("simulate", help="project a run onto a fleet: step time, memory, weight sync per transport",
                        add_help=False)
     s.set_defaults(fn=_delegate("miles.capacity.simulate"))

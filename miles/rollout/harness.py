@@ -53,7 +53,7 @@ from typing import Literal
 from miles.buffer.types import Sample, SampleStatus
 from miles.config import ConfigError
 from miles.registry import RegistryError, load_attr
-from miles.rollout.tool_calls import TOOL_PARSERS
+from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 
 _KEEP_OUTPUT = 4096  # characters of a failed program's output quoted in errors and metadata
 _KEEP_BYTES = 1 << 20  # bytes of a program's output held while it runs
@@ -193,7 +193,7 @@ def _slot(limit: int) -> asyncio.Semaphore:
 
 def _session_server(ctx, parser: str):
     """This process's session server for the run's tokenizer (started on the first episode)."""
-    from miles.rollout.openai_api import start_session_server  # noqa: PLC0415 - FastAPI stays off the config path
+    from miles.rollout.sessions.server import start_session_server  # noqa: PLC0415 - FastAPI stays off the config path
 
     key = (id(ctx.tokenizer), ctx.agent.turn_end_token, parser)
     with _servers_lock:
@@ -206,7 +206,7 @@ def _session_server(ctx, parser: str):
 
 async def harness(ctx, prompt, params, rid: str) -> Sample:
     """One episode of the configured program on `prompt`; the session's tokens become the Sample."""
-    from miles.rollout.openai_api import SessionLimits  # noqa: PLC0415 - as in _session_server
+    from miles.rollout.sessions.server import SessionLimits  # noqa: PLC0415 - as in _session_server
 
     cfg: HarnessConfig = ctx.agent.harness
     server = _session_server(ctx, cfg.tool_parser)

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from miles.data.chat import ChatFormat
-from miles.rollout.openai_api import start_session_server
+from miles.rollout.sessions.server import start_session_server
 
 
 @pytest.fixture(scope="module")
