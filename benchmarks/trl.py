@@ -36,7 +36,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.models.presets import build_tiny_model
 from miles.orchestration.driver import run_sft, run_train
 from miles.rewards.contract import load_reward

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from miles.config import ConfigError, load_config, parse_overrides
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 
 def _load(path: str | None, extra: list[str]):

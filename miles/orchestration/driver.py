@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from miles.config.loader import save_config, to_dict
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.data.chat import encode_prompt
 from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
@@ -41,7 +41,6 @@ from miles.data.prompts import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.rollout.teacher import check_served_teacher
-from miles.sync.prepare import wire_dtype
 from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
@@ -246,7 +245,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     teacher_urls = _start_teachers(cfg, pools, stack)
     if teacher_urls:
         log(f"teacher engines ready: {', '.join(teacher_urls)}")
-    sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
+    sync = dataclasses.replace(cfg.sync, dtype=cfg.wire_dtype())
     trainer_pool = _trainer_pool(cfg, stack)
 
     def start_trainer() -> TrainerGroup:

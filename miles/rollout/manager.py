@@ -25,7 +25,6 @@ from typing import Literal
 from miles.buffer.data_buffer import BufferConfig, DataBuffer
 from miles.eval.evaluator import Evaluator
 from miles.models.loading import load_tokenizer
-from miles.rollout.agent import get_generate_fn
 from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
 from miles.data.prompts import Prompt, PromptSource

@@ -28,8 +28,8 @@ import inspect
 from typing import Any, Callable
 
 from miles.registry import Registry, RegistryError, protocol_methods
+from miles.rollout.config import SandboxConfig
 from miles.rollout.environments.contract import Environment, StepResult
-from miles.rollout.environments.sandbox import SandboxConfig
 
 __all__ = ["ENVIRONMENTS", "Environment", "StepResult", "build_environment", "check_environment",
            "get_environment"]

@@ -12,7 +12,7 @@ DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 def test_data_page_example_loads_into_prompts(tmp_path, monkeypatch, tiny_model_dir):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.data.preflight import check_dataset
     from miles.models.loading import load_tokenizer
     from miles.data.prompts import PromptSource

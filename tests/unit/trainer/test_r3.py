@@ -162,7 +162,7 @@ def test_dense_fp32_engine_and_fp32_trainer_agree_per_token(gloo, varied_dense_m
 
 def test_config_load_refuses_what_cannot_replay(tiny_model_dir, tiny_moe_model_dir):
     from miles.config import ConfigError, load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.rollout.router import RouterConfig
 
     def load(model, **kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from miles.config import ConfigError
-from miles.rollout.agent import AgentConfig
 from miles.data.prompts import Prompt
 from miles.rollout.environments import check_environment, get_environment
 from miles.rollout.environments.sandbox import SandboxConfig, SandboxUnavailable, check_available
@@ -112,7 +111,7 @@ def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
 
 def test_env_args_and_sandbox_limits_reach_the_environment_from_the_run_config(tiny_model_dir):
     from miles.config import ConfigError, load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.rollout.environments import build_environment
 
     cfg = load_config(RunConfig, None, {"model.path": tiny_model_dir, "rollout.generate_fn": "agent",
@@ -133,7 +132,7 @@ def test_env_args_and_sandbox_limits_reach_the_environment_from_the_run_config(t
 def test_the_terminal_examples_rl_config_runs_episodes_in_the_rootless_sandbox(tiny_model_dir):
     """examples/terminal/grpo.toml: terminal episodes and prompts, commands confined without privilege."""
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.rollout.environments import build_environment
 
     cfg = load_config(RunConfig, "examples/terminal/grpo.toml", {"model.path": tiny_model_dir})
