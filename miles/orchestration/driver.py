@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -24,6 +25,7 @@ from miles.run_config import RunConfig
 from miles.data.chat import encode_prompt
 from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
+from miles.eval.evaluator import Evaluator
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
@@ -261,8 +263,8 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
     rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
-        cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
-        router_url=router.url, teacher_urls=teacher_urls)
+        cfg.rollout, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
+        router_url=router.url, teacher_urls=teacher_urls, evaluator=functools.partial(Evaluator, cfg.eval))
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
     stack.callback(sink.close)
     if cfg.metrics.dashboard:
