@@ -68,7 +68,7 @@ class Session:
     closed: bool = False     # its episode is over: a reply still in flight is not recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Held while a reply is committed and while the session is closed, which happen on different
-    # threads when a training run ends an episode (harness.py) while a turn is still generating.
+    # threads when a training run ends an episode (agent/harness.py) while a turn is still generating.
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
