@@ -19,7 +19,7 @@ import httpx
 from miles.data.chat import encode_prompt
 from miles.eval.config import EvalConfig, EvalSetConfig
 from miles.eval.metrics import accuracy, get_answer_fn, prompt_metrics
-from miles.rollout.data_source import Prompt, PromptSource, TaskConfig
+from miles.data.prompts import Prompt, PromptSource, TaskConfig
 from miles.rollout.generate import SamplingParams, generate
 from miles.rollout.group import GroupGenerator
 from miles.rollout.http import run_jobs

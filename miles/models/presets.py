@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.rollout.tasks.arithmetic import ArithmeticTask, demonstration
+from miles.data.tasks.arithmetic import ArithmeticTask, demonstration
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

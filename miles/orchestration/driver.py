@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -20,10 +21,11 @@ from pathlib import Path
 from typing import Callable
 
 from miles.config.loader import save_config, to_dict
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.data.chat import encode_prompt
 from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
+from miles.eval.evaluator import Evaluator
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
@@ -37,11 +39,10 @@ from miles.orchestration.placement import CorePools, GpuShares, NodePool, Placem
 from miles.orchestration.ray_cluster import ensure_ray, node_address
 from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
-from miles.rollout.data_source import PromptSource
+from miles.data.prompts import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.rollout.teacher import check_served_teacher
-from miles.sync.prepare import wire_dtype
 from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
@@ -268,7 +269,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     teacher_urls = _start_teachers(cfg, pools, stack, gpus.engine)
     if teacher_urls:
         log(f"teacher engines ready: {', '.join(teacher_urls)}")
-    sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
+    sync = dataclasses.replace(cfg.sync, dtype=cfg.wire_dtype())
     trainer_pool = _trainer_pool(cfg, stack, gpus.trainer)
 
     def start_trainer() -> TrainerGroup:
@@ -284,8 +285,8 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
     rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
-        cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
-        router_url=router.url, teacher_urls=teacher_urls)
+        cfg.rollout, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
+        router_url=router.url, teacher_urls=teacher_urls, evaluator=functools.partial(Evaluator, cfg.eval))
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
     stack.callback(sink.close)
     if cfg.metrics.dashboard:
@@ -322,7 +323,8 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.rollout.task.name != "dataset":
         return
     try:
-        counts = check_dataset(cfg.rollout.task, cfg.model.path, cfg.rollout.engine.context_length)
+        counts = check_dataset(cfg.rollout.task, load_tokenizer(cfg.model.path), cfg.model.path,
+                               cfg.rollout.engine.context_length)
     except DataError as exc:
         raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")

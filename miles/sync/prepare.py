@@ -135,15 +135,6 @@ def transport_config(name: str) -> type[SyncConfig]:
     return config
 
 
-def wire_dtype(run) -> str | None:
-    """The dtype weights travel in: sync.dtype, else the built-in engines' own dtype when it is not fp32
-    (engines hold what they were loaded as; shipping fp32 to bf16 engines would double the bytes and
-    make verification compare fp32 checksums with bf16 tensors), else the trainer's dtype (None)."""
-    if run.sync.dtype is None and not run.rollout.engine_urls and run.rollout.engine.dtype != "float32":
-        return run.rollout.engine.dtype
-    return run.sync.dtype
-
-
 Group = list  # [(engine name, tensor), ...] that must land in one bucket
 
 

@@ -11,7 +11,7 @@ greedy text is /generate's), and splits the reply into `content` and `tool_calls
 tokens are sampled (content token by token, each tool call once its block closes; TurnStream). Every bound is the engine's own (protocol.py): a refusal is SGLang's error object
 `{"object": "error", "message", "type", "param", "code"}` with status 400 and the field named.
 Non-goals: the legacy /v1/completions, n > 1, logprobs in the answer (/generate with return_logprob
-has them), exact tokens across the turns of one conversation (the session API, openai_api.py,
+has them), exact tokens across the turns of one conversation (the session API, rollout/sessions/,
 records those).
 """
 
@@ -24,13 +24,13 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from miles.rollout.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
+from miles.rollout.sessions.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
     parse_request, render_prompt, sse_event, tools_of
 from miles.rollout.engine import protocol
 from miles.rollout.engine.streaming import TokenDelta, stream
 from miles.rollout.engine.types import EngineStepFailed, InvalidRequest, RequestFailed
-from miles.rollout.openai_schema import ChatCompletionRequest
-from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
+from miles.rollout.sessions.schema import ChatCompletionRequest
+from miles.rollout.sessions.tool_calls import ParsedTurn, get_tool_parser
 
 # What a refused field means here (pydantic's own words say what it expected).
 HINTS = {
