@@ -46,14 +46,14 @@ cat "$OUT/device.json" >&2; echo >&2
 if [ "$SMALL" = 1 ]; then
   part pytest-cuda 120 "$PY" -m pytest -q -m cuda tests/unit/trainer/test_device.py -p no:cacheprovider
 else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack)
-  part pytest-cuda 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
+  part pytest-cuda 60 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
 fi
 
 # The main job exactly as the README runs it (small: fewer steps, for the plumbing).
 ARITH_ARGS=()
 [ "$SMALL" = 1 ] && ARITH_ARGS=(--sft.steps 20 --loop.num_steps 2 --eval.num_prompts 16 --metrics.progress plain)
 t0=$SECONDS
-part arithmetic 200 env OUT="$OUT/arithmetic" examples/arithmetic/run.sh "${ARITH_ARGS[@]}"
+part arithmetic 180 env OUT="$OUT/arithmetic" examples/arithmetic/run.sh "${ARITH_ARGS[@]}"
 echo "{\"wall_s\": $((SECONDS - t0))}" > "$OUT/arithmetic-time.json"
 
 # The 0.6B-shaped RL run: model built on the GPU, then three timed steps.
@@ -63,11 +63,11 @@ else
   PRESET=qwen3-0.6b-shape; RL_ARGS=()
 fi
 part build-model 60 "$PY" "${CHECK[@]}" build-model "$PRESET" "$OUT/rl-model"
-part rl 150 "$PY" "${CHECK[@]}" watch "$OUT/rl-watch.json" "$OUT/rl/qwen3-0.6b-rl/metrics.jsonl" -- \
+part rl 200 "$PY" "${CHECK[@]}" watch "$OUT/rl-watch.json" "$OUT/rl/qwen3-0.6b-rl/metrics.jsonl" -- \
     "$MILES" train scripts/gpu/qwen3-0.6b-rl.toml --model.path "$OUT/rl-model" --run.output_dir "$OUT/rl" \
     --metrics.progress plain "${RL_ARGS[@]}"
 
 DEV=cuda; [ "$SMALL" = 1 ] && DEV=cpu
-part bench-gpu 70 "$MILES" bench gpu --device "$DEV" --only trainer --model "$OUT/rl-model"
+part bench-gpu 60 "$MILES" bench gpu --device "$DEV" --only trainer --model "$OUT/rl-model"
 
 cat "$OUT/gpu-check.json"
