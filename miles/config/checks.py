@@ -12,7 +12,7 @@ from miles.config.loader import ConfigError
 from miles.models.loading import context_limit, read_model_config
 from miles.registry import RegistryError
 from miles.sync.transports import TRANSPORTS
-from miles.trainer.algorithms.base import ALGORITHMS
+from miles.trainer.algorithms.base import get_algorithm
 from miles.trainer.teacher import tokenizer_mismatch
 
 
@@ -49,7 +49,7 @@ def check_group_size(run) -> None:
     """A group-relative algorithm against groups of one sample, whose advantage is always 0."""
     name, n = run.trainer.algorithm.name, run.rollout.n_samples_per_prompt
     try:
-        group_relative = getattr(ALGORITHMS.get(name), "group_relative", False)
+        group_relative = get_algorithm(run.trainer.algorithm).group_relative
     except RegistryError:  # already refused by the algorithm's own validate, which runs first
         return
     if group_relative and n < 2:
