@@ -8,7 +8,7 @@ import torch
 from miles.trainer.algorithms import ALGORITHMS, get_algorithm
 from miles.trainer.algorithms.base import (AlgorithmConfig, LossInputs, clipped_surrogate, entropy_from_logits,
                                            kl_estimate, kl_reward_penalty, token_weights)
-from miles.trainer.algorithms.ppo import gae, value_loss
+from miles.trainer.critic import gae, value_loss
 
 
 def algo(name, **kw):

@@ -13,10 +13,10 @@ from miles.config.loader import build
 from miles.net import free_port
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.algorithms.base import LossInputs
-from miles.trainer.algorithms.tis import corrected_inputs
-from miles.trainer.backends.fsdp import FSDPTrainer
 from miles.trainer.batching import build_micro_batch, minibatch_sizes
 from miles.trainer.config import TrainerConfig
+from miles.trainer.correction import corrected_inputs
+from miles.trainer.trainer import Trainer
 from miles.trainer.types import BatchTotals, TrainSequence
 
 
@@ -104,7 +104,7 @@ def test_tis_weights_and_clips_against_a_recorded_proximal_policy():
 
 def _trainer(tiny_model_dir, k_name="decoupled_ppo"):
     cfg = build(TrainerConfig, {"lr": 5e-2, "grad_clip": 0.0, "algorithm": {"name": k_name}})
-    return FSDPTrainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    return Trainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
 
 
 def test_the_proximal_policy_is_the_start_of_the_step_and_the_clip_binds_from_the_second_update(tiny_model_dir, gloo):
