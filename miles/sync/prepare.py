@@ -176,6 +176,7 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
     quantized = quantized or {}
     shadow: dict[str, tuple] = {}  # wire name -> (engine name, dequantized values) for the record
     cast = torch_dtype(dtype) if dtype else None
+    on_device = bool(getattr(transport, "takes_device_tensors", False))
     t0 = time.perf_counter()
     n_buckets = n_bytes = 0
     send_s = hash_s = 0.0
@@ -186,6 +187,8 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
             group = item if isinstance(item, list) else [item]
             out = [(name, (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous())
                    for name, t in group]
+            if not on_device:  # a transport that reads host memory (a fallback after one that did not)
+                out = [(name, t.cpu()) for name, t in out]
             out = [as_quantized(name, t) if name in quantized else (name, t) for name, t in out]
             yield out if isinstance(item, list) else out[0]
 

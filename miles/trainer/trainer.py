@@ -243,13 +243,15 @@ class Trainer:
         return out
 
     # -- weights out ----------------------------------------------------------------------------
-    def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None) -> Iterator[tuple[str, "object"]]:
+    def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None,
+                           on_device: bool = False) -> Iterator[tuple[str, "object"]]:
         """Full (unsharded) tensors by HF name. Collective: every rank must iterate to the end;
-        only rank 0 receives tensors unless `all_ranks` (other ranks get None).
+        only rank 0 receives tensors unless `all_ranks` (other ranks get None). They are in host memory,
+        or with `on_device` where the trainer computes (a transport that hands GPU memory over).
 
         With LoRA, `merged` (default: lora.sync = "merged") folds adapters into the base weights;
         otherwise only the adapter tensors are yielded, under PEFT's names."""
-        named = self.backend.named_tensors(all_ranks)
+        named = self.backend.named_tensors(all_ranks, on_device)
         if not self.cfg.lora.rank:
             yield from named
             return

@@ -51,7 +51,8 @@ class PlainBackend:
                           use_cache=False).logits
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
-        return self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1, 0].float()
+        out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits[:, :-1, 0].float()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -68,13 +69,13 @@ class PlainBackend:
         self.steps += 1
         return float(norm)
 
-    def named_tensors(self, all_ranks: bool = False):
+    def named_tensors(self, all_ranks: bool = False, on_device: bool = False):
         seen: set[int] = set()
         for name, value in self.model.state_dict().items():
             if value.untyped_storage().data_ptr() in seen:  # tied weights travel once
                 continue
             seen.add(value.untyped_storage().data_ptr())
-            yield name, value.detach().to(HOST)
+            yield name, value.detach() if on_device else value.detach().to(HOST)
 
     def save_state(self, path: str, writer, local: dict) -> None:
         save_trainer_state(self, path, writer, local)

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from miles.config.flags import load_server_config
 from miles.config import ConfigError
 from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, exit_with_parent, serve_app, url_of
+from miles.devices import gpu_uuid
 from miles.rollout.engine import protocol
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.openai_routes import add_openai_routes
@@ -181,6 +182,10 @@ def build_app(engine) -> FastAPI:
                 "engine_stats": dict(engine.stats)}
         if miles_mode:  # a plain SGLang server has no such key: no extensions
             info["miles_extensions"] = weights.extensions()
+            # Where it computes (config may say auto): a trainer on the same GPU hands weights over by IPC.
+            info["device"] = str(engine.runner.device)
+            if engine.runner.device.type == "cuda":
+                info["gpu_uuid"] = gpu_uuid(engine.runner.device)
             if engine.quantized:  # the `quantized_weights` extension: which weights may arrive quantized
                 info["quantized_weights"] = {n: fmt.name for n, (fmt, _) in engine.quantized.items()}
         info["loaded_lora_adapters"] = engine.lora_adapters()

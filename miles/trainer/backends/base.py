@@ -67,10 +67,11 @@ class Backend(Protocol):
         """Clip the gradients to `trainer.grad_clip`, step the optimizers and the LR schedule, zero the
         gradients; returns the policy's global gradient norm before clipping. Collective."""
 
-    def named_tensors(self, all_ranks: bool = False) -> Iterator[tuple[str, "torch.Tensor | None"]]:
+    def named_tensors(self, all_ranks: bool = False,
+                      on_device: bool = False) -> Iterator[tuple[str, "torch.Tensor | None"]]:
         """The policy's full (unsharded) tensors by Hugging Face name (PEFT's, under LoRA), in host
-        memory; tied weights once. Collective: every rank iterates to the end; ranks other than 0 get
-        None unless `all_ranks`."""
+        memory or with `on_device` on `device` (a transport that hands device memory over); tied weights
+        once. Collective: every rank iterates to the end; ranks other than 0 get None unless `all_ranks`."""
 
     def save_state(self, path: str, writer: "CheckpointWriter", local: dict) -> None:
         """Snapshot this rank's sharded state (models, optimizers, schedules) now and queue its write

@@ -92,7 +92,8 @@ class FSDPBackend:
             self.critic_optim.zero_grad(set_to_none=True)
         return float(norm)
 
-    def named_tensors(self, all_ranks: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def named_tensors(self, all_ranks: bool = False,
+                      on_device: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
         seen: dict[int, str] = {}
         for name, value in self.model.state_dict().items():
             local = value.to_local() if hasattr(value, "to_local") else value
@@ -101,8 +102,10 @@ class FSDPBackend:
                 continue
             seen[key] = name
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            # Weights leave through host memory, which every transport reads (a no-op on a CPU trainer).
-            yield name, (full.detach().to(HOST) if (self.rank == 0 or all_ranks) else None)
+            # Weights leave through host memory, which every transport reads (a no-op on a CPU trainer),
+            # unless the transport takes them where the trainer computes.
+            yield name, ((full.detach() if on_device else full.detach().to(HOST)) if (self.rank == 0 or all_ranks)
+                         else None)
 
     def save_state(self, path: str, writer: CheckpointWriter, local: dict) -> None:
         save_trainer_state(self, path, writer, local)
