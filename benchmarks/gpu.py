@@ -130,8 +130,8 @@ def trainer(model_dir: str, device: str) -> dict:
     from miles.config.loader import build
     from miles.models.loading import load_model
     from miles.net import free_port
-    from miles.trainer.backends.fsdp import FSDPTrainer
     from miles.trainer.config import TrainerConfig
+    from miles.trainer.trainer import Trainer
     from miles.trainer.types import BatchTotals, TrainSequence
 
     small = device == "cpu"
@@ -170,7 +170,7 @@ def trainer(model_dir: str, device: str) -> dict:
     seqs = [TrainSequence(tokens=tokens[i].tolist(), prompt_len=P, loss_mask=[1] * C, old_logprobs=[-5.0] * C,
                           advantage=float(adv[i])) for i in range(B)]
     cfg = build(TrainerConfig, {"device": device, "param_dtype": "bfloat16", "micro_batch_size": MB, "lr": 1e-6})
-    t = FSDPTrainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port())
+    t = Trainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port())
     try:
         miles_s = timed(lambda: t.train_step(seqs, BatchTotals.of(seqs)))
     finally:

@@ -152,13 +152,13 @@ def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: s
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.batching import prepare_global_batch, sequences_from_groups
     from miles.trainer.config import TrainerConfig
 
     cfg = build(TrainerConfig, {"lr": args.lr, "quantization": trainer_format,
                                 "algorithm": {"name": "grpo", "tis_mode": "truncate" if tis else "off"}})
-    trainer = FSDPTrainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port(), seed=0)
+    trainer = Trainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port(), seed=0)
     server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=engine_format,
                                               seed=0))
     prompts = [[3 + p, 17 + 5 * p, 9, 40 + p] for p in range(args.prompts)]

@@ -38,10 +38,10 @@ def experts_input_mismatch(trainer, counts: dict):
     engine's ids of the micro-batch being run (set in `counts["routed"]` before each forward)."""
     from miles.models.moe import routers
 
-    names = {id(m): n for n, m in trainer.model.named_modules()}
-    modules = dict(trainer.model.named_modules())
+    names = {id(m): n for n, m in trainer.backend.model.named_modules()}
+    modules = dict(trainer.backend.model.named_modules())
     handles = []
-    for layer, router in enumerate(routers(trainer.model)):
+    for layer, router in enumerate(routers(trainer.backend.model)):
         experts = modules[names[id(router)].removesuffix("gate") + "experts"]
 
         def hook(_m, args, layer=layer):
@@ -69,12 +69,12 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
     from miles.trainer.backends import fsdp
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.batching import prepare_global_batch, sequences_from_groups
     from miles.trainer.config import TrainerConfig
 
     cfg = build(TrainerConfig, {"lr": args.lr, "routing_replay": replay, "algorithm": {"name": "grpo"}})
-    trainer = FSDPTrainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port(), seed=0)
+    trainer = Trainer(cfg, model_dir, 0, 1, "127.0.0.1", free_port(), seed=0)
     server = start_server_thread(EngineConfig(model_path=model_dir, dtype="bfloat16", seed=0))
     counts = {"pairs": 0, "differ": 0}
     handles = experts_input_mismatch(trainer, counts)

@@ -276,9 +276,9 @@ def sync_curves(fleets: list[SizedFleet], a) -> list[dict]:
 def train_curve(model_dir: str, a) -> dict:
     import torch
 
-    from miles.trainer.backends.fsdp import FSDPTrainer  # imports torch
+    from miles.trainer.trainer import Trainer  # imports torch
 
-    trainer = FSDPTrainer(TrainerConfig(lr=1e-5), model_dir, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(TrainerConfig(lr=1e-5), model_dir, 0, 1, "127.0.0.1", free_port())
     torch.set_num_threads(1)
     points = []
     for n in a.train_batches:

@@ -76,11 +76,11 @@ def _two_rank_worker(rank: int, model_path: str, port: int, args, out_path: str)
 
     torch.set_num_threads(1)
     from miles.orchestration.trainer_group import split_for_ranks
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
     from miles.trainer.types import BatchTotals
 
-    trainer = FSDPTrainer(TrainerConfig(num_ranks=2, lr=1e-5), model_path, rank, 2, "127.0.0.1", port)
+    trainer = Trainer(TrainerConfig(num_ranks=2, lr=1e-5), model_path, rank, 2, "127.0.0.1", port)
     batch = make_batch(300, args.batch)
     totals = BatchTotals.of(batch)
     mine = split_for_ranks(batch, 2, 1)[rank]
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from miles.models.presets import build_tiny_model
     from miles.net import free_port
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
     from miles.trainer.types import BatchTotals
 
@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     totals = BatchTotals.of(batch)
 
     port = free_port()
-    miles = FSDPTrainer(TrainerConfig(lr=1e-5), model_path, 0, 1, "127.0.0.1", port)
-    offload = FSDPTrainer(TrainerConfig(lr=1e-5, offload_optimizer="disk", offload_bucket_mb=1,
+    miles = Trainer(TrainerConfig(lr=1e-5), model_path, 0, 1, "127.0.0.1", port)
+    offload = Trainer(TrainerConfig(lr=1e-5, offload_optimizer="disk", offload_bucket_mb=1,
                                         offload_dir=os.path.join(tmp, "offload")), model_path, 0, 1, "127.0.0.1", port)
     plain = PlainLoop(model_path, 1e-5)
     contenders = {"miles": lambda: miles.train_step(batch, totals), "plain": lambda: plain.step(batch),
@@ -153,9 +153,9 @@ def main(argv=None) -> int:
         "ratio": elapsed["plain"] / elapsed["miles"],
         "offload_disk_tokens_per_s": n_tok / elapsed["offload"],
         "offload_step_time_ratio": elapsed["offload"] / elapsed["miles"],
-        "optimizer_state_bytes_resident_peak": miles.optim.peak_resident_bytes,
-        "offload_disk_state_bytes_resident_peak": offload.optim.peak_resident_bytes,
-        "offload_disk_buckets": len(offload.optim.optimizers),
+        "optimizer_state_bytes_resident_peak": miles.backend.optim.peak_resident_bytes,
+        "offload_disk_state_bytes_resident_peak": offload.backend.optim.peak_resident_bytes,
+        "offload_disk_buckets": len(offload.backend.optim.optimizers),
         "steps": args.steps, "batch": args.batch, "tokens_per_step": tokens_per_step,
     }
     result["offload_peak_saved_bytes"] = (result["optimizer_state_bytes_resident_peak"]

@@ -16,7 +16,7 @@ from miles.registry import RegistryError
 from miles.rollout.environments import check_environment
 from miles.rollout.generate import get_generate_fn
 from miles.sync.transports import TRANSPORTS
-from miles.trainer.algorithms.base import ALGORITHMS
+from miles.trainer.algorithms.base import get_algorithm
 from miles.trainer.teacher import tokenizer_mismatch
 
 
@@ -67,7 +67,7 @@ def check_group_size(run) -> None:
     """A group-relative algorithm against groups of one sample, whose advantage is always 0."""
     name, n = run.trainer.algorithm.name, run.rollout.n_samples_per_prompt
     try:
-        group_relative = getattr(ALGORITHMS.get(name), "group_relative", False)
+        group_relative = get_algorithm(run.trainer.algorithm).group_relative
     except RegistryError:  # already refused by the algorithm's own validate, which runs first
         return
     if group_relative and n < 2:

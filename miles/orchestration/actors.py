@@ -49,7 +49,8 @@ class EngineShell:
 
 
 class TrainerShell:
-    """One FSDP2 rank. Rank 0 also owns the weight transport towards the engines."""
+    """One trainer rank (trainer/trainer.py on the configured backend). Rank 0 also owns the weight
+    transport towards the engines."""
 
     def __init__(self, trainer_cfg, sync_cfg, model_path: str, rank: int, world_size: int, seed: int,
                  temperature: float, cores=None, admin_token: str | None = None):
@@ -69,15 +70,16 @@ class TrainerShell:
     def start(self, master_address: str, master_port: int) -> str:
         """Join the trainer group at rank 0's master; returns this rank's node address."""
         # torch loads here, in the rank's own process: the driver that imports this module never needs it.
-        from miles.trainer.backends.fsdp import FSDPTrainer
+        from miles.trainer.trainer import Trainer
 
         trainer_cfg, model_path, rank, world_size, seed, temperature = self._args
-        self.trainer = FSDPTrainer(trainer_cfg, model_path, rank, world_size, master_address, master_port,
-                                   seed=seed, temperature=temperature)
+        # The backend (trainer.backend) comes from the trainer's registry, BACKENDS.
+        self.trainer = Trainer(trainer_cfg, model_path, rank, world_size, master_address, master_port,
+                               seed=seed, temperature=temperature)
         return node_address()
 
     def train_step(self, minibatches, algorithm: str | None = None):
-        """One step: an optimizer update per (seqs, totals) minibatch (FSDPTrainer.train_minibatches)."""
+        """One step: an optimizer update per (seqs, totals) minibatch (Trainer.train_minibatches)."""
         try:
             return self.trainer.train_minibatches(minibatches, algorithm)
         except RuntimeError as exc:

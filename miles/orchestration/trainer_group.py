@@ -1,9 +1,9 @@
 """TrainerGroup: the trainer ranks as Ray actors, driven together.
 
-Hands rollout groups to the trainer side (trainer/batching.py computes the algorithm's advantages
-and the global batch's totals once, so loss normalisation does not depend on the split), splits
-the batch across data-parallel ranks, and runs collective calls (train step, weight sync, export,
-checkpoints) on every rank.
+Hands rollout groups to the trainer side (trainer/batching.py's `build_step` makes the step's batch:
+the algorithm's advantages and each minibatch's global totals, once, so loss normalisation does not
+depend on the split), splits it across data-parallel ranks, and runs collective calls (train step,
+weight sync, export, checkpoints) on every rank.
 
 Start-up is two calls: rank 0 picks the group's master on its own node (address and port), then
 every rank joins it; so the rendezvous lives wherever placement put rank 0, on any node.
@@ -11,12 +11,10 @@ every rank joins it; so the rendezvous lives wherever placement put rank 0, on a
 
 from __future__ import annotations
 
-import dataclasses
-
 from miles.orchestration.actors import CollectiveTimeout, TrainerShell, remote
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
-from miles.trainer.batching import minibatch_sizes, prepare_global_batch, reweight_groups, sequences_from_groups
-from miles.trainer.types import BatchTotals
+from miles.trainer.batching import build_step, split_step
+from miles.trainer.types import StepBatch
 
 
 def split_for_ranks(seqs, num_ranks: int, tp: int) -> list[list]:
@@ -93,14 +91,8 @@ class TrainerGroup:
     def train_groups(self, groups) -> dict[str, float]:
         """One step on rollout groups, with the configured algorithm's advantages: as many optimizer
         updates as `trainer.minibatches_per_step`, each on whole groups."""
-        seqs = sequences_from_groups(groups, self.algorithm)
-        extra = {}
-        if getattr(self.algorithm, "reweights_groups", False):
-            # The advantages read the current policy: its logprobs first (they are then the step's proximal ones).
-            seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(seqs, self.proximal_logprobs(seqs))]
-            seqs, extra = reweight_groups(groups, seqs, self.algorithm)
-        metrics = self.train_step(seqs, minibatch_sizes=minibatch_sizes(groups, self.cfg.minibatches_per_step))
-        return {**metrics, **extra}
+        step = build_step(groups, self.algorithm, self.cfg.minibatches_per_step, self.proximal_logprobs)
+        return {**self._train(step), **step.metrics}
 
     def proximal_logprobs(self, seqs) -> list[list[float]]:
         """Each sequence's response logprobs under the trainer's current weights (one collective forward)."""
@@ -109,23 +101,20 @@ class TrainerGroup:
         per_rank = self._all("call_trainer", ["proximal_logprobs"] * n, split_for_ranks(seqs, n, tp))
         return join_from_ranks(per_rank, n, tp)
 
-    def train_step(self, seqs, algorithm: str | None = None,
-                   minibatch_sizes: list[int] | None = None) -> dict[str, float]:
-        """One step on sequences carrying per-sample advantages; `algorithm` names another algorithm's loss
-        for this step (e.g. "sft" on demonstrations), None = the configured one. One optimizer update, or
-        one per minibatch of the given sizes (consecutive sequences; the advantages' batch-wide pass still
-        sees the whole batch, and each minibatch's loss is normalised by its own totals)."""
-        n = len(self.actors)
+    def train_step(self, seqs, algorithm: str | None = None) -> dict[str, float]:
+        """One optimizer update on sequences carrying per-sample advantages; `algorithm` names another
+        algorithm's loss for this step (e.g. "sft" on demonstrations), None = the configured one."""
         algo = self.algorithm if algorithm is None else get_algorithm(AlgorithmConfig(name=algorithm))
-        seqs, _ = prepare_global_batch(seqs, algo)
+        return self._train(split_step(seqs, algo), algorithm)
+
+    def _train(self, step: StepBatch, algorithm: str | None = None) -> dict[str, float]:
+        """Every minibatch of `step` split over the data-parallel ranks, then one train call per rank."""
+        n = len(self.actors)
         tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
         per_rank: list[list] = [[] for _ in range(n)]
-        start = 0
-        for size in minibatch_sizes or [len(seqs)]:
-            part = seqs[start:start + size]
-            start += size
+        for part, totals in step.minibatches:
             for r, shard in enumerate(split_for_ranks(part, n, tp)):
-                per_rank[r].append((shard, BatchTotals.of(part)))
+                per_rank[r].append((shard, totals))
         return self._all("train_step", per_rank, [algorithm] * n)[0]
 
     def connect_engines(self, urls: list[str]) -> None:

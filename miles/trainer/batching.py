@@ -1,8 +1,9 @@
 """The global batch of a step and its micro-batches, padded or packed, with per-token training targets.
 
-Rollout groups become training sequences here: the algorithm's per-group advantages, then its
-batch-wide pass over the whole global batch, then the batch's totals (so the loss does not depend
-on how the batch is split). Every group handed over is trained: dropping groups is the buffer
+Rollout groups become a step's batch here (`build_step`): the algorithm's per-group advantages
+(re-estimated under the proximal policy for an algorithm that reweights groups), then its batch-wide
+pass over the whole global batch, then each minibatch's totals (so the loss does not depend on how
+the batch is split over ranks). Every group handed over is trained: dropping groups is the buffer
 filter's job, where the ledger counts it.
 
 A micro-batch is either padded rows (one sequence per row, cost = rows × longest row) or one packed
@@ -16,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from miles.buffer.types import Group, SampleStatus
 from miles.trainer.algorithms.base import Algorithm
-from miles.trainer.types import BatchTotals, TrainSequence
+from miles.trainer.types import BatchTotals, StepBatch, TrainSequence
 
 if TYPE_CHECKING:
     import torch
@@ -69,6 +70,34 @@ def prepare_global_batch(seqs: list[TrainSequence], algorithm: Algorithm) -> tup
     advs = algorithm.batch_advantages([s.advantage for s in seqs])
     seqs = [dataclasses.replace(s, advantage=a) for s, a in zip(seqs, advs)]
     return seqs, BatchTotals.of(seqs)
+
+
+def build_step(groups: list[Group], algorithm: Algorithm, minibatches: int,
+               score: Callable[[list[TrainSequence]], list[list[float]]]) -> StepBatch:
+    """One step's batch from rollout groups: the algorithm's advantages, re-estimated under the proximal
+    policy when it `reweights_groups` (from `score`, each sequence's logprobs under the trainer's current
+    weights: the ranks' collective forward, called only then), its batch-wide pass, and `minibatches`
+    consecutive minibatches of whole groups with their totals."""
+    seqs = sequences_from_groups(groups, algorithm)
+    metrics: dict[str, float] = {}
+    if algorithm.reweights_groups:
+        # The advantages read the current policy: its logprobs first (they are then the step's proximal ones).
+        seqs = [dataclasses.replace(s, prox_logprobs=p) for s, p in zip(seqs, score(seqs))]
+        seqs, metrics = reweight_groups(groups, seqs, algorithm)
+    return split_step(seqs, algorithm, minibatch_sizes(groups, minibatches), metrics)
+
+
+def split_step(seqs: list[TrainSequence], algorithm: Algorithm, sizes: list[int] | None = None,
+               metrics: dict[str, float] | None = None) -> StepBatch:
+    """A step on sequences carrying per-sample advantages: the batch-wide pass over all of them, then
+    consecutive minibatches of `sizes` (None: one), each normalised by its own totals."""
+    seqs, _ = prepare_global_batch(seqs, algorithm)
+    parts, start = [], 0
+    for size in sizes or [len(seqs)]:
+        part = seqs[start:start + size]
+        start += size
+        parts.append((part, BatchTotals.of(part)))
+    return StepBatch(parts, metrics or {})
 
 
 def minibatch_sizes(groups: list[Group], k: int) -> list[int]:

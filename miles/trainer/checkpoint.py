@@ -6,7 +6,9 @@ next optimizer step cannot change what is written) and takes the caller's time; 
 shards, the rank's own `rank*.pt`, each file fsynced) runs on the rank's `CheckpointWriter`
 thread while training goes on. Writes of one rank run one at a time, in the order saved; their
 collectives (DCP's plan exchange) go over a gloo group of their own, never interleaving with the
-training's collectives on the default group.
+training's collectives on the default group. A backend saves its models and optimizers through
+`save_trainer_state` (torch's distributed state dicts, which read FSDP2 shards, DTensor layouts and
+plain modules alike); the trainer adds its own step, RNG and reference to the rank's file.
 
 A checkpoint is written into a staging folder and becomes visible by one rename (`commit`), after
 every rank's write has finished and the caller has added its own state (data position, buffer);
@@ -93,51 +95,46 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _dcp_state(trainer, optimizers) -> dict:
+def _dcp_state(models, optimizers) -> dict:
     """The sharded state DCP saves and loads in place: model and optimizer, and the critic's when there
     is one (keys "model", "optim", "critic", "critic_optim")."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(trainer.model, optimizers)
+    model_sd, optim_sd = get_state_dict(models.model, optimizers)
     state = {"model": model_sd, "optim": optim_sd}
-    if trainer.critic is not None:
-        state["critic"], state["critic_optim"] = get_state_dict(trainer.critic, trainer.critic_optim)
+    if models.critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(models.critic, models.critic_optim)
     return state
 
 
-def _all_optimizers(trainer, optimizers) -> list:
-    return list(optimizers) + ([trainer.critic_optim] if trainer.critic is not None else [])
+def _all_optimizers(models, optimizers) -> list:
+    return list(optimizers) + ([models.critic_optim] if models.critic is not None else [])
 
 
-def _forget_unstarted(trainer, optimizers) -> None:
+def _forget_unstarted(models, optimizers) -> None:
     """DCP gives an optimizer that has not stepped yet a state by taking a zero-lr step, which counts
     (Adam's bias correction then treats the first real step as its second). Dropping that state
     again leaves the optimizer exactly as it was before a checkpoint taken ahead of step 1."""
-    for opt in _all_optimizers(trainer, optimizers):
+    for opt in _all_optimizers(models, optimizers):
         opt.state.clear()
 
 
-def save_trainer_state(trainer, path: str, writer: CheckpointWriter) -> None:
+def save_trainer_state(models, path: str, writer: CheckpointWriter, local: dict) -> None:
     """Snapshot this rank's state into host memory now and queue its write under `path` on
-    `writer` (`writer.wait()` says when it is on disk). Every rank calls it, in the same order."""
-    import torch
+    `writer` (`writer.wait()` says when it is on disk). Every rank calls it, in the same order.
 
+    `models` holds the rank's torch modules and optimizers (`model`, `optim`: an OptimizerSet,
+    `critic`, `critic_optim`, `rank`); `local` is the trainer's own state (step, RNG, reference),
+    kept in this rank's file next to the optimizer's schedules."""
     group = writer.group
-    with trainer.optim.materialized() as optimizers:
-        started = any(opt.state for opt in _all_optimizers(trainer, optimizers))
-        state = host_copy(_dcp_state(trainer, optimizers))
+    with models.optim.materialized() as optimizers:
+        started = any(opt.state for opt in _all_optimizers(models, optimizers))
+        state = host_copy(_dcp_state(models, optimizers))
         if not started:
-            _forget_unstarted(trainer, optimizers)
-    local = {
-        "optimizer_started": started,
-        "step": trainer.step,
-        "schedulers": copy.deepcopy([s.state_dict() for s in trainer.optim.schedulers]),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-    }
-    if trainer.reference is not None and trainer.reference.version:
-        local["reference"] = host_copy(trainer.reference.state_dict())
-    writer.submit(_write_trainer_state, state, local, Path(path), trainer.rank, group)
+            _forget_unstarted(models, optimizers)
+    local = {"optimizer_started": started,
+             "schedulers": copy.deepcopy([s.state_dict() for s in models.optim.schedulers]), **local}
+    writer.submit(_write_trainer_state, state, local, Path(path), models.rank, group)
 
 
 def _write_trainer_state(state: dict, local: dict, out: Path, rank: int, group) -> None:
@@ -149,7 +146,9 @@ def _write_trainer_state(state: dict, local: dict, out: Path, rank: int, group) 
     fsync_write(out / f"rank{rank}.pt", lambda f: torch.save(local, f))
 
 
-def load_trainer_state(trainer, path: str) -> None:
+def load_trainer_state(models, path: str) -> dict:
+    """Restore `models` (as in `save_trainer_state`) and their schedules from `path`; returns this
+    rank's file, whose trainer state the caller restores."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -157,26 +156,36 @@ def load_trainer_state(trainer, path: str) -> None:
     src = Path(path)
     if not (src / "dcp").is_dir():
         raise FileNotFoundError(f"{path} is not a miles trainer checkpoint (no dcp/ folder inside)")
-    local_path = src / f"rank{trainer.rank}.pt"
+    local_path = src / f"rank{models.rank}.pt"
     if not local_path.exists():
         raise FileNotFoundError(f"{local_path} is missing: resume with the same trainer.num_ranks as the saved run")
     local = torch.load(local_path, weights_only=False)
-    with trainer.optim.materialized() as optimizers:
-        state = _dcp_state(trainer, optimizers)
+    with models.optim.materialized() as optimizers:
+        state = _dcp_state(models, optimizers)
         dcp.load(state, checkpoint_id=str(src / "dcp"))
-        set_state_dict(trainer.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        if trainer.critic is not None:
-            set_state_dict(trainer.critic, trainer.critic_optim, model_state_dict=state["critic"],
+        set_state_dict(models.model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if models.critic is not None:
+            set_state_dict(models.critic, models.critic_optim, model_state_dict=state["critic"],
                            optim_state_dict=state["critic_optim"])
         if not local.get("optimizer_started", True):
-            _forget_unstarted(trainer, optimizers)
-    trainer.step = local["step"]
-    for s, sd in zip(trainer.optim.schedulers, local["schedulers"]):
+            _forget_unstarted(models, optimizers)
+    for s, sd in zip(models.optim.schedulers, local["schedulers"]):
         s.load_state_dict(sd)
+    return local
+
+
+def rng_state() -> dict:
+    """torch's and Python's random states, for a rank's checkpoint file."""
+    import torch
+
+    return {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}
+
+
+def restore_rng(local: dict) -> None:
+    import torch
+
     torch.set_rng_state(local["torch_rng"])
     random.setstate(local["python_rng"])
-    if "reference" in local and trainer.reference is not None:
-        trainer.reference.load_state_dict(local["reference"])
 
 
 def staging_path(final: str | Path) -> Path:

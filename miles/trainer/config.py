@@ -1,6 +1,6 @@
-"""The trainer's config: ranks, optimizer and LR schedule, micro-batching, parallel layouts, offload,
-low-precision (QAT) forward, the algorithm (a variant section: its keys follow `trainer.algorithm.name`)
-and LoRA.
+"""The trainer's config: ranks and backend, optimizer and LR schedule, micro-batching, parallel layouts,
+offload, low-precision (QAT) forward, the algorithm (a variant section: its keys follow
+`trainer.algorithm.name`) and LoRA.
 
 Loading it imports no torch. Non-goal: backend internals (see trainer/backends/).
 """
@@ -14,7 +14,9 @@ from typing import Callable, Literal
 from miles.config.loader import ConfigError
 from miles.devices import check_name
 from miles.precision.types import FORMATS
-from miles.trainer.algorithms.base import ALGORITHMS, AlgorithmConfig
+from miles.registry import RegistryError
+from miles.trainer.algorithms.base import AlgorithmConfig, get_algorithm
+from miles.trainer.backends.base import BACKENDS
 from miles.trainer.lora import LoraConfig
 
 
@@ -24,6 +26,9 @@ class TrainerConfig:
 
     num_ranks: int = 1
     """Ranks (processes) of the trainer; data-parallel size is num_ranks / tensor_parallel_size."""
+    backend: str = "fsdp"
+    """How the models are laid out over the ranks and devices, run and stepped: fsdp (FSDP2), or a
+    `module:Class` implementing the Backend protocol of miles/trainer/backends/base.py."""
     lr: float = 1e-4
     """AdamW peak learning rate."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -98,6 +103,7 @@ class TrainerConfig:
     def validate(self) -> None:
         if self.num_ranks < 1:
             raise ConfigError("trainer.num_ranks must be >= 1")
+        self._validate_backend()
         if self.collective_timeout_s <= 0:
             raise ConfigError("trainer.collective_timeout_s must be > 0")
         if self.lr <= 0:
@@ -110,7 +116,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.weight_decay = {self.weight_decay}: a negative decay grows the weights; "
                               "set it >= 0 (0 = none)")
         if self.grad_clip < 0:
-            # A negative bound silently measures without clipping (backends/fsdp.py); 0 is the way to say "off".
+            # A negative bound silently measures without clipping (backends/fsdp.py::clip_grad_norm); 0 is the
+            # way to say "off".
             raise ConfigError(f"trainer.grad_clip = {self.grad_clip}: set it > 0 to clip the gradient norm, "
                               "or 0 to turn clipping off")
         if self.num_threads < 1:
@@ -146,8 +153,8 @@ class TrainerConfig:
                               "expert_parallel_size = 1")
         if self.offload_optimizer not in ("none", "cpu", "disk") or self.offload_bucket_mb < 1:
             raise ConfigError("trainer.offload_optimizer must be none, cpu or disk, and offload_bucket_mb >= 1")
-        self.algorithm.validate()  # the name first: the critic check below looks the algorithm up
-        if getattr(ALGORITHMS.get(self.algorithm.name), "needs_critic", False) and self.pack_sequences:
+        self.algorithm.validate()  # the name first: the critic check below builds the algorithm
+        if get_algorithm(self.algorithm).needs_critic and self.pack_sequences:
             raise ConfigError("PPO's GAE runs along unpacked rows: set trainer.pack_sequences = false "
                               "with trainer.algorithm.name = 'ppo'")
         if self.quantization != "none" and self.quantization not in FORMATS:
@@ -165,6 +172,18 @@ class TrainerConfig:
         if self.lora.rank and (tp > 1 or ep > 1):
             raise ConfigError("LoRA with tensor/expert parallelism is not supported: set trainer.lora.rank = 0 "
                               "or tensor_parallel_size = expert_parallel_size = 1")
+
+
+    def _validate_backend(self) -> None:
+        if ":" in self.backend:  # a user's module:Class, loaded and checked against the protocol now
+            try:
+                BACKENDS.get(self.backend)
+            except RegistryError as e:
+                raise ConfigError(f"trainer.backend: {e}") from None
+        elif self.backend not in BACKENDS:
+            # Built-ins are named without importing them (fsdp imports torch; loading a config must not).
+            raise ConfigError(f"trainer.backend = {self.backend!r} is unknown: choose one of {BACKENDS.names()} "
+                              f"or give module:Class{BACKENDS.hint}")
 
 
 def lr_lambda(cfg: TrainerConfig) -> Callable[[int], float]:

@@ -29,6 +29,13 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
     keeps each packed sequence's attention to itself."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False).logits  # (B, T, V)
+    return logprobs_from_logits(logits, input_ids, temperature, with_entropy)
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False):
+    """`forward_logprobs` from the model's logits (B, T, V): the tokens' logprobs (B, T-1) and, if
+    asked, the entropy (B, T-1), in float32 at `temperature`."""
     logits = logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature

@@ -1,11 +1,13 @@
 """The step's loss, composed from what the algorithm declares; the same for every backend.
 
-A backend runs the forward passes the algorithm asks for (policy logprobs always; entropy, reference
-logprobs, critic values when declared) and hands the per-token tensors here. This module adds, in a
-fixed order: KL to the reference folded into the advantages (kl_mode = reward), GAE over the
-critic's values (PPO), off-policy correction weights, the algorithm's own token loss, the KL loss
-term, the entropy bonus, and the aggregation weights; then it keeps the metric sums that ranks
-all-reduce. Non-goal: running models or stepping optimizers (the backend's job).
+The trainer (trainer/trainer.py) runs the forward passes the algorithm asks for (policy logprobs
+always; entropy, reference logprobs, critic values when declared) and hands the per-token tensors
+here. This module adds, in a fixed order: KL to the reference folded into the advantages
+(kl_mode = reward), GAE over the critic's values (PPO, trainer/critic.py), off-policy correction
+weights (trainer/correction.py), the algorithm's own token loss, the KL loss term, the entropy bonus,
+and the aggregation weights; then it keeps the metric sums that ranks all-reduce. It reads an
+algorithm only through the contract in algorithms/base.py. Non-goal: running models or stepping
+optimizers (the backend's job).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from miles.trainer.algorithms.base import Algorithm, LossInputs, kl_estimate, kl_reward_penalty, token_weights
-from miles.trainer.algorithms.ppo import gae, value_loss
-from miles.trainer.algorithms.tis import corrected_inputs, tis_metrics, tis_sums
 from miles.trainer.batching import MicroBatch
+from miles.trainer.correction import corrected_inputs, tis_metrics, tis_sums
+from miles.trainer.critic import gae, value_loss
 from miles.trainer.types import BatchTotals, TrainSequence
 
 # A sampled token whose trainer and engine logprobs differ by more than this counts as mismatched

@@ -41,3 +41,12 @@ class BatchTotals:
         trained = [s for s in seqs if s.num_loss_tokens > 0]
         return BatchTotals(loss_tokens=sum(s.num_loss_tokens for s in trained), num_seqs=len(trained),
                            max_response_len=max((s.response_len for s in trained), default=0))
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's training data for the whole trainer, before it is split over ranks: consecutive
+    minibatches, one optimizer update each, every one with the totals of its own global batch."""
+
+    minibatches: list[tuple[list[TrainSequence], BatchTotals]]
+    metrics: dict[str, float] = field(default_factory=dict)  # what building it measured (train/group_baseline_shift)

@@ -56,7 +56,7 @@ class AlgorithmConfig:
     """seq_mean_token_sum_norm (Dr.GRPO) divides each sequence's token sum by this (0 = the longest
     response in the global batch)."""
     tis_mode: Literal["off", "truncate", "mask"] = "off"
-    """Off-policy correction (algorithms/tis.py): off; truncate = weight tokens by π_train/π_rollout
+    """Off-policy correction (trainer/correction.py): off; truncate = weight tokens by π_train/π_rollout
     clipped to [tis_clip_low, tis_clip_high]; mask = that weight inside the band, 0 outside."""
     tis_clip_low: float = 0.0
     """Lower bound of the importance weight (truncate) or of the kept band (mask)."""
@@ -129,12 +129,21 @@ class LossInputs:
 
 
 class Algorithm(Protocol):
-    """What the trainer's loss composition reads from an algorithm (AlgorithmBase has the defaults)."""
+    """What the trainer, its loss composition and the step's batching read from an algorithm: its
+    advantages, its token loss and the capability flags below (AlgorithmBase has every default, so
+    the trainer reads each flag directly and never probes for one)."""
 
     cfg: AlgorithmConfig
     needs_critic: ClassVar[bool]
+    """Trains a value model next to the policy; the loss runs GAE over its values (PPO)."""
     on_rollouts: ClassVar[bool]
+    """Trains on sampled rollouts: logprobs at the rollout temperature, compared with the engine's."""
     metric_prefix: ClassVar[str]
+    """Namespace of its step metrics (`train`, `sft`)."""
+    needs_teacher: ClassVar[bool]
+    """Scores its tokens with a frozen teacher (`teacher_path`, else teacher engines), as distillation does."""
+    group_relative: ClassVar[bool]
+    """Its advantages compare a sample with the others of its group: a group of one has no signal."""
 
     @property
     def loss_agg(self) -> str: ...
@@ -148,6 +157,20 @@ class Algorithm(Protocol):
     @property
     def corrects_off_policy(self) -> bool: ...
 
+    @property
+    def needs_proximal(self) -> bool:
+        """Reads the proximal policy's logprobs (the weights at the start of the step) when a step
+        makes several updates: the trainer records them in one no-grad forward first."""
+
+    @property
+    def reweights_groups(self) -> bool:
+        """Re-estimates each group's advantages under the proximal policy before the step
+        (`reweighted_advantages`, from one no-grad forward of the whole batch)."""
+
+    @property
+    def teacher_path(self) -> str:
+        """A teacher checkpoint the trainer loads and runs itself; empty = none (or teacher engines)."""
+
     def advantages(self, rewards: list[float]) -> list[float]:
         """Per-sample advantages of one group (PPO: the raw rewards; GAE runs in the trainer)."""
 
@@ -156,6 +179,10 @@ class Algorithm(Protocol):
 
     def token_loss(self, x: LossInputs) -> tuple["torch.Tensor", dict[str, "torch.Tensor"]]:
         """Per-token policy loss (B, T-1) and per-token metrics (e.g. clipfrac)."""
+
+    def reweighted_advantages(self, rewards: list[float], log_weights: list[float]) -> list[float]:
+        """A group's advantages under the proximal policy, given each sample's sequence log-ratio
+        log π_prox(y) − log π_behav(y); called only when `reweights_groups`."""
 
 
 class AlgorithmBase:
@@ -205,8 +232,20 @@ class AlgorithmBase:
         updates: the off-policy correction weights tokens π_prox/π_rollout and clips around π_prox."""
         return self.corrects_off_policy
 
+    @property
+    def reweights_groups(self) -> bool:
+        return False
+
+    @property
+    def teacher_path(self) -> str:
+        return ""
+
     def batch_advantages(self, advantages: list[float]) -> list[float]:
         return advantages
+
+    def reweighted_advantages(self, rewards: list[float], log_weights: list[float]) -> list[float]:
+        raise NotImplementedError(f"{type(self).__name__} sets reweights_groups but does not define "
+                                  "reweighted_advantages(rewards, log_weights)")
 
     def token_loss(self, x: LossInputs):
         loss, clipped = clipped_surrogate(x.logprobs, x.old_logprobs, x.advantages, self.clip_low, self.clip_high,

@@ -2,7 +2,8 @@
 surrogate for the policy and a clipped squared error for the critic.
 
 The reward arrives as the sequence's only reward, on its last loss token. `advantages` therefore
-passes raw rewards through; GAE runs in the trainer, where the critic's values exist.
+passes raw rewards through; GAE and the value loss run in the trainer, where the critic's values exist
+(trainer/critic.py, composed by trainer/loss.py).
 """
 
 from __future__ import annotations
@@ -35,37 +36,3 @@ class PPO(AlgorithmBase):
 
     def advantages(self, rewards: list[float]) -> list[float]:
         return list(rewards)
-
-
-def gae(rewards, values, mask, gamma: float, lam: float):
-    """Generalised advantage estimation along each row. All (B, T); rewards and values are read
-    only where mask is 1 (one sequence per row; masked-out positions are skipped, not bootstrapped
-    through). The value after a sequence's last loss token is 0 (episode end).
-
-    Returns (advantages, returns), zero where mask is 0.
-    """
-    import torch
-
-    B, T = rewards.shape
-    adv = torch.zeros_like(values)
-    next_value = torch.zeros(B, dtype=values.dtype)
-    running = torch.zeros(B, dtype=values.dtype)
-    for t in reversed(range(T)):
-        m = mask[:, t]
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        step = delta + gamma * lam * running
-        running = torch.where(m > 0, step, running)
-        next_value = torch.where(m > 0, values[:, t], next_value)
-        adv[:, t] = running * m
-    return adv, (adv + values) * mask
-
-
-def value_loss(values, old_values, returns, clip: float):
-    """Per-token 0.5·(V - R)^2, the worse of clipped and unclipped when clip > 0 (PPO's value clip)."""
-    import torch
-
-    err = (values - returns) ** 2
-    if clip > 0:
-        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-        err = torch.maximum(err, (clipped - returns) ** 2)
-    return 0.5 * err

@@ -28,12 +28,12 @@ def main() -> None:
     from miles.config.loader import build
     from miles.net import free_port
     from miles.orchestration.checkpoints import CheckpointWrites, commit_when_written
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
 
     mode, model, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     folder = out / "checkpoints"
-    trainer = FSDPTrainer(build(TrainerConfig, {"lr": 1e-3}), model, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(build(TrainerConfig, {"lr": 1e-3}), model, 0, 1, "127.0.0.1", free_port())
     writes = CheckpointWrites()
 
     def save(step_no: int) -> None:

@@ -46,13 +46,13 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
     from miles.config.loader import build
     from miles.orchestration.trainer_group import split_for_ranks
     from miles.trainer.batching import prepare_global_batch
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
 
     results = {}
     for case in spec["cases"]:
         cfg = build(TrainerConfig, {"num_ranks": world, **case["trainer"]})
-        trainer = FSDPTrainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
+        trainer = Trainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
         seqs = make_batch(spec["seed"], spec["n"])
         if case.get("routed"):
             seqs = with_routed_experts(seqs, spec["seed"], *case["routed"])
@@ -60,13 +60,13 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
         width = max(cfg.tensor_parallel_size, cfg.expert_parallel_size)
         metrics = trainer.compute_gradients(split_for_ranks(seqs, world, width)[rank], totals)
         grads = {}
-        for name, p in trainer.model.named_parameters():
+        for name, p in trainer.backend.model.named_parameters():
             if p.grad is None:
                 continue
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name.removeprefix("_orig_mod.")] = g.detach().clone()
         local_rows = {n: (p.to_local() if hasattr(p, "to_local") else p).shape[0]
-                      for n, p in trainer.model.named_parameters() if "experts" in n}
+                      for n, p in trainer.backend.model.named_parameters() if "experts" in n}
         results[case["name"]] = {"grads": grads, "metrics": metrics, "local_expert_rows": local_rows}
         del trainer
     if rank == 0:

@@ -32,7 +32,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from miles.config.loader import build
     from miles.net import free_port
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
 
     model, out = sys.argv[1], Path(sys.argv[2])
@@ -40,7 +40,7 @@ def main() -> None:
     res: dict = {}
 
     def make(**kw):
-        return FSDPTrainer(build(TrainerConfig, {"lr": 1e-3, **kw}), model, 0, 1, "127.0.0.1", port)
+        return Trainer(build(TrainerConfig, {"lr": 1e-3, **kw}), model, 0, 1, "127.0.0.1", port)
 
     # Offload: the same updates with state streamed through files; less state resident at the peak.
     plain, off = make(), make(offload_optimizer="disk", offload_bucket_mb=1, offload_dir=str(out / "offload"))
@@ -48,9 +48,9 @@ def main() -> None:
         step(plain, s), step(off, s)
     a, b = params(plain), params(off)
     res["offload_max_abs_diff"] = max((a[n] - b[n]).abs().max().item() for n in a)
-    res["offload_peak"] = off.optim.peak_resident_bytes
-    res["plain_peak"] = plain.optim.peak_resident_bytes
-    res["offload_buckets"] = len(off.optim.optimizers)
+    res["offload_peak"] = off.backend.optim.peak_resident_bytes
+    res["plain_peak"] = plain.backend.optim.peak_resident_bytes
+    res["offload_buckets"] = len(off.backend.optim.optimizers)
     res["offload_files_between_steps"] = len(list((out / "offload").rglob("*.pt")))
     del plain, off
 
@@ -89,7 +89,7 @@ def main() -> None:
 
     # LoRA: only adapters train; merged and adapter-only sync; the HF export loads and matches.
     t = make(lora={"rank": 4, "alpha": 8.0, "target_modules": "q_proj,v_proj"})
-    trainable = [n for n, p in t.model.named_parameters() if p.requires_grad]
+    trainable = [n for n, p in t.backend.model.named_parameters() if p.requires_grad]
     base_before = {n: v.clone() for n, v in t.full_named_tensors(merged=False)}
     merged_before = params(t)
     for s in range(3):
@@ -110,7 +110,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(export).eval()
     ids = torch.tensor([[5, 17, 42, 99, 7]])
     with torch.no_grad():
-        want = t.model(input_ids=ids, use_cache=False).logits
+        want = t.backend.model(input_ids=ids, use_cache=False).logits
         got = hf(input_ids=ids, use_cache=False).logits
     res["lora"]["export_max_abs_diff"] = (want - got).abs().max().item()
     (out / "result.json").write_text(json.dumps(res))

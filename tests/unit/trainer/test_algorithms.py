@@ -8,7 +8,7 @@ import torch
 from miles.trainer.algorithms import ALGORITHMS, get_algorithm
 from miles.trainer.algorithms.base import (AlgorithmConfig, LossInputs, clipped_surrogate, entropy_from_logits,
                                            kl_estimate, kl_reward_penalty, token_weights)
-from miles.trainer.algorithms.ppo import gae, value_loss
+from miles.trainer.critic import gae, value_loss
 
 
 def algo(name, **kw):
@@ -165,3 +165,15 @@ def test_entropy_bonus_term():
     # p = (0.5, 0.25, 0.25): H = 0.5 log 2 + 2 · 0.25 log 4 = 1.5 log 2
     three = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
     assert entropy_from_logits(three).item() == pytest.approx(1.5 * math.log(2), abs=1e-6)
+
+
+def test_every_algorithm_answers_the_capability_flags_the_trainer_reads():
+    flags = ("needs_critic", "on_rollouts", "needs_teacher", "group_relative", "needs_reference", "needs_entropy",
+             "corrects_off_policy", "needs_proximal", "reweights_groups")
+    for name in ALGORITHMS.names():
+        a = algo(name)
+        assert all(isinstance(getattr(a, f), bool) for f in flags) and isinstance(a.teacher_path, str), name
+    assert [n for n in ALGORITHMS.names() if not algo(n).group_relative] == ["opd", "ppo", "reinforce_pp", "sft"]
+    assert algo("opd").needs_teacher and not algo("grpo").needs_teacher and not algo("grpo").reweights_groups
+    with pytest.raises(NotImplementedError, match="reweighted_advantages"):
+        algo("grpo").reweighted_advantages([1.0, 0.0], [0.0, 0.0])

@@ -11,9 +11,9 @@ import torch
 from miles.config.loader import ConfigError, build
 from miles.devices import resolve
 from miles.net import free_port
-from miles.trainer.backends.fsdp import FSDPTrainer
 from miles.trainer.config import TrainerConfig
 from miles.trainer.device import HOST, collective_backend, compute_device
+from miles.trainer.trainer import Trainer
 from miles.trainer.types import BatchTotals, TrainSequence
 
 
@@ -63,28 +63,28 @@ def test_cuda_without_a_gpu_names_the_setting():
 
 def test_the_cpu_trainer_is_unchanged_by_default(tiny_model_dir, gloo):
     """One float32 rank trains the plain module (no FSDP wrapping) and hands out the very tensors it holds."""
-    trainer = FSDPTrainer(build(TrainerConfig, {"lr": 1e-2}), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
-    assert trainer.device == HOST
-    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in trainer.model.parameters())
+    trainer = Trainer(build(TrainerConfig, {"lr": 1e-2}), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    assert trainer.backend.device == HOST
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.float32 for p in trainer.backend.model.parameters())
     name, out = next(iter(trainer.full_named_tensors()))
-    assert out.data_ptr() == dict(trainer.model.named_parameters())[name].data_ptr()  # no copy on the way out
+    assert out.data_ptr() == dict(trainer.backend.model.named_parameters())[name].data_ptr()  # no copy on the way out
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(tiny_model_dir, gloo):
-    trainer = FSDPTrainer(build(TrainerConfig, {"param_dtype": "bfloat16", "lr": 1e-2}), tiny_model_dir, 0, 1,
+    trainer = Trainer(build(TrainerConfig, {"param_dtype": "bfloat16", "lr": 1e-2}), tiny_model_dir, 0, 1,
                           "127.0.0.1", free_port())
     seen = []
-    layer = trainer.model.model.layers[0].mlp.down_proj
+    layer = trainer.backend.model.model.layers[0].mlp.down_proj
     hook = layer.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
     name = "model.layers.0.self_attn.q_proj.weight"
-    before = dict(trainer.model.named_parameters())[name].full_tensor().clone()
+    before = dict(trainer.backend.model.named_parameters())[name].full_tensor().clone()
     metrics = trainer.train_step(_seqs(), BatchTotals.of(_seqs()))
     hook.remove()
     assert seen and all(d == (torch.bfloat16, torch.bfloat16) for d in seen)  # the forward computes in bf16
     assert metrics["train/grad_norm"] > 0
-    after = dict(trainer.model.named_parameters())[name]
+    after = dict(trainer.backend.model.named_parameters())[name]
     assert after.dtype == torch.float32 and not torch.equal(after.full_tensor(), before)  # fp32 master moved
-    moments = [v for opt in trainer.optim.optimizers for st in opt.state.values() for v in st.values() if v.dim()]
+    moments = [v for opt in trainer.backend.optim.optimizers for st in opt.state.values() for v in st.values() if v.dim()]
     assert moments and all(v.dtype == torch.float32 for v in moments)  # Adam's state is float32 too
     out = dict(trainer.full_named_tensors())
     assert out[name].dtype == torch.float32 and out[name].device == HOST
@@ -94,11 +94,11 @@ def test_bfloat16_compute_keeps_float32_master_weights(tiny_model_dir, gloo):
 def test_a_cuda_trainer_steps_on_nccl_and_hands_weights_out_through_host_memory(tiny_model_dir):
     import torch.distributed as dist
 
-    trainer = FSDPTrainer(build(TrainerConfig, {"device": "cuda", "param_dtype": "bfloat16", "lr": 1e-2}),
+    trainer = Trainer(build(TrainerConfig, {"device": "cuda", "param_dtype": "bfloat16", "lr": 1e-2}),
                           tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     try:
-        assert dist.get_backend() == "nccl" and trainer.device.type == "cuda"
-        assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+        assert dist.get_backend() == "nccl" and trainer.backend.device.type == "cuda"
+        assert all(p.device.type == "cuda" for p in trainer.backend.model.parameters())
         assert trainer.train_step(_seqs(), BatchTotals.of(_seqs()))["train/grad_norm"] > 0
         out = dict(trainer.full_named_tensors())
         assert all(t.device == HOST and t.dtype == torch.float32 for t in out.values())

@@ -41,12 +41,12 @@ def greedy_samples(model_dir: str, n: int = 6) -> list:
 
 def test_teacher_forced_argmax_reproduces_the_engines_greedy_decode(tiny_model_dir, gloo):
     from miles.config.loader import build
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
     from miles.trainer.types import TrainSequence
 
     samples = greedy_samples(tiny_model_dir)
-    trainer = FSDPTrainer(build(TrainerConfig, {"micro_batch_size": 4}), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(build(TrainerConfig, {"micro_batch_size": 4}), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     seqs = [TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
                           loss_mask=[1] * len(s.response_ids), old_logprobs=[]) for s in samples]
     assert trainer.greedy_matches(seqs) == [True] * len(seqs)
@@ -55,4 +55,4 @@ def test_teacher_forced_argmax_reproduces_the_engines_greedy_decode(tiny_model_d
     seqs[2] = TrainSequence(tokens=seqs[2].tokens[:-1] + [last + 1], prompt_len=seqs[2].prompt_len,
                             loss_mask=seqs[2].loss_mask, old_logprobs=[])
     assert trainer.greedy_matches(seqs) == [True, True, False] + [True] * (len(seqs) - 3)
-    assert trainer.model.training  # measuring leaves the model ready to train
+    assert trainer.backend.model.training  # measuring leaves the model ready to train

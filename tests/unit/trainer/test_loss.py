@@ -12,8 +12,8 @@ from miles.config.loader import build
 from miles.run_config import RunConfig
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.algorithms.base import clipped_surrogate, kl_estimate, kl_reward_penalty
-from miles.trainer.algorithms.ppo import gae, value_loss
 from miles.trainer.batching import MicroBatch
+from miles.trainer.critic import gae, value_loss
 from miles.trainer.loss import ForwardOutputs, micro_batch_loss, step_metrics
 
 LOGP = [[math.log(0.5), math.log(0.4), math.log(0.9)]]

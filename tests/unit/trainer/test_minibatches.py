@@ -13,10 +13,10 @@ from miles.config.loader import build
 from miles.net import free_port
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.algorithms.base import LossInputs
-from miles.trainer.algorithms.tis import corrected_inputs
-from miles.trainer.backends.fsdp import FSDPTrainer
-from miles.trainer.batching import build_micro_batch, minibatch_sizes
+from miles.trainer.batching import build_micro_batch, build_step, minibatch_sizes
 from miles.trainer.config import TrainerConfig
+from miles.trainer.correction import corrected_inputs
+from miles.trainer.trainer import Trainer
 from miles.trainer.types import BatchTotals, TrainSequence
 
 
@@ -42,6 +42,31 @@ def _seqs():
             out.append(TrainSequence(tokens=prompt + answer, prompt_len=2, loss_mask=[1, 1, 1],
                                      old_logprobs=[-6.0] * 3, advantage=adv))
     return out
+
+
+def test_a_step_is_built_in_one_call_and_scores_the_batch_only_for_group_reweighting():
+    groups = [Group([Sample(prompt_ids=[1], response_ids=[5, 6], rollout_logprobs=[-1.0, -1.0], loss_mask=[1, 1],
+                            reward=r) for r in rewards]) for rewards in ([1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 1.0])]
+    scored = []
+
+    def score(seqs):  # the ranks' forward: the current policy finds the correct answers likelier
+        scored.append(len(seqs))
+        return [[-0.5, -1.0] if s.advantage > 0 else [-1.0, -1.0] for s in seqs]
+
+    grpo = get_algorithm(AlgorithmConfig(name="grpo"))
+    step = build_step(groups, grpo, 2, score)
+    assert scored == [] and step.metrics == {}
+    # Two minibatches of whole groups (the second holds two), each normalised by its own totals.
+    assert [(len(part), totals.loss_tokens) for part, totals in step.minibatches] == [(2, 4), (6, 12)]
+    assert [s.advantage for s in step.minibatches[0][0]] == pytest.approx([1.0, -1.0], abs=1e-5)
+
+    reweighting = get_algorithm(build(AlgorithmConfig, {"name": "decoupled_ppo", "group_reweight": True}))
+    step = build_step(groups, reweighting, 2, score)
+    assert scored == [8] and step.metrics["train/group_baseline_shift"] > 0
+    seqs = [s for part, _ in step.minibatches for s in part]
+    assert all(s.prox_logprobs is not None for s in seqs)  # recorded once: the step's proximal logprobs
+    # Under the current policy the correct answers are likelier, so the groups' baselines rise.
+    assert seqs[0].advantage < 1.0 and seqs[1].advantage < -1.0
 
 
 def test_minibatches_are_runs_of_whole_groups_as_even_as_they_divide():
@@ -104,7 +129,7 @@ def test_tis_weights_and_clips_against_a_recorded_proximal_policy():
 
 def _trainer(tiny_model_dir, k_name="decoupled_ppo"):
     cfg = build(TrainerConfig, {"lr": 5e-2, "grad_clip": 0.0, "algorithm": {"name": k_name}})
-    return FSDPTrainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    return Trainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
 
 
 def test_the_proximal_policy_is_the_start_of_the_step_and_the_clip_binds_from_the_second_update(tiny_model_dir, gloo):

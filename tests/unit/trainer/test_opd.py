@@ -129,11 +129,11 @@ def teacher_dir(tmp_path_factory):
 def test_trainer_reports_the_hand_computed_reverse_kl_which_falls_and_the_teacher_never_moves(
         tiny_model_dir, teacher_dir, gloo):
     from miles.models.loading import load_model
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
 
     cfg = build(TrainerConfig, {"lr": 5e-5, "algorithm": {"name": "opd", "opd": {"teacher_path": teacher_dir}}})
-    trainer = FSDPTrainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     tokens, prompt_len = [5, 17, 9, 30, 41, 12, 7], 3
     # Hand computation: each checkpoint's logprob of every response token given what precedes it.
     def response_logprobs(path):
@@ -158,11 +158,11 @@ def test_teacher_engine_logprobs_on_the_samples_are_what_the_trainer_distils_fro
     """No in-trainer teacher (teacher engines scored the samples during the rollout): the trainer takes
     the teacher's logprobs from the sequences, reports the same reverse KL, and it falls."""
     from miles.models.loading import load_model
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
 
     cfg = build(TrainerConfig, {"lr": 5e-5, "algorithm": {"name": "opd"}})
-    trainer = FSDPTrainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(cfg, tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     assert trainer.teacher is None
     tokens, prompt_len = [5, 17, 9, 30, 41, 12, 7], 3
 

@@ -11,9 +11,9 @@ from miles.models.loading import load_model
 from miles.net import free_port
 from miles.precision.formats import dequantize, quantize
 from miles.precision.linear import QuantizedLinear
-from miles.trainer.backends.fsdp import FSDPTrainer
 from miles.trainer.config import TrainerConfig
 from miles.trainer.forward import forward_logprobs
+from miles.trainer.trainer import Trainer
 from miles.trainer.types import BatchTotals, TrainSequence
 
 FORMATS = ["fp8", "mxfp8", "nvfp4", "int4"]
@@ -56,12 +56,12 @@ def dequantized_model(model_dir: str, fmt: str, state: dict | None = None, embed
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_trainers_forward_is_the_dequantized_models_and_gradients_go_straight_through(
         tiny_model_dir, gloo, fmt):
-    trainer = FSDPTrainer(build(TrainerConfig, {"quantization": fmt}), tiny_model_dir, 0, 1, "127.0.0.1",
+    trainer = Trainer(build(TrainerConfig, {"quantization": fmt}), tiny_model_dir, 0, 1, "127.0.0.1",
                           free_port())
-    swapped = [n for n, m in trainer.model.named_modules() if isinstance(m, QuantizedLinear)]
+    swapped = [n for n, m in trainer.backend.model.named_modules() if isinstance(m, QuantizedLinear)]
     assert len(swapped) == 4 * 7 and not any("lm_head" in n for n in swapped)  # q,k,v,o,gate,up,down × 4 layers
     ids, mask = batch()
-    logp, _ = forward_logprobs(trainer.model, ids, mask)  # (B, T-1)
+    logp, _ = forward_logprobs(trainer.backend.model, ids, mask)  # (B, T-1)
     ref = dequantized_model(tiny_model_dir, fmt)
     ref_logp, _ = forward_logprobs(ref, ids, mask)
     assert torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
@@ -72,16 +72,16 @@ def test_the_trainers_forward_is_the_dequantized_models_and_gradients_go_straigh
     logp.sum().backward()
     ref_logp.sum().backward()
     layer = "model.layers.1.mlp.down_proj.weight"
-    master = dict(trainer.model.named_parameters())[layer]
+    master = dict(trainer.backend.model.named_parameters())[layer]
     assert master.dtype == torch.float32 and master.grad is not None and master.grad.abs().sum() > 0
     assert torch.allclose(master.grad, dict(ref.named_parameters())[layer].grad, atol=1e-6, rtol=1e-5)
 
 
 def test_with_quantize_embeddings_the_tied_embedding_and_lm_head_train_in_the_format(tiny_model_dir, gloo):
-    trainer = FSDPTrainer(build(TrainerConfig, {"quantization": "nvfp4", "quantize_embeddings": True}),
+    trainer = Trainer(build(TrainerConfig, {"quantization": "nvfp4", "quantize_embeddings": True}),
                           tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     ids, mask = batch()
-    logp, _ = forward_logprobs(trainer.model, ids, mask)
+    logp, _ = forward_logprobs(trainer.backend.model, ids, mask)
     ref = dequantized_model(tiny_model_dir, "nvfp4", embeddings=True)
     ref_logp, _ = forward_logprobs(ref, ids, mask)
     assert torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
@@ -90,41 +90,41 @@ def test_with_quantize_embeddings_the_tied_embedding_and_lm_head_train_in_the_fo
     logp.sum().backward()
     ref_logp.sum().backward()  # straight through both uses of the tied weight: lookup and head
     name = "model.embed_tokens.weight"
-    assert torch.allclose(dict(trainer.model.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad,
+    assert torch.allclose(dict(trainer.backend.model.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad,
                           atol=1e-6, rtol=1e-5)
 
 
 def test_moe_experts_train_in_the_format_too(tiny_moe_model_dir, gloo):
-    trainer = FSDPTrainer(build(TrainerConfig, {"quantization": "nvfp4"}), tiny_moe_model_dir, 0, 1, "127.0.0.1",
+    trainer = Trainer(build(TrainerConfig, {"quantization": "nvfp4"}), tiny_moe_model_dir, 0, 1, "127.0.0.1",
                           free_port())
     ids, mask = batch()
-    logp, _ = forward_logprobs(trainer.model, ids, mask)
+    logp, _ = forward_logprobs(trainer.backend.model, ids, mask)
     ref = dequantized_model(tiny_moe_model_dir, "nvfp4")
     ref_logp, _ = forward_logprobs(ref, ids, mask)
     assert torch.allclose(logp, ref_logp, atol=1e-5, rtol=0)
     logp.sum().backward()
     ref_logp.sum().backward()
     name = "model.layers.2.mlp.experts.down_proj"
-    got, want = dict(trainer.model.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad
+    got, want = dict(trainer.backend.model.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad
     assert got.abs().sum() > 0 and torch.allclose(got, want, atol=1e-6, rtol=1e-4)
 
 
 def test_a_step_updates_the_master_weights_and_the_next_forward_uses_their_stored_values(tiny_model_dir, gloo):
-    trainer = FSDPTrainer(build(TrainerConfig, {"quantization": "nvfp4", "lr": 1e-2}), tiny_model_dir, 0, 1,
+    trainer = Trainer(build(TrainerConfig, {"quantization": "nvfp4", "lr": 1e-2}), tiny_model_dir, 0, 1,
                           "127.0.0.1", free_port())
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.backend.model.named_parameters()}
     seqs = [TrainSequence(tokens=[5, 9, 14, 20, 31, 7], prompt_len=2, loss_mask=[1] * 4, old_logprobs=[-3.0] * 4,
                           advantage=a) for a in (1.0, -1.0)]
     metrics = trainer.train_step(seqs, BatchTotals.of(seqs))
     assert metrics["train/grad_norm"] > 0
     name = "model.layers.0.self_attn.q_proj.weight"
-    w = dict(trainer.model.named_parameters())[name]
+    w = dict(trainer.backend.model.named_parameters())[name]
     assert not torch.equal(w, before[name])
     # Updates smaller than the format's step still accumulate in float32 (nothing is snapped to the grid).
     assert not torch.equal(w, dequantize(quantize(w, "nvfp4")))
     ids, mask = batch()
-    logp, _ = forward_logprobs(trainer.model, ids, mask)
-    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    logp, _ = forward_logprobs(trainer.backend.model, ids, mask)
+    state = {n: p.detach() for n, p in trainer.backend.model.named_parameters()}
     ref_logp, _ = forward_logprobs(dequantized_model(tiny_model_dir, "nvfp4", state), ids, mask)
     assert torch.allclose(logp, ref_logp, atol=1e-6, rtol=0)
 

@@ -56,10 +56,10 @@ def sequences(samples) -> list:
 
 def trainer_for(model_dir: str, **kw):
     from miles.config.loader import build
-    from miles.trainer.backends.fsdp import FSDPTrainer
+    from miles.trainer.trainer import Trainer
     from miles.trainer.config import TrainerConfig
 
-    return FSDPTrainer(build(TrainerConfig, kw), model_dir, 0, 1, "127.0.0.1", free_port())
+    return Trainer(build(TrainerConfig, kw), model_dir, 0, 1, "127.0.0.1", free_port())
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,9 @@ def experts_seen(trainer) -> list:
     """Records the expert ids each MoE block's experts receive: what the forward really used."""
     seen = []
     for layer, router in enumerate(trainer.routers):
-        experts = next(m for name, m in trainer.model.named_modules()
+        experts = next(m for name, m in trainer.backend.model.named_modules()
                        if name.endswith("mlp.experts") and name.replace("experts", "gate") in
-                       {n for n, r in trainer.model.named_modules() if r is router})
+                       {n for n, r in trainer.backend.model.named_modules() if r is router})
         experts.register_forward_pre_hook(lambda _m, args, layer=layer: seen.append((layer, args[1].clone())))
     return seen
 
@@ -154,7 +154,7 @@ def test_dense_fp32_engine_and_fp32_trainer_agree_per_token(gloo, varied_dense_m
     seqs = sequences(rollout(varied_dense_model_dir, "float32", n=6))
     mb = build_micro_batch(seqs, [1.0] * len(seqs), pack, trainer.pad_id)
     with torch.no_grad():
-        logp, _ = forward_logprobs(trainer.model, mb.input_ids, mb.attention_mask, mb.position_ids, trainer.temperature)
+        logp, _ = forward_logprobs(trainer.backend.model, mb.input_ids, mb.attention_mask, mb.position_ids, trainer.temperature)
     m = mb.mask.bool()
     assert int(m.sum()) == sum(len(s.loss_mask) for s in seqs) > 0
     assert (logp[m] - mb.old_logprobs[m]).abs().max() <= 1e-5

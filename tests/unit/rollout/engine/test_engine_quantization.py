@@ -14,9 +14,9 @@ from miles.config.loader import ConfigError
 from miles.net import free_port
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import parse_args, start_server_thread
-from miles.trainer.backends.fsdp import FSDPTrainer
 from miles.trainer.config import TrainerConfig
 from miles.trainer.forward import forward_logprobs
+from miles.trainer.trainer import Trainer
 from miles.trainer.types import BatchTotals, TrainSequence
 
 TOKEN = "quantization-test-token"
@@ -43,14 +43,14 @@ def sampled(client: httpx.Client, prompt: list[int]) -> tuple[list[int], torch.T
 def trainer_logprobs(trainer, prompt: list[int], output: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logp, _ = forward_logprobs(trainer.model, ids, torch.ones_like(ids), temperature=1.0)  # (1, T-1)
+        logp, _ = forward_logprobs(trainer.backend.model, ids, torch.ones_like(ids), temperature=1.0)  # (1, T-1)
     return logp[0, len(prompt) - 1:]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "nvfp4", "int4"])
 def test_engine_logprobs_equal_the_trainers_qat_forward(tiny_model_dir, gloo, tmp_path, fmt):
-    trainer = FSDPTrainer(TrainerConfig(quantization=fmt, lr=1e-2), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
-    plain = FSDPTrainer(TrainerConfig(), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(TrainerConfig(quantization=fmt, lr=1e-2), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    plain = Trainer(TrainerConfig(), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     server = start_server_thread(EngineConfig(model_path=tiny_model_dir, dtype="float32", quantization=fmt,
                                               admin_token=TOKEN))
     try:
@@ -64,7 +64,7 @@ def test_engine_logprobs_equal_the_trainers_qat_forward(tiny_model_dir, gloo, tm
             # One training step, the new float32 weights loaded by the engine: it serves them quantized again.
             seqs = [TrainSequence(tokens=p + [7, 9, 21], prompt_len=len(p), loss_mask=[1, 1, 1],
                                   old_logprobs=[-3.0] * 3, advantage=a) for p, a in zip(PROMPTS, (1.0, -1.0))]
-            before = SimpleNamespace(model=copy.deepcopy(trainer.model))
+            before = SimpleNamespace(backend=SimpleNamespace(model=copy.deepcopy(trainer.backend.model)))
             trainer.train_step(seqs, BatchTotals.of(seqs))
             trainer.save_hf(str(tmp_path / "step1"))
             r = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "step1")})
@@ -105,7 +105,7 @@ def test_rollout_only_quantization_shows_as_mismatch_and_qat_removes_it(tiny_mod
                           advantage=a) for (p, out, lps), a in zip(rollouts, (1.0, -1.0))]
     metrics = {}
     for name, quantization in (("rollout_only", "none"), ("qat", "nvfp4")):
-        trainer = FSDPTrainer(TrainerConfig(quantization=quantization), tiny_model_dir, 0, 1, "127.0.0.1",
+        trainer = Trainer(TrainerConfig(quantization=quantization), tiny_model_dir, 0, 1, "127.0.0.1",
                               free_port())
         metrics[name] = trainer.compute_gradients(seqs, BatchTotals.of(seqs))
     assert metrics["rollout_only"]["train/rollout_mismatch_kl"] > 1e-4
@@ -116,8 +116,8 @@ def test_rollout_only_quantization_shows_as_mismatch_and_qat_removes_it(tiny_mod
 
 
 def test_an_moe_engine_serves_its_experts_in_the_format_the_trainer_trains_them_in(tiny_moe_model_dir, gloo):
-    trainer = FSDPTrainer(TrainerConfig(quantization="nvfp4"), tiny_moe_model_dir, 0, 1, "127.0.0.1", free_port())
-    plain = FSDPTrainer(TrainerConfig(), tiny_moe_model_dir, 0, 1, "127.0.0.1", free_port())
+    trainer = Trainer(TrainerConfig(quantization="nvfp4"), tiny_moe_model_dir, 0, 1, "127.0.0.1", free_port())
+    plain = Trainer(TrainerConfig(), tiny_moe_model_dir, 0, 1, "127.0.0.1", free_port())
     server = start_server_thread(EngineConfig(model_path=tiny_moe_model_dir, dtype="float32", quantization="nvfp4"))
     try:
         with httpx.Client(base_url=server.url, timeout=120) as c:

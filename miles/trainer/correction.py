@@ -10,23 +10,21 @@ weights at the start of the step, which the trainer records:
             whose policies disagree a lot are dropped rather than down-weighted.
 The weights carry no gradient. Reported: the signed train−rollout logprob gap and the effective
 sample size of the weights, ESS = (Σw)² / (N·Σw²) ∈ (0, 1] (1 = every token counts fully).
+Chosen by `trainer.algorithm.tis_mode` for any algorithm; trainer/loss.py applies it around the
+algorithm's token loss. Non-goal: sequence-level weights (algorithms/seq_mis.py, decoupled_ppo.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+
+import torch
 
 from miles.trainer.algorithms.base import proximal_logprobs
-
-if TYPE_CHECKING:
-    import torch
 
 
 def importance_weights(logprobs, rollout_logprobs, mode: str, low: float, high: float):
     """Per-token weights (no gradient) and the indicator of tokens the bounds changed. All (B, T-1)."""
-    import torch
-
     with torch.no_grad():
         # Clamp the log-ratio before exp: one token the rollout found near-impossible must not overflow.
         ratio = torch.exp(torch.clamp(logprobs.detach() - rollout_logprobs, -20.0, 20.0))
@@ -48,7 +46,7 @@ def corrected_inputs(x, mode: str, low: float, high: float):
     return dataclasses.replace(x, old_logprobs=prox), w, changed
 
 
-def tis_sums(w: "torch.Tensor", changed, logprobs, rollout_logprobs, mask) -> dict[str, float]:
+def tis_sums(w: torch.Tensor, changed, logprobs, rollout_logprobs, mask) -> dict[str, float]:
     """Sums over loss tokens (to all-reduce across ranks, then `tis_metrics`)."""
     return {"tis_w": float((w * mask).sum()), "tis_w2": float((w * w * mask).sum()),
             "tis_changed": float((changed * mask).sum()),

@@ -5,7 +5,7 @@ import math
 import torch
 
 from miles.trainer.algorithms.base import LossInputs, clipped_surrogate
-from miles.trainer.algorithms.tis import corrected_inputs, importance_weights, tis_metrics, tis_sums
+from miles.trainer.correction import corrected_inputs, importance_weights, tis_metrics, tis_sums
 
 
 def test_truncate_caps_the_weight_and_mask_zeroes_tokens_outside_the_band():

@@ -1,0 +1,301 @@
+"""The training step, the same on every backend: one instance per rank, all ranks driven together.
+
+A step's loss is a weighted sum of per-token losses whose weights depend only on counts over the
+*global* batch (`BatchTotals`), so the gradient is the same whether the samples sit on one rank or
+many, in one micro-batch or ten, padded or packed. The trainer is algorithm-blind: per micro-batch
+it runs the forward passes the algorithm declares (policy logprobs and entropy, reference, teacher,
+critic) and backpropagates the loss trainer/loss.py composes from them; per minibatch it takes one
+optimizer step; with several minibatches and an algorithm that reads the proximal policy, it first
+records every sequence's logprobs under the weights at the start of the step.
+
+Around the policy: an optional reference model (KL, refreshed from the policy every
+`trainer.ref_update_every` steps), an optional frozen teacher (distillation), an optional value
+model (PPO), LoRA (merged or adapter-only weights out), Rollout Routing Replay (trainer/r3.py),
+greedy evaluation, Hugging Face exports and resumable checkpoints.
+
+How the models are laid out over ranks and devices, and how they run, backpropagate and step, is
+the backend's (`trainer.backend`, trainer/backends/base.py). Non-goal: anything that depends on the
+layout or the device (a backend's) or on Ray (orchestration/actors.py wraps this class).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from miles.models.loading import load_tokenizer
+from miles.models.moe import moe_shape, routers
+from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
+from miles.trainer.backends.base import BACKENDS
+from miles.trainer.batching import build_micro_batch, plan_micro_batches
+from miles.trainer.checkpoint import CheckpointWriter, host_copy, restore_rng, rng_state
+from miles.trainer.config import TrainerConfig
+from miles.trainer.export import write_hf_export
+from miles.trainer.forward import logprobs_from_logits
+from miles.trainer.lora import adapter_tensors, merged_tensors
+from miles.trainer.loss import ForwardOutputs, micro_batch_loss, sequence_weights, step_metrics
+from miles.trainer.r3 import check_sequences, routing_replay
+from miles.trainer.reference import ReferenceModel
+from miles.trainer.types import BatchTotals, TrainSequence
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, model_path: str, rank: int, world_size: int,
+                 master_addr: str, master_port: int, seed: int = 0, temperature: float = 1.0):
+        torch.set_num_threads(cfg.num_threads)
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.model_path, self.temperature = model_path, temperature
+        self.step = 0
+        self.checkpoints = CheckpointWriter(cfg.collective_timeout_s)  # background checkpoint and export writes
+        torch.manual_seed(seed)  # before the backend builds the models: LoRA and critic heads draw from it
+        self.pad_id = load_tokenizer(model_path).pad_token_id or 0
+        self.algorithm = get_algorithm(cfg.algorithm)
+        self.backend = BACKENDS.get(cfg.backend)(cfg, model_path, rank, world_size, master_addr, master_port)
+        self.routers = routers(self.backend.model)  # empty for dense models
+        self.moe_shape = moe_shape(self.backend.model.config) if self.routers else None
+        self._algorithms = {None: self.algorithm}
+        self.reference = None
+        if self.algorithm.needs_reference:
+            self.reference = ReferenceModel(model_path)
+        self.teacher = None
+        if self.algorithm.needs_teacher and self.algorithm.teacher_path:
+            # A frozen copy of the teacher: loaded once, never refreshed, never sent weights.
+            self.teacher = ReferenceModel(self.algorithm.teacher_path)
+        if self.algorithm.needs_critic:
+            self.backend.build_critic(self.algorithm.cfg.critic_lr)
+
+    # -- one optimizer step -------------------------------------------------------------------
+    def train_step(self, seqs, totals, algorithm: str | None = None) -> dict[str, float]:
+        """Forward/backward over local micro-batches, then one optimizer step (all ranks call this).
+
+        `totals` (BatchTotals, or the global loss-token count) describes the whole global batch.
+        `algorithm` names another algorithm's loss for this step (e.g. "sft"); None = the configured one.
+        """
+        return self.train_minibatches([(seqs, totals)], algorithm)
+
+    def train_minibatches(self, minibatches, algorithm: str | None = None) -> dict[str, float]:
+        """One loop step of several optimizer updates: one per (seqs, totals) minibatch, in order, each
+        `totals` describing its minibatch's global batch (all ranks call this with as many minibatches).
+
+        With more than one and an algorithm that reads the proximal policy (decoupled PPO, TIS), every
+        sequence's logprobs under the weights at the start of the step are recorded first, in one
+        no-grad forward: later minibatches clip and weight against those, not against weights the
+        earlier updates already moved. Metrics are means over the minibatches (perf/ seconds: sums)."""
+        algo = self._algorithm(algorithm)
+        recorded = all(s.prox_logprobs is not None for seqs, _ in minibatches for s in seqs)
+        if len(minibatches) > 1 and algo.needs_proximal and not recorded:
+            t_prox = time.perf_counter()
+            flat = self.proximal_logprobs([s for seqs, _ in minibatches for s in seqs], algo)
+            it = iter(flat)
+            minibatches = [([dataclasses.replace(s, prox_logprobs=next(it)) for s in seqs], totals)
+                           for seqs, totals in minibatches]
+            prox_s = time.perf_counter() - t_prox
+        else:
+            prox_s = 0.0
+        outs = []
+        for seqs, totals in minibatches:
+            out = self.compute_gradients(seqs, totals, algorithm)
+            t_opt = time.perf_counter()
+            out[f"{algo.metric_prefix}/grad_norm"] = self.backend.optimizer_step()
+            out["perf/train_optimizer_s"] = time.perf_counter() - t_opt
+            outs.append(out)
+        self.step += 1
+        if len(outs) == 1:
+            return outs[0]
+        merged = {k: (sum if k.startswith("perf/") else statistics.fmean)([o[k] for o in outs if k in o])
+                  for k in outs[0]}
+        merged["perf/train_proximal_s"] = prox_s
+        merged[f"{algo.metric_prefix}/minibatches"] = float(len(outs))
+        return merged
+
+    @torch.no_grad()
+    def proximal_logprobs(self, seqs, algorithm=None) -> list[list[float]]:
+        """Per sequence, the logprobs of its response tokens under the current weights (collective: every
+        rank runs as many forwards). Micro-batched as training is, at the training temperature of
+        `algorithm` (None = the configured one)."""
+        cfg = self.cfg
+        algorithm = algorithm or self.algorithm
+        plan = self._plan(seqs)
+        temperature = self.temperature if algorithm.on_rollouts else 1.0
+        out: list[list[float] | None] = [None] * len(seqs)
+        for members in plan:
+            chunk = [seqs[i] for i in members] or [_placeholder(self.pad_id)]
+            mb = build_micro_batch(chunk, [0.0] * len(chunk), cfg.pack_sequences, self.pad_id,
+                                   self.moe_shape).to(self.backend.device)
+            with routing_replay(self.routers, mb.routed, cfg.routing_replay, {}):
+                logp, _ = self._policy_logprobs(mb, temperature)  # (B, T-1)
+            logp, sid = logp.float().cpu(), mb.seq_ids.cpu()
+            for j, i in enumerate(members):
+                out[i] = logp[sid == j].tolist()  # row-major: the sequence's response tokens in order
+        return out
+
+    def compute_gradients(self, seqs, totals, algorithm: str | None = None) -> dict[str, float]:
+        """Accumulate this rank's share of the step's gradient into .grad (collective); no step."""
+
+        if isinstance(totals, int):
+            totals = BatchTotals(loss_tokens=totals, num_seqs=len(seqs), max_response_len=0)
+        algo = self._algorithm(algorithm)
+        cfg = self.cfg
+        if algo.on_rollouts and cfg.routing_replay:
+            check_sequences(seqs)
+        weights = sequence_weights(algo, seqs, totals, self.backend.dp_size)
+        plan = self._plan(seqs)
+
+        self._maybe_refresh_reference()
+        sums: dict[str, float] = {}
+        if self.moe_shape is not None:
+            sums.update(r3_pairs=0.0, r3_mismatch=0.0)  # same keys on every rank for the all-reduce below
+        self._fwd_bwd_s = [0.0, 0.0]  # this rank's forward / backward seconds, for the step-time breakdown
+        for members in plan:
+            if members:
+                chunk, w = [seqs[i] for i in members], [weights[i] for i in members]
+            else:
+                # A rank with nothing left still joins the collectives, with zero weight.
+                chunk, w = [_placeholder(self.pad_id)], [0.0]
+            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape).to(self.backend.device)
+            self._micro_step(mb, algo, sums, bool(members))
+        keys = sorted(sums)
+        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.backend.device)
+        dist.all_reduce(vec)
+        # Replicas of one data shard (tensor-parallel peers) counted the same tokens.
+        red = dict(zip(keys, (vec / (self.world_size // self.backend.dp_size)).tolist()))
+        out = step_metrics(algo, red)
+        out[f"{algo.metric_prefix}/lr"] = self.backend.last_lr
+        if algo.on_rollouts and red.get("r3_pairs"):
+            out[f"{algo.metric_prefix}/r3_mismatch_rate"] = red["r3_mismatch"] / red["r3_pairs"]
+        out["perf/train_forward_s"], out["perf/train_backward_s"] = self._fwd_bwd_s
+        return out
+
+    def _plan(self, seqs) -> list[list[int]]:
+        """This rank's micro-batches, padded with empty ones to the most any rank has: every rank must
+        run the same number of forward/backward passes (the backend's collectives)."""
+        cfg = self.cfg
+        plan = plan_micro_batches([len(s.tokens) for s in seqs], cfg.max_tokens_per_micro_batch,
+                                  cfg.micro_batch_size, cfg.pack_sequences)
+        n_mb = torch.tensor([len(plan)], device=self.backend.device)
+        dist.all_reduce(n_mb, op=dist.ReduceOp.MAX)
+        return plan + [[]] * (int(n_mb) - len(plan))
+
+    def _algorithm(self, name: str | None):
+        if name not in self._algorithms:
+            self._algorithms[name] = get_algorithm(AlgorithmConfig(name=name))
+        return self._algorithms[name]
+
+    def _policy_logprobs(self, mb, temperature: float, with_entropy: bool = False):
+        logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids)  # (B, T, V)
+        return logprobs_from_logits(logits, mb.input_ids, temperature, with_entropy)  # (B, T-1)
+
+    def _micro_step(self, mb, algorithm, sums: dict, real: bool) -> None:
+        """Run the forward passes the algorithm asks for, then backward on the loss loss.py composes."""
+        t_fwd = time.perf_counter()
+        temperature = self.temperature if algorithm.on_rollouts else 1.0
+        # Mismatch is counted on real micro-batches only; a placeholder carries no routed experts.
+        with routing_replay(self.routers, mb.routed, self.cfg.routing_replay, sums):
+            logp, entropy = self._policy_logprobs(mb, temperature, algorithm.needs_entropy)  # (B, T-1)
+        out = ForwardOutputs(logp, entropy)
+        if algorithm.needs_reference and self.reference is not None:
+            out.ref_logprobs = self.reference.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
+                                                       temperature)
+        if algorithm.needs_teacher and self.teacher is not None:
+            out.teacher_logprobs = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
+                                                         temperature)
+        elif algorithm.needs_teacher:
+            # Teacher engines scored the samples during the rollout (rollout/teacher.py).
+            out.teacher_logprobs = mb.teacher_logprobs
+        if algorithm.needs_critic and self.backend.critic is not None:
+            out.values = self.backend.critic_values(mb.input_ids, mb.attention_mask)  # (B, T-1)
+        loss = micro_batch_loss(algorithm, mb, out, sums, self.backend.dp_size, real)
+        t_bwd = time.perf_counter()
+        self.backend.backward(loss)
+        self._fwd_bwd_s[0] += t_bwd - t_fwd
+        self._fwd_bwd_s[1] += time.perf_counter() - t_bwd
+
+    def _maybe_refresh_reference(self) -> None:
+        every = self.cfg.ref_update_every
+        if self.reference is not None and every and self.step and self.step % every == 0 \
+                and self.reference.version != self.step:
+            self.reference.load(self.full_named_tensors(all_ranks=True, merged=True), self.step)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def greedy_matches(self, seqs) -> list[bool]:
+        """Per sequence: does the argmax at every loss-masked position equal the next token? That is
+        exactly whether greedy decoding from the prompt reproduces the demonstrated answer. Every
+        rank runs the same micro-batches (the backend's forward is collective) and returns the same list."""
+        model = self.backend.model
+        model.eval()
+        out: list[bool] = []
+        try:
+            for start in range(0, len(seqs), self.cfg.micro_batch_size):
+                chunk = seqs[start:start + self.cfg.micro_batch_size]
+                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id).to(self.backend.device)
+                logits = self.backend.forward(mb.input_ids, mb.attention_mask)[:, :-1]  # (B, T-1, V)
+                hit = (logits.argmax(-1) == mb.input_ids[:, 1:]) | (mb.mask == 0)  # (B, T-1)
+                out.extend(bool(x) for x in hit.all(-1))
+        finally:
+            model.train()
+        return out
+
+    # -- weights out ----------------------------------------------------------------------------
+    def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None,
+                           on_device: bool = False) -> Iterator[tuple[str, "object"]]:
+        """Full (unsharded) tensors by HF name. Collective: every rank must iterate to the end;
+        only rank 0 receives tensors unless `all_ranks` (other ranks get None). They are in host memory,
+        or with `on_device` where the trainer computes (a transport that hands GPU memory over).
+
+        With LoRA, `merged` (default: lora.sync = "merged") folds adapters into the base weights;
+        otherwise only the adapter tensors are yielded, under PEFT's names."""
+        named = self.backend.named_tensors(all_ranks, on_device)
+        if not self.cfg.lora.rank:
+            yield from named
+            return
+
+        if merged is None:
+            merged = self.cfg.lora.sync == "merged"
+        yield from (merged_tensors(named, self.cfg.lora) if merged else adapter_tensors(named))
+
+    def save_hf(self, out_dir: str, background: bool = False) -> str | None:
+        """Export a Hugging Face checkpoint directory (loadable by from_pretrained). Collective: every
+        rank gathers; rank 0 writes. LoRA runs export the merged model. With `background` the write
+        runs on the checkpoint thread (`checkpoint_written` waits for it); the weights are copied first."""
+        state = {n: t.clone() for n, t in self.full_named_tensors(merged=True) if t is not None}
+        if self.rank != 0:
+            return None
+        if background:
+            self.checkpoints.submit(write_hf_export, state, self.model_path, out_dir)
+        else:
+            write_hf_export(state, self.model_path, out_dir)
+        return str(Path(out_dir))
+
+    # -- resumable state ------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, background: bool = False) -> None:
+        """Distributed checkpoint of everything the next step depends on. Collective. With `background`
+        it returns once the state is copied, and the write goes on behind the next steps."""
+        local = {"step": self.step, **rng_state()}
+        if self.reference is not None and self.reference.version:
+            local["reference"] = host_copy(self.reference.state_dict())  # a refresh must not change what is written
+        self.backend.save_state(path, self.checkpoints, local)
+        if not background:
+            self.checkpoints.wait()
+
+    def checkpoint_written(self) -> None:
+        """Wait until this rank's background writes (checkpoints, exports) are on disk; raises a failed one's error."""
+        self.checkpoints.wait()
+
+    def load_checkpoint(self, path: str) -> None:
+        self.checkpoints.wait()
+        local = self.backend.load_state(path)
+        self.step = local["step"]
+        restore_rng(local)
+        if "reference" in local and self.reference is not None:
+            self.reference.load_state_dict(local["reference"])
+
+
+def _placeholder(pad_id: int):
+    return TrainSequence(tokens=[pad_id, pad_id], prompt_len=1, loss_mask=[0], old_logprobs=[0.0])
