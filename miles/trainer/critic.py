@@ -20,8 +20,8 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     """
     B, T = rewards.shape
     adv = torch.zeros_like(values)
-    next_value = torch.zeros(B, dtype=values.dtype)
-    running = torch.zeros(B, dtype=values.dtype)
+    next_value = torch.zeros(B, dtype=values.dtype, device=values.device)
+    running = torch.zeros(B, dtype=values.dtype, device=values.device)
     for t in reversed(range(T)):
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
