@@ -90,3 +90,15 @@ def load_tokenizer(path: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends a generation: the model's generation config's, its config's and the tokenizer's."""
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -38,8 +38,8 @@ import time
 import torch
 
 from miles.devices import resolve
-from miles.models.loading import load_model, load_tokenizer
-from miles.models.moe import encode_routed_experts, hook_routers, routers
+from miles.models.loading import eos_token_ids, load_model, load_tokenizer
+from miles.models.moe import hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
 from miles.rollout.engine.config import EngineConfig
@@ -65,7 +65,7 @@ class ModelRunner:
         self.tokenizer = load_tokenizer(config.model_path)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.context_length = config.context_length or self.model.config.max_position_embeddings
-        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Names and shapes are fixed for the engine's life; weight updates are validated against them.
         self.param_meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
@@ -265,8 +265,8 @@ class ModelRunner:
             output_logprobs=list(row.logprobs) if row.req.return_logprob else None, finish_reason=finish,
             weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
             cached_tokens=row.cached_tokens or 0, weight_versions=tuple(tuple(s) for s in row.weight_versions),
-            routed_experts=_routed_experts(row) if row.req.return_routed_experts else None,
-            input_logprobs=_input_logprobs(row) if row.req.return_logprob else None)
+            routed_experts=row.routed_experts_wire() if row.req.return_routed_experts else None,
+            input_logprobs=row.input_logprob_pairs() if row.req.return_logprob else None)
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -472,22 +472,10 @@ class ModelRunner:
         self.stats["cache_insert_s"] += time.perf_counter() - t0
 
 
-def _routed_experts(row: Row) -> str:
-    # Empty when it finished before its prompt was computed (aborted in the queue, max_new_tokens=0).
-    return encode_routed_experts(torch.cat(row.routed).cpu()) if row.routed else ""
-
-
 def _token_logprobs(logits: torch.Tensor, tokens) -> list[float]:
     """log softmax(logits[t])[tokens[t]] for each t; logits (T, V). Untempered, as SGLang's input logprobs."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     return lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
-
-
-def _input_logprobs(row: Row) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
-    k = row.req.logprob_start_len
-    if k < 0 or row.input_logprobs is None:  # -1, k = prompt length, or not yet computed (aborted in the queue)
-        return (), ()
-    return row.req.input_ids[k:], tuple(row.input_logprobs)
 
 
 def _common_prefix_len(a, b) -> int:
@@ -496,14 +484,3 @@ def _common_prefix_len(a, b) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _eos_ids(model, tokenizer) -> frozenset[int]:
-    ids = set()
-    for src in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)

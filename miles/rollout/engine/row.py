@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.models.moe import encode_routed_experts
 from miles.rollout.engine.types import FinishReason, GenerateRequest
 
 
@@ -62,3 +63,16 @@ class Row:
     def prefill_ids(self) -> tuple[int, ...]:
         # After a retract the generated tokens are part of what must be prefilled again.
         return self.req.input_ids + tuple(self.output_ids)
+
+    def routed_experts_wire(self) -> str:
+        """Its tokens' routed experts as they travel; empty when it finished before its prompt was computed
+        (aborted in the queue, max_new_tokens=0)."""
+        return encode_routed_experts(torch.cat(self.routed).cpu()) if self.routed else ""
+
+    def input_logprob_pairs(self) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
+        """(prompt ids from logprob_start_len, their logprobs); empty for -1, k = prompt length, or when not
+        yet computed (aborted in the queue)."""
+        k = self.req.logprob_start_len
+        if k < 0 or self.input_logprobs is None:
+            return (), ()
+        return self.req.input_ids[k:], tuple(self.input_logprobs)
