@@ -24,6 +24,9 @@ from miles.config.run import RunConfig
 from miles.data.chat import encode_prompt
 from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
+from miles.engine_api import routes
+from miles.engine_api.client import EngineClient
+from miles.engine_api.errors import EngineError
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
@@ -176,15 +179,17 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
     """The teacher engines' URLs (none without a [teacher] section): started here from
     teacher.model.path, or teacher.engine_urls checked for the student's tokenizer. They join no
     fleet, router or weight transport, so no weight update ever reaches them."""
-    import httpx
     import ray
 
     t = cfg.teacher
     if t.engine_urls:
         _check_reachable(t.engine_urls, "teacher.engine_urls")
-        with httpx.Client() as client:
+        client = EngineClient()  # no admin token: nothing may administer a teacher
+        try:
             for url in t.engine_urls:
                 check_served_teacher(client, url, cfg.model.path)
+        finally:
+            client.close()
         return list(t.engine_urls)
     if not t.model.path:
         return []
@@ -199,13 +204,15 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
 
 def _check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:
     """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
-    import httpx
-
-    for url in urls:
-        try:
-            httpx.get(url + "/health", timeout=10).raise_for_status()
-        except httpx.HTTPError as exc:
-            raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
+    client = EngineClient(timeout_s=10.0)
+    try:
+        for url in urls:
+            try:
+                client.get(url, routes.HEALTH)
+            except EngineError as exc:
+                raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
+    finally:
+        client.close()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ of them). Token ids are sent and received as ids (TITO); the text is only used f
 from __future__ import annotations
 
 from miles.buffer.types import Sample, SampleStatus
-from miles.rollout.engine.sampler import SamplingParams
+from miles.engine_api.sampling import SamplingParams
 from miles.versions import from_wire
 
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}

@@ -56,16 +56,17 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from miles.buffer.types import Sample, SampleStatus
+from miles.engine_api.bodies import openapi_body
+from miles.engine_api.client import EngineClient
+from miles.engine_api.errors import InvalidRequest
+from miles.engine_api.parsing import parse_json
 from miles.models.loading import load_tokenizer
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
 from miles.rollout.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, arguments, \
     completion_body, parse_request, render_prompt, sse_event, template_message, tools_of
 from miles.rollout.chat_format import ChatFormat
-from miles.rollout.engine.protocol import openapi_body, parse_json
-from miles.rollout.engine.types import InvalidRequest
 from miles.rollout.generate import versions_of
-from miles.rollout.http import async_client
 from miles.rollout.openai_schema import RESPONSES_HINTS, ChatCompletionRequest, ChatMessage, CreateSessionRequest, \
     ResponsesRequest
 from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
@@ -315,7 +316,7 @@ class SessionStore:
         """The engine's answer (SGLang's /generate body). With `listener`, the engine streams and
         listener(ids) gets the turn's tokens so far after every chunk."""
         if self._client is None:
-            self._client = async_client(600)
+            self._client = EngineClient.async_http(600)
         url = session.engine_url or self.engine_url
         body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
         try:
@@ -405,7 +406,7 @@ def response_body(c: Completion, req: ResponsesRequest, response_id: str, model:
 
 async def _json_body(request: Request, empty_ok: bool = False) -> dict:
     """The body as a JSON object, or a SessionError (400) saying what is wrong with it: malformed,
-    nested too deeply, holding text that is not Unicode (see protocol.parse_json)."""
+    nested too deeply, holding text that is not Unicode (see engine_api.parsing.parse_json)."""
     raw = await request.body()
     if empty_ok and not raw.strip():
         return {}

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.engine_api.types import FinishReason, GenerateRequest, GenerateResult
 from miles.models.loading import load_model, load_tokenizer
 from miles.models.moe import encode_routed_experts, hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
@@ -48,7 +49,6 @@ from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.sampler import sample
-from miles.rollout.engine.types import FinishReason, GenerateRequest, GenerateResult
 
 
 @dataclass

@@ -47,12 +47,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.engine_api import bodies
 from miles.net import LOOPBACK
-from miles.rollout.engine import protocol
 from miles.sync import screen, verify
-from miles.sync.engine_client import reconnect
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
 from miles.versions import to_wire
 
 if TYPE_CHECKING:
@@ -372,7 +371,7 @@ class BroadcastReceiver(TransportReceiver):
         self._api = None  # the engine's weight routes, set by mount
 
     def mount(self, api) -> None:
-        # SGLang's routes: their bodies are checked by protocol.parse_*, unauthorized as the server's.
+        # SGLang's routes: their bodies are checked by bodies.parse_*, unauthorized as the server's.
         self._api = api
         api.post("/init_weights_update_group", self._init_route, sglang=True)
         api.post("/destroy_weights_update_group", self._destroy_route, sglang=True)
@@ -380,17 +379,17 @@ class BroadcastReceiver(TransportReceiver):
 
     def _init_route(self, body: dict) -> dict:
         # Joining blocks until every member arrives (the caller runs this off the event loop).
-        req = protocol.parse_body(protocol.InitWeightsUpdateGroup, body)
+        req = bodies.parse_body(bodies.InitWeightsUpdateGroup, body)
         message = self.init_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
                                   req.group_name, req.backend)
         return {"success": True, "message": message}
 
     def _destroy_route(self, body: dict) -> dict:
-        self.destroy_group(protocol.parse_body(protocol.DestroyWeightsUpdateGroup, body).group_name)
+        self.destroy_group(bodies.parse_body(bodies.DestroyWeightsUpdateGroup, body).group_name)
         return {"success": True, "message": "group destroyed"}
 
     def _update_route(self, body: dict) -> dict:
-        req = self._api.parse(protocol.UpdateWeightsFromDistributed, protocol.MilesUpdateWeightsFromDistributed,
+        req = self._api.parse(bodies.UpdateWeightsFromDistributed, bodies.MilesUpdateWeightsFromDistributed,
                               body)
         commit = getattr(req, "commit", True)  # SGLang's form: every request applies what it carries
         if getattr(req, "reset_staging", False):

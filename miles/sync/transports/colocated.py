@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from miles.engine_api.client import EngineClient
 from miles.net import LOOPBACK
 from miles.sync import shm
-from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
-from miles.versions import to_wire
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
 from miles.sync.transports.p2p import is_local
+from miles.versions import to_wire
 
 if TYPE_CHECKING:
     import torch

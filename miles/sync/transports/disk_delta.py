@@ -53,10 +53,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from miles.config.loader import ConfigError
+from miles.engine_api.client import EngineClient
 from miles.sync import files, verify
-from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
 from miles.trainer.checkpoint import fsync_dir
 from miles.versions import to_wire
 
