@@ -278,6 +278,12 @@ class EngineClient:
 
     # ---- connections ----------------------------------------------------------------------------------
 
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Close the sync connections and threads; the client makes new ones if used again."""
         with self._lock:

@@ -184,12 +184,9 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
     t = cfg.teacher
     if t.engine_urls:
         _check_reachable(t.engine_urls, "teacher.engine_urls")
-        client = EngineClient()  # no admin token: nothing may administer a teacher
-        try:
+        with EngineClient() as client:  # no admin token: nothing may administer a teacher
             for url in t.engine_urls:
                 check_served_teacher(client, url, cfg.model.path)
-        finally:
-            client.close()
         return list(t.engine_urls)
     if not t.model.path:
         return []
@@ -204,15 +201,12 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
 
 def _check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:
     """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
-    client = EngineClient(timeout_s=10.0)
-    try:
+    with EngineClient(timeout_s=10.0) as client:
         for url in urls:
             try:
                 client.get(url, routes.HEALTH)
             except EngineError as exc:
                 raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
-    finally:
-        client.close()
 
 
 @contextlib.contextmanager

@@ -252,7 +252,8 @@ def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_m
     from miles.rollout.router import RouterConfig, start_router_thread
     from miles.sync import verify
     from miles.engine_api.client import EngineClient
-    from miles.sync.transports.disk_delta import DiskDeltaConfig, load_base, version_dir
+    from miles.sync.transports.delta_format import load_base, version_dir
+    from miles.sync.transports.disk_delta import DiskDeltaConfig
     from miles.sync.updater import WeightUpdater
 
     torch.set_num_threads(1)

@@ -89,15 +89,14 @@ def test_a_group_is_scored_in_one_call_with_the_teachers_logprobs_of_each_respon
 
 def test_a_served_teacher_with_another_tokenizer_is_refused_with_the_reason(tiny_model_dir, other_tokenizer_dir,
                                                                             teacher_engine):
-    client = EngineClient(timeout_s=30)
-    check_served_teacher(client, teacher_engine.url, tiny_model_dir)  # same tokenizer: accepted
-    other = start_server_thread(EngineConfig(model_path=other_tokenizer_dir))
-    try:
-        with pytest.raises(ConfigError, match="tokenizer is not model.path's.*vocabulary has"):
-            check_served_teacher(client, other.url, tiny_model_dir)
-    finally:
-        other.stop()
-        client.close()
+    with EngineClient(timeout_s=30) as client:
+        check_served_teacher(client, teacher_engine.url, tiny_model_dir)  # same tokenizer: accepted
+        other = start_server_thread(EngineConfig(model_path=other_tokenizer_dir))
+        try:
+            with pytest.raises(ConfigError, match="tokenizer is not model.path's.*vocabulary has"):
+                check_served_teacher(client, other.url, tiny_model_dir)
+        finally:
+            other.stop()
 
 
 def run_config(model_dir, tmp_path, **over):
