@@ -78,11 +78,7 @@ def openapi_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-# ---- SGLang's control requests, as typed models ---------------------------------------------------
-# Field names, types and defaults follow SGLang's own request structs (io_struct.py of the pinned
-# release). Each `Miles*` subclass adds the fields of a miles extension; an engine in SGLang-only mode
-# parses with the plain model, so a miles field is refused there as SGLang would refuse it. Strict:
-# no coercion (a version sent as 7 instead of "7" is refused, as SGLang's schema refuses it).
+# ---- SGLang's control requests, as typed models (see the module docstring) ----------------------
 
 
 class Body(BaseModel):
