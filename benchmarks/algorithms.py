@@ -64,7 +64,7 @@ def warm_start(out: Path, sft_model: str = "", preset: str = "tiny-qwen3", sft_s
         return Path(sft_model)
     # Imported here, not at the top: torch reads OMP_NUM_THREADS when first imported, and main sets it.
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.models.presets import build_tiny_model
     from miles.orchestration.driver import run_sft
 
@@ -80,7 +80,7 @@ def rl_run(sft_model: Path, out: Path, name: str, overrides: dict[str, str]) -> 
     """One RL run of the example (grpo.toml, no intermediate evals or checkpoints, then `overrides`)
     from `sft_model`: the run's summary and its per-step metric records (step 0, the eval before, left out)."""
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.orchestration.driver import run_train
 
     over = {"model.path": str(sft_model), "run.output_dir": str(out / "runs"), "run.name": name,

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.eval.standalone import run_eval
 from miles.models.presets import build_tiny_model
 from miles.orchestration.driver import run_sft, run_train

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     import ray
 
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.models.presets import build_tiny_model
     from miles.orchestration.driver import run_train
 

@@ -124,7 +124,7 @@ def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new
 def eval_formats(model_dir: str, formats: list[str], n: int, embeddings: bool = False) -> dict:
     """The eval line: the same checkpoint's greedy accuracy served bfloat16 and in each format (and with
     `embeddings`, in each format with the embedding and LM head in it too)."""
-    from miles.rollout.tasks.arithmetic import ArithmeticTask
+    from miles.data.tasks.arithmetic import ArithmeticTask
 
     problems = ArithmeticTask(digits=2, ops="+-", split="eval", seed=0, fixed_width=True).take(n)
     t0 = time.perf_counter()

@@ -56,7 +56,7 @@ from miles.buffer.types import Group, Sample
 from miles.models.loading import load_tokenizer
 from miles.models.presets import build_tiny_model, train_tokenizer
 from miles.net import free_port
-from miles.rollout.data_source import PromptSource, TaskConfig
+from miles.data.prompts import PromptSource, TaskConfig
 from miles.rollout.engine.process import EngineProcess
 from miles.sync.transports import get_transport
 from miles.trainer.config import TrainerConfig

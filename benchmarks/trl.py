@@ -36,11 +36,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.models.presets import build_tiny_model
 from miles.orchestration.driver import run_sft, run_train
 from miles.rewards.contract import load_reward
-from miles.rollout.data_source import PromptSource
+from miles.data.prompts import PromptSource
 from miles.rollout.group import long_tail_length
 
 HERE = Path(__file__).resolve().parent

@@ -1,4 +1,4 @@
-"""Generate docs/configuration.md from the run config dataclasses (miles/config/run.py).
+"""Generate docs/configuration.md from the run config dataclasses (miles/run_config.py).
 
 Every setting's type and default come from the dataclass fields; its meaning comes from the one-line
 docstring written under the field. Run it after changing a config dataclass:
@@ -135,7 +135,7 @@ def sections(cls, prefix: str = "", doc: str = ""):
 
 
 def render() -> str:
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
 
     out = [HEADER]
     for title, doc, rows in sections(RunConfig):

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from miles.config import ConfigError, load_config, parse_overrides
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 
 def _load(path: str | None, extra: list[str]):
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_delegate("miles.rollout.router"))
     s = sub.add_parser("sessions", help="OpenAI-compatible chat sessions that record exact tokens, in front "
                        "of a serving engine", add_help=False)
-    s.set_defaults(fn=_delegate("miles.rollout.openai_api"))
+    s.set_defaults(fn=_delegate("miles.rollout.sessions.server"))
     s = sub.add_parser("simulate", help="project a run onto a fleet: step time, memory, weight sync per transport",
                        add_help=False)
     s.set_defaults(fn=_delegate("miles.capacity.simulate"))

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` run only where torch sees a CUDA device (scripts/gpu-smoke.sh runs them)."""
+    """Tests marked `cuda` run only where torch sees a CUDA device (scripts/gpu-check.sh runs them)."""
     marked = [item for item in items if item.get_closest_marker("cuda")]
     if not marked:
         return

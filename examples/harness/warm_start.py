@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     import torch
 
     from miles.models.loading import load_model, load_tokenizer
-    from miles.rollout.chat_format import ChatFormat
-    from miles.rollout.data_source import PromptSource, TaskConfig
+    from miles.data.chat import ChatFormat
+    from miles.data.prompts import PromptSource, TaskConfig
 
     agent = _load(HERE / "agent.py", "harness_agent")
     sft = _load(HERE.parent / "tool_calc" / "warm_start.py", "tool_calc_warm_start")  # the shared SFT loop

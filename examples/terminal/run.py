@@ -32,7 +32,7 @@ def _warm_start_module():
 
 
 def reference_rewards() -> dict[str, float]:
-    from miles.rollout.data_source import Prompt
+    from miles.data.prompts import Prompt
     from miles.rollout.environments.terminal import DONE, TASKS, TerminalEnv
 
     out = {}
@@ -47,8 +47,8 @@ def reference_rewards() -> dict[str, float]:
 
 def demonstrations(tokenizer) -> list[tuple[list[int], list[int]]]:
     """Each task solved: the reference command, the sandbox's real reply to it, then `done`."""
-    from miles.rollout.agent import ChatFormat
-    from miles.rollout.data_source import Prompt
+    from miles.data.chat import ChatFormat
+    from miles.data.prompts import Prompt
     from miles.rollout.environments.terminal import DONE, TASKS, TerminalEnv
 
     fmt = ChatFormat(tokenizer)
@@ -74,8 +74,9 @@ async def _episodes(url: str, model_dir: str, samples: int):
     import httpx
 
     from miles.models.loading import load_tokenizer
-    from miles.rollout.agent import AgentConfig, run_episode
-    from miles.rollout.data_source import Prompt
+    from miles.rollout.agent.episode import run_episode
+    from miles.rollout.config import AgentConfig
+    from miles.data.prompts import Prompt
     from miles.rollout.environments.terminal import TASKS, TerminalEnv
     from miles.rollout.generate import SamplingParams
 

@@ -34,8 +34,10 @@ async def play(url: str, model: str, prompts: int, samples: int, digits: int, fi
     import httpx
 
     from miles.models.loading import load_tokenizer
-    from miles.rollout.agent import AgentConfig, ChatFormat, run_episode
-    from miles.rollout.data_source import PromptSource, TaskConfig
+    from miles.data.chat import ChatFormat
+    from miles.rollout.agent.episode import run_episode
+    from miles.rollout.config import AgentConfig
+    from miles.data.prompts import PromptSource, TaskConfig
     from miles.rollout.environments.tool_calc import CalculatorEnv
     from miles.rollout.generate import SamplingParams
 

@@ -20,7 +20,7 @@ import time
 
 
 def episode_tokens(fmt, task, use_tool: bool) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one solved episode, built the way rollout/agent.py builds them."""
+    """(token ids, loss mask) of one solved episode, built the way rollout/agent/episode.py builds them."""
     from miles.rollout.environments.tool_calc import demonstration
 
     ids = fmt.prompt_ids(task.text)
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
     import torch
 
     from miles.models.loading import load_model, load_tokenizer
-    from miles.rollout.agent import ChatFormat
-    from miles.rollout.data_source import PromptSource, TaskConfig
+    from miles.data.chat import ChatFormat
+    from miles.data.prompts import PromptSource, TaskConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)

@@ -23,7 +23,7 @@ from miles.capacity import calibration, projection, weight_sync
 from miles.capacity.fleet import GB, DeviceSpec, Layout, device_spec
 from miles.capacity.shapes import PRESETS, ModelShape, model_shape, parse_size
 from miles.config.loader import ConfigError, load_config, parse_overrides
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 ENGINE_WEIGHT_FRACTION = 0.6
 """ASSUMED. The default layout gives each engine enough devices that its weights take at most this

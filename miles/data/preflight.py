@@ -14,7 +14,6 @@ from pathlib import Path
 from miles.data.chat import encode_prompt
 from miles.data.rows import DataError
 from miles.data.source import split_records
-from miles.models.loading import load_tokenizer
 
 
 def context_length(model_path: str, configured: int | None) -> int | None:
@@ -27,9 +26,9 @@ def context_length(model_path: str, configured: int | None) -> int | None:
     return json.loads(config.read_text()).get("max_position_embeddings")
 
 
-def check_dataset(task_cfg, model_path: str, configured_context: int | None) -> dict[str, int]:
-    """Raise DataError naming the file, row and field of the first bad row; else the row counts."""
-    tokenizer = load_tokenizer(model_path)
+def check_dataset(task_cfg, tokenizer, model_path: str, configured_context: int | None) -> dict[str, int]:
+    """Raise DataError naming the file, row and field of the first bad row; else the row counts.
+    `tokenizer` is the model's (the caller loads it: data/ does not load models)."""
     limit = context_length(model_path, configured_context)
     counts = {}
     for split in ("train", "eval"):

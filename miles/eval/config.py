@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from miles.config import ConfigError
 from miles.eval.metrics import get_answer_fn
-from miles.rollout.data_source import TaskConfig
+from miles.data.prompts import TaskConfig
 from miles.rollout.reward import get_reward_fn
 
 METRICS = ("pass", "avg", "maj")

@@ -14,12 +14,12 @@ import json
 import threading
 from pathlib import Path
 
-from miles.config.run import RunConfig
 from miles.engine_api.client import EngineClient
+from miles.run_config import RunConfig
 from miles.eval.evaluator import Evaluator
 from miles.metrics.sink import JsonlSink, clean
 from miles.net import LOOPBACK
-from miles.rollout.agent import get_generate_fn
+from miles.rollout.generate import get_generate_fn
 from miles.rewards.runner import RewardRunner
 from miles.rollout.group import GroupGenerator
 

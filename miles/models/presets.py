@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles.rollout.tasks.arithmetic import ArithmeticTask, demonstration
+from miles.data.tasks.arithmetic import ArithmeticTask, demonstration
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -42,6 +42,7 @@ class Preset:
     num_experts: int = 0  # > 0 builds a Qwen3-MoE model: every decoder layer's MLP is a sparse MoE block
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    model_vocab_size: int = 0  # > 0: the embedding has this many rows, more than the tokenizer's (as Qwen3 pads)
 
 
 PRESETS: dict[str, Preset] = {
@@ -54,6 +55,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen3-moe": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96),
+    # Qwen3-0.6B's shape (596M parameters: 28 layers, GQA 16/8 heads of 128, vocabulary 151936, 40960
+    # positions), randomly initialised, with the small local tokenizer: for timing GPU runs, not for tasks.
+    "qwen3-0.6b-shape": Preset(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                               max_position_embeddings=40960, model_vocab_size=151936),
 }
 
 
@@ -102,7 +108,7 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
         moe = dict(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
                    moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True)
     config = (Qwen3MoeConfig if moe else Qwen3Config)(
-        vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        vocab_size=p.model_vocab_size or len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
         max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=True,

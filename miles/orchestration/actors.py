@@ -169,7 +169,7 @@ class TrainerShell:
                 updater.close()
 
     def _push(self, updater, version: int) -> dict[str, float]:
-        named = self.trainer.full_named_tensors()
+        named = self.trainer.full_named_tensors(on_device=bool(getattr(updater, "takes_device_tensors", False)))
         try:
             return updater.push(named, version) if self.rank == 0 else {}
         finally:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.metrics.progress import Progress
 from miles.metrics.sink import Sink
 from miles.orchestration.checkpoints import CheckpointWrites, commit_when_written

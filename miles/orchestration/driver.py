@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -20,13 +21,14 @@ from pathlib import Path
 from typing import Callable
 
 from miles.config.loader import save_config, to_dict
-from miles.config.run import RunConfig
-from miles.data.chat import encode_prompt
-from miles.data.preflight import check_dataset
-from miles.data.rows import DataError
 from miles.engine_api import routes
 from miles.engine_api.client import EngineClient
 from miles.engine_api.errors import EngineError
+from miles.run_config import RunConfig
+from miles.data.chat import encode_prompt
+from miles.data.preflight import check_dataset
+from miles.data.rows import DataError
+from miles.eval.evaluator import Evaluator
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
@@ -36,15 +38,14 @@ from miles.orchestration.context import TrainContext, log
 from miles.orchestration.faults import FaultInjector
 from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.loop import SCHEDULES
-from miles.orchestration.placement import CorePools, NodePool, PlacementError, core_pools
+from miles.orchestration.placement import CorePools, GpuShares, NodePool, PlacementError, core_pools, place_devices
 from miles.orchestration.ray_cluster import ensure_ray, node_address
 from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
-from miles.rollout.data_source import PromptSource
+from miles.data.prompts import PromptSource
 from miles.rollout.manager import RolloutManager
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.rollout.teacher import check_served_teacher
-from miles.sync.prepare import wire_dtype
 from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
@@ -102,7 +103,7 @@ def _cannot_start(slot: int) -> EngineHandle:
 
 
 def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None, stack: contextlib.ExitStack,
-                 run: dict) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
+                 run: dict, gpus: float = 0.0) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
     """Engines, the router in front of them, and the fleet that keeps them serving.
 
     The engines are the run's own, or the ones at rollout.engine_urls: those are probed, routed
@@ -118,7 +119,7 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
         router_token = admin_token or secrets.token_hex(16)
     else:
         size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-        pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack)
+        pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus)
         start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
         # Standby engines start with the others, so that even the first failure finds one ready.
         started = start_many(size)
@@ -158,24 +159,43 @@ def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | Non
     return fleet, router
 
 
-def _node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack
-               ) -> NodePool:
-    """The placement group of one pool on the nodes `resource` (config key `key`) names; removed when
-    the run ends."""
+def _node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack,
+               gpus: float = 0.0) -> NodePool:
+    """The placement group of one pool on the nodes `resource` (config key `key`) names, `gpus` GPUs per
+    process; removed when the run ends."""
     try:
-        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s)
+        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s, gpus)
     except PlacementError as exc:
         raise SystemExit(f"miles: {exc}") from None
     stack.callback(pool.remove)
     return pool
 
 
-def _trainer_pool(cfg: RunConfig, stack: contextlib.ExitStack) -> NodePool:
+def _trainer_pool(cfg: RunConfig, stack: contextlib.ExitStack, gpus: float = 0.0) -> NodePool:
     return _node_pool("trainer", cfg.trainer.num_ranks, cfg.placement.trainer_nodes, "placement.trainer_nodes",
-                      cfg, stack)
+                      cfg, stack, gpus)
 
 
-def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.ExitStack) -> list[str]:
+def _place_devices(cfg: RunConfig, engines: bool = True) -> tuple[RunConfig, GpuShares]:
+    """`cfg` with trainer.device and rollout.engine.device made concrete for the cluster's GPUs (auto:
+    cuda where it has any), and each process's GPU share; `engines`: whether the run starts engines."""
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    n = 0
+    if engines and not cfg.rollout.engine_urls:
+        n = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
+        n += cfg.teacher.num_engines if cfg.teacher.model.path and not cfg.teacher.engine_urls else 0
+    trainer, engine, shares = place_devices(cfg.trainer.device, cfg.rollout.engine.device, gpus,
+                                            cfg.trainer.num_ranks, n)
+    trainer_cfg = dataclasses.replace(cfg.trainer, device=trainer)
+    trainer_cfg.validate()
+    rollout = dataclasses.replace(cfg.rollout, engine=dataclasses.replace(cfg.rollout.engine, device=engine))
+    return dataclasses.replace(cfg, trainer=trainer_cfg, rollout=rollout), shares
+
+
+def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.ExitStack,
+                    gpus: float = 0.0) -> list[str]:
     """The teacher engines' URLs (none without a [teacher] section): started here from
     teacher.model.path, or teacher.engine_urls checked for the student's tokenizer. They join no
     fleet, router or weight transport, so no weight update ever reaches them."""
@@ -191,6 +211,8 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
     if not t.model.path:
         return []
     cls = remote(EngineShell)
+    if cfg.rollout.engine.device == "cuda":
+        cls = cls.options(num_gpus=gpus)
     # Their own admin token, never handed to anything: nothing may administer a teacher.
     actors = [cls.remote(cfg.rollout.engine.for_run(t.model.path, cfg.run.seed + 20_000 + i, secrets.token_hex(16)),
                          pools.engine if pools else None) for i in range(t.num_engines)]
@@ -237,18 +259,19 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
     how to start its trainer group again (fault.restart_trainer)."""
     stack.enter_context(_ray(cfg))
+    cfg, gpus = _place_devices(cfg)
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
     admin_token = run_admin_token(external=bool(external))
     wiring: dict = {}
-    fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring)
+    fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring, gpus.engine)
     urls = fleet.serving_urls()
     log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}")
-    teacher_urls = _start_teachers(cfg, pools, stack)
+    teacher_urls = _start_teachers(cfg, pools, stack, gpus.engine)
     if teacher_urls:
         log(f"teacher engines ready: {', '.join(teacher_urls)}")
-    sync = dataclasses.replace(cfg.sync, dtype=wire_dtype(cfg))
-    trainer_pool = _trainer_pool(cfg, stack)
+    sync = dataclasses.replace(cfg.sync, dtype=cfg.wire_dtype())
+    trainer_pool = _trainer_pool(cfg, stack, gpus.trainer)
 
     def start_trainer() -> TrainerGroup:
         group = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
@@ -263,8 +286,8 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
     rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
-        cfg.rollout, cfg.eval, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
-        router_url=router.url, teacher_urls=teacher_urls)
+        cfg.rollout, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
+        router_url=router.url, teacher_urls=teacher_urls, evaluator=functools.partial(Evaluator, cfg.eval))
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
     stack.callback(sink.close)
     if cfg.metrics.dashboard:
@@ -301,7 +324,8 @@ def check_data(cfg: RunConfig) -> None:
     if cfg.rollout.task.name != "dataset":
         return
     try:
-        counts = check_dataset(cfg.rollout.task, cfg.model.path, cfg.rollout.engine.context_length)
+        counts = check_dataset(cfg.rollout.task, load_tokenizer(cfg.model.path), cfg.model.path,
+                               cfg.rollout.engine.context_length)
     except DataError as exc:
         raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
@@ -467,10 +491,11 @@ def run_sft(cfg: RunConfig) -> dict:
     rng = random.Random(cfg.run.seed)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_ray(cfg))
+        cfg, gpus = _place_devices(cfg, engines=False)
         pools = core_pools(cfg.placement)
         tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
         trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None,
-                               pool=_trainer_pool(cfg, stack))
+                               pool=_trainer_pool(cfg, stack, gpus.trainer))
         stack.callback(trainer.close)
         progress = Progress("sft", sft.steps, mode=cfg.metrics.progress)
         order: list[int] = []

@@ -2,7 +2,7 @@
 
 A schedule is a function `(TrainContext) -> None` that runs steps `ctx.start_step + 1 ..
 loop.num_steps` with the shared steps in orchestration/steps.py; a user's own is given as
-`module:function`. Non-goal: checks across sections (config/checks.py).
+`module:function`. Non-goal: checks across sections (miles/run_checks.py).
 """
 
 from __future__ import annotations

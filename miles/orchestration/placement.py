@@ -12,7 +12,11 @@ colocated: both get every core and take turns (sync schedule only): while the tr
 engines release their memory (/release_memory_occupation; `release_memory` says which kinds). The
 trainer keeps its parameters between steps (it pushes them right after training); its optimizer
 state can live off the device between steps (trainer.offload_optimizer).
-Non-goals: starting nodes (`ray start`), autoscaling, GPU bundles.
+GPUs: a pool whose processes compute on cuda asks for GPUs in each bundle (Ray then shows each
+process its card through CUDA_VISIBLE_DEVICES). When the cluster has fewer GPUs than GPU processes,
+they share cards in equal fractions (`gpu_shares`): one GPU holds a trainer rank and an engine at half
+each, colocated or not, and each engine keeps to its memory_fraction of the card.
+Non-goals: starting nodes (`ray start`), autoscaling, GPU topology (NVLink islands, NUMA).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from miles.config.loader import ConfigError
+from miles.devices import resolve
 
 
 @dataclass
@@ -86,6 +91,42 @@ def core_pools(cfg: PlacementConfig) -> CorePools | None:
     return CorePools(engine=tuple(cores[:k]), trainer=tuple(cores[k:]))
 
 
+@dataclass(frozen=True)
+class GpuShares:
+    """GPUs each process of a pool asks Ray for (0: the pool computes on cpu)."""
+
+    trainer: float = 0.0
+    engine: float = 0.0
+
+
+def gpu_shares(gpus: float, trainer_ranks: int, engines: int) -> GpuShares:
+    """Split `gpus` among `trainer_ranks` and `engines` processes on cuda (0 for a pool on cpu): a whole
+    GPU each where there are enough, else equal fractions (Ray accepts shares of 1/100)."""
+    n = trainer_ranks + engines
+    if n == 0:
+        return GpuShares()
+    if gpus < 1 and n:
+        raise ConfigError("the run puts its trainer or engines on cuda (trainer.device / rollout.engine.device), "
+                          "but the Ray cluster offers no GPU: set them to 'cpu' (or 'auto'), or join a cluster "
+                          "with GPUs (ray.address)")
+    share = 1.0 if n <= gpus else int(100 * gpus / n) / 100
+    if share < 0.01:
+        raise ConfigError(f"{n} processes on cuda cannot share {gpus:g} GPU(s) (at most 100 per GPU): lower "
+                          "trainer.num_ranks or rollout.num_engines")
+    return GpuShares(trainer=share if trainer_ranks else 0.0, engine=share if engines else 0.0)
+
+
+def place_devices(trainer_device: str, engine_device: str, gpus: float, trainer_ranks: int,
+                  engines: int) -> tuple[str, str, GpuShares]:
+    """The trainer's and the engines' devices made concrete for a cluster offering `gpus` GPUs (auto:
+    cuda when it offers any), and each process's GPU share. `engines`: the engine processes the run
+    starts itself (0 for engines started outside it, whose devices are their operator's)."""
+    trainer = resolve(trainer_device, "trainer.device", gpu_present=gpus > 0)
+    engine = resolve(engine_device, "rollout.engine.device", gpu_present=gpus > 0) if engines else engine_device
+    shares = gpu_shares(gpus, trainer_ranks if trainer == "cuda" else 0, engines if engine == "cuda" else 0)
+    return trainer, engine, shares
+
+
 BUNDLE_SHARE = 0.001
 """How much of its node resource (or of CPU, when none is named) each bundle asks for."""
 
@@ -101,7 +142,7 @@ class NodePool:
     shares a slot's bundle, which costs nothing since actors ask for no resources of their own).
     """
 
-    def __init__(self, name: str, size: int, resource: str, key: str, timeout_s: float):
+    def __init__(self, name: str, size: int, resource: str, key: str, timeout_s: float, gpus: float = 0.0):
         import ray
         from ray.util.placement_group import placement_group
 
@@ -112,8 +153,9 @@ class NodePool:
             raise PlacementError(f"{key} = {resource!r}: no node of the cluster offers the Ray resource {need!r} "
                                  f"(nodes: {', '.join(nodes)}); start one with `ray start --resources "
                                  f"'{{\"{need}\": 1}}' ...`, or leave {key} empty for any node")
-        self.name, self.size = name, size
-        self.group = placement_group([{need: BUNDLE_SHARE}] * size, strategy="PACK", name=f"miles-{name}")
+        self.name, self.size, self.gpus = name, size, gpus
+        bundle = {need: BUNDLE_SHARE, **({"GPU": gpus} if gpus else {})}
+        self.group = placement_group([bundle] * size, strategy="PACK", name=f"miles-{name}")
         try:
             ray.get(self.group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -126,7 +168,7 @@ class NodePool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            self.group, placement_group_bundle_index=index % self.size)}
+            self.group, placement_group_bundle_index=index % self.size), **({"num_gpus": self.gpus} if self.gpus else {})}
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -46,12 +46,12 @@ class TrainerGroup:
         # The "checkpoint" group's thread waits for background checkpoint writes (from the driver's
         # writer thread) while the default group's thread trains.
         cls = remote(TrainerShell, concurrency_groups={"checkpoint": 1})
-        if trainer_cfg.device == "cuda":
-            # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): one per rank.
-            cls = cls.options(num_gpus=1)
         self.cfg = trainer_cfg
         self.algorithm = get_algorithm(trainer_cfg.algorithm)
-        self.actors = [cls.options(**(pool.options(r) if pool is not None else {})).remote(
+        # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): a cuda rank
+        # asks for its pool's share; without a pool, a whole GPU.
+        gpu = {"num_gpus": 1} if trainer_cfg.device == "cuda" else {}
+        self.actors = [cls.options(**(pool.options(r) if pool is not None else gpu)).remote(
             trainer_cfg, sync_cfg, model_path, r, n, seed, temperature, cores, admin_token) for r in range(n)]
         self._ray = ray
         self.failed = False

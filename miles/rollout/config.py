@@ -1,25 +1,177 @@
-"""What the rollout side is told: engines, sampling, prompts, rewards (RolloutConfig). Held-out
-evaluation (EvalConfig) is configured in miles/eval/config.py and re-exported here.
+"""What the rollout side is told: engines, sampling, prompts, rewards (RolloutConfig), and the
+tables nested in it for multi-turn rollouts: rollout.agent (AgentConfig), rollout.agent.harness
+(HarnessConfig) and rollout.agent.sandbox (SandboxConfig). Held-out evaluation (EvalConfig) is
+configured in miles/eval/config.py.
 
 The built-in engine's own config is nested as `rollout.engine`, so every engine setting can be set
 from a run config; the run fills in what only it knows (model path, admin token, per-engine seed).
+This module holds settings and their own checks only: it imports no agent, harness or environment
+code, so reading a run config never loads them. What needs that code (the generate function and the
+environment named here, built and checked against their contracts) is checked with the whole run,
+in miles/run_checks.py.
 Non-goals: the router's and the fleet's settings (router/config.py, liveness.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from miles.config import ConfigError
-from miles.rollout.agent import AgentConfig, get_generate_fn
-from miles.rollout.data_source import TaskConfig
+from miles.data.prompts import TaskConfig
+from miles.registry import RegistryError, load_attr
 from miles.rewards.config import RewardConfig
 from miles.rewards.contract import load_components
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+SANDBOX_BACKENDS = ("auto", "root", "rootless")
+
+
+@dataclass
+class SandboxConfig:
+    backend: str = "auto"
+    """How commands are confined: "root" (namespaces, a throwaway uid and a memory cgroup; needs root),
+    "rootless" (user namespaces and bubblewrap; needs no privilege, has no memory cgroup), or "auto"
+    (root when running as root and it works here, else rootless)."""
+    extra_ro_paths: list[str] = field(default_factory=list)
+    """Host paths bound read-only into a rootless sandbox beyond /usr (absolute), for tasks whose tools
+    live elsewhere, e.g. ["/opt/tool"]; the root backend already shows /opt and /etc."""
+    cpu_time_s: int = 10
+    """CPU seconds per command (RLIMIT_CPU); past it the command gets SIGXCPU, then SIGKILL."""
+    memory_mb: int = 1024
+    """Memory in MiB: each process's address-space limit, and on the root backend also the limit of all
+    the sandbox's processes together (a memory cgroup, where files written to the working directory count too)."""
+    disk_mb: int = 64
+    """Size of the working directory in MiB (a tmpfs: writes past it fail with 'No space left')."""
+    max_file_mb: int = 16
+    """Largest file a command may write, in MiB (RLIMIT_FSIZE)."""
+    max_processes: int = 64
+    """Most processes the command may have at once (RLIMIT_NPROC, counted per sandbox uid on the root backend
+    and per user namespace on the rootless one)."""
+    wall_timeout_s: float = 20.0
+    """Wall-clock seconds per command; then every process of the command is killed."""
+    max_output_bytes: int = 8192
+    """Output kept per stream; the rest is dropped and the result says truncated."""
+    stop_after_output_factor: int = 16
+    """Stop a command once it has printed this many times max_output_bytes (it is only wasting time)."""
+
+    def validate(self) -> None:
+        if min(self.cpu_time_s, self.memory_mb, self.disk_mb, self.max_file_mb, self.max_processes,
+               self.max_output_bytes) < 1:
+            raise ConfigError("sandbox limits (cpu_time_s, memory_mb, disk_mb, max_file_mb, max_processes, "
+                              "max_output_bytes) must all be >= 1")
+        if self.wall_timeout_s <= 0:
+            raise ConfigError("sandbox.wall_timeout_s must be > 0")
+        if self.stop_after_output_factor < 1:
+            raise ConfigError("sandbox.stop_after_output_factor must be >= 1")
+        if self.backend not in SANDBOX_BACKENDS:
+            raise ConfigError(f"sandbox.backend = {self.backend!r}: write one of "
+                              f"{', '.join(map(repr, SANDBOX_BACKENDS))}")
+        for p in self.extra_ro_paths:
+            if not isinstance(p, str) or not p.startswith("/") or Path(p).resolve() == Path("/"):
+                raise ConfigError(f"sandbox.extra_ro_paths: {p!r} is not an absolute path below / "
+                                  "(write e.g. \"/opt/tool\")")
+
+
+@dataclass
+class HarnessConfig:
+    command: str = ""
+    """The program run once per sample, as a command line (split like a shell would, run without one)."""
+    function: str = ""
+    """Instead of command: module:function called as f(episode: Episode) in the rollout process (may be async)."""
+    reward: Literal["program", "run"] = "program"
+    """program: the last stdout line (a number or {"reward": x}) or the function's return; run: rollout.reward
+    over the session's last assistant reply and the prompt's label."""
+    tool_parser: str = "hermes"
+    """How the model writes tool calls (hermes = Qwen2.5/Qwen3 <tool_call> JSON, llama3_json, none, or module:Class)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the program."""
+    cwd: str = ""
+    """Working directory of the program, where a relative path in command is found (default: the directory
+    the run was configured in, i.e. where `miles train` started)."""
+    max_concurrent: int = 0
+    """Programs running at once in the rollout process (training and eval episodes together); the rest
+    wait their turn, and their timeout starts when they start. 0 = two per CPU core."""
+    on_failure: Literal["score", "drop_group"] = "score"
+    """A crashed, timed-out or reward-less episode: score (trained with fallback_score) or drop_group
+    (its group goes to buffer.on_failure)."""
+    fallback_score: float = 0.0
+    """The reward of a failed episode (on_failure = score)."""
+    max_failure_rate: float = 0.5
+    """Stop the run once more than this share of episodes failed, counted after min_episodes; 1.0 never stops."""
+    min_episodes: int = 20
+    """Episodes to run before max_failure_rate is checked."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.max_failure_rate <= 1.0 or self.min_episodes < 0 or self.max_concurrent < 0:
+            raise ConfigError("rollout.agent.harness.max_failure_rate must be in [0, 1], min_episodes and "
+                              "max_concurrent >= 0")
+        try:
+            TOOL_PARSERS.get(self.tool_parser)
+        except RegistryError as e:
+            raise ConfigError(f"rollout.agent.harness.tool_parser: {e}") from None
+
+    def check_program(self) -> None:
+        """The program is given and loadable (checked when rollout.generate_fn = "harness")."""
+        if bool(self.command) == bool(self.function):
+            raise ConfigError("rollout.agent.harness: set exactly one of command (a program to run) and function "
+                              "(module:function), e.g. command = \"python my_agent.py\"")
+        if self.command:
+            try:
+                argv = shlex.split(self.command)
+            except ValueError as e:
+                raise ConfigError(f"rollout.agent.harness.command: {e}") from None
+            if not argv:
+                raise ConfigError("rollout.agent.harness.command is empty")
+        if self.function:
+            try:
+                fn = load_attr(self.function, "harness function")
+            except RegistryError as e:
+                raise ConfigError(f"rollout.agent.harness.function: {e}") from None
+            if not callable(fn):
+                raise ConfigError(f"rollout.agent.harness.function {self.function!r} is not callable: give a "
+                                  "function taking one Episode")
+        if self.cwd and not os.path.isdir(self.cwd):
+            raise ConfigError(f"rollout.agent.harness.cwd {self.cwd!r} is not a directory")
+        # Fixed now: the rollout process (a Ray actor) may run elsewhere than where the run was started.
+        self.cwd = os.path.abspath(self.cwd or os.getcwd())
+
+
+@dataclass
+class AgentConfig:
+    environment: str = "tool_calc"
+    """Environment by name (tool_calc, terminal) or module:function returning an Environment."""
+    max_turns: int = 4
+    """Most model turns per episode; an episode still running after them is truncated."""
+    max_response_tokens: int = 256
+    """Budget for the whole trajectory after the prompt: model and environment tokens together."""
+    episode_timeout_s: float = 120.0
+    """Give up on an episode after this many seconds; it is marked aborted (buffer retries or drops it)."""
+    turn_end_token: str = "<|im_end|>"
+    """Token that ends a model turn in the chat template; generation of a turn stops at it."""
+    observation_role: str = "tool"
+    """Chat role of the environment's replies."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the environment's factory, every episode (e.g. {max_commands = 6} for terminal)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the sandbox, for environments that run commands in one (terminal)."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """Your own agent program, run once per sample against a session (generate_fn = "harness"); max_turns,
+    max_response_tokens, episode_timeout_s and turn_end_token above apply to it too."""
+
+    def validate(self) -> None:
+        if self.max_turns < 1 or self.max_response_tokens < 1:
+            raise ConfigError("rollout.agent.max_turns and rollout.agent.max_response_tokens must be >= 1")
+        if self.episode_timeout_s <= 0:
+            raise ConfigError("rollout.agent.episode_timeout_s must be > 0")
+        # Whether `environment` builds with env_args is checked with the whole run (run_checks.py): that
+        # needs the environments themselves, which this module does not import.
 
 
 @dataclass
@@ -130,10 +282,6 @@ class RolloutConfig:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
         if self.group_timeout_s < 0 or self.max_resumes < 0:
             raise ConfigError("rollout.group_timeout_s and rollout.max_resumes must be >= 0")
-        try:
-            get_generate_fn(self.generate_fn)
-        except ValueError as e:
-            raise ConfigError(f"rollout.generate_fn: {e}") from None
         h = self.agent.harness
         if self.generate_fn == "harness":
             h.check_program()

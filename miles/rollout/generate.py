@@ -1,13 +1,25 @@
-"""Single-turn generation: prompt token ids in, a Sample with response ids and logprobs out.
+"""Generate functions: how one prompt becomes one scored Sample, chosen by rollout.generate_fn.
+
+    GenerateContext, GenerateFn   what a generate function is given, and its contract
+    GENERATE_FNS                  the registry: single_turn (here), agent (agent/episode.py),
+                                  harness (agent/harness.py), or a user's `module:function`
+    generate, generate_many       single-turn generation: prompt token ids in, Samples with response
+                                  ids and logprobs out, one request or a group's batch per POST
 
 Talks to any server speaking the engine HTTP API (the built-in engine, SGLang, or a router in front
 of them). Token ids are sent and received as ids (TITO); the text is only used for the reward.
+Non-goals: multi-turn episodes (agent/), scoring (the reward runner, or the generate function itself).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
 from miles.buffer.types import Sample, SampleStatus
 from miles.engine_api.sampling import SamplingParams
+from miles.registry import Registry
+from miles.rollout.config import AgentConfig
 from miles.versions import from_wire
 
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
@@ -15,6 +27,50 @@ _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "ab
 
 class GenerationError(RuntimeError):
     """The engine refused or failed a request; the message carries its reason."""
+
+
+@dataclass
+class GenerateContext:
+    """What a generate function may use; built by the rollout manager for each request."""
+
+    client: object                     # httpx.AsyncClient
+    url: str                           # engine or router base URL
+    tokenizer: object
+    encode: Callable[..., list[int]]  # a Prompt (or its text) → prompt ids (chat template or plain)
+    reward_fn: Callable[[str, str | None], float]
+    agent: AgentConfig
+    return_routed_experts: bool = False  # ask the engine for routed experts and keep them on the Sample
+
+
+class GenerateFn(Protocol):
+    async def __call__(self, ctx: GenerateContext, prompt, params, rid: str) -> Sample:
+        """Turn one data-source Prompt into one Sample with its reward filled in (or, with the
+        function's `scores_itself = False`, left to the run's reward runner)."""
+
+
+async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
+    """One /generate call on the encoded prompt; the reward runner scores it (scores_itself = False)."""
+    s = await generate(ctx.client, ctx.url, ctx.encode(prompt), params, rid=rid, label=prompt.label,
+                       prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
+    s.metadata = dict(prompt.metadata)
+    return s
+
+
+single_turn.scores_itself = False  # type: ignore[attr-defined]
+
+
+GENERATE_FNS: Registry[GenerateFn] = Registry(
+    "generate function", arity=4, coroutine=True,
+    hint=" (an `async def` taking (ctx, prompt, params, rid) and returning a Sample)")
+GENERATE_FNS.register("single_turn", single_turn)
+# The multi-turn ones by `module:attr`: naming one imports only its own module.
+GENERATE_FNS.register("agent", "miles.rollout.agent.episode:multi_turn")
+GENERATE_FNS.register("harness", "miles.rollout.agent.harness:harness")
+
+
+def get_generate_fn(spec: str) -> GenerateFn:
+    """The generate function `spec` names (registry name or `module:function`); RegistryError names the fix."""
+    return GENERATE_FNS.get(spec)
 
 
 async def generate(client, url: str, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,

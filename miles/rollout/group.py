@@ -24,9 +24,8 @@ from miles.buffer.types import Group, Reason, Sample, SampleStatus
 from miles.data.chat import encode_prompt
 from miles.engine_api.client import EngineClient
 from miles.rewards.runner import RewardRunner
-from miles.rollout.agent import GenerateContext
 from miles.rollout.config import RolloutConfig
-from miles.rollout.generate import GenerationError, SamplingParams, generate, generate_many
+from miles.rollout.generate import GenerateContext, GenerationError, SamplingParams, generate, generate_many
 from miles.rollout.stats import SampleStats
 from miles.rollout.teacher import TeacherScorer
 

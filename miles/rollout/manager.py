@@ -11,8 +11,10 @@ Two ways to produce groups:
   into the buffer; `collect()` then hands the trainer what passed the buffer's rules.
 - `start_producer` (fully async): keeps up to `buffer.max_inflight_groups` groups in flight;
   `collect(n)` blocks for n groups.
-Evaluation (eval/accuracy and the eval sets) is miles/eval/evaluator.py's Evaluator.
-It never imports the trainer or the orchestrator. Non-goals: the router and engine health (separate parts).
+Evaluation (eval/accuracy and the eval sets) is miles/eval/evaluator.py's Evaluator, which the
+driver hands in as a factory (`evaluator`): chosen there, built here on this process's group
+generator. It never imports the trainer, the orchestrator or eval/.
+Non-goals: the router and engine health (separate parts).
 """
 
 from __future__ import annotations
@@ -20,18 +22,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Literal
+from typing import Callable, Literal, Protocol
 
 from miles.buffer.data_buffer import BufferConfig, DataBuffer
+from miles.data.prompts import Prompt, PromptSource
 from miles.engine_api import routes
 from miles.engine_api.aio import run_coroutine
 from miles.engine_api.client import EngineClient
-from miles.eval.evaluator import Evaluator
 from miles.models.loading import load_tokenizer
-from miles.rollout.agent import get_generate_fn
-from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import Prompt, PromptSource
+from miles.rollout.generate import get_generate_fn
 from miles.rollout.group import GroupGenerator
 from miles.rollout.producer import Producer
 from miles.rollout.teacher import TeacherScorer
@@ -42,10 +42,18 @@ from miles.rewards.runner import RewardRunner
 ADMIN_TIMEOUT_S = 120.0
 
 
+class Evaluates(Protocol):
+    def evaluate(self) -> dict[str, float]:
+        """eval/... metrics of the current weights."""
+
+
 class RolloutManager:
-    def __init__(self, cfg: RolloutConfig, eval_cfg: EvalConfig, model_path: str, engine_urls: list[str],
-                 seed: int = 0, buffer_cfg: BufferConfig | None = None, admin_token: str | None = None,
-                 router_url: str | None = None, teacher_urls: list[str] | None = None):
+    def __init__(self, cfg: RolloutConfig, model_path: str, engine_urls: list[str], seed: int = 0,
+                 buffer_cfg: BufferConfig | None = None, admin_token: str | None = None,
+                 router_url: str | None = None, teacher_urls: list[str] | None = None,
+                 evaluator: Callable[[GroupGenerator, int], Evaluates] | None = None):
+        """`evaluator(groups, seed)` builds what `evaluate()` runs (e.g. partial(Evaluator, eval_cfg));
+        None: this manager does not evaluate."""
         self.cfg, self.seed = cfg, seed
         # Its own prompt source: the buffer's ledger must see every prompt it hands out.
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
@@ -57,7 +65,7 @@ class RolloutManager:
                                      self.buffer, self.admin, threading.Event(),
                                      TeacherScorer(teacher_urls) if teacher_urls else None)
         self.producer = Producer(self.groups)
-        self.evaluator = Evaluator(eval_cfg, self.groups, seed)
+        self.evaluator = evaluator(self.groups, seed) if evaluator is not None else None
 
     # -- generation ------------------------------------------------------------------------------
     def set_versions(self, policy_version: int, weight_version: int | None = None) -> None:
@@ -126,6 +134,9 @@ class RolloutManager:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out split (eval/accuracy) and each eval set's eval/<set>/... figures."""
+        if self.evaluator is None:
+            raise RuntimeError("this RolloutManager was made without an evaluator: pass evaluator=, e.g. "
+                               "functools.partial(Evaluator, eval_cfg)")
         return self.evaluator.evaluate()
 
     def reward_worker_pids(self) -> list[int]:

@@ -135,15 +135,6 @@ def transport_config(name: str) -> type[SyncConfig]:
     return config
 
 
-def wire_dtype(run) -> str | None:
-    """The dtype weights travel in: sync.dtype, else the built-in engines' own dtype when it is not fp32
-    (engines hold what they were loaded as; shipping fp32 to bf16 engines would double the bytes and
-    make verification compare fp32 checksums with bf16 tensors), else the trainer's dtype (None)."""
-    if run.sync.dtype is None and not run.rollout.engine_urls and run.rollout.engine.dtype != "float32":
-        return run.rollout.engine.dtype
-    return run.sync.dtype
-
-
 Group = list  # [(engine name, tensor), ...] that must land in one bucket
 
 
@@ -176,6 +167,7 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
     quantized = quantized or {}
     shadow: dict[str, tuple] = {}  # wire name -> (engine name, dequantized values) for the record
     cast = torch_dtype(dtype) if dtype else None
+    on_device = bool(getattr(transport, "takes_device_tensors", False))
     t0 = time.perf_counter()
     n_buckets = n_bytes = 0
     send_s = hash_s = 0.0
@@ -186,6 +178,8 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
             group = item if isinstance(item, list) else [item]
             out = [(name, (t.to(cast) if cast is not None and t.is_floating_point() else t).contiguous())
                    for name, t in group]
+            if not on_device:  # a transport that reads host memory (a fallback after one that did not)
+                out = [(name, t.cpu()) for name, t in out]
             out = [as_quantized(name, t) if name in quantized else (name, t) for name, t in out]
             yield out if isinstance(item, list) else out[0]
 

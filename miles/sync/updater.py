@@ -64,6 +64,11 @@ class WeightUpdater:
         """Whether the engines speak only SGLang's protocol (no staged commit)."""
         return "staged_commit" not in self.extensions
 
+    @property
+    def takes_device_tensors(self) -> bool:
+        """Whether the transport in use takes tensors on the trainer's GPU (it hands device memory over)."""
+        return bool(getattr(self.transport, "takes_device_tensors", False))
+
     def relabel(self, version: int) -> None:
         """Label every engine's weights as `version` (SGLang's /update_weight_version), without moving
         them: a run that goes back to a checkpoint pushes an older number than the engines hold, and

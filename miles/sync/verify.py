@@ -27,10 +27,11 @@ class VerificationError(TransportError):
 
 
 def tensor_bytes(t: "torch.Tensor"):
-    """A zero-copy numpy view of the tensor's bytes (works for bf16, which numpy lacks)."""
+    """A numpy view of the tensor's bytes (works for bf16, which numpy lacks): zero-copy on the host, one
+    copy to the host for a tensor on a GPU."""
     import torch
 
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
 def tensor_checksum(t: "torch.Tensor") -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from miles.config.loader import ConfigError
+from miles.devices import check_name
 from miles.precision.types import FORMATS
 from miles.trainer.algorithms.base import ALGORITHMS, AlgorithmConfig
 from miles.trainer.lora import LoraConfig
@@ -70,9 +71,9 @@ class TrainerConfig:
     """Optimizer state streamed back per bucket of parameters of about this size around the step."""
     num_threads: int = 1
     """torch threads per trainer process (keep at 1 when processes share few cores)."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """Where the trainer's ranks compute: cpu, or cuda (rank r on visible GPU r mod count). The CUDA
-    path has not run on this project's machines yet (docs/scaling.md says what ran where)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's ranks compute: auto (cuda when the run's machines have a GPU, else cpu), cpu,
+    or cuda (rank r on visible GPU r mod count; docs/scaling.md says what ran where)."""
     collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend of the trainer's group: auto = gloo on cpu, nccl on cuda."""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -130,8 +131,7 @@ class TrainerConfig:
         if tp < 1 or ep < 1 or self.num_ranks % max(tp, ep):
             raise ConfigError(f"trainer.num_ranks ({self.num_ranks}) must be a multiple of "
                               f"tensor_parallel_size ({tp}) and expert_parallel_size ({ep})")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"trainer.device = {self.device!r}: choose cpu or cuda")
+        check_name(self.device, "trainer.device")
         if self.collective_backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"trainer.collective_backend = {self.collective_backend!r}: choose auto, gloo or nccl")
         if self.collective_backend == "nccl" and self.device == "cpu":
@@ -139,7 +139,7 @@ class TrainerConfig:
                               "trainer.collective_backend = 'auto' (gloo on cpu)")
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"trainer.param_dtype = {self.param_dtype!r}: choose float32 or bfloat16")
-        if (self.param_dtype != "float32" or self.device != "cpu") and (tp > 1 or ep > 1):
+        if (self.param_dtype != "float32" or self.device == "cuda") and (tp > 1 or ep > 1):
             # The tensor/expert-parallel layouts build their own CPU meshes in float32 (trainer/parallel.py).
             raise ConfigError("tensor/expert parallelism runs on cpu in float32 only: set trainer.device = 'cpu' "
                               "and trainer.param_dtype = 'float32', or tensor_parallel_size = "

@@ -7,15 +7,14 @@ casts each layer's float32 shards to bfloat16 for the forward and backward and r
 float32 (MixedPrecisionPolicy). Weights leave the trainer through host memory (HOST), which every
 transport reads; on a CPU trainer that costs nothing.
 
-Non-goals: device placement of engines (rollout/engine), and any claim about CUDA beyond the code
-path: docs/scaling.md says what has run where.
+Non-goals: device placement of engines (rollout/engine); docs/scaling.md says what has run where.
 """
 
 from __future__ import annotations
 
 import torch
 
-from miles.config.loader import ConfigError
+from miles.devices import resolve
 
 HOST = torch.device("cpu")
 """Host memory: where full weights are handed to the transports and exports are assembled."""
@@ -25,18 +24,17 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 def collective_backend(device: str, backend: str = "auto") -> str:
     """torch.distributed backend for a device: auto = gloo on cpu, nccl on cuda."""
-    return _BACKENDS[device] if backend == "auto" else backend
+    if backend != "auto":
+        return backend
+    return _BACKENDS[resolve(device, "trainer.device") if device == "auto" else device]
 
 
 def compute_device(device: str, rank: int) -> torch.device:
-    """This rank's device. On cuda, rank r takes visible GPU r mod count (one GPU per rank when Ray
-    or CUDA_VISIBLE_DEVICES shows each rank its own)."""
-    if device == "cpu":
+    """This rank's device (`auto` resolved here). On cuda, rank r takes visible GPU r mod count (one GPU
+    per rank when Ray or CUDA_VISIBLE_DEVICES shows each rank its own; ranks that share one card see
+    it as GPU 0)."""
+    if resolve(device, "trainer.device") == "cpu":
         return HOST
-    if not torch.cuda.is_available():
-        raise ConfigError("trainer.device = 'cuda' but torch sees no CUDA device here: set trainer.device = "
-                          "'cpu', or run where `python -c 'import torch; print(torch.cuda.is_available())'` "
-                          "prints True")
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

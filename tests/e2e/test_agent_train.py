@@ -9,7 +9,7 @@ pytestmark = pytest.mark.e2e
 
 def test_grpo_on_calculator_episodes_trains_on_model_tokens_only(tiny_model_dir, tmp_path, ray_cluster):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.orchestration.driver import run_train
 
     cfg = load_config(RunConfig, "examples/tool_calc/grpo.toml", {
@@ -28,7 +28,7 @@ def test_grpo_on_calculator_episodes_trains_on_model_tokens_only(tiny_model_dir,
 
 def test_a_bad_environment_is_refused_when_the_run_is_configured(tiny_model_dir, tmp_path):
     from miles.config import ConfigError, load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
 
     with pytest.raises(ConfigError, match="rollout.agent.environment: unknown environment 'calculator'"):
         load_config(RunConfig, "examples/tool_calc/grpo.toml", {

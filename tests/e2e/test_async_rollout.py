@@ -57,13 +57,12 @@ def dead_url() -> str:
 
 def manager(model_dir, urls, rollout=None, buffer=None, router_url=None):
     from miles.buffer.data_buffer import BufferConfig
-    from miles.eval.config import EvalConfig
     from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
 
     rcfg = RolloutConfig(**{"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 8, **(rollout or {})})
     bcfg = BufferConfig(**{"filter": "none", "max_inflight_groups": 3, "max_retries": 1, **(buffer or {})})
-    return RolloutManager(rcfg, EvalConfig(num_prompts=1), model_dir, urls, seed=0, buffer_cfg=bcfg,
+    return RolloutManager(rcfg, model_dir, urls, seed=0, buffer_cfg=bcfg,
                           admin_token=TOKEN, router_url=router_url)
 
 

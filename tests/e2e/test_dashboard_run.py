@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.slow
 def test_run_with_dashboard_sinks_and_report(tiny_model_dir, tmp_path, ray_cluster):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.orchestration.driver import run_train
     from miles.orchestration.ray_cluster import node_address
 

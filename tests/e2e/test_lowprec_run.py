@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.slow
 def test_a_qat_run_keeps_engine_and_trainer_on_the_same_policy(tiny_model_dir, tmp_path, ray_cluster):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.orchestration.driver import run_train
 
     cfg = load_config(RunConfig, None, {

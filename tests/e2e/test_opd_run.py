@@ -36,7 +36,7 @@ def taught_teacher(student_dir: str, out: Path) -> str:
     import torch
 
     from miles.models.loading import load_model, load_tokenizer
-    from miles.rollout.tasks.arithmetic import ArithmeticTask, demonstration
+    from miles.data.tasks.arithmetic import ArithmeticTask, demonstration
 
     shutil.copytree(student_dir, out)
     tok, model = load_tokenizer(student_dir), load_model(student_dir, "float32")

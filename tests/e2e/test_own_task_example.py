@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 pytestmark = pytest.mark.e2e
 

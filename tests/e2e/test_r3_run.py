@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 def test_moe_grpo_run_with_routing_replay_reports_mismatch(tiny_moe_model_dir, tmp_path, ray_cluster):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.orchestration.driver import run_train
 
     cfg = load_config(RunConfig, None, {

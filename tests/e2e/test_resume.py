@@ -22,7 +22,7 @@ def digit_fraction(response: str, label) -> float:
 
 def config(model_dir, out_dir, name, steps, **over):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
 
     base = {"model.path": model_dir, "run.output_dir": str(out_dir), "run.name": name,
             "loop.num_steps": str(steps), "loop.save_every": "2", "eval.every_steps": "0", "eval.num_prompts": "8",

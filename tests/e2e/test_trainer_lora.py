@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.slow
 def test_lora_run_syncs_merged_weights_to_the_engine(tiny_model_dir, tmp_path, ray_cluster):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.orchestration.driver import run_train
 
     cfg = load_config(RunConfig, None, {

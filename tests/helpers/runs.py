@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.metrics.sink import JsonlSink
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from miles.config.loader import ConfigError
+from miles.devices import check_name
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, check_admin_exposure
 from miles.precision.types import FORMATS
-from miles.rollout.tool_calls import TOOL_PARSERS
+from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 
 
 @dataclass
@@ -19,6 +20,14 @@ class EngineConfig:
     """Hugging Face checkpoint directory (or hub id) to serve; also the tokenizer's path."""
     dtype: str = "float32"
     """Parameter dtype the model is loaded in: float32, bfloat16 or float16."""
+    device: str = "auto"
+    """Where the engine computes and keeps its weights and KV: auto (cuda when the process sees a GPU,
+    else cpu), cpu or cuda."""
+    memory_fraction: float = 0.4
+    """Share of the device's memory (the GPU's, or the host's RAM on cpu) the engine may hold: weights,
+    prefix cache and the running batch's KV, as SGLang's --mem-fraction-static. The rest is left to a
+    trainer sharing the device. An engine whose weights and one full-context sequence do not fit is
+    refused at start; requests beyond the KV budget wait for room."""
     quantization: str = "none"
     """Serve the Linear and MoE expert weights (not routers; the LM head and embeddings only with
     quantize_embeddings) in this low-precision format, dequantized in each matmul: none, or a format of
@@ -75,6 +84,10 @@ class EngineConfig:
     first-touch page faults, at the cost of a second copy of the weights held between updates."""
 
     def validate(self) -> None:
+        check_name(self.device, "engine device")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"engine memory_fraction = {self.memory_fraction}: set it in (0, 1] (the share of "
+                              "the device's memory the engine may hold; 0.4 leaves the rest to a trainer)")
         if self.max_batch_size < 1:
             raise ConfigError("engine max_batch_size must be >= 1")
         if self.prefix_block_size < 1:

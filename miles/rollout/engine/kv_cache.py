@@ -13,6 +13,9 @@ same new column L. Shorter rows are padded on the left with zero columns the mas
 BatchKV keeps the per-row tensors of the running batch aligned with each other; which row is which
 request is the model runner's business.
 
+Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
+many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
+rows x the longest reservation).
 Non-goals: paged attention (block tables), sliding-window or linear-attention layers (refused by
 `check_layout`), moving KV between devices.
 """
@@ -23,6 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from miles.config.loader import ConfigError
+from miles.devices import total_memory
 from miles.rollout.engine.prefix_cache import Match, PrefixCache
 
 
@@ -101,15 +106,41 @@ def check_layout(model_config) -> None:
                 f"{type(layer).__name__} (sliding-window or linear attention); serve it with SGLang instead")
 
 
-def tokens_in(megabytes: float, model) -> int:
-    """How many tokens of this model's KV fit in `megabytes`."""
+def bytes_per_token(model) -> int:
+    """Bytes of keys and values one token takes across all layers."""
     c = model.config
     c = getattr(c, "get_text_config", lambda: c)()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     itemsize = next(model.parameters()).element_size()
-    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize
-    return int(megabytes * 2**20) // per_token
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def tokens_in(megabytes: float, model) -> int:
+    """How many tokens of this model's KV fit in `megabytes`."""
+    return int(megabytes * 2**20) // bytes_per_token(model)
+
+
+def budget_tokens(model, device, fraction: float, prefix_cache_mb: float, context_length: int) -> int:
+    """Tokens of running-batch KV an engine may hold within `fraction` of `device`'s memory, after its
+    weights and its prefix cache. Refuses (ConfigError) an engine that could not hold its weights and one
+    full-context sequence: it would fail mid-run rather than at start."""
+    total = total_memory(device)
+    budget = fraction * total
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    gib = 2**30
+    fix = ("raise rollout.engine.memory_fraction, serve in a smaller dtype (rollout.engine.dtype = 'bfloat16'), "
+           "lower prefix_cache_mb or context_length, or use a device with more memory")
+    if weights > budget:
+        raise ConfigError(f"engine: the model's weights take {weights / gib:.2f} GiB, more than memory_fraction = "
+                          f"{fraction:g} of the {device} device's {total / gib:.2f} GiB ({budget / gib:.2f} GiB): {fix}")
+    per_token = bytes_per_token(model)
+    tokens = int(budget - weights - prefix_cache_mb * 2**20) // per_token
+    if tokens < context_length:
+        raise ConfigError(f"engine: after its weights ({weights / gib:.2f} GiB) and prefix cache ({prefix_cache_mb:g} MiB), "
+                          f"memory_fraction = {fraction:g} of the {device} device's {total / gib:.2f} GiB leaves KV for "
+                          f"{max(tokens, 0)} tokens, fewer than one sequence of context_length = {context_length}: {fix}")
+    return tokens
 
 
 def row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +200,7 @@ class BatchKV:
 
     def select(self, keep: list[int]) -> None:
         """Keep only rows `keep` (non-empty, in order). Copies the whole batch's KV."""
-        idx = torch.tensor(keep)
+        idx = torch.tensor(keep, device=self.mask.device)
         mask = self.mask[idx]
         # Drop leading columns that are padding for every remaining row, so the cache does not grow
         # with the longest prompt that ever passed through.

@@ -85,7 +85,7 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, pinned: bool = Fa
         if not any(n == t or n.endswith("." + t) for n in linears):
             raise InvalidRequest(f"target_modules: {t!r} names no linear layer of the served model; adapters can "
                                  f"target {sorted({n.rsplit('.', 1)[-1] for n in linears})}")
-    dtype = next(model.parameters()).dtype
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(weights_path, framework="pt") as f:
@@ -107,7 +107,7 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, pinned: bool = Fa
                                          f"{module!r} needs {list(want)}")
             for key in keys:
                 module, which = _module_of(key)
-                pairs.setdefault(module, {})[which] = f.get_tensor(key).to(dtype)
+                pairs.setdefault(module, {})[which] = f.get_tensor(key).to(device, dtype)
     except InvalidRequest:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt file is the client's error, not the engine's
@@ -217,7 +217,9 @@ class AdapterSet:
         if len(used) == 1 and all(a is used[0] for a in per_row):
             self._rows = [(used[0], None)]  # the common case: one adapter for the whole batch
         else:
-            self._rows = [(a, torch.tensor([i for i, r in enumerate(per_row) if r is a])) for a in used]
+            device = next(self.model.parameters()).device
+            self._rows = [(a, torch.tensor([i for i, r in enumerate(per_row) if r is a], device=device))
+                          for a in used]
         try:
             yield
         finally:

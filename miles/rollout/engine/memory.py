@@ -4,12 +4,13 @@ A colocated trainer needs the engine's memory while it trains. Releasing a tag f
 is resumed; generation is held meanwhile (running requests are retracted to the queue and continue
 after the resume, new requests queue):
   * "kv_cache": the running batch's KV (by the retract) and the prefix cache;
-  * "weights": the parameters go to a file (config.offload_dir), because a CPU engine has no other
-    memory to park them in, and the weight receiver drops its spare receive buffers.
-Freed heap pages are handed back to the OS so the process's RSS really drops.
+  * "weights": the parameters leave the device: a CUDA engine parks them in host memory, a CPU engine
+    (which has no other memory) in a file (config.offload_dir); the weight receiver drops its spare
+    receive buffers.
+Freed memory is handed back: heap pages to the OS so the RSS really drops, and on cuda the allocator's
+cached blocks to the driver, so a trainer process sharing the card can take them.
 
-Non-goals: device memory pools (CUDA, pinned host memory), releasing part of a tag, updating weights
-while they are released (refused: resume first).
+Non-goals: releasing part of a tag, updating weights while they are released (refused: resume first).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles.devices import release_cached
 from miles.engine_api.errors import InvalidRequest
 from miles.engine_api.types import MEMORY_TAGS
 from miles.precision.linear import drop_stored
@@ -55,29 +57,43 @@ class Memory:
         if "weights" in tags:
             # Outside model_lock: a commit takes the receiver's lock, then model_lock.
             self._receiver.drop_spares()
-        _return_freed_memory()
+        _return_freed_memory(runner.device)
 
     def resume(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
         tags = _check_tags(tags)
         with self._runner.model_lock:
             if "weights" in tags and self._offload_path is not None:
                 _restore(self._runner.model, self._offload_path)
-                os.unlink(self._offload_path)
+                if self._offload_path != HOST_MEMORY:
+                    os.unlink(self._offload_path)
                 self._offload_path = None
         self._scheduler.unhold(tags)
 
     def close(self) -> None:
         """Delete the offload file, if weights are released (the engine is stopping)."""
-        if self._offload_path is not None:
+        if self._offload_path not in (None, HOST_MEMORY):
             os.unlink(self._offload_path)
-            self._offload_path = None
+        self._offload_path = None
+
+
+HOST_MEMORY = "host-memory"
+"""Where a CUDA engine's released weights are (the parameters' `_host` copies), in place of a file path."""
 
 
 def _offload(model, offload_dir: str | None) -> str:
-    """Save the parameters to a new file and empty them; returns the file's path."""
+    """Move the parameters off the device and empty them; returns where they went: HOST_MEMORY for a
+    CUDA engine (pinned host copies, kept on each parameter), else the path of a new file."""
+    params = dict(model.named_parameters())  # tied weights appear once
+    if next(iter(params.values())).device.type == "cuda":
+        for p in params.values():
+            host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+            host.copy_(p.data, non_blocking=True)
+            p._host, p.data = host, torch.empty(0, dtype=p.dtype, device=p.device)
+        torch.cuda.synchronize()
+        drop_stored(model)
+        return HOST_MEMORY
     fd, path = tempfile.mkstemp(prefix="miles-engine-weights-", suffix=".safetensors", dir=offload_dir)
     os.close(fd)
-    params = dict(model.named_parameters())  # tied weights appear once
     save_file({n: p.data.contiguous() for n, p in params.items()}, path)
     for p in params.values():
         p.data = torch.empty(0, dtype=p.dtype)
@@ -86,6 +102,12 @@ def _offload(model, offload_dir: str | None) -> str:
 
 
 def _restore(model, path: str) -> None:
+    if path == HOST_MEMORY:
+        for p in model.parameters():
+            p.data = p._host.to(p.device, non_blocking=True)
+            del p._host
+        torch.cuda.synchronize()
+        return
     loaded = load_file(path)
     for n, p in model.named_parameters():
         p.data = loaded[n]
@@ -98,9 +120,11 @@ def _check_tags(tags) -> tuple[str, ...]:
     return tuple(tags)
 
 
-def _return_freed_memory() -> None:
-    """Hand freed heap pages back to the OS so the RSS really drops (glibc keeps them otherwise)."""
+def _return_freed_memory(device) -> None:
+    """Hand freed memory back: the allocator's cached device blocks to the driver, and heap pages to the
+    OS so the RSS really drops (glibc keeps them otherwise)."""
     gc.collect()
+    release_cached(device)
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+import time
 
 import torch
 
-from miles.engine_api.types import FinishReason, GenerateRequest, GenerateResult
+from miles.devices import resolve
+from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import load_model, load_tokenizer
 from miles.models.moe import encode_routed_experts, hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
@@ -48,59 +47,17 @@ from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.prefix_cache import PrefixCache
+from miles.rollout.engine.row import Row
 from miles.rollout.engine.sampler import sample
-
-
-@dataclass
-class Row:
-    """A request from submission to result; it may leave the running batch and come back (retract)."""
-
-    req: GenerateRequest
-    future: Future
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: FinishReason | None = None
-    weight_version: str | None = None  # version of the weights that produced the latest token
-    # SGLang's spans: [version, first token, end] for each run of tokens one version produced, in order.
-    weight_versions: list[list] = field(default_factory=list)
-    cached_tokens: int | None = None  # prompt tokens whose KV came from the cache, set at first admission
-    answered: bool = False  # its future is resolved; it may still occupy a row of the batch tensors
-    kv_version: int | None = None  # weights_epoch its KV was computed under; None once mixed
-    routed: list[torch.Tensor] = field(default_factory=list)  # (tokens, MoE layers, top_k) chunks, in order
-    # Prompt-token logprobs from req.logprob_start_len (the first None, as SGLang's), set at first prefill.
-    input_logprobs: list[float | None] | None = None
-    # Failure isolation (scheduler.py): "suspect" while it waits to run a step alone after a step it
-    # was in raised, "cleared" once it did without failing; `unblamed` counts failed steps it was in
-    # that no request could be blamed for.
-    isolation: str | None = None
-    unblamed: int = 0
-    # Streaming (scheduler.py): called on the scheduler's thread with each run of new output tokens
-    # and their logprobs; `streamed` counts the tokens it was given.
-    listener: Callable[[list[int], list[float]], None] | None = None
-    streamed: int = 0
-
-    @classmethod
-    def of(cls, req: GenerateRequest, future: Future, listener=None) -> Row:
-        seed = req.params.seed
-        return cls(req, future, None if seed is None else torch.Generator().manual_seed(seed), listener=listener)
-
-    def input_logprob_start(self) -> int | None:
-        """The prompt position its input logprobs start at, while they are still to be computed."""
-        k = self.req.logprob_start_len
-        if self.input_logprobs is None and self.req.return_logprob and 0 <= k < len(self.req.input_ids):
-            return k
-        return None
-
-    def prefill_ids(self) -> tuple[int, ...]:
-        # After a retract the generated tokens are part of what must be prefilled again.
-        return self.req.input_ids + tuple(self.output_ids)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model = load_model(config.model_path, dtype=config.dtype).eval()
+        self.device = torch.device(resolve(config.device, "rollout.engine.device"))
+        if self.device.type == "cuda":  # indexed, so it compares equal to the devices of its tensors
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
         quantize_linears(self.model, config.quantization, "serve", key="engine quantization",
                          embeddings=config.quantize_embeddings)
@@ -116,6 +73,10 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
+        # Running-batch KV the engine may hold (tokens), after weights and prefix cache take their share.
+        self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction,
+                                                config.prefix_cache_mb if config.prefix_cache else 0,
+                                                self.context_length)
         self.routers = routers(self.model)  # empty for dense models
         self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,
@@ -130,7 +91,10 @@ class ModelRunner:
         # Monotonic counters, written by the scheduler thread only (perf/ metrics, batching checks).
         self.stats = {"prefill_forwards": 0, "decode_forwards": 0, "generated_tokens": 0, "max_running_reqs": 0,
                       "prompt_tokens": 0, "cached_tokens": 0, "retracted_reqs": 0, "busy_s": 0.0,
-                      "failed_steps": 0, "isolated_reqs": 0, "failed_reqs": 0}
+                      "failed_steps": 0, "isolated_reqs": 0, "failed_reqs": 0,
+                      # Where a step's time goes: prefill; decode's forward and sampling until the tokens
+                      # reach the host; decode's bookkeeping on the host (stops, spans); prefix-cache inserts.
+                      "prefill_s": 0.0, "decode_device_s": 0.0, "decode_host_s": 0.0, "cache_insert_s": 0.0}
         # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
@@ -144,6 +108,11 @@ class ModelRunner:
 
     def prefill(self, rows: list[Row]) -> None:
         """Compute `rows`' prompts, sample their first tokens and append them to the running batch."""
+        t0 = time.perf_counter()
+        self._prefill(rows)
+        self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def _prefill(self, rows: list[Row]) -> None:
         # Identical prompts (on the same adapter) are prefilled once; `lead[i]` is the unique prompt row i copies.
         with self.model_lock, torch.inference_mode():
             uniq: list[tuple[int, ...]] = []
@@ -171,7 +140,7 @@ class ModelRunner:
             for i, before in computed_by.items():
                 cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
             if len(uniq) < len(rows):
-                idx = torch.tensor(lead)
+                idx = torch.tensor(lead, device=self.device)
                 logits, mask = logits[idx], mask[idx]
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[idx], layer.values[idx]
@@ -196,16 +165,17 @@ class ModelRunner:
                 r.weight_version = version
                 if r.req.params.max_new_tokens == 0:  # scoring only: nothing to generate
                     r.finish = FinishReason("length", length=0)
-        lens = torch.tensor([len(uniq[j]) for j in lead])  # (R,)
+        lens = torch.tensor([len(uniq[j]) for j in lead], device=self.device)  # (R,)
         self.kv.merge(cache, mask, lens, tokens)
         self.rows = self.rows + rows
-        self._record(rows, tokens, logprobs, version)
+        self._record(rows, tokens.tolist(), logprobs.tolist(), version)
         self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], self.num_running)
 
     def decode(self) -> None:
         """One token for every row of the running batch."""
         kv = self.kv
-        mask = torch.cat([kv.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], dim=1)  # (B, L+1)
+        t0 = time.perf_counter()
+        mask = torch.cat([kv.mask, kv.mask.new_ones((len(self.rows), 1))], dim=1)  # (B, L+1)
         with self.model_lock, torch.inference_mode():
             epoch, version = self.weights_epoch, self.weight_version
             # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
@@ -214,6 +184,8 @@ class ModelRunner:
             logits, routed = self._forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
                                            capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
             tokens, logprobs = self._sample(logits, self.rows)
+            host = tokens.tolist(), logprobs.tolist()  # waits for the device: the step's device time ends here
+        t1 = time.perf_counter()
         if routed is not None:
             for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
                 if row.req.return_routed_experts and row.finish is None:
@@ -224,8 +196,10 @@ class ModelRunner:
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
         kv.last_tokens = tokens
-        self._record(self.rows, tokens, logprobs, version)
+        self._record(self.rows, *host, version)
         self.stats["decode_forwards"] += 1
+        self.stats["decode_device_s"] += t1 - t0
+        self.stats["decode_host_s"] += time.perf_counter() - t1
 
     def abort(self, rids: set[str]) -> None:
         """Finish running rows `rids` as aborted (the scheduler then retires them)."""
@@ -307,7 +281,7 @@ class ModelRunner:
             for name, t in tensors.items():
                 p = params.get(name)
                 if (name in adopt and p is not None and t.dtype == p.dtype and t.shape == p.shape
-                        and t.is_contiguous() and p.data.is_contiguous()):
+                        and t.device == p.device and t.is_contiguous() and p.data.is_contiguous()):
                     displaced.append(p.data)
                     p.data = t
                 else:
@@ -415,6 +389,8 @@ class ModelRunner:
         cached = [h.tokens for h in hits]
         suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
         R, M, S = len(prompts), max(cached), max(suffix)
+        # Built on the host and moved in one copy each: per-row writes into device tensors would each
+        # be a transfer of their own.
         ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded
         pos = torch.zeros((R, S), dtype=torch.long)
         mask = torch.zeros((R, M + S), dtype=torch.long)  # [pad | cached prefix | pad | suffix]
@@ -424,6 +400,7 @@ class ModelRunner:
             pos[i, S - n:] = torch.arange(c, len(ids))
             mask[i, M - c:M] = 1
             mask[i, M + S - n:] = 1
+        ids_t, pos, mask = (t.to(self.device, non_blocking=True) for t in (ids_t, pos, mask))
         cache = kv_cache.new_cache(self.model.config)
         if M:
             kv_cache.load_prefixes(cache, hits, cached, M)
@@ -444,8 +421,8 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: list[Row]):
         return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
 
-    def _record(self, rows: list[Row], tokens: torch.Tensor, logprobs: torch.Tensor, version: str) -> None:
-        for row, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+    def _record(self, rows: list[Row], tokens: list[int], logprobs: list[float], version: str) -> None:
+        for row, t, lp in zip(rows, tokens, logprobs):
             if row.finish is not None:
                 continue
             row.weight_version = version
@@ -483,6 +460,7 @@ class ModelRunner:
         """Offer the prompt + completion KV of running rows to the prefix cache."""
         if self.prefix_cache.max_tokens == 0:
             return
+        t0 = time.perf_counter()
         with self.model_lock, torch.inference_mode():
             for i in indices:
                 row = self.rows[i]
@@ -491,17 +469,18 @@ class ModelRunner:
                 # The last sampled token was never fed to the model, so it has no KV yet.
                 ids = row.prefill_ids()[:-1]
                 self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b))
+        self.stats["cache_insert_s"] += time.perf_counter() - t0
 
 
 def _routed_experts(row: Row) -> str:
     # Empty when it finished before its prompt was computed (aborted in the queue, max_new_tokens=0).
-    return encode_routed_experts(torch.cat(row.routed)) if row.routed else ""
+    return encode_routed_experts(torch.cat(row.routed).cpu()) if row.routed else ""
 
 
 def _token_logprobs(logits: torch.Tensor, tokens) -> list[float]:
     """log softmax(logits[t])[tokens[t]] for each t; logits (T, V). Untempered, as SGLang's input logprobs."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    return lp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    return lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
 
 
 def _input_logprobs(row: Row) -> tuple[tuple[int, ...], tuple[float | None, ...]]:

@@ -12,7 +12,7 @@ tokens are sampled (content token by token, each tool call once its block closes
 bound is the engine's own (engine_api/parsing.py): a refusal is SGLang's error object
 `{"object": "error", "message", "type", "param", "code"}` with status 400 and the field named.
 Non-goals: the legacy /v1/completions, n > 1, logprobs in the answer (/generate with return_logprob
-has them), exact tokens across the turns of one conversation (the session API, openai_api.py,
+has them), exact tokens across the turns of one conversation (the session API, rollout/sessions/,
 records those).
 """
 
@@ -25,13 +25,13 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from miles.rollout.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
+from miles.rollout.sessions.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
     parse_request, render_prompt, sse_event, tools_of
 from miles.engine_api import bodies, parsing
 from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.streaming import TokenDelta, stream
-from miles.rollout.openai_schema import ChatCompletionRequest
-from miles.rollout.tool_calls import ParsedTurn, get_tool_parser
+from miles.rollout.sessions.schema import ChatCompletionRequest
+from miles.rollout.sessions.tool_calls import ParsedTurn, get_tool_parser
 
 # What a refused field means here (pydantic's own words say what it expected).
 HINTS = {

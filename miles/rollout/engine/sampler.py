@@ -33,22 +33,20 @@ def sample(
     """
     import torch
 
+    device = logits.device
     logits = logits.float()
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
-    logprobs_all = torch.log_softmax(logits / temps[:, None], dim=-1)  # (B, V)
+    logprobs_all = torch.log_softmax(logits / temps.to(device)[:, None], dim=-1)  # (B, V)
 
-    tokens = torch.empty(len(params), dtype=torch.long)
+    tokens = logits.argmax(dim=-1)  # (B,) kept for greedy rows
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows)
-        tokens[idx] = logits[idx].argmax(dim=-1)
     if sampled_rows:
-        idx = torch.tensor(sampled_rows)
+        idx = torch.tensor(sampled_rows, device=device)
         probs = _truncate(logprobs_all[idx].exp(), [params[i] for i in sampled_rows])  # (S, V)
         # Inverse-CDF sampling with one uniform per row, so the whole batch is drawn in one vectorised
         # step: a seeded row takes its uniform from its own generator (one draw per call, whatever
-        # the batch), the others share one draw from the engine generator.
+        # the batch), the others share one draw from the engine generator. Generators live on the
+        # host, so a seed draws the same uniforms on every device; they travel in one small copy.
         u = torch.empty(len(sampled_rows))
         shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
         if shared:
@@ -56,10 +54,12 @@ def sample(
         for j, i in enumerate(sampled_rows):
             if generators[i] is not None:
                 u[j] = torch.rand(1, generator=generators[i])[0]
+        u = u.to(device, non_blocking=True)
         cdf = probs.cumsum(dim=-1)  # (S, V)
         # Strictly below the total mass, so the draw never lands on a zero-probability tail token.
         target = (u * cdf[:, -1] * (1 - 1e-6))[:, None]
-        tokens[idx] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+        tokens = tokens.index_put((idx,), drawn)
     token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     return tokens, token_logprobs
 
@@ -73,16 +73,16 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     min_p = [p.min_p for p in params]
     if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
         return probs
-    vocab = probs.shape[-1]
+    vocab, device = probs.shape[-1], probs.device
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)  # (S, V)
-    ranks = torch.arange(vocab)[None, :]
-    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])[:, None]
+    ranks = torch.arange(vocab, device=device)[None, :]
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)[:, None]
     keep = ranks < k
     sorted_probs = sorted_probs * keep
     # Mass strictly before each token; the most likely token is always kept.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= mass_before < torch.tensor(top_p)[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
-    keep &= sorted_probs >= torch.tensor(min_p)[:, None] * sorted_probs[:, :1]
+    keep &= mass_before < torch.tensor(top_p, device=device)[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+    keep &= sorted_probs >= torch.tensor(min_p, device=device)[:, None] * sorted_probs[:, :1]
     keep[:, 0] = True
     out = torch.zeros_like(probs)
     out.scatter_(1, sorted_idx, sorted_probs * keep)

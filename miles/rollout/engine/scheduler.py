@@ -1,7 +1,8 @@
 """The scheduler: the engine's request queue and the one background thread that drives the model runner.
 
 Each iteration of the loop it
-  1. admits waiting requests, up to max_batch_size running, and has the runner prefill them;
+  1. admits waiting requests, up to max_batch_size running and within the KV budget (memory_fraction
+     of the device, kv_cache.budget_tokens), and has the runner prefill them;
   2. applies aborts (after admission, so an abort that raced with it still finds its row);
   3. has the runner decode one token for every running row;
   4. answers rows that finished (EOS, stop token or string, max_new_tokens, context length, abort) at
@@ -44,7 +45,8 @@ import torch
 from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.engine_api.types import PAUSE_MODES, FinishReason, GenerateRequest
 from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.model_runner import ModelRunner, Row
+from miles.rollout.engine.model_runner import ModelRunner
+from miles.rollout.engine.row import Row
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +257,22 @@ class Scheduler:
         if self._isolation is not None:
             self._end_isolation()
         room = self.config.max_batch_size - self.runner.num_running
-        return [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        admit: list[Row] = []
+        # Rows are padded to the longest, so the batch's KV is (rows x the longest reservation) tokens.
+        longest = max((self._reserve(r) for r in self.runner.rows if r.finish is None), default=0)
+        while self._waiting and len(admit) < room:
+            need = max(longest, self._reserve(self._waiting[0]))
+            if (self.runner.num_running + len(admit) + 1) * need > self.runner.kv_budget and \
+                    (self.runner.num_running or admit):
+                break  # waits for room; an empty batch always takes one (its context fits, checked at start)
+            longest = need
+            admit.append(self._waiting.popleft())
+        return admit
+
+    def _reserve(self, row: Row) -> int:
+        """Tokens of KV a row may come to hold: its prompt and what it may still generate."""
+        total = len(row.req.input_ids) + row.req.params.max_new_tokens
+        return min(total, self.runner.context_length)
 
     def _isolate(self, batch: list[Row], exc: Exception, aborts: set[str]) -> None:
         """A step raised. Its KV is dropped; what had finished is answered; a row that ran alone is

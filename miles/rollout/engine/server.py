@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from miles.config import ConfigError
 from miles.config.flags import load_server_config
+from miles.devices import gpu_uuid
 from miles.engine_api import bodies, parsing
 from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.engine_api.extensions import SERVER_INFO_KEY
@@ -183,6 +184,10 @@ def build_app(engine) -> FastAPI:
                 "engine_stats": dict(engine.stats)}
         if miles_mode:  # a plain SGLang server has no such key: no extensions
             info[SERVER_INFO_KEY] = weights.extensions()
+            # Where it computes (config may say auto): a trainer on the same GPU hands weights over by IPC.
+            info["device"] = str(engine.runner.device)
+            if engine.runner.device.type == "cuda":
+                info["gpu_uuid"] = gpu_uuid(engine.runner.device)
             if engine.quantized:  # the `quantized_weights` extension: which weights may arrive quantized
                 info["quantized_weights"] = {n: fmt.name for n, (fmt, _) in engine.quantized.items()}
         info["loaded_lora_adapters"] = engine.lora_adapters()

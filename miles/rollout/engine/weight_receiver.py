@@ -301,10 +301,15 @@ class WeightReceiver:
         self._decoded[name] = (payload, values, matrices)
         return None
 
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """A (nbytes,) uint8 receive buffer: memory the last commit displaced if it fits, else fresh."""
-        spare = self._spares.get(nbytes)
-        return spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8)
+    def buffer(self, nbytes: int, device=None) -> torch.Tensor:
+        """A (nbytes,) uint8 receive buffer on `device` (default: the host): memory the last commit
+        displaced if it fits and lives there, else fresh."""
+        device = torch.device(device or "cpu")
+        spare = self._spares.get(nbytes, [])
+        for i in range(len(spare) - 1, -1, -1):
+            if spare[i].device == device:
+                return spare.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def stage(self, tensors: dict[str, torch.Tensor], owned: bool, lent: str | None = None) -> None:
         """Put tensors into staging. owned: only staging holds their memory (adoptable at commit);

@@ -10,8 +10,8 @@
 Where tasks live: a task whose episodes need an environment (its files, its verifier) is part of
 that environment and lives in its module here, e.g. terminal.py's TASKS and their prompt source.
 Task data that a single-turn rollout scores without an environment (arithmetic) stays a prompt
-source under rollout/tasks/. Every prompt source, either kind, is chosen from the one registry in
-rollout/tasks.
+source under data/tasks/. Every prompt source, either kind, is chosen from the one registry in
+data/tasks.
 
 Environments are chosen by name from ENVIRONMENTS or given as `module:function`, where the function
 needs no arguments and returns a fresh environment (a class with a no-argument constructor works
@@ -28,8 +28,8 @@ import inspect
 from typing import Any, Callable
 
 from miles.registry import Registry, RegistryError, protocol_methods
+from miles.rollout.config import SandboxConfig
 from miles.rollout.environments.contract import Environment, StepResult
-from miles.rollout.environments.sandbox import SandboxConfig
 
 __all__ = ["ENVIRONMENTS", "Environment", "StepResult", "build_environment", "check_environment",
            "get_environment"]

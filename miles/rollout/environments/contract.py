@@ -3,7 +3,7 @@
 An environment is one episode's world: `reset(task)` starts it and returns the first observation
 (the user message); each `step(action)` takes the model's text for one turn and returns what the
 environment says back, the reward earned and whether the episode is over. The agent loop
-(rollout/agent.py) owns tokens; environments only ever see and produce text.
+(rollout/agent/episode.py) owns tokens; environments only ever see and produce text.
 
 This module imports nothing of miles, so every environment (built-in or a user's) can import it
 without pulling in the others. Non-goals: batched/vectorised environments, environment-side

@@ -28,7 +28,8 @@ unprivileged user id that no other sandbox shares, with its own working director
 When the kernel or the privileges do not allow the chosen backend (root: not root, no
 `unshare`/`setpriv`/`pivot_root`, namespaces refused, no writable memory cgroup, no tmpfs mount;
 rootless: no `bwrap`, user namespaces disabled), the sandbox refuses to start with SandboxUnavailable,
-naming what is missing, rather than run anything unconfined.
+naming what is missing, rather than run anything unconfined. The limits are SandboxConfig
+(rollout.agent.sandbox, in rollout/config.py with the rest of the rollout section).
 Non-goals: seccomp syscall filtering, containers/images, persistent processes across commands.
 """
 
@@ -47,14 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from miles.config import ConfigError
+from miles.rollout.config import SANDBOX_BACKENDS, SandboxConfig
 from miles.rollout.environments import cgroup, rootless, workdir
 from miles.rollout.environments.cgroup import CgroupUnavailable, MemoryCgroup
 from miles.rollout.environments.rootless import INNER_WORKDIR, RootlessBackend
 from miles.rollout.environments.workdir import SandboxError, SandboxUnavailable, WorkDir, WorkDirUnavailable
 
 _SAFE_PATH = rootless.SAFE_PATH
-BACKENDS = ("auto", "root", "rootless")
+BACKENDS = SANDBOX_BACKENDS
 
 # The host directories a command sees, read-only; everything else of the host's filesystem is absent.
 ROOT_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
@@ -90,51 +91,6 @@ _SETUP = (
     '--bounding-set=-all -- /bin/sh -c \'/bin/sh -c "$1"; exit $?\' sandbox "$C"; exit $?'
 )
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class SandboxConfig:
-    backend: str = "auto"
-    """How commands are confined: "root" (namespaces, a throwaway uid and a memory cgroup; needs root),
-    "rootless" (user namespaces and bubblewrap; needs no privilege, has no memory cgroup), or "auto"
-    (root when running as root and it works here, else rootless)."""
-    extra_ro_paths: list[str] = field(default_factory=list)
-    """Host paths bound read-only into a rootless sandbox beyond /usr (absolute), for tasks whose tools
-    live elsewhere, e.g. ["/opt/tool"]; the root backend already shows /opt and /etc."""
-    cpu_time_s: int = 10
-    """CPU seconds per command (RLIMIT_CPU); past it the command gets SIGXCPU, then SIGKILL."""
-    memory_mb: int = 1024
-    """Memory in MiB: each process's address-space limit, and on the root backend also the limit of all
-    the sandbox's processes together (a memory cgroup, where files written to the working directory count too)."""
-    disk_mb: int = 64
-    """Size of the working directory in MiB (a tmpfs: writes past it fail with 'No space left')."""
-    max_file_mb: int = 16
-    """Largest file a command may write, in MiB (RLIMIT_FSIZE)."""
-    max_processes: int = 64
-    """Most processes the command may have at once (RLIMIT_NPROC, counted per sandbox uid on the root backend
-    and per user namespace on the rootless one)."""
-    wall_timeout_s: float = 20.0
-    """Wall-clock seconds per command; then every process of the command is killed."""
-    max_output_bytes: int = 8192
-    """Output kept per stream; the rest is dropped and the result says truncated."""
-    stop_after_output_factor: int = 16
-    """Stop a command once it has printed this many times max_output_bytes (it is only wasting time)."""
-
-    def validate(self) -> None:
-        if min(self.cpu_time_s, self.memory_mb, self.disk_mb, self.max_file_mb, self.max_processes,
-               self.max_output_bytes) < 1:
-            raise ConfigError("sandbox limits (cpu_time_s, memory_mb, disk_mb, max_file_mb, max_processes, "
-                              "max_output_bytes) must all be >= 1")
-        if self.wall_timeout_s <= 0:
-            raise ConfigError("sandbox.wall_timeout_s must be > 0")
-        if self.stop_after_output_factor < 1:
-            raise ConfigError("sandbox.stop_after_output_factor must be >= 1")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"sandbox.backend = {self.backend!r}: write one of {', '.join(map(repr, BACKENDS))}")
-        for p in self.extra_ro_paths:
-            if not isinstance(p, str) or not p.startswith("/") or Path(p).resolve() == Path("/"):
-                raise ConfigError(f"sandbox.extra_ro_paths: {p!r} is not an absolute path below / "
-                                  "(write e.g. \"/opt/tool\")")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ could rewrite. Non-goals: long-lived shells (each command starts fresh in the sa
 interactive programs, network access.
 
 The tasks live here, with the environment that reads their files and verifiers; `task_source` is
-their prompt source, registered in rollout/tasks as `terminal`.
+their prompt source, registered in data/tasks as `terminal`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from miles.rollout.environments.contract import StepResult
 from miles.rollout.environments.sandbox import Sandbox, SandboxError
-from miles.rollout.tasks.contract import Problem
+from miles.data.tasks.contract import Problem
 
 DONE = "done"
 

@@ -3,11 +3,15 @@
 Nothing is serialised: the trainer copies each bucket once into a shared-memory buffer it owns and
 hands the engines a handle (the buffer's path and each tensor's offset, dtype and shape); every
 engine maps the same pages and copies the bytes into its staging. Engines apply at commit, all at once.
+On one GPU (a cuda trainer and cuda engines on the same card, as /get_server_info's `gpu_uuid` says)
+the buffer is device memory and the handle a CUDA IPC handle (cuda_ipc.py): weights go from the
+trainer's GPU memory to the engine's without touching the host, and the engine adopts its staged
+copy as its parameters at commit.
 The engine's end (Receiver) serves SGLang's /update_weights_from_tensor with load_format "shm": it
 stages a bucket out of a shared-memory buffer on this host, the trainer's (copied out, since the
 trainer reuses it) or one the engine lent a p2p sender (staged in place, see p2p.py).
 Non-goals: zero-copy into the engine's parameters (the buffer is reused for the next bucket, so
-the engine must take its copy before the trainer moves on), CUDA IPC handles (a GPU build).
+the engine must take its copy before the trainer moves on), handles across GPUs.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from miles.devices import gpu_uuid
 from miles.engine_api.client import EngineClient
 from miles.net import LOOPBACK
-from miles.sync import shm
+from miles.sync import cuda_ipc, shm
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
-from miles.sync.transports.p2p import is_local
 from miles.versions import to_wire
+from miles.sync.transports.p2p import is_local
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +48,15 @@ class ColocatedTransport:
         self._buf = None
         self._fresh = True
         self._failed: str | None = None
+        self._gpu: str | None = None  # the GPU (uuid) every engine computes on, when all share one
+        self._device_buf = None  # (bytes,) uint8 on that GPU, shared with the engines by CUDA IPC
+        self._handle: dict | None = None
+
+    @property
+    def takes_device_tensors(self) -> bool:
+        """Whether the trainer should hand over tensors on its GPU (every engine shares it) rather than
+        copy them to the host first."""
+        return self._gpu is not None
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> ColocatedTransport:
@@ -58,6 +72,17 @@ class ColocatedTransport:
         self._client = reconnect(self, engine_urls, self.timeout_s)
         self._path, self._buf = shm.create(self.buffer_bytes, tag="colo")
         self._fresh, self._failed = True, None
+        self._gpu = self._shared_gpu(engine_urls)
+
+    def _shared_gpu(self, urls: list[str]) -> str | None:
+        """The uuid of the GPU this process and every engine compute on, or None (then: host memory)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        mine = gpu_uuid(torch.cuda.current_device())
+        infos = [self._client.get(u, "/get_server_info") for u in urls]
+        return mine if all(i.get("gpu_uuid") == mine for i in infos) else None
 
     def send_bucket(self, bucket: list[tuple[str, "torch.Tensor"]]) -> None:
         if self._client is None:
@@ -65,11 +90,31 @@ class ColocatedTransport:
         if not bucket:
             return
         offsets, nbytes = shm.layout(bucket)
+        if self._gpu is not None and bucket[0][1].is_cuda:
+            return self._send(bucket, offsets, {**self._device_bucket(bucket, offsets, nbytes),
+                                                "load_format": "cuda_ipc"})
+        bucket = [(n, t.cpu()) for n, t in bucket]  # no-op for host tensors
         if self._buf.numel() < nbytes:
             shm.unlink(self._path)
             self._path, self._buf = shm.create(nbytes, tag="colo")
         shm.write_bucket(self._buf, bucket, offsets)
-        body = {**shm.bucket_meta(bucket, offsets), "load_format": "shm", "shm_path": self._path, "commit": False,
+        self._send(bucket, offsets, {"load_format": "shm", "shm_path": self._path})
+
+    def _device_bucket(self, bucket, offsets: list[int], nbytes: int) -> dict:
+        """Copy the bucket into the device buffer (grown when too small); the IPC handle to it."""
+        import torch
+
+        device = bucket[0][1].device
+        if self._device_buf is None or self._device_buf.numel() < nbytes:
+            self._device_buf = self._handle = None
+            self._device_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._handle = cuda_ipc.share(self._device_buf)
+        shm.write_bucket(self._device_buf, bucket, offsets)
+        torch.cuda.synchronize(device)  # the engines read it from their own processes and streams
+        return {"ipc_handle": self._handle}
+
+    def _send(self, bucket, offsets: list[int], where: dict) -> None:
+        body = {**shm.bucket_meta(bucket, offsets), **where, "commit": False,
                 "reset_staging": self._fresh}
         self._fresh = False
         try:
@@ -99,6 +144,7 @@ class ColocatedTransport:
         if self._path is not None:
             shm.unlink(self._path)
         self._path = self._buf = None
+        self._device_buf = self._handle = None
         if self._client is not None:
             self._client.close()
         self._client = None
@@ -108,7 +154,7 @@ class ColocatedTransport:
 
 _TENSOR_FIELDS = {"load_format", "shm_path", "names", "dtypes", "shapes", "offsets", "commit", "weight_version",
                   "reset_staging", "flush_cache", "abort_all_requests", "serialized_named_tensors", "swap_buffers",
-                  "screened"}
+                  "screened", "ipc_handle"}
 
 
 class ColocatedReceiver(TransportReceiver):
@@ -131,12 +177,20 @@ class ColocatedReceiver(TransportReceiver):
             raise WeightUpdateError("serialized_named_tensors: pickled tensors are not accepted (unpickling runs "
                                     "code); send load_format 'shm' with shm_path and the bucket layout")
         fmt = body.get("load_format", "shm")
-        if fmt != "shm":
-            raise WeightUpdateError(f"load_format: {fmt!r} is not supported; use 'shm'")
+        if fmt not in ("shm", "cuda_ipc"):
+            raise WeightUpdateError(f"load_format: {fmt!r} is not supported; use 'shm' (or 'cuda_ipc' on a GPU)")
         names = api.list(body, "names")
         if api.flag(body, "reset_staging", False):
             self.weights.reset_staging()
-        if names:
+        if names and fmt == "cuda_ipc":
+            try:
+                self.receive_ipc(body.get("ipc_handle"), names, api.list(body, "dtypes"), api.list(body, "shapes"),
+                                 api.list(body, "offsets"))
+            except WeightUpdateError:
+                if api.flag(body, "commit", False):
+                    self.weights.reset_staging()
+                raise
+        elif names:
             path = body.get("shm_path")
             if not isinstance(path, str):
                 raise WeightUpdateError("shm_path: send the path of the shared-memory buffer holding the bucket")
@@ -195,6 +249,41 @@ class ColocatedReceiver(TransportReceiver):
             if err is not None:
                 raise w.fail(err)
             w.stage(received, owned=not own, lent=path if own else None)
+
+
+    def receive_ipc(self, handle, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    offsets: list[int]) -> None:
+        """Stage one bucket out of the sender's device buffer: copied into staging on this engine's GPU
+        (owned, so commit adopts it as the parameters), before the sender reuses the buffer."""
+        import torch
+
+        w = self.weights
+        device = w.engine.runner.device
+        with w.lock:
+            if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+                raise w.fail(f"names, dtypes, shapes and offsets must have equal lengths, got {len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)}, {len(offsets)}")
+            specs = w.specs(names, dtypes, shapes)
+            if any(type(o) is not int or o < 0 for o in offsets):
+                raise w.fail("offsets: expected non-negative integers")
+            ends = [off + math.prod(s) * torch.empty((), dtype=dt).element_size()
+                    for off, (_, dt, s) in zip(offsets, specs)]
+            try:
+                buf = cuda_ipc.open_handle(handle, device)
+            except WeightUpdateError as exc:
+                raise w.fail(str(exc)) from None
+            if buf.numel() < max(ends):
+                raise w.fail(f"ipc_handle: the bucket needs {max(ends)} bytes but the buffer holds {buf.numel()}")
+            received = {}
+            for (name, dtype, shape), off, end in zip(specs, offsets, ends):
+                chunk = w.buffer(end - off, device).copy_(buf[off:end])
+                received[name] = chunk.view(dtype).reshape(shape)
+            torch.cuda.synchronize(device)  # copied out before the answer lets the sender reuse its buffer
+            del buf
+            err = w.validate(received, None)
+            if err is not None:
+                raise w.fail(err)
+            w.stage(received, owned=True)
 
 
 ColocatedTransport.Receiver = ColocatedReceiver  # the engine's end, defined after the sender it answers

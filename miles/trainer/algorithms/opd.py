@@ -42,7 +42,7 @@ class OPDSettings:
     """token: each token's own reverse KL; sequence: the sequence's summed reverse KL on every token."""
 
     def validate(self) -> None:
-        # Whether a teacher is given at all depends on the [teacher] section: config/checks.py.
+        # Whether a teacher is given at all depends on the [teacher] section: miles/run_checks.py.
         if self.teacher_path:
             try:
                 check_model_path(self.teacher_path)

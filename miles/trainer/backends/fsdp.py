@@ -294,13 +294,15 @@ class FSDPTrainer:
         return out
 
     # -- weights out ----------------------------------------------------------------------------
-    def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None) -> Iterator[tuple[str, "object"]]:
+    def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None,
+                           on_device: bool = False) -> Iterator[tuple[str, "object"]]:
         """Full (unsharded) tensors by HF name. Collective: every rank must iterate to the end;
-        only rank 0 receives tensors unless `all_ranks` (other ranks get None).
+        only rank 0 receives tensors unless `all_ranks` (other ranks get None). They are in host memory,
+        or with `on_device` where the trainer computes (a transport that hands GPU memory over).
 
         With LoRA, `merged` (default: lora.sync = "merged") folds adapters into the base weights;
         otherwise only the adapter tensors are yielded, under PEFT's names."""
-        named = self._raw_full_tensors(all_ranks)
+        named = self._raw_full_tensors(all_ranks, on_device)
         if not self.cfg.lora.rank:
             yield from named
             return
@@ -309,7 +311,7 @@ class FSDPTrainer:
             merged = self.cfg.lora.sync == "merged"
         yield from (merged_tensors(named, self.cfg.lora) if merged else adapter_tensors(named))
 
-    def _raw_full_tensors(self, all_ranks: bool):
+    def _raw_full_tensors(self, all_ranks: bool, on_device: bool = False):
         seen: dict[int, str] = {}
         for name, value in self.model.state_dict().items():
             local = value.to_local() if hasattr(value, "to_local") else value
@@ -319,7 +321,8 @@ class FSDPTrainer:
             seen[key] = name
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
             # Weights leave through host memory, which every transport reads (a no-op on a CPU trainer).
-            yield name, (full.detach().to(HOST) if (self.rank == 0 or all_ranks) else None)
+            yield name, ((full.detach() if on_device else full.detach().to(HOST)) if (self.rank == 0 or all_ranks)
+                         else None)
 
     def save_hf(self, out_dir: str, background: bool = False) -> str | None:
         """Export a Hugging Face checkpoint directory (loadable by from_pretrained). Collective: every

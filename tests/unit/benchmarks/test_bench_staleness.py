@@ -10,8 +10,8 @@ from benchmarks import staleness as bench
 from miles.buffer.data_buffer import BufferConfig, DataBuffer
 from miles.buffer.types import Group, Sample
 from miles.config import load_config
-from miles.config.run import RunConfig
-from miles.rollout.data_source import PromptSource, TaskConfig
+from miles.run_config import RunConfig
+from miles.data.prompts import PromptSource, TaskConfig
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "arithmetic"
 

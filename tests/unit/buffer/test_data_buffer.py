@@ -9,7 +9,7 @@ import pytest
 from miles.buffer.data_buffer import BufferConfig, DataBuffer
 from miles.buffer.ledger import LedgerError
 from miles.buffer.types import Group, Reason, Sample, Verdict
-from miles.rollout.data_source import Prompt, PromptSource, TaskConfig
+from miles.data.prompts import Prompt, PromptSource, TaskConfig
 
 
 def make_buffer(**over) -> DataBuffer:

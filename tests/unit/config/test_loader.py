@@ -6,7 +6,7 @@ import pytest
 
 from miles.config import ConfigError, load_config, parse_overrides
 from miles.config.loader import save_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_loading_a_run_config_imports_no_server_or_tensor_library(tmp_path, mode
     import subprocess
     import sys
 
-    code = ("import sys\nfrom miles.config import load_config\nfrom miles.config.run import RunConfig\n"
+    code = ("import sys\nfrom miles.config import load_config\nfrom miles.run_config import RunConfig\n"
             f"load_config(RunConfig, None, {{'model.path': {model_dir!r}}})\n"
             f"load_config(RunConfig, None, {{'model.path': {model_dir!r}, 'rollout.task.name': 'dataset', "
             "'rollout.task.data.path': 'rows.jsonl', 'rollout.task.data.layout': 'verl'})\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles.config import ConfigError, load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
 

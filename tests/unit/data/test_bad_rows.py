@@ -10,8 +10,9 @@ import pytest
 from miles.data.config import DataConfig
 from miles.data.preflight import check_dataset
 from miles.data.rows import DataError
+from miles.data.prompts import TaskConfig
 from miles.data.source import DatasetSource
-from miles.rollout.data_source import TaskConfig
+from miles.models.loading import load_tokenizer
 
 
 def _jsonl(path, rows):
@@ -66,9 +67,10 @@ def test_missing_file_and_unknown_split_are_named(tmp_path):
 def test_prompt_longer_than_the_engine_context(tmp_path, tiny_model_dir):
     path = _jsonl(tmp_path / "data.jsonl", [GOOD, {"prompt": "word " * 60, "label": "x"}])
     task = TaskConfig(name="dataset", data=DataConfig(path=path, eval_fraction=0))
-    assert check_dataset(task, tiny_model_dir, None)["train"] == 2  # fits the model's max_position_embeddings
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert check_dataset(task, tokenizer, tiny_model_dir, None)["train"] == 2  # fits the model's max_position_embeddings
     with pytest.raises(DataError) as e:
-        check_dataset(task, tiny_model_dir, 64)  # rollout.engine.context_length
+        check_dataset(task, tokenizer, tiny_model_dir, 64)  # rollout.engine.context_length
     assert f"{path} row 1:" in str(e.value) and "'prompt'" in str(e.value) and "context is 64" in str(e.value)
 
 

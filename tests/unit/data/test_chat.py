@@ -13,7 +13,7 @@ from miles.data.chat import encode_prompt
 from miles.models.loading import load_tokenizer
 from miles.rewards.runner import RewardRunner
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import Prompt, TaskConfig
+from miles.data.prompts import Prompt, TaskConfig
 from miles.engine_api.client import EngineClient
 from miles.rollout.group import GroupGenerator
 

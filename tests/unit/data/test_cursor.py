@@ -9,9 +9,8 @@ import pytest
 
 from miles.data.config import DataConfig
 from miles.data.cursor import DataCursor, DataExhausted
-from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import TaskConfig
+from miles.data.prompts import TaskConfig
 
 
 def test_each_epoch_is_a_fresh_permutation_fixed_by_the_seed():
@@ -62,8 +61,7 @@ def test_resumed_manager_neither_repeats_nor_skips_a_prompt(tmp_path, tiny_model
                                                       eval_fraction=0))
 
     def manager():
-        return RolloutManager(RolloutConfig(task=task), EvalConfig(num_prompts=2), tiny_model_dir,
-                              ["http://127.0.0.1:1"], seed=5)
+        return RolloutManager(RolloutConfig(task=task), tiny_model_dir, ["http://127.0.0.1:1"], seed=5)
 
     n, m = 4, 7
     whole = manager().buffer.draw(n + m)
@@ -87,8 +85,7 @@ def test_sources_without_a_cursor_resume_by_replay_and_old_checkpoints_load(tiny
     from miles.rollout.manager import RolloutManager
 
     def manager():
-        return RolloutManager(RolloutConfig(), EvalConfig(num_prompts=2), tiny_model_dir, ["http://127.0.0.1:1"],
-                              seed=2)
+        return RolloutManager(RolloutConfig(), tiny_model_dir, ["http://127.0.0.1:1"], seed=2)
 
     whole = manager().buffer.draw(8)
     a = manager()
@@ -107,8 +104,7 @@ def test_a_manager_goes_back_to_an_earlier_checkpoint_in_place(tiny_model_dir):
     from miles.rollout.manager import RolloutManager
 
     def manager():
-        return RolloutManager(RolloutConfig(), EvalConfig(num_prompts=2), tiny_model_dir, ["http://127.0.0.1:1"],
-                              seed=2)
+        return RolloutManager(RolloutConfig(), tiny_model_dir, ["http://127.0.0.1:1"], seed=2)
 
     whole = manager().buffer.draw(8)
     live = manager()

@@ -9,7 +9,7 @@ import json
 import datasets
 
 from miles.data.config import DataConfig
-from miles.rollout.data_source import PromptSource, TaskConfig
+from miles.data.prompts import PromptSource, TaskConfig
 
 
 def _source(split="train", seed=0, **data) -> PromptSource:

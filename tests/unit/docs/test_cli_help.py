@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("torch", "transformers", "ray", "matplotlib", "wandb", "tensorboard", "safetensors")
 # Subcommands that hand their options to a module of their own (see miles/cli.py).
 DELEGATES = {"router": "miles.rollout.router", "report": "miles.metrics.report", "serve": "miles.rollout.engine.server",
-             "sessions": "miles.rollout.openai_api"}
+             "sessions": "miles.rollout.sessions.server"}
 HELP = """
 import json, sys
 from miles.cli import main

@@ -28,7 +28,7 @@ def test_configuration_page_matches_the_config_dataclasses():
 
 
 def test_every_setting_of_the_run_config_is_documented_with_type_default_and_meaning():
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
 
     gen = _generator()
     page = gen.render()

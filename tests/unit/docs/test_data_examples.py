@@ -12,9 +12,10 @@ DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 def test_data_page_example_loads_into_prompts(tmp_path, monkeypatch, tiny_model_dir):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.data.preflight import check_dataset
-    from miles.rollout.data_source import PromptSource
+    from miles.models.loading import load_tokenizer
+    from miles.data.prompts import PromptSource
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "make_data.py").write_text(example_files("data.md")["make_data.py"])
@@ -22,7 +23,7 @@ def test_data_page_example_loads_into_prompts(tmp_path, monkeypatch, tiny_model_
     toml = re.search(r"<!-- file: data_run.toml -->\n```toml\n(.*?)```", (DOCS / "data.md").read_text(), re.S)
     (tmp_path / "data_run.toml").write_text(toml.group(1))
     cfg = load_config(RunConfig, "data_run.toml", {"model.path": tiny_model_dir, "loop.num_steps": "2"})
-    assert check_dataset(cfg.rollout.task, tiny_model_dir, None) == {"train": 36, "eval": 4}
+    assert check_dataset(cfg.rollout.task, load_tokenizer(tiny_model_dir), tiny_model_dir, None) == {"train": 36, "eval": 4}
     prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed).take(40)  # past one epoch
     p = prompts[0]
     assert p.messages[0]["role"] == "user" and p.label == str(int(p.text.split()[2]) * 2 + 1)

@@ -32,7 +32,7 @@ def test_reward_example_loads_and_gives_partial_credit(examples):
 
 
 def test_environment_example_passes_the_protocol_check_and_plays_an_episode(examples):
-    from miles.rollout.data_source import Prompt
+    from miles.data.prompts import Prompt
     from miles.rollout.environments import check_environment, get_environment
 
     check_environment("my_envs:second_chance")
@@ -48,8 +48,9 @@ def test_environment_example_passes_the_protocol_check_and_plays_an_episode(exam
 def test_generate_example_runs_against_a_real_engine(examples, tiny_model_dir):
     import httpx
 
-    from miles.rollout.agent import AgentConfig, GenerateContext, get_generate_fn
-    from miles.rollout.data_source import Prompt
+    from miles.rollout.config import AgentConfig
+    from miles.rollout.generate import GenerateContext, get_generate_fn
+    from miles.data.prompts import Prompt
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams
@@ -79,7 +80,7 @@ def test_generate_example_runs_against_a_real_engine(examples, tiny_model_dir):
 def test_quickstart_commands_use_settings_that_exist(tiny_model_dir):
     from miles.cli import build_parser
     from miles.config import load_config, parse_overrides
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
 
     root = DOCS.parent
     commands = [shlex.split(line) for line in (DOCS / "quickstart.md").read_text().splitlines()
@@ -98,7 +99,7 @@ def test_quickstart_commands_use_settings_that_exist(tiny_model_dir):
 
 def test_algorithm_example_is_picked_up_from_a_run_config_with_its_own_knob(examples, tiny_model_dir):
     from miles.config import ConfigError, load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.trainer.algorithms import get_algorithm
 
     cfg = load_config(RunConfig, None, {"model.path": tiny_model_dir,

@@ -6,7 +6,7 @@ import runpy
 from pathlib import Path
 
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.rewards.contract import RewardInput, load_reward
 
 ROOT = Path(__file__).resolve().parents[3]

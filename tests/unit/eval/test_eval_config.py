@@ -4,7 +4,7 @@ working, and bad sets are refused naming the key."""
 import pytest
 
 from miles.config import ConfigError, load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 
 
 @pytest.fixture

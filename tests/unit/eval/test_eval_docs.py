@@ -5,7 +5,7 @@ from tests.helpers.docs_examples import importable_examples
 
 def test_user_answer_extractor_loads_from_a_run_config(tmp_path):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.eval.metrics import get_answer_fn
 
     model = tmp_path / "model"

@@ -2,13 +2,15 @@
 eval/accuracy is greedy accuracy computed as before eval sets existed, each set's figures are
 reproducible across evaluations, and a plugged-in generate function scores with the set's reward."""
 
+import functools
 import textwrap
 
 import pytest
 
+from miles.data.prompts import PromptSource, TaskConfig
 from miles.eval.config import EvalConfig, EvalSetConfig
+from miles.eval.evaluator import Evaluator
 from miles.rollout.config import RolloutConfig
-from miles.rollout.data_source import PromptSource, TaskConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,9 @@ def engine(tiny_model_dir):
 def manager(tiny_model_dir, engine, eval_cfg, **rollout):
     from miles.rollout.manager import RolloutManager
 
-    return RolloutManager(RolloutConfig(max_new_tokens=4, **rollout), eval_cfg, tiny_model_dir, [engine.url], seed=3)
+    # As the driver does: the evaluator is chosen here and built on the manager's group generator.
+    return RolloutManager(RolloutConfig(max_new_tokens=4, **rollout), tiny_model_dir, [engine.url], seed=3,
+                          evaluator=functools.partial(Evaluator, eval_cfg))
 
 
 def test_eval_accuracy_is_greedy_accuracy_as_before(tiny_model_dir, engine):
@@ -85,9 +89,8 @@ def test_eval_prompts_made_of_messages_go_through_the_chat_template(tiny_model_d
     from types import SimpleNamespace
 
     from miles.data.chat import encode_prompt
-    from miles.eval.evaluator import Evaluator
     from miles.models.loading import load_tokenizer
-    from miles.rollout.data_source import Prompt, TaskConfig
+    from miles.data.prompts import Prompt, TaskConfig
 
     tok = load_tokenizer(tiny_model_dir)
     task = TaskConfig(name="dataset", system_prompt="Answer briefly.")

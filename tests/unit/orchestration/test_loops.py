@@ -15,7 +15,7 @@ import pytest
 
 from miles.buffer.types import Group, Sample
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.metrics.progress import Progress
 from miles.orchestration.context import TrainContext
 from miles.orchestration.loop import SCHEDULES

@@ -7,7 +7,7 @@ from miles.config import ConfigError
 
 def load(model_dir, **over):
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
 
     return load_config(RunConfig, None, {"model.path": model_dir, **over})
 

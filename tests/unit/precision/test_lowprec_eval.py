@@ -10,7 +10,7 @@ import httpx
 from benchmarks import lowprec
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import start_server_thread
-from miles.rollout.tasks.contract import Problem
+from miles.data.tasks.contract import Problem
 
 PROMPTS = ["07+38=", "91-45=", "33+33="]
 

@@ -10,7 +10,7 @@ import pytest
 
 from miles.buffer.types import Sample
 from miles.config import ConfigError, load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.rewards.runner import RewardRunner
 
 USER_REWARDS = '''

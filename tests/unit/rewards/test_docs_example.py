@@ -10,7 +10,7 @@ import pytest
 
 from miles.buffer.types import Sample
 from miles.config import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.rewards.runner import RewardRunner
 from tests.helpers.docs_examples import importable_examples
 
@@ -51,7 +51,7 @@ def test_docs_reward_file_scores_through_a_run_config(tmp_path, model_dir):
 @pytest.mark.parametrize("scores_itself", [True, False])
 def test_a_generate_function_may_leave_scoring_to_the_runner(scores_itself):
     from miles.rollout.config import RolloutConfig
-    from miles.rollout.data_source import Prompt
+    from miles.data.prompts import Prompt
     from miles.engine_api.client import EngineClient
     from miles.rollout.group import GroupGenerator
 

@@ -80,7 +80,7 @@ def test_drop_group_on_error(flaky_file):
 def test_group_dropped_by_a_reward_goes_to_the_buffer_as_reward_error():
     from miles.buffer.data_buffer import BufferConfig, DataBuffer
     from miles.buffer.types import Group, Reason, Verdict
-    from miles.rollout.data_source import PromptSource, TaskConfig
+    from miles.data.prompts import PromptSource, TaskConfig
 
     buf = DataBuffer(BufferConfig(on_failure="drop"), PromptSource(TaskConfig(), "train", 0))
     p = buf.draw(1)[0]

@@ -13,8 +13,8 @@ import torch
 
 from miles.buffer.types import Sample
 from miles.config import ConfigError, load_config
-from miles.config.run import RunConfig
 from miles.engine_api.client import EngineClient
+from miles.run_config import RunConfig
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import start_server_thread
 from miles.rollout.teacher import TeacherScorer, check_served_teacher

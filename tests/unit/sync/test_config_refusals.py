@@ -6,8 +6,7 @@ import pytest
 
 from miles.config import ConfigError
 from miles.config.loader import load_config
-from miles.config.run import RunConfig
-from miles.sync.prepare import wire_dtype
+from miles.run_config import RunConfig
 
 
 def _load(model_dir: str, **overrides: str) -> RunConfig:
@@ -55,10 +54,10 @@ def test_engine_urls_must_be_urls(tiny_model_dir):
 
 def test_weights_ship_in_the_engines_dtype_unless_told(tiny_model_dir):
     bf16 = _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16"})
-    assert wire_dtype(bf16) == "bfloat16" and bf16.sync.dtype is None  # derived, never written into the config
-    assert wire_dtype(_load(tiny_model_dir)) is None  # fp32 engines: the trainer's fp32 as it is
+    assert bf16.wire_dtype() == "bfloat16" and bf16.sync.dtype is None  # derived, never written into the config
+    assert _load(tiny_model_dir).wire_dtype() is None  # fp32 engines: the trainer's fp32 as it is
     cfg = _load(tiny_model_dir, **{"rollout.engine.dtype": "bfloat16", "sync.dtype": "float16"})
-    assert wire_dtype(cfg) == "float16"
+    assert cfg.wire_dtype() == "float16"
 
 
 def test_push_deadlines_retries_and_fallback_load_and_refuse_what_cannot_work(tiny_model_dir):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles.config.loader import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import start_server_thread
 from miles.sync.transports import TransportError

@@ -10,7 +10,7 @@ import torch
 
 from miles.config import ConfigError
 from miles.config.loader import load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.sync.transports import TRANSPORTS
 from miles.sync.updater import WeightUpdater
 from tests.helpers.docs_examples import importable_examples

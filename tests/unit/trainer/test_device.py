@@ -1,7 +1,7 @@
 """Trainer device, compute dtype and collective backend come from config, with CPU defaults.
 
-CPU tests run everywhere; the test marked `cuda` runs only where torch sees a CUDA device (it has not
-run on this project's machines: docs/scaling.md)."""
+CPU tests run everywhere; the test marked `cuda` runs only where torch sees a CUDA device
+(scripts/gpu-check.sh runs it)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from miles.config.loader import ConfigError, build
+from miles.devices import resolve
 from miles.net import free_port
 from miles.trainer.backends.fsdp import FSDPTrainer
 from miles.trainer.config import TrainerConfig
@@ -30,24 +31,33 @@ def gloo():
     dist.destroy_process_group()
 
 
-def test_defaults_are_cpu_gloo_float32():
+def test_defaults_are_auto_float32_and_auto_is_cpu_without_a_gpu():
     cfg = TrainerConfig()
-    assert (cfg.device, cfg.param_dtype) == ("cpu", "float32")
-    assert collective_backend(cfg.device, cfg.collective_backend) == "gloo"
+    assert (cfg.device, cfg.param_dtype) == ("auto", "float32")
+    assert resolve("auto", "trainer.device", gpu_present=False) == "cpu"
+    assert resolve("auto", "trainer.device", gpu_present=True) == "cuda"
+    assert compute_device("auto", 0) == (torch.device("cuda", 0) if torch.cuda.is_available() else HOST)
+    assert collective_backend("cpu", cfg.collective_backend) == "gloo"
     assert collective_backend("cuda") == "nccl"
     assert compute_device("cpu", 3) == HOST
 
 
+def test_an_unknown_device_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match="device: 'tpu' is not one of 'auto', 'cpu', 'cuda'"):
+        build(TrainerConfig, {"device": "tpu"}).validate()
+
+
 def test_nccl_on_cpu_and_parallel_layouts_off_cpu_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="trainer.device = 'cuda'"):
-        build(TrainerConfig, {"collective_backend": "nccl"}).validate()
+        build(TrainerConfig, {"collective_backend": "nccl", "device": "cpu"}).validate()
     with pytest.raises(ConfigError, match="param_dtype = 'float32'"):
         build(TrainerConfig, {"param_dtype": "bfloat16", "num_ranks": 2, "tensor_parallel_size": 2}).validate()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_without_a_gpu_names_the_setting():
-    with pytest.raises(ConfigError, match="trainer.device = 'cpu'"):
+    with pytest.raises(ConfigError, match="trainer.device = 'cuda' but torch sees no CUDA device here: set "
+                                         "trainer.device = 'cpu'"):
         compute_device("cuda", 0)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from miles.config import load_config
 from miles.config.loader import build
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.algorithms.base import clipped_surrogate, kl_estimate, kl_reward_penalty
 from miles.trainer.algorithms.ppo import gae, value_loss

@@ -13,7 +13,7 @@ import torch
 
 from miles.config import ConfigError, load_config
 from miles.config.loader import build
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.net import free_port
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.algorithms.base import LossInputs

@@ -162,7 +162,7 @@ def test_dense_fp32_engine_and_fp32_trainer_agree_per_token(gloo, varied_dense_m
 
 def test_config_load_refuses_what_cannot_replay(tiny_model_dir, tiny_moe_model_dir):
     from miles.config import ConfigError, load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.rollout.router import RouterConfig
 
     def load(model, **kw):
@@ -194,7 +194,6 @@ def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequen
     from miles.models.moe import decode_routed_experts
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
-    from miles.eval.config import EvalConfig
     from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
     from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
@@ -204,7 +203,7 @@ def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequen
     try:
         m = RolloutManager(RolloutConfig(prompts_per_step=2, n_samples_per_prompt=3, max_new_tokens=8,
                                          return_routed_experts=True),
-                           EvalConfig(num_prompts=1), tiny_moe_model_dir, [server.url],
+                           tiny_moe_model_dir, [server.url],
                            buffer_cfg=BufferConfig(filter="none"))
         m.generate_batch()
         groups, _ = m.collect()

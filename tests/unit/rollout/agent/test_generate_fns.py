@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout.agent import get_generate_fn, multi_turn, single_turn
+from miles.rollout.agent.episode import multi_turn
+from miles.rollout.generate import get_generate_fn, single_turn
 
 
 def sync_generate(ctx, prompt, params, rid):

@@ -14,11 +14,12 @@ import pytest
 
 from miles.buffer.types import SampleStatus
 from miles.config import ConfigError, load_config
-from miles.config.run import RunConfig
-from miles.rollout.agent import AgentConfig, GenerateContext, get_generate_fn
-from miles.rollout.data_source import Prompt
+from miles.run_config import RunConfig
+from miles.rollout.config import AgentConfig, HarnessConfig
+from miles.rollout.generate import GenerateContext, get_generate_fn
+from miles.data.prompts import Prompt
 from miles.rollout.generate import SamplingParams
-from miles.rollout.harness import HarnessConfig, take_metrics
+from miles.rollout.agent.harness import take_metrics
 
 AGENT = textwrap.dedent('''
     """A tiny agent: asks the model with a calculator tool, runs any call, asks again, reports a reward."""

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from miles.rollout.chat_format import ChatFormat
-from miles.rollout.openai_api import start_session_server
+from miles.data.chat import ChatFormat
+from miles.rollout.sessions.server import start_session_server
 
 
 @pytest.fixture(scope="module")

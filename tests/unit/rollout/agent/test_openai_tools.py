@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from miles.models.loading import load_tokenizer
-from miles.rollout.openai_api import SessionLimits, start_session_server
+from miles.rollout.sessions.server import start_session_server
+from miles.rollout.sessions.store import SessionLimits
 from tests.helpers.chat_templates import LLAMA3_STYLE, LLAMA3_TOKENS, QWEN3_STYLE, tokenizer_with_template
 from tests.helpers.scripted_engine import ScriptedEngine
 

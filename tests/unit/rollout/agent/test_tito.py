@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from miles.buffer.types import SampleStatus
-from miles.rollout.agent import AgentConfig, run_episode
-from miles.rollout.chat_format import ChatFormat
-from miles.rollout.data_source import Prompt
+from miles.rollout.agent.episode import run_episode
+from miles.rollout.config import AgentConfig
+from miles.data.chat import ChatFormat
+from miles.data.prompts import Prompt
 from miles.rollout.environments.contract import StepResult
 from miles.rollout.generate import SamplingParams
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 
 from miles.config import ConfigError
-from miles.rollout.agent import AgentConfig
-from miles.rollout.data_source import Prompt
+from miles.data.prompts import Prompt
+from miles.rollout.config import AgentConfig, RolloutConfig
 from miles.rollout.environments import check_environment, get_environment
 from miles.rollout.environments.sandbox import SandboxConfig, SandboxUnavailable, check_available
 from miles.rollout.environments.terminal import TASKS, TerminalEnv, TerminalTaskSource
 from miles.rollout.environments.tool_calc import CalculatorEnv, demonstration, evaluate
+from miles.run_checks import check_generate
+from miles.run_config import RunConfig
 
 
 def not_an_env():
@@ -36,7 +38,7 @@ def test_environments_by_name_or_path_are_checked_against_the_protocol():
     with pytest.raises(ValueError, match="no arguments"):
         check_environment(f"{__name__}:needs_args")
     with pytest.raises(ConfigError, match="rollout.agent.environment: unknown environment 'nope'"):
-        AgentConfig(environment="nope").validate()
+        check_generate(RunConfig(rollout=RolloutConfig(agent=AgentConfig(environment="nope"))))
 
 
 def test_calculator_evaluates_arithmetic_only():
@@ -112,7 +114,7 @@ def test_terminal_episode_ends_after_the_command_budget_with_the_verifier():
 
 def test_env_args_and_sandbox_limits_reach_the_environment_from_the_run_config(tiny_model_dir):
     from miles.config import ConfigError, load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.rollout.environments import build_environment
 
     cfg = load_config(RunConfig, None, {"model.path": tiny_model_dir, "rollout.generate_fn": "agent",
@@ -127,13 +129,13 @@ def test_env_args_and_sandbox_limits_reach_the_environment_from_the_run_config(t
         load_config(RunConfig, None, {"model.path": tiny_model_dir, "rollout.agent.sandbox.wall_timeout_s": "0"})
     with pytest.raises(ConfigError, match="cannot be built with rollout.agent.env_args"):
         cfg.rollout.agent.env_args = {"no_such_knob": 1}
-        cfg.rollout.agent.validate()
+        check_generate(cfg)
 
 
 def test_the_terminal_examples_rl_config_runs_episodes_in_the_rootless_sandbox(tiny_model_dir):
     """examples/terminal/grpo.toml: terminal episodes and prompts, commands confined without privilege."""
     from miles.config import load_config
-    from miles.config.run import RunConfig
+    from miles.run_config import RunConfig
     from miles.rollout.environments import build_environment
 
     cfg = load_config(RunConfig, "examples/terminal/grpo.toml", {"model.path": tiny_model_dir})

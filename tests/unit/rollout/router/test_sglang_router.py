@@ -60,7 +60,6 @@ def test_rollout_behind_the_sglang_router_needs_one_prompt_per_request(tiny_mode
     """The Rust router takes one prompt per /generate: with rollout.batch_requests (the default) a
     group fails with a warning that names the setting; with it off the same group is generated."""
     from miles.buffer.data_buffer import BufferConfig
-    from miles.eval.config import EvalConfig
     from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
 
@@ -68,7 +67,7 @@ def test_rollout_behind_the_sglang_router_needs_one_prompt_per_request(tiny_mode
 
     def manager(batch: bool):
         cfg = RolloutConfig(prompts_per_step=1, n_samples_per_prompt=3, max_new_tokens=6, batch_requests=batch)
-        return RolloutManager(cfg, EvalConfig(num_prompts=1), tiny_model_dir, [url], seed=0,
+        return RolloutManager(cfg, tiny_model_dir, [url], seed=0,
                               buffer_cfg=BufferConfig(filter="none", on_failure="drop"))
 
     with caplog.at_level("WARNING", logger="miles.rollout.group"):

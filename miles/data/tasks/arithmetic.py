@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from miles.rollout.tasks.contract import Problem
+from miles.data.tasks.contract import Problem
 
 
 def _split_of(a: int, op: str, b: int, eval_fraction: float) -> str:

@@ -2,7 +2,8 @@
 
 The source remembers its position, so every prompt drawn has an index that the buffer ledger and
 checkpoints can refer to; a source with state of its own (a dataset's cursor, miles/data) saves it
-with the position. Non-goal: reading files (miles/data).
+with the position. The tasks themselves are in data/tasks/ (and with their environment, for tasks
+that need one). Non-goal: reading files (loading.py, source.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 from miles.config import ConfigError
 from miles.data.config import DataConfig
 from miles.registry import RegistryError
-from miles.rollout.tasks import TASKS
+from miles.data.tasks import TASKS
 
 
 @dataclass

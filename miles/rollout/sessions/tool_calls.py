@@ -3,7 +3,7 @@
 
 A parser turns the decoded text of one model turn into the reply's `content` (what is left once the
 calls are taken out, None when nothing is) and its calls (function name, JSON arguments). The
-session endpoint (openai_api.py) and the built-in engine's /v1/chat/completions
+session server (store.py) and the built-in engine's /v1/chat/completions
 (engine/openai_routes.py, `tool_call_parser`) pick one per model family by name; a user's own parser
 is given as `module:attr` and must implement the ToolCallParser protocol.
 

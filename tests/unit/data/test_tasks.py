@@ -6,9 +6,9 @@ import pytest
 
 from miles.config import ConfigError
 from miles.registry import RegistryError
-from miles.rollout.data_source import PromptSource, TaskConfig
+from miles.data.prompts import PromptSource, TaskConfig
 from miles.rollout.environments.terminal import TASKS as TERMINAL_TASKS
-from miles.rollout.tasks import TASKS
+from miles.data.tasks import TASKS
 
 
 def test_every_source_is_reached_by_its_name_from_the_task_config():
@@ -32,4 +32,4 @@ def test_unknown_sources_are_refused_with_the_choices():
     with pytest.raises(ConfigError, match=r"rollout.task.name: unknown task 'nope': choose one of \['arithmetic', 'dataset', 'terminal'\]"):
         TaskConfig(name="nope").validate()
     with pytest.raises(RegistryError, match="must take 3 required positional arguments"):
-        TASKS.get("miles.rollout.tasks.arithmetic:demonstration")
+        TASKS.get("miles.data.tasks.arithmetic:demonstration")

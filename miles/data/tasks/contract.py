@@ -1,6 +1,6 @@
 """The prompt-source contract: a task draws problems, each a prompt text and its reference answer.
 
-The data source (rollout/data_source.py) numbers the problems it takes and turns them into Prompts;
+The prompt source (data/prompts.py) numbers the problems it takes and turns them into Prompts;
 a task only knows its own content. Non-goals: tokenization, chat templates, scoring.
 """
 

@@ -1,13 +1,13 @@
 """One OpenAI chat-completion turn: what every chat-completions route of miles shares.
 
-  - `parse_request`: the body as a typed ChatCompletionRequest (openai_schema.py), or a refusal
+  - `parse_request`: the body as a typed ChatCompletionRequest (schema.py), or a refusal
     naming the first offending field;
   - `render_prompt`: the request's messages (and tools) through the tokenizer's chat template, once,
     tokenized once;
   - `Completion`, `completion_body`: the answered turn as OpenAI's JSON body;
   - `TurnStream`: the turn as the chunks of an OpenAI stream while it is being generated.
 
-Two routes use them: the session API (openai_api.py), which adds exact-token bookkeeping across the
+Two routes use them: the session API (store.py, server.py), which adds exact-token bookkeeping across the
 turns of one conversation, and the built-in engine's stateless /v1/chat/completions
 (engine/openai_routes.py), which answers one request from its messages as SGLang's does.
 Non-goals: sessions, budgets, HTTP serving, the tool-call parsers themselves (tool_calls.py).
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from miles.rollout.openai_schema import FIELD_HINTS, ChatCompletionRequest, ChatMessage
+from miles.rollout.sessions.schema import FIELD_HINTS, ChatCompletionRequest, ChatMessage
 
 
 class RequestRefused(ValueError):

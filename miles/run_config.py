@@ -1,24 +1,33 @@
-"""The root run config: it only composes the components' own configs and checks combinations."""
+"""The root run config: the composition root of a run's settings, beside the CLI that loads it.
+
+It composes every component's own config (each a dataclass next to what it configures) into the one
+tree a run TOML and `--section.key` overrides fill in, checks combinations of sections
+(run_checks.py), and resolves what one section derives from another (the wire dtype from the
+engines' dtype) without writing it back, so the saved config.json is exactly what was asked for.
+Components never import this module; the entry points (cli.py, the driver, `miles eval`) hand each
+component its own section. Non-goals: loading and typing TOML (config/loader.py), defaults beyond
+the sections' own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from miles.config.checks import check_run
+from miles.buffer.data_buffer import BufferConfig
 from miles.config.loader import ConfigError
+from miles.eval.config import EvalConfig
 from miles.metrics.sink import MetricsConfig
 from miles.models.loading import check_model_path
-from miles.buffer.data_buffer import BufferConfig
 from miles.orchestration.faults import FaultConfig
 from miles.orchestration.loop import LoopConfig
 from miles.orchestration.placement import PlacementConfig
 from miles.orchestration.ray_cluster import RayConfig
-from miles.eval.config import EvalConfig
 from miles.rollout.config import RolloutConfig
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RunRouterConfig
 from miles.rollout.teacher import TeacherConfig
+from miles.run_checks import check_run
 from miles.sync.prepare import SyncConfig
 from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig
@@ -104,3 +113,11 @@ class RunConfig:
 
     def validate(self) -> None:
         check_run(self)
+
+    def wire_dtype(self) -> str | None:
+        """The dtype weights travel in: sync.dtype, else the built-in engines' own dtype when it is not fp32
+        (engines hold what they were loaded as; shipping fp32 to bf16 engines would double the bytes and
+        make verification compare fp32 checksums with bf16 tensors), else the trainer's dtype (None)."""
+        if self.sync.dtype is None and not self.rollout.engine_urls and self.rollout.engine.dtype != "float32":
+            return self.rollout.engine.dtype
+        return self.sync.dtype

@@ -1,9 +1,11 @@
 """Checks across config sections: combinations of individually valid settings that cannot run.
 
 Each section validates its own fields (`validate()` next to its dataclass); what joins two or more
-sections lives here, in one place, and runs after them (RunConfig.validate). A check only reads the
-config: it never fills in or changes a setting, so the saved config.json is exactly what was asked
-for. Every refusal names the keys to change.
+sections lives here, in one place, and runs after them (RunConfig.validate). So do the load-time
+checks of what the rollout section names but does not import (the generate function, the
+environment): they load component code, which the sections' own configs stay free of. A check only
+reads the config: it never fills in or changes a setting, so the saved config.json is exactly what
+was asked for. Every refusal names the keys to change.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from miles.config.loader import ConfigError
 from miles.models.loading import context_limit, read_model_config
 from miles.registry import RegistryError
+from miles.rollout.environments import check_environment
+from miles.rollout.generate import get_generate_fn
 from miles.sync.transports import TRANSPORTS
 from miles.trainer.algorithms.base import ALGORITHMS
 from miles.trainer.teacher import tokenizer_mismatch
@@ -18,9 +22,23 @@ from miles.trainer.teacher import tokenizer_mismatch
 
 def check_run(run) -> None:
     """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
-    for check in (check_schedule, check_group_size, check_context, check_sync, check_routing_replay, check_fleet,
-                  check_teacher):
+    for check in (check_generate, check_schedule, check_group_size, check_context, check_sync, check_routing_replay,
+                  check_fleet, check_teacher):
         check(run)
+
+
+def check_generate(run) -> None:
+    """The generate function and the environment the rollout names: loaded and checked against their
+    contracts now, not at the first episode (an environment is built once, with env_args and sandbox)."""
+    rollout, agent = run.rollout, run.rollout.agent
+    try:
+        get_generate_fn(rollout.generate_fn)
+    except ValueError as e:
+        raise ConfigError(f"rollout.generate_fn: {e}") from None
+    try:
+        check_environment(agent.environment, agent.env_args, agent.sandbox)
+    except ValueError as e:
+        raise ConfigError(f"rollout.agent.environment: {e}") from None
 
 
 def check_schedule(run) -> None:

@@ -3,7 +3,7 @@
 
 For every sample the program runs once, as a child process (`rollout.agent.harness.command`) or as
 a Python function (`.function`), pointed at a fresh session of the run's session API
-(openai_api.py) through OPENAI_BASE_URL and OPENAI_API_KEY. Whatever the program does between its
+(rollout/sessions/) through OPENAI_BASE_URL and OPENAI_API_KEY. Whatever the program does between its
 chat completions (tools, shells, retries, frameworks) is its own business; what is trained is the
 session's trajectory: the exact token ids the engine saw and generated, loss mask 1 on the model's
 tokens only, the engine's logprobs and one weight version per model turn.
@@ -47,81 +47,17 @@ import signal
 import tempfile
 import threading
 import weakref
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from miles.buffer.types import Sample, SampleStatus
-from miles.config import ConfigError
-from miles.registry import RegistryError, load_attr
-from miles.rollout.tool_calls import TOOL_PARSERS
+from miles.registry import load_attr
+from miles.rollout.config import HarnessConfig
+from miles.rollout.sessions.server import start_session_server
+from miles.rollout.sessions.store import SessionLimits
 
 _KEEP_OUTPUT = 4096  # characters of a failed program's output quoted in errors and metadata
 _KEEP_BYTES = 1 << 20  # bytes of a program's output held while it runs
 _SECRET_ENV = ("MILES_ENGINE_ADMIN_TOKEN",)  # never handed to a user's program
-
-
-@dataclass
-class HarnessConfig:
-    command: str = ""
-    """The program run once per sample, as a command line (split like a shell would, run without one)."""
-    function: str = ""
-    """Instead of command: module:function called as f(episode: Episode) in the rollout process (may be async)."""
-    reward: Literal["program", "run"] = "program"
-    """program: the last stdout line (a number or {"reward": x}) or the function's return; run: rollout.reward
-    over the session's last assistant reply and the prompt's label."""
-    tool_parser: str = "hermes"
-    """How the model writes tool calls (hermes = Qwen2.5/Qwen3 <tool_call> JSON, llama3_json, none, or module:Class)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for the program."""
-    cwd: str = ""
-    """Working directory of the program, where a relative path in command is found (default: the directory
-    the run was configured in, i.e. where `miles train` started)."""
-    max_concurrent: int = 0
-    """Programs running at once in the rollout process (training and eval episodes together); the rest
-    wait their turn, and their timeout starts when they start. 0 = two per CPU core."""
-    on_failure: Literal["score", "drop_group"] = "score"
-    """A crashed, timed-out or reward-less episode: score (trained with fallback_score) or drop_group
-    (its group goes to buffer.on_failure)."""
-    fallback_score: float = 0.0
-    """The reward of a failed episode (on_failure = score)."""
-    max_failure_rate: float = 0.5
-    """Stop the run once more than this share of episodes failed, counted after min_episodes; 1.0 never stops."""
-    min_episodes: int = 20
-    """Episodes to run before max_failure_rate is checked."""
-
-    def validate(self) -> None:
-        if not 0.0 <= self.max_failure_rate <= 1.0 or self.min_episodes < 0 or self.max_concurrent < 0:
-            raise ConfigError("rollout.agent.harness.max_failure_rate must be in [0, 1], min_episodes and "
-                              "max_concurrent >= 0")
-        try:
-            TOOL_PARSERS.get(self.tool_parser)
-        except RegistryError as e:
-            raise ConfigError(f"rollout.agent.harness.tool_parser: {e}") from None
-
-    def check_program(self) -> None:
-        """The program is given and loadable (checked when rollout.generate_fn = "harness")."""
-        if bool(self.command) == bool(self.function):
-            raise ConfigError("rollout.agent.harness: set exactly one of command (a program to run) and function "
-                              "(module:function), e.g. command = \"python my_agent.py\"")
-        if self.command:
-            try:
-                argv = shlex.split(self.command)
-            except ValueError as e:
-                raise ConfigError(f"rollout.agent.harness.command: {e}") from None
-            if not argv:
-                raise ConfigError("rollout.agent.harness.command is empty")
-        if self.function:
-            try:
-                fn = load_attr(self.function, "harness function")
-            except RegistryError as e:
-                raise ConfigError(f"rollout.agent.harness.function: {e}") from None
-            if not callable(fn):
-                raise ConfigError(f"rollout.agent.harness.function {self.function!r} is not callable: give a "
-                                  "function taking one Episode")
-        if self.cwd and not os.path.isdir(self.cwd):
-            raise ConfigError(f"rollout.agent.harness.cwd {self.cwd!r} is not a directory")
-        # Fixed now: the rollout process (a Ray actor) may run elsewhere than where the run was started.
-        self.cwd = os.path.abspath(self.cwd or os.getcwd())
 
 
 @dataclass(frozen=True)
@@ -193,8 +129,6 @@ def _slot(limit: int) -> asyncio.Semaphore:
 
 def _session_server(ctx, parser: str):
     """This process's session server for the run's tokenizer (started on the first episode)."""
-    from miles.rollout.openai_api import start_session_server  # noqa: PLC0415 - FastAPI stays off the config path
-
     key = (id(ctx.tokenizer), ctx.agent.turn_end_token, parser)
     with _servers_lock:
         if key not in _servers:
@@ -206,8 +140,6 @@ def _session_server(ctx, parser: str):
 
 async def harness(ctx, prompt, params, rid: str) -> Sample:
     """One episode of the configured program on `prompt`; the session's tokens become the Sample."""
-    from miles.rollout.openai_api import SessionLimits  # noqa: PLC0415 - as in _session_server
-
     cfg: HarnessConfig = ctx.agent.harness
     server = _session_server(ctx, cfg.tool_parser)
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}

@@ -1,5 +1,5 @@
-"""Multi-turn agent rollouts with token-in/token-out (TITO) bookkeeping, and the generate-function
-registry that lets a run choose how one prompt becomes one scored Sample.
+"""Multi-turn agent rollouts with token-in/token-out (TITO) bookkeeping: the episode loop behind the
+generate function `agent` (rollout.generate_fn = "agent").
 
 One episode is one token sequence. The prompt is the chat template applied once to the first
 observation; after that the sequence only ever grows by
@@ -18,101 +18,24 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+
+import httpx
 
 from miles.buffer.types import Sample, SampleStatus
-from miles.config import ConfigError
-from miles.registry import Registry
-from miles.rollout.chat_format import ChatFormat
-from miles.rollout.environments import build_environment, check_environment
-from miles.rollout.environments.sandbox import SandboxConfig
-from miles.rollout.generate import GenerationError, generate, routed_experts_of, versions_of
-from miles.rollout.harness import HarnessConfig, harness
+from miles.data.chat import ChatFormat
+from miles.rollout.config import AgentConfig
+from miles.rollout.environments import build_environment
+from miles.rollout.generate import GenerateContext, GenerationError, routed_experts_of, versions_of
 
 _SEND_ATTEMPTS = 3
 
 
-@dataclass
-class AgentConfig:
-    environment: str = "tool_calc"
-    """Environment by name (tool_calc, terminal) or module:function returning an Environment."""
-    max_turns: int = 4
-    """Most model turns per episode; an episode still running after them is truncated."""
-    max_response_tokens: int = 256
-    """Budget for the whole trajectory after the prompt: model and environment tokens together."""
-    episode_timeout_s: float = 120.0
-    """Give up on an episode after this many seconds; it is marked aborted (buffer retries or drops it)."""
-    turn_end_token: str = "<|im_end|>"
-    """Token that ends a model turn in the chat template; generation of a turn stops at it."""
-    observation_role: str = "tool"
-    """Chat role of the environment's replies."""
-    env_args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the environment's factory, every episode (e.g. {max_commands = 6} for terminal)."""
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    """Limits of the sandbox, for environments that run commands in one (terminal)."""
-    harness: HarnessConfig = field(default_factory=HarnessConfig)
-    """Your own agent program, run once per sample against a session (generate_fn = "harness"); max_turns,
-    max_response_tokens, episode_timeout_s and turn_end_token above apply to it too."""
-
-    def validate(self) -> None:
-        if self.max_turns < 1 or self.max_response_tokens < 1:
-            raise ConfigError("rollout.agent.max_turns and rollout.agent.max_response_tokens must be >= 1")
-        if self.episode_timeout_s <= 0:
-            raise ConfigError("rollout.agent.episode_timeout_s must be > 0")
-        try:
-            check_environment(self.environment, self.env_args, self.sandbox)
-        except ValueError as e:
-            raise ConfigError(f"rollout.agent.environment: {e}") from None
-
-
-@dataclass
-class GenerateContext:
-    """What a generate function may use; built by the rollout manager for each request."""
-
-    client: object                     # httpx.AsyncClient
-    url: str                           # engine or router base URL
-    tokenizer: object
-    encode: Callable[..., list[int]]  # a Prompt (or its text) → prompt ids (chat template or plain)
-    reward_fn: Callable[[str, str | None], float]
-    agent: AgentConfig
-    return_routed_experts: bool = False  # ask the engine for routed experts and keep them on the Sample
-
-
-class GenerateFn(Protocol):
-    async def __call__(self, ctx: GenerateContext, prompt, params, rid: str) -> Sample:
-        """Turn one data-source Prompt into one Sample with its reward filled in (or, with the
-        function's `scores_itself = False`, left to the run's reward runner)."""
-
-
-async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
-    """One /generate call on the encoded prompt; the reward runner scores it (scores_itself = False)."""
-    s = await generate(ctx.client, ctx.url, ctx.encode(prompt), params, rid=rid, label=prompt.label,
-                       prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
-    s.metadata = dict(prompt.metadata)
-    return s
-
-
-single_turn.scores_itself = False  # type: ignore[attr-defined]
-
-
 async def multi_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
-    """An episode against a fresh environment; the reward is the environment's."""
+    """An episode against a fresh environment; the reward is the environment's (the generate function
+    `agent`)."""
     env = build_environment(ctx.agent.environment, ctx.agent.env_args, ctx.agent.sandbox)
     return await run_episode(ctx.client, ctx.url, ctx.tokenizer, env, prompt, params, ctx.agent, rid,
                              return_routed_experts=ctx.return_routed_experts)
-
-
-GENERATE_FNS: Registry[GenerateFn] = Registry(
-    "generate function", arity=4, coroutine=True,
-    hint=" (an `async def` taking (ctx, prompt, params, rid) and returning a Sample)")
-GENERATE_FNS.register("single_turn", single_turn)
-GENERATE_FNS.register("agent", multi_turn)
-GENERATE_FNS.register("harness", harness)
-
-
-def get_generate_fn(spec: str) -> GenerateFn:
-    """The generate function `spec` names (registry name or `module:function`); RegistryError names the fix."""
-    return GENERATE_FNS.get(spec)
 
 
 async def run_episode(client, url: str, tokenizer, env, prompt, params, cfg: AgentConfig, rid: str,
@@ -196,8 +119,6 @@ async def _play(client, url, env, params, cfg: AgentConfig, rid: str, fmt: ChatF
 
 async def _generate_turn(client, url, input_ids, params, max_new_tokens, end_id, rid, turn,
                          return_routed_experts: bool = False) -> dict:
-    import httpx  # not at the top: AgentConfig is part of the run config, which loads without httpx
-
     sp = params.to_json()
     sp["max_new_tokens"] = max_new_tokens
     sp["stop_token_ids"] = [end_id]

@@ -1,0 +1,214 @@
+"""The pieces of scripts/gpu-check.sh that are Python: probe the device, watch a run's GPU, time the
+trainer against a plain loop, and fold every part's output into one JSON line.
+
+  check.py probe OUT.json                      the GPU's name, memory and measured copy bandwidth
+  check.py watch OUT.json METRICS -- CMD...    run CMD, sampling GPU utilisation; each step's window is
+                                               read off METRICS (metrics.jsonl) as its lines appear
+  check.py build-model PRESET DIR              a preset built on the GPU (fast for large shapes)
+  check.py report DIR                          one JSON line from DIR's parts
+
+Runs on CPU too (small sizes, utilisation absent), so the script's plumbing is checked off the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def probe(out: str) -> None:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": _cuda(), "date": time.strftime("%Y-%m-%d")}
+    if _cuda():
+        p = torch.cuda.get_device_properties(0)
+        n = 1 << 30  # bytes per copy: far past the 60 MB L2
+        a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / 10
+        info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1),
+                    copy_gb_s=round(2 * n / dt / 1e9, 1))  # bytes read + written
+    Path(out).write_text(json.dumps(info))
+
+
+class _Utilisation:
+    """GPU utilisation (% of time a kernel ran, as NVML reports it) sampled every 50 ms with unix times."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle, self._nvml = pynvml.nvmlDeviceGetHandleByIndex(0), pynvml
+        except Exception:  # no GPU, or no NVML: the run still runs, without utilisation
+            self._handle = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            u = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+            self.samples.append((time.time(), float(u)))
+
+    def __enter__(self):
+        if self._handle is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
+def watch(out: str, metrics: str, cmd: list[str]) -> int:
+    """Run `cmd`; note when each line of `metrics` appears (a step's end), sample the GPU meanwhile, and
+    poll the engine the run prints ("engines ready: URL") for its counters. `out` is rewritten after
+    every step, so a run cut short still leaves what it measured."""
+    import re
+    import urllib.request
+
+    seen: list[tuple[float, dict]] = []
+    engine: dict = {"url": None, "stats": None}
+    t0 = time.time()
+
+    def tee(stream) -> None:  # the run's output, passed through, watched for the engine's URL
+        for line in stream:
+            sys.stdout.write(line)
+            m = re.search(r"engines ready[^:]*: (http://[^\s,;]+)", line)
+            if m and engine["url"] is None:
+                engine["url"] = m.group(1)
+
+    def poll_engine() -> None:
+        if engine["url"]:
+            try:
+                with urllib.request.urlopen(engine["url"] + "/get_server_info", timeout=2) as r:
+                    engine["stats"] = json.loads(r.read())["engine_stats"]
+            except (OSError, ValueError, KeyError):
+                pass
+
+    def write(rc) -> None:
+        steps = []
+        for end, rec in seen:
+            if "perf/step_s" not in rec:
+                continue
+            start = end - rec["perf/step_s"]
+            inside = [u for t, u in util.samples if start <= t <= end]
+            steps.append({"step": rec["step"], **{k: v for k, v in rec.items() if k.startswith(("perf/", "sync/"))},
+                          "gpu_busy": round(sum(inside) / len(inside) / 100, 3) if inside else None})
+        Path(out).write_text(json.dumps({"rc": rc, "wall_s": round(time.time() - t0, 1), "steps": steps,
+                                         "engine_stats": engine["stats"]}))
+
+    with _Utilisation() as util:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        threading.Thread(target=tee, args=(proc.stdout,), daemon=True).start()
+        pos, last_poll = 0, 0.0
+        while proc.poll() is None:
+            time.sleep(0.05)
+            if time.time() - last_poll > 2:
+                poll_engine()
+                last_poll = time.time()
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    f.seek(pos)
+                    for line in f:
+                        if not line.endswith("\n"):
+                            break
+                        seen.append((time.time(), json.loads(line)))
+                        pos += len(line.encode())
+                        poll_engine()
+                        write(None)
+    write(proc.returncode)
+    return proc.returncode
+
+
+def build_model(preset: str, out: str) -> None:
+    """A preset built with the GPU as torch's default device: a 0.6B shape initialises in seconds."""
+    import torch
+
+    from miles.models.presets import build_tiny_model
+
+    with torch.device("cuda" if _cuda() else "cpu"):
+        build_tiny_model(preset, out)
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _pytest(log: Path) -> dict:
+    import re
+
+    text = log.read_text() if log.exists() else ""
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)\b", text)}
+    return {**counts, "failures": re.findall(r"^FAILED (\S+)", text, re.M)[:10]}
+
+
+def _evals(run_dir: Path) -> dict:
+    """Eval accuracy before and after RL from the run's metrics.jsonl (the first and last eval records)."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    acc = [r for r in recs if any(k.startswith("eval/") and k.endswith("accuracy") for k in r)]
+    key = next((k for k in (acc[0] if acc else {}) if k.startswith("eval/") and k.endswith("accuracy")), None)
+    if not key:
+        return {}
+    return {"eval_key": key, "before": acc[0][key], "after": acc[-1][key],
+            "gain_points": round(100 * (acc[-1][key] - acc[0][key]), 1)}
+
+
+def report(root: str) -> None:
+    d = Path(root)
+    out = {"check": "gpu", "device": _read(d / "device.json"), "cuda_tests": _pytest(d / "pytest-cuda.log")}
+    arith = _read(d / "arithmetic-time.json") or {}
+    run_dirs = sorted((d / "arithmetic").glob("grpo*")) if (d / "arithmetic").exists() else []
+    out["arithmetic"] = {**arith, **(_evals(run_dirs[-1]) if run_dirs else {})}
+    rl = _read(d / "rl-watch.json") or {}
+    steps = rl.get("steps", [])
+    later = steps[1:] or steps  # the first step pays for warm-up (allocator, kernels)
+    busy = [s["gpu_busy"] for s in later if s.get("gpu_busy") is not None]
+    out["rl_0.6b"] = {**{k: v for k, v in rl.items() if k != "steps"}, "steps": steps,
+                      "gpu_busy_after_step1": round(sum(busy) / len(busy), 3) if busy else None}
+    bench = [json.loads(line) for line in (d / "bench-gpu.log").read_text().splitlines() if line.startswith('{"bench"')] \
+        if (d / "bench-gpu.log").exists() else []
+    out["trainer_vs_plain"] = bench[-1].get("trainer") if bench else None
+    out["sections"] = _read(d / "sections.json")
+    print(json.dumps(out))
+
+
+def main(argv: list[str]) -> int:
+    cmd, args = argv[0], argv[1:]
+    if cmd == "probe":
+        probe(*args)
+    elif cmd == "watch":
+        split = args.index("--")
+        return watch(args[0], args[1], args[split + 1:])
+    elif cmd == "build-model":
+        build_model(*args)
+    elif cmd == "report":
+        report(*args)
+    else:
+        sys.exit(f"check.py: unknown command {cmd!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
