@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from miles.config.loader import save_config, to_dict
+from miles.engine_api import routes
+from miles.engine_api.client import EngineClient
+from miles.engine_api.errors import EngineError
 from miles.run_config import RunConfig
 from miles.data.chat import encode_prompt
 from miles.data.preflight import check_dataset
@@ -196,13 +199,12 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
     """The teacher engines' URLs (none without a [teacher] section): started here from
     teacher.model.path, or teacher.engine_urls checked for the student's tokenizer. They join no
     fleet, router or weight transport, so no weight update ever reaches them."""
-    import httpx
     import ray
 
     t = cfg.teacher
     if t.engine_urls:
         _check_reachable(t.engine_urls, "teacher.engine_urls")
-        with httpx.Client() as client:
+        with EngineClient() as client:  # no admin token: nothing may administer a teacher
             for url in t.engine_urls:
                 check_served_teacher(client, url, cfg.model.path)
         return list(t.engine_urls)
@@ -221,13 +223,12 @@ def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.E
 
 def _check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:
     """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
-    import httpx
-
-    for url in urls:
-        try:
-            httpx.get(url + "/health", timeout=10).raise_for_status()
-        except httpx.HTTPError as exc:
-            raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
+    with EngineClient(timeout_s=10.0) as client:
+        for url in urls:
+            try:
+                client.get(url, routes.HEALTH)
+            except EngineError as exc:
+                raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ push = [pause engines in place + noise-fill them, first update only] → prepare
 failure raises VerificationError naming the engines and tensors; it never passes silently.
 
 Against engines without miles' extensions (plain SGLang servers, or built-in engines in SGLang-only
-mode; see engine_client.extensions) only SGLang's protocol is used:
+mode; see engine_api/extensions.py) only SGLang's protocol is used:
   * a transport whose engine end is an extension (p2p, disk_delta, colocated) is refused at connect,
     before the run starts, naming the transport that works (broadcast);
   * there is no staged commit, so every push is wrapped in /pause_generation (retract) and
@@ -33,9 +33,9 @@ import time
 from miles.precision.types import get_format
 from miles.sync import verify
 from miles.sync.convert import get_converter
-from miles.sync.engine_client import EngineClient
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
 from miles.sync.transports import TRANSPORTS, TransportError
+from miles.sync.transports.base import engine_client
 from miles.versions import INITIAL
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class WeightUpdater:
         urls = [u.rstrip("/") for u in engine_urls]
         if self._client is not None:  # a reconnect to a changed set of engines
             self._client.close()
-        self._client = EngineClient(self.admin_token, self.cfg.timeout_s)
+        self._client = engine_client(self.admin_token, self.cfg.timeout_s)
         self.extensions = self._client.extensions(urls)
         receiver = getattr(self.transport, "Receiver", None)
         needed = getattr(receiver, "extension", None)
@@ -235,7 +235,7 @@ class WeightUpdater:
         failed, self._disconnected = self.transport, True
         self.transport = self._build(self.cfg.transport)  # unconnected: the next attempt connects its own
         threading.Thread(target=_close_quietly, args=(failed,), daemon=True).start()
-        quick = EngineClient(self.admin_token, min(self.cfg.timeout_s, 10.0))
+        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
         try:
             quick.post_all(self.engine_urls, "/update_weights_from_disk", {"reset_staging": True})
         except TransportError as exc:
@@ -328,7 +328,7 @@ class WeightUpdater:
         """Before any engine commits: every engine must answer at once. An engine that stalls (a stopped
         process, a wedged host) fails the version here, while no engine has committed it, instead of
         leaving the fleet on two versions."""
-        quick = EngineClient(self.admin_token, min(self.cfg.timeout_s, 10.0))
+        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
         try:
             quick.post_all(self.engine_urls, "/health", None, method="GET")
         except TransportError as exc:

@@ -37,8 +37,8 @@ import threading
 import torch
 
 from miles import versions
+from miles.engine_api import bodies
 from miles.precision import wire
-from miles.rollout.engine import protocol
 from miles.sync import files, verify
 from miles.sync.transports import TRANSPORTS, TransportReceiver, WeightUpdateError
 
@@ -184,7 +184,7 @@ class WeightReceiver:
         model = self.engine.model
         action = req.action
         expected, buckets = getattr(req, "expected", None), getattr(req, "buckets", None)
-        miles = isinstance(req, protocol.MilesCheckWeights)
+        miles = isinstance(req, bodies.MilesCheckWeights)
         if action == "reset_tensors":
             if not self._session:
                 raise WeightUpdateError("reset_tensors: allowed only inside a verification session; send action "
