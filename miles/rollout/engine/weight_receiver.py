@@ -15,6 +15,9 @@ verification.
     the sender opts in (`swap_buffers`).
   * `reset_staging` (a miles extension, sent with the first bucket of each version) drops whatever an
     abandoned earlier version left staged or poisoned, so one failed push does not block the next.
+    Until then (or until a commit, refused, clears it) every bucket is refused, naming reset_staging:
+    the engine cannot tell a new version's first bucket from the dead version's next one, and a
+    bucket answered "staged" would belong to a version whose commit can never succeed.
   * a weight the engine serves in a format may arrive as that format's bytes (precision/wire.py):
     it is staged as its dequantized values, and at commit its layer takes the received bytes as its
     stored copy instead of quantizing the values again.
@@ -79,7 +82,9 @@ class WeightReceiver:
         """A weight-update request was refused: nothing it brought may stay staged. A refused bucket of
         a multi-request version (stage_only) also poisons that version, so its commit is refused too."""
         with self.lock:
-            if stage_only:
+            if stage_only and self._poisoned is not None:
+                self._clear_staging()  # already dead: the first refusal stays the reason
+            elif stage_only:
                 self.fail(reason)
             else:
                 self.clear()
@@ -315,6 +320,11 @@ class WeightReceiver:
         """Put tensors into staging. owned: only staging holds their memory (adoptable at commit);
         lent: the lent buffer they are views of (adoptable as a whole version, see commit). Weights that
         arrived quantized (validated before) are staged as their dequantized values, in memory of their own."""
+        if self._poisoned is not None:
+            raise WeightUpdateError(
+                f"bucket not staged: an earlier bucket of the pending version was refused ({self._poisoned}), so "
+                "that version can never be committed; start the version again with reset_staging = true on its "
+                "first bucket (or send /update_weights_from_disk {\"reset_staging\": true} first)")
         arrived = {n: t for n, t in tensors.items() if wire.split_name(n) is not None}
         if arrived:
             tensors = {n: t for n, t in tensors.items() if n not in arrived}

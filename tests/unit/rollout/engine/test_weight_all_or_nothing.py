@@ -98,6 +98,44 @@ def test_a_refused_bucket_poisons_its_version_and_a_late_commit_changes_nothing(
     assert torch.equal(_norm(engine_thread), before)
 
 
+def test_a_bucket_after_a_refused_one_is_refused_naming_reset_staging_until_a_version_starts_again(
+        post, engine_thread, base_model_dir):
+    """Never a 200 ("staged") for a bucket of a version whose commit can no longer succeed: the engine cannot
+    tell a new version's first bucket from the dead one's next, so it refuses until reset_staging says so."""
+    _at_version(post, engine_thread, base_model_dir, "350")
+    before = _norm(engine_thread)
+    path, buf = shm.create(before.numel() * 4)
+    try:
+        buf.copy_((before + 5).reshape(-1).view(torch.uint8))
+        bucket = {"load_format": "shm", "shm_path": path, "names": [NORM], "dtypes": ["float32"],
+                  "shapes": [list(before.shape)], "offsets": [0]}
+        assert post("/update_weights_from_tensor", {**bucket, "commit": False, "reset_staging": True}).status_code == 200
+        bad = post("/update_weights_from_tensor", {**bucket, "commit": False, "bogus": 1})
+        assert bad.status_code == 400, bad.text
+        for _ in range(2):  # and again: the refusal names the first reason, not itself
+            nxt = post("/update_weights_from_tensor", {**bucket, "commit": False})
+            err = nxt.json()["error"]
+            assert nxt.status_code == 400 and "reset_staging" in err and "bogus" in err, nxt.text
+            assert _staged(engine_thread) == 0
+        # A new version's first bucket that says so is staged and commits.
+        first = post("/update_weights_from_tensor", {**bucket, "commit": False, "reset_staging": True})
+        assert first.status_code == 200 and _staged(engine_thread) == 1, first.text
+        done = post("/update_weights_from_tensor", {"load_format": "shm", "commit": True, "weight_version": "351"})
+        assert done.status_code == 200 and done.json()["weight_version"] == "351", done.text
+        assert torch.equal(_norm(engine_thread), before + 5)
+        # A whole version in one request (SGLang's form: it commits what it carries) after a refused bucket
+        # is refused too, and like a refused commit it clears the dead version: the next one goes through.
+        assert post("/update_weights_from_tensor", {**bucket, "commit": False, "bogus": 1}).status_code == 400
+        whole = {**bucket, "commit": True, "weight_version": "352"}
+        r = post("/update_weights_from_tensor", whole)
+        assert r.status_code == 400 and "reset_staging" in r.json()["error"], r.text
+        assert engine_thread.engine.weight_version == "351"
+        r = post("/update_weights_from_tensor", whole)
+        assert r.status_code == 200 and r.json()["weight_version"] == "352", r.text
+    finally:
+        shm.unlink(path)
+
+
 def test_versions_never_move_backwards_and_only_with_a_commit(post, engine_thread, base_model_dir):
     _at_version(post, engine_thread, base_model_dir, "400")
     r = post("/update_weights_from_disk", {"model_path": base_model_dir, "weight_version": "401"})
