@@ -22,6 +22,9 @@ the same points):
   corrupt_delta   flip a byte of the step's disk delta once written, before any engine reads it
                   (fault.corrupt_delta_at_steps); the engines' checksums refuse it, the version is
                   rolled back and written again
+  stall_commit    SIGSTOP a serving engine between the commit round's readiness check and its commit
+                  (fault.stall_engine_at_commit, --commit-stalls, none by default): the others commit,
+                  it is fenced (serves nothing) and replaced, and the version goes to the rest again
 
 With --quick the run is a smoke test of the same faults instead: the untrained tiny model, 8 prompts
 × 4 samples, and a reward that an untrained model already varies on (the share of digits in the
@@ -85,7 +88,8 @@ KINDS = ("engine", "trainer", "reward_worker", "router")
 KEYS = {"engine": "fault.kill_engine_at_steps", "reward_worker": "fault.kill_reward_worker_at_steps",
         "trainer": "fault.kill_trainer_at_steps", "router": "fault.kill_router_at_steps"}
 NAMES = {"kill_engine": "engine", "kill_trainer": "trainer", "kill_reward_worker": "reward_worker",
-         "kill_router": "router", "stall_engine": "stall", "corrupt_delta": "corrupt_delta"}
+         "kill_router": "router", "stall_engine": "stall", "corrupt_delta": "corrupt_delta",
+         "stall_engine_at_commit": "stall_commit"}
 KILLS = ("engine", "trainer", "reward_worker", "router", "driver")
 
 
@@ -105,18 +109,20 @@ def kill_plan(steps: int, per_kind: int, driver_at: int) -> dict[str, list[int]]
     return plan
 
 
-def push_plan(kills: dict[str, list[int]], stalls: int, corrupt: int, resume_s: float) -> dict:
+def push_plan(kills: dict[str, list[int]], stalls: int, corrupt: int, resume_s: float,
+              commit_stalls: int = 0) -> dict:
     """Steps of the push faults: the steps of trainer, reward worker and router kills (none of which
     touches the push that ends its step; the trainer's step is pushed once a new trainer has trained
-    it again), in order; a damaged delta first, then a stall, by turns. Stalls alternate between never
-    resumed (the fleet replaces the engine) and resumed after resume_s."""
+    it again), in order; a damaged delta first, then a stall, by turns, then the stalls at commit. Stalls
+    alternate between never resumed (the fleet replaces the engine) and resumed after resume_s."""
     slots = sorted(kills["trainer"] + kills["reward_worker"] + kills["router"])
     turn = [k for i in range(max(stalls, corrupt)) for k in ("corrupt_delta", "stall")[0 if i < corrupt else 1:
                                                                                          2 if i < stalls else 1]]
+    turn += ["stall_commit"] * commit_stalls
     if len(turn) > len(slots):
         raise SystemExit(f"miles bench chaos: {len(turn)} push faults need as many steps with a trainer, reward "
                          f"worker or router kill, and the plan has {len(slots)}: raise --kills-per-kind or --steps")
-    plan = {"stall": [], "corrupt_delta": [], "stall_resume_s": []}
+    plan = {"stall": [], "corrupt_delta": [], "stall_resume_s": [], "stall_commit": []}
     for kind, step in zip(turn, slots):
         plan[kind].append(step)
         if kind == "stall":
@@ -171,6 +177,8 @@ def chaos_overrides(kills: dict[str, list[int]], pushes: dict) -> dict[str, str]
         over["fault.stall_resume_after_s"] = ",".join(f"{s:g}" for s in pushes["stall_resume_s"])
     if pushes["corrupt_delta"]:
         over["fault.corrupt_delta_at_steps"] = ",".join(map(str, pushes["corrupt_delta"]))
+    if pushes.get("stall_commit"):
+        over["fault.stall_engine_at_commit"] = ",".join(map(str, pushes["stall_commit"]))
     return over
 
 
@@ -275,10 +283,11 @@ def push_figures(recs: list[dict], pushes: dict) -> dict:
     pushed = [r for r in recs if "sync/total_s" in r]
     by_step = {r["step"]: r for r in recs}
     recovered = 0
-    for step in pushes["stall"] + pushes["corrupt_delta"]:
+    for step in pushes["stall"] + pushes["corrupt_delta"] + pushes.get("stall_commit", []):
         r = by_step.get(step, {})
         # A stall ends in a rollback, a push without the stalled engine, or (when the push began by
-        # reconnecting to a changed fleet) in reconnect retries until the engine answered again.
+        # reconnecting to a changed fleet) in reconnect retries until the engine answered again; a stall at
+        # commit in a fenced engine and the version made again without it.
         if (r.get("sync/rollbacks", 0) or r.get("sync/engine_loss_retries", 0)
                 or r.get("sync/reconnect_retries", 0)) and _verified(r):
             recovered += 1
@@ -286,6 +295,7 @@ def push_figures(recs: list[dict], pushes: dict) -> dict:
             "rollbacks": sum(int(r.get("sync/rollbacks", 0)) for r in recs),
             "engine_loss_retries": sum(int(r.get("sync/engine_loss_retries", 0)) for r in recs),
             "reconnect_retries": sum(int(r.get("sync/reconnect_retries", 0)) for r in recs),
+            "fenced_engines": sum(int(r.get("sync/fenced_engines", 0)) for r in recs),
             "pushes_unverified": sum(not _verified(r) for r in pushed)}
 
 
@@ -334,6 +344,8 @@ def main(argv=None) -> int:
                         "writing (the attempt is rolled back), short of two missed health probe rounds, 4 times the "
                         "deadline (the engine is not replaced)")
     p.add_argument("--corrupt-deltas", type=int, default=2, help="pushes whose disk delta is damaged once written")
+    p.add_argument("--commit-stalls", type=int, default=0, help="engines SIGSTOPped between a push's readiness "
+                   "check and its commit (fault.stall_engine_at_commit): fenced and replaced")
     p.add_argument("--push-deadline-s", type=float, default=10.0, help="sync.timeout_s, the deadline of each call "
                    "of a push, and health.timeout_s (sync.version_timeout_s is 120 s)")
     p.add_argument("--baselines", type=int, default=1, help="fault-free runs, seeds seed .. seed+N-1: their spread "
@@ -348,7 +360,7 @@ def main(argv=None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-chaos-"))
     out.mkdir(parents=True, exist_ok=True)
     kills = kill_plan(args.steps, args.kills_per_kind, driver_at)
-    pushes = push_plan(kills, args.stalls, args.corrupt_deltas, args.stall_resume_s)
+    pushes = push_plan(kills, args.stalls, args.corrupt_deltas, args.stall_resume_s, args.commit_stalls)
     t0 = time.monotonic()
     if args.quick:
         from miles.models.presets import build_tiny_model

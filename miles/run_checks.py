@@ -156,10 +156,11 @@ def check_fleet(run) -> None:
         raise ConfigError(f"fault.corrupt_delta_at_steps damages the disk delta of a push, and sync.transport = "
                           f"{run.sync.transport!r} writes none: set sync.transport = 'disk_delta', or drop the fault")
     engine_faults = (run.fault.kill_engine_every_s or run.fault.stall_engine_every_s
-                     or run.fault.kill_engine_at_steps or run.fault.stall_engine_at_steps)
+                     or run.fault.kill_engine_at_steps or run.fault.stall_engine_at_steps
+                     or run.fault.stall_engine_at_commit)
     if engine_faults and run.rollout.engine_urls:
         raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps / "
-                          "stall_engine_at_steps act on engines "
+                          "stall_engine_at_steps / stall_engine_at_commit act on engines "
                           "the run starts; with "
                           "rollout.engine_urls the engines are someone else's: unset one of the two")
     if run.health.standby_engines and run.rollout.engine_urls:
@@ -168,7 +169,7 @@ def check_fleet(run) -> None:
                           "re-admitted when its operator restarts it): set health.standby_engines = 0")
     if engine_faults and not (run.health.enabled and run.health.restart):
         raise ConfigError("fault.kill_engine_every_s / stall_engine_every_s / kill_engine_at_steps / "
-                          "stall_engine_at_steps need "
+                          "stall_engine_at_steps / stall_engine_at_commit need "
                           "health.enabled = true and "
                           "health.restart = true, or nothing would replace the engines they break")
 

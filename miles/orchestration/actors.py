@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 
 from miles.net import free_port
 from miles.orchestration.faults import damage_delta
@@ -150,6 +151,14 @@ class TrainerShell:
         if self.rank != 0 or not isinstance(self.transport, WeightUpdater):
             return False
         return self.transport.tamper_next_version(damage_delta)
+
+    def stall_next_commit(self, pid: int) -> bool:
+        """Rank 0, fault injection (fault.stall_engine_at_commit): the next commit round SIGSTOPs process
+        `pid` (an engine on this machine) after every engine acknowledged readiness, before the commit."""
+        if self.rank != 0 or not isinstance(self.transport, WeightUpdater) or self.transport.plain:
+            return False
+        self.transport.stall_before_commit(lambda: os.kill(pid, signal.SIGSTOP))
+        return True
 
     def push_full(self, urls: list[str], version: int) -> dict[str, float]:
         """Collective: bring new engines to `version` with a full push, noise-fill verified, over a

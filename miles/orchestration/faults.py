@@ -13,6 +13,8 @@
     --fault.stall_engine_at_steps 7            SIGSTOP a serving engine as these steps' weight pushes start
     --fault.stall_resume_after_s 8             ... and SIGCONT it 8 s later (0: never; the fleet replaces it)
     --fault.corrupt_delta_at_steps 9           damage the disk delta of this step's push once it is written
+    --fault.stall_engine_at_commit 5           SIGSTOP a serving engine in this step's push, between the commit
+                                               round's readiness check and its commit (never resumed)
 
 Timed engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
 health monitor (fleet.py) must find and replace each. Step-scheduled kills fire as the step's
@@ -21,13 +23,16 @@ starts, so a fast machine and a slow one get the same faults at the same points 
 fires once per run (a step trained or pushed again after a restart is left alone). A push fault
 must end in a rollback (no engine commits the version) and a retry within the push's deadlines
 (sync/updater.py): the engine stopped for longer than one call's deadline (sync.timeout_s) fails
-the attempt, and so does a delta whose bytes no longer match their checksums. Every injected
+the attempt, and so does a delta whose bytes no longer match their checksums. A stall at commit must
+end with the engine fenced (the others commit and serve the version, it serves nothing and is
+replaced). Every injected
 fault is recorded with its wall-clock time, so recovery can be measured from the moment of the
 fault, not of its detection, and appended to the run directory's `faults.jsonl`, which a run
 resumed by a new driver reads back: its report counts the faults before the resume, and none fires
 twice.
 Engines are signalled on whichever node they run (fleet.EngineHandle.send_signal); a trainer rank
-only on the driver's machine. Non-goals: network partitions, disk faults.
+only on the driver's machine, and a stall at commit (sent by the trainer's source rank, the one that
+commits) only to an engine on the driver's machine. Non-goals: network partitions, disk faults.
 """
 
 from __future__ import annotations
@@ -87,6 +92,10 @@ class FaultConfig:
     corrupt_delta_at_steps: list[int] = field(default_factory=list)
     """Flip a byte of the disk delta of each of these steps' weight push, after the trainer wrote it and
     before any engine reads it (sync.transport = 'disk_delta'): the engines' checksums must refuse it."""
+    stall_engine_at_commit: list[int] = field(default_factory=list)
+    """SIGSTOP a serving engine (picked by seed, on the driver's machine) in each of these steps' weight
+    pushes, after every engine acknowledged the commit round's readiness and right before the commit is
+    sent; never resumed. The engine is fenced: the others commit, it serves nothing and is replaced."""
     max_trainer_restarts: int = 3
     """With restart_trainer: the most restarts in one run; the failure after that ends the run."""
     seed: int = 0
@@ -122,19 +131,21 @@ class FaultConfig:
         return steps
 
 
-ENGINE_FAULTS = ("kill_engine", "stall_engine")  # the faults the fleet recovers from
+ENGINE_FAULTS = ("kill_engine", "stall_engine", "stall_engine_at_commit")  # the faults the fleet recovers from
 
 # Step-scheduled fault kinds, in the order they fire within one step (the trainer last: it ends the step),
 # and the FaultConfig key listing each one's steps.
 STEP_FAULTS = {"kill_reward_worker": "kill_reward_worker_at_steps", "kill_router": "kill_router_at_steps",
                "kill_engine": "kill_engine_at_steps", "kill_trainer": "kill_trainer_at_steps"}
 # Faults that fire as a step's weight push starts.
-PUSH_FAULTS = {"stall_engine": "stall_engine_at_steps", "corrupt_delta": "corrupt_delta_at_steps"}
+PUSH_FAULTS = {"stall_engine": "stall_engine_at_steps", "corrupt_delta": "corrupt_delta_at_steps",
+               "stall_engine_at_commit": "stall_engine_at_commit"}
 
 
 @dataclass
 class InjectedFault:
-    kind: str       # kill_engine | stall_engine | kill_trainer | kill_reward_worker | kill_router | corrupt_delta
+    kind: str       # kill_engine | stall_engine | stall_engine_at_commit | kill_trainer | kill_reward_worker |
+    #                 kill_router | corrupt_delta (a stall at commit: `at` is when it was armed)
     target: str     # the engine URL, "trainer rank N", "reward worker", "router URL" or "weight version N"
     pid: int        # the process signalled (for corrupt_delta: the trainer rank that writes the delta)
     at: float       # time.time() when the signal was sent
@@ -220,6 +231,8 @@ class FaultInjector:
         fired = {(f.kind, f.step) for f in self.faults}
         if version in self.cfg.steps_of("stall_engine") and ("stall_engine", version) not in fired:
             self._stall_at(version)
+        if version in self.cfg.steps_of("stall_engine_at_commit") and ("stall_engine_at_commit", version) not in fired:
+            self._stall_at_commit(version, trainer)
         if version in self.cfg.steps_of("corrupt_delta") and ("corrupt_delta", version) not in fired:
             if trainer is None or not trainer.damage_next_delta():
                 log.warning("fault injection: the trainer writes no disk delta at step %d (sync.transport is "
@@ -252,6 +265,24 @@ class FaultInjector:
             timer = threading.Timer(after, _resume, args=(engine,))
             timer.daemon = True
             timer.start()
+
+    def _stall_at_commit(self, step: int, trainer) -> None:
+        """Arm the trainer's next commit round to SIGSTOP one engine between its readiness check and its commit."""
+        serving = [(i, e) for i, e in (self.fleet.serving() if self.fleet is not None else [])
+                   if e.on_this_node and e.pid is not None]
+        if not serving:
+            log.warning("fault injection: no engine serving on this machine at step %d; stall_engine_at_commit "
+                        "skipped", step)
+            return
+        _, engine = self._rng.choice(serving)
+        if trainer is None or not trainer.stall_next_commit(engine.pid):
+            log.warning("fault injection: the engines have no staged commit at step %d (plain SGLang servers); "
+                        "stall_engine_at_commit skipped", step)
+            return
+        fault = InjectedFault("stall_engine_at_commit", engine.url, engine.pid, time.time(), step)
+        self._record(fault)
+        log.warning("fault injection: stall_engine_at_commit %s (pid %d) armed for step %d's commit round",
+                    engine.url, engine.pid, step)
 
     def before_train(self, step: int, trainer, reward_workers: Callable[[], list[int]] = list) -> None:
         """The step-scheduled faults due at this step, each once per run; `reward_workers` lists the

@@ -145,6 +145,11 @@ class TrainerGroup:
         it (see TrainerShell.damage_next_delta); False when weights do not travel as disk deltas."""
         return self._ray.get(self.actors[0].damage_next_delta.remote())
 
+    def stall_next_commit(self, pid: int) -> bool:
+        """Fault injection: the source rank's next commit round SIGSTOPs process `pid` (an engine) right
+        before its commit (see TrainerShell.stall_next_commit); False when engines have no staged commit."""
+        return self._ray.get(self.actors[0].stall_next_commit.remote(pid))
+
     def sync_weights(self, version: int) -> dict[str, float]:
         metrics = dict(self._all("sync_weights", [version] * len(self.actors))[0])
         if self.cfg.lora.rank:

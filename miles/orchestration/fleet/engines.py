@@ -71,6 +71,7 @@ class Slot:
     failed_readmissions: int = 0     # in a row, for an external engine that answers but cannot be brought up
     record: Replacement | None = None  # a "down" slot's record, completed when its engine is re-admitted
     holds_pushed: bool = False       # an external engine reported a version miles pushed since its admission
+    held: bool = False               # fenced at a commit round: its engine is paused and may hold requests
 
 
 @dataclass

@@ -149,7 +149,7 @@ class EngineFleet(Probing, Replacing):
         (`sync/engine_loss_retries` counts these); with no engine serving there is nothing to push to,
         and replacements get the version at bring-up.
         """
-        reconnect_retries = 0
+        reconnect_retries = fenced = 0
         for tries in range(3):
             reconnect_retries += self._reconnect_absorbing_failures()
             if not self._transport_urls:
@@ -159,8 +159,11 @@ class EngineFleet(Probing, Replacing):
                 metrics = sync()
                 if reconnect_retries:
                     metrics = {**metrics, "sync/reconnect_retries": reconnect_retries}
+                if fenced:
+                    metrics = {**metrics, "sync/fenced_engines": fenced}
                 return {**metrics, "sync/engine_loss_retries": tries} if tries else metrics
             except Exception as exc:  # noqa: BLE001 - re-raised below unless an engine explains it
+                fenced += self.fence(_fenced_by(exc), str(exc).splitlines()[0][:300])
                 self.check_now()
                 # Retry only if an engine of this push has since left the serving set (declared dead
                 # by this check or by the monitor): any other failure is not the fleet's to absorb.
@@ -170,6 +173,22 @@ class EngineFleet(Probing, Replacing):
                 log.warning("weight push failed (%s); %s left the fleet, retrying on the engines serving",
                             str(exc).splitlines()[0][:200], sorted(gone))
         raise FleetError("weight push kept failing while engines died; see the health log above")
+
+    def fence(self, urls, reason: str) -> int:
+        """Engines that did not acknowledge a commit the rest of the fleet made (sync/updater.py's
+        FencedEngines): out of the router at once, then replaced (or, started outside the run, routed
+        around until they answer and are brought to the fleet's weights by a full push). Returns how
+        many engines of the fleet it names (the health monitor may have taken a stalled one out already)."""
+        with self._lock:
+            named = [s for s in self.slots if s.engine is not None and s.engine.url in set(urls)]
+            slots = [s for s in named if s.state == "serving"]
+            for s in named:
+                s.held = True
+            for s in slots:
+                s.state = "replacing"
+        for s in slots:
+            self._declare_dead(s, f"fenced: {reason}")
+        return len(named)
 
     def _reconnect(self) -> None:
         urls = self.serving_urls()
@@ -264,3 +283,12 @@ class EngineFleet(Probing, Replacing):
             except Exception:  # noqa: BLE001 - shutting down; the process may already be gone
                 pass
         self._client.close()
+
+
+def _fenced_by(exc: BaseException) -> tuple[str, ...]:
+    """The engines a failed push fenced: FencedEngines' `fenced`, also through Ray's wrapping of it."""
+    for e in (exc, getattr(exc, "cause", None)):
+        urls = getattr(e, "fenced", None)
+        if urls:
+            return tuple(urls)
+    return ()

@@ -71,6 +71,12 @@ class Replacing:
         rec = slot.record
         rec.started_at, rec.pushed_at, rec.error = time.time(), None, None
         try:
+            if slot.held:
+                # Fenced at a commit round, it was left paused with the requests it had then: those end
+                # here (aborted, so they are made again elsewhere), never finished at its old version.
+                self._client.post(slot.engine.url, routes.ABORT_REQUEST, {"abort_all": True})
+                self._client.post(slot.engine.url, routes.CONTINUE_GENERATION, {})
+                slot.held = False
             self._admit(slot, slot.engine, rec)
         except BaseException as exc:  # noqa: BLE001 - the fleet routes around it, as before it answered
             rec.error = f"{type(exc).__name__}: {exc}"

@@ -45,11 +45,12 @@ def _running_fleet(model_dir, engines, start, sync_cfg=None):
     main.push(iter(weights.items()), 1)  # the fleet's weight version is 1
     router = start_router_thread(RouterConfig(admin_token=TOKEN), [e.url for e in engines], HealthConfig(interval_s=0.2))
     pushed: list[str] = []
+    fleet_version = {"now": 1}  # the version a new engine is brought up at (a test that pushes another sets it)
 
     def bring_up(url: str) -> None:
         new = WeightUpdater(sync_cfg, TOKEN, base_path=model_dir)  # noise-fills and verifies every tensor
         new.connect([url])
-        new.push(iter(weights.items()), 1)
+        new.push(iter(weights.items()), fleet_version["now"])
         new.close()
         pushed.append(url)
 
@@ -57,7 +58,7 @@ def _running_fleet(model_dir, engines, start, sync_cfg=None):
                     bring_up=bring_up, reconnect=main.connect)
     f.adopt(engines)
     f.start_monitor()
-    f.pushed, f.router, f.main, f.weights = pushed, router, main, weights
+    f.pushed, f.router, f.main, f.weights, f.version = pushed, router, main, weights, fleet_version
     try:
         yield f
     finally:
@@ -165,6 +166,85 @@ def test_a_push_an_engine_stalls_in_for_good_is_rolled_back_and_made_again_witho
         assert httpx.get(survivor.url + "/get_weight_version").json()["weight_version"] in (2, "2")
         with pytest.raises(ProcessLookupError):  # SIGKILLed by the fleet, not left stopped
             os.kill(stalled.pid, 0)
+
+
+def test_an_engine_stalled_between_readiness_and_commit_is_fenced_and_no_answer_is_at_a_non_fleet_version(
+        tiny_model_dir):
+    """fault.stall_engine_at_commit: one engine is SIGSTOPped after every engine acknowledged the commit
+    round's readiness, right before its commit. The other commits; the straggler does not acknowledge in
+    time, is fenced (held, out of the router, killed and replaced) and the version is made again without
+    it. Meanwhile clients generate through the router: every answer's weight versions are the fleet's at
+    its generation (an old version only from before the commit round, none from an engine left behind)."""
+    import signal
+    import threading
+
+    from miles.orchestration.faults import FaultConfig, FaultInjector
+    from miles.orchestration.fleet import EngineHandle
+    from miles.rollout.generate import versions_of
+    from miles.sync.prepare import SyncConfig
+
+    def start(slot: int) -> EngineHandle:
+        proc = _engine_process(tiny_model_dir)
+        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(start, [0, 1]))
+    cfg = SyncConfig(bucket_size_mb=1, timeout_s=3.0, version_timeout_s=60.0, retries=0)
+    with _running_fleet(tiny_model_dir, engines, start, cfg) as f:
+        class Trainer:  # the trainer group's fault hook (TrainerShell.stall_next_commit), on this "trainer"
+            def stall_next_commit(self, pid):
+                f.main.stall_before_commit(lambda: os.kill(pid, signal.SIGSTOP))
+                return True
+
+        answers, stop = [], threading.Event()
+
+        def client():
+            while not stop.is_set():
+                t0 = time.time()
+                try:
+                    r = _generate(f.router_url)
+                except httpx.HTTPError:
+                    continue
+                if r.status_code == 200:
+                    answers.append((t0, time.time(), versions_of(r.json()["meta_info"])))
+
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+        for c in clients:
+            c.start()
+        time.sleep(1.0)
+        injector = FaultInjector(FaultConfig(stall_engine_at_commit=[2], seed=3), f)
+        injector.before_push(2, Trainer())
+        fault = injector.faults[0]
+        assert fault.kind == "stall_engine_at_commit"
+        stalled = next(e for e in engines if e.pid == fault.pid)
+        survivor = next(e for e in engines if e.pid != fault.pid)
+        f.version["now"] = 2
+        with f.weights_lock:
+            metrics = f.push(lambda: f.main.push(iter(f.weights.items()), 2))
+        time.sleep(1.0)  # answers after the push, from the engine serving
+        stop.set()
+        for c in clients:
+            c.join(60)
+
+        assert metrics["sync/fenced_engines"] == 1 and metrics["sync/engine_loss_retries"] >= 1, metrics
+        assert metrics["sync/verified_buckets"] > 0  # the version made again without it, checksum-verified
+        first, *_ = [r for r in f.main.rounds if r.version == 2]
+        assert first.fenced == (stalled.url,)  # the round the others committed in, without it
+        assert stalled.url not in f.serving_urls() and stalled.url not in _active(f.router_url)
+        # Taken out by the fence, or by the health monitor first when its probes missed during the round.
+        assert any(r.old_url == stalled.url for r in f.replacements)
+        with pytest.raises(ProcessLookupError):  # killed by the fleet, not left stopped
+            os.kill(stalled.pid, 0)
+        assert httpx.get(survivor.url + "/get_weight_version").json()["weight_version"] in (2, "2")
+
+        # The fleet's version at each moment: 1 until the round's hold, nothing generated during it, 2 after.
+        assert answers and any(2 in v for *_, v in answers), answers
+        for sent, done, versions in answers:
+            assert set(versions) <= {1, 2}, versions
+            if 1 in versions:  # tokens of version 1 only from before the hold: the request came earlier
+                assert sent < first.held_at, (sent, first, versions)
+            if 2 in versions:
+                assert done >= first.released_at, (done, first, versions)
 
 
 @pytest.mark.slow

@@ -120,3 +120,34 @@ def test_a_damaged_disk_delta_is_refused_rolled_back_and_sent_again(engine_proc,
 def test_a_transport_that_writes_no_files_cannot_be_tampered_with(base_model_dir, admin_token):
     updater = WeightUpdater(SyncConfig(transport="broadcast"), admin_token, base_path=base_model_dir)
     assert not updater.tamper_next_version(damage_delta)
+
+
+def test_engines_are_held_through_the_commit_round_and_generate_again_once_every_one_committed(
+        engine_thread, base_model_dir, admin_token):
+    """The commit round's two phases: every engine staged the version, then every engine is held (paused in
+    place) and answers before the commit is sent, and is continued only after every one committed."""
+    import pickle
+
+    from miles.sync.updater import FencedEngines
+
+    url = engine_thread.url
+    _relabel([url], admin_token)
+    updater = WeightUpdater(SyncConfig(transport="p2p", bucket_size_mb=1, verify_first_update=False), admin_token,
+                            base_path=base_model_dir)
+    updater.connect([url])
+    seen = {}
+    updater.stall_before_commit(lambda: seen.update(paused=engine_thread.engine.paused,
+                                                    version=engine_thread.engine.weight_version))
+    try:
+        updater.push(iter(_state(base_model_dir, seed=5).items()), version=3)
+    finally:
+        updater.close()
+    assert seen == {"paused": True, "version": "default"}  # held, acknowledged, not yet committed
+    assert not engine_thread.engine.paused and engine_thread.engine.weight_version == "3"
+    (r,) = updater.rounds
+    assert r.version == 3 and r.fenced == () and r.held_at <= r.released_at
+    # What the fleet reads from a fenced push survives pickling (a trainer actor's error, through Ray).
+    exc = FencedEngines("weight version 3: fenced")
+    exc.version, exc.fenced = 3, ("http://a",)
+    back = pickle.loads(pickle.dumps(exc))
+    assert back.fenced == ("http://a",) and back.version == 3 and str(back) == "weight version 3: fenced"
