@@ -14,8 +14,9 @@ pids one is used where present (both backends also count processes with RLIMIT_N
 Each group is a child of the cgroup this process runs in, named `miles-sandbox-<owner pid>-<tag>`,
 so groups a killed owner left behind are found and removed by the next sandbox (`sweep_stale`).
 
-Non-goals: CPU or IO controllers (the sandbox keeps RLIMIT_CPU), systemd's own delegation API,
-moving this process into a leaf group to make room for v2 delegation.
+Non-goals (so far): CPU or IO controllers (the sandbox keeps RLIMIT_CPU); v2 groups below a
+delegated one, which would need this process's group emptied into a leaf first (the kernel hands
+controllers to children only of a group that holds no process itself, the root group aside).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ PREFIX = "miles-sandbox-"
 # The backends' own wrappers (unshare and the setup shell, or bwrap and its init) live in the group
 # beside the command's processes, which RLIMIT_NPROC already holds to `max_processes`.
 PIDS_SLACK = 4
-HOST_NEEDS = ("run as root; or start the run in a cgroup v2 group whose memory and pids controllers are "
-              "delegated to this user and enabled for its children (systemd: Delegate=memory pids); or chown "
-              "to this user the cgroup v1 memory (and pids) groups the run starts in")
+HOST_NEEDS = ("run as root on a host with cgroup v1 memory (and pids) hierarchies; or chown to this user the "
+              "cgroup v1 memory (and pids) groups the run starts in; or, on cgroup v2, a group for the run whose "
+              "memory and pids controllers are enabled for its children (cgroup.subtree_control), which the "
+              "kernel allows only for the root group: a group delegated by systemd (Delegate=) is not enough yet")
 
 
 class CgroupUnavailable(RuntimeError):

@@ -324,7 +324,7 @@ def test_without_a_cgroup_it_may_write_the_rootless_sandbox_refuses_and_says_wha
     if "cgroup" not in why:
         pytest.skip(f"the rootless sandbox cannot run here for another reason: {why}")
     assert "limits memory_mb and max_processes for all of a sandbox's processes together" in why, why
-    assert "run as root" in why and "Delegate=memory pids" in why and "chown" in why, why
+    assert "run as root" in why and "chown to this user the cgroup v1 memory" in why and "cgroup v2" in why, why
     assert list(parent_dir.iterdir()) == []  # nothing was started
 
 
@@ -335,7 +335,7 @@ def test_without_a_writable_cgroup_the_root_sandbox_refuses_and_says_what_the_ho
     monkeypatch.setattr(cgroup_mod, "ROOT", tmp_path)
     monkeypatch.setattr(sandbox_mod, "_probe_results", {})
     with pytest.raises(SandboxUnavailable, match="needs a cgroup to limit the memory of all its processes together"
-                                                 ".*the host needs: run as root; or .*Delegate=memory pids"):
+                                                 ".*the host needs: run as root .*; or chown to this user"):
         Sandbox(SandboxConfig(backend="root"))
 
 
