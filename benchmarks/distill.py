@@ -31,7 +31,7 @@ from pathlib import Path
 
 from miles.config import load_config
 from miles.run_config import RunConfig
-from miles.eval.standalone import run_eval
+from miles.run_eval import run_eval
 from miles.models.presets import build_tiny_model
 from miles.orchestration.driver import run_sft, run_train
 

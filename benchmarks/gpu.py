@@ -62,7 +62,7 @@ def decode(model_dir: str, device: str, batches: list[int], new_tokens: int, ban
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.engine import Engine
     from miles.rollout.engine.kv_cache import bytes_per_token
-    from miles.rollout.engine.sampler import SamplingParams
+    from miles.engine_api.sampling import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     P = 16

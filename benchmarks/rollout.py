@@ -113,7 +113,7 @@ async def run_miles_grpo(url: str, prompts, n, limits, seed: int) -> tuple[float
     """Every group at once, each as one batched /generate of its n samples: what `miles train`'s rollout
     sends (rollout.batch_requests, on by default)."""
     from miles.rollout.generate import SamplingParams, generate_many
-    from miles.rollout.http import async_client
+    from miles.engine_api.aio import async_client
 
     async with async_client(600) as client:  # the client `miles train`'s rollout uses
         t0 = time.perf_counter()

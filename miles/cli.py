@@ -75,7 +75,7 @@ def cmd_sft(args, extra) -> int:
 
 
 def cmd_eval(args, extra) -> int:
-    from miles.eval.standalone import run_eval
+    from miles.run_eval import run_eval
 
     config, extra = _without_config(args.config, extra)
     metrics = run_eval(_load(config, extra), out=args.out, metrics_dir=args.metrics_dir, step=args.step)

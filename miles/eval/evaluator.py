@@ -17,12 +17,12 @@ import zlib
 import httpx
 
 from miles.data.chat import encode_prompt
+from miles.engine_api.aio import run_jobs
 from miles.eval.config import EvalConfig, EvalSetConfig
 from miles.eval.metrics import accuracy, get_answer_fn, prompt_metrics
 from miles.data.prompts import Prompt, PromptSource, TaskConfig
 from miles.rollout.generate import SamplingParams, generate
 from miles.rollout.group import GroupGenerator
-from miles.rollout.http import run_jobs
 from miles.rollout.reward import get_reward_fn
 
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import os
 import random
-import secrets
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,19 +28,19 @@ from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
 from miles.models.loading import load_tokenizer
-from miles.orchestration.actors import EngineShell, remote
 from miles.orchestration.context import TrainContext, log
+from miles.orchestration.actors import remote
 from miles.orchestration.faults import FaultInjector
-from miles.orchestration.fleet import EngineFleet, EngineHandle
+from miles.orchestration.launch import (on_driver_node, place_run_devices, ray_for_run, run_admin_token, start_fleet,
+                                        start_teachers, trainer_pool)
 from miles.orchestration.loop import SCHEDULES
-from miles.orchestration.placement import CorePools, GpuShares, NodePool, PlacementError, core_pools, place_devices
-from miles.orchestration.ray_cluster import ensure_ray, node_address
+from miles.orchestration.placement import core_pools
+from miles.orchestration.ray_cluster import node_address
 from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
 from miles.data.prompts import PromptSource
 from miles.rollout.manager import RolloutManager
-from miles.rollout.router import RunningRouter, start_router_thread
-from miles.rollout.teacher import check_served_teacher
+from miles.rollout.router import RunningRouter
 from miles.trainer.checkpoint import latest_checkpoint
 from miles.trainer.sft import demonstration_sequences
 
@@ -61,220 +59,28 @@ def make_run_dir(output_dir: str, name: str) -> Path:
     return path
 
 
-def _engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
-    """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool: on
-    the slot's bundle's node, in the pool's cores.
-
-    Slot -1 is a standby engine, not yet given a slot (it takes the bundles after the slots')."""
-    import ray
-
-    cls = remote(EngineShell)
-    standby_seeds = itertools.count(cfg.run.seed + 10_000)
-    standby_bundles = itertools.count(cfg.rollout.num_engines)
-    here = node_address()
-
-    def launch(slot: int):
-        seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
-        bundle = slot if slot >= 0 else next(standby_bundles)
-        return cls.options(**pool.options(bundle)).remote(
-            cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
-
-    def handle(actor) -> EngineHandle:
-        url, pid, node = ray.get([actor.url.remote(), actor.pid.remote(), actor.node.remote()])
-        return EngineHandle(url, pid, lambda: ray.kill(actor), node=node, on_this_node=node == here,
-                            signal_self=lambda sig: actor.signal.remote(sig))
-
-    def start(slot: int) -> EngineHandle:
-        return handle(launch(slot))
-
-    def start_many(n: int) -> list[EngineHandle]:
-        actors = [launch(i) for i in range(n)]  # all start together; then wait for each
-        return [handle(a) for a in actors]
-
-    return start, start_many
-
-
-def _cannot_start(slot: int) -> EngineHandle:
-    raise RuntimeError("the engines of this run are rollout.engine_urls, started outside it: miles starts no "
-                       "engine of its own to replace or add to them")
-
-
-def _start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None, stack: contextlib.ExitStack,
-                 run: dict, gpus: float = 0.0) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
-    """Engines, the router in front of them, and the fleet that keeps them serving.
-
-    The engines are the run's own, or the ones at rollout.engine_urls: those are probed, routed
-    around and re-admitted like the run's own, but never started, stopped or restarted by it.
-    `run` gets the TrainContext under "ctx" once it exists; the fleet's callbacks only fire after
-    the monitor starts, by which time it does."""
-    unadopted = stack.enter_context(contextlib.ExitStack())  # stops the engines until the fleet owns them
-    if cfg.rollout.engine_urls:
-        engines, standby, start = [EngineHandle.outside(u) for u in cfg.rollout.engine_urls], [], _cannot_start
-        _check_reachable([e.url for e in engines])
-        # The router's token guards its membership routes; the engines' own (their operator's) goes
-        # with every call it forwards to them, so without one the router still gets a fresh token.
-        router_token = admin_token or secrets.token_hex(16)
-    else:
-        size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-        pool = _node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus)
-        start, start_many = _engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
-        # Standby engines start with the others, so that even the first failure finds one ready.
-        started = start_many(size)
-        engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
-        for e in started:
-            unadopted.callback(e.stop)
-        router_token = admin_token
-    router_cfg = dataclasses.replace(cfg.router, admin_token=router_token,
-                                 host=cfg.router.host or node_address())
-    if cfg.router.own_process:
-        # Restarted with the engines serving at that moment; `run` holds the fleet by then.
-        router = SupervisedRouter(router_cfg, [e.url for e in engines], cfg.health,
-                                  workers=lambda: run["fleet"].serving_urls() if "fleet" in run else
-                                  [e.url for e in engines])
-    else:
-        router = start_router_thread(router_cfg, [e.url for e in engines], cfg.health)
-    stack.callback(router.stop)
-
-    def bring_up(url: str) -> None:
-        ctx = run["ctx"]
-        if ctx.trainer_restoring:
-            raise TrainerFailure("the trainer group is being restarted; the engine is brought up after it")
-        ctx.trainer.push_full([url], ctx.policy_version)
-
-    def reconnect(urls: list[str]) -> None:
-        run["ctx"].trainer.reconnect_engines(urls)
-
-    def on_change(urls: list[str]) -> None:
-        run["ctx"].call(run["ctx"].rollout.set_engine_urls, urls)
-
-    fleet = EngineFleet(cfg.health, start, router.url, router_token, bring_up=bring_up, reconnect=reconnect,
-                        on_change=on_change)
-    fleet.adopt(engines, standby)
-    run["fleet"] = fleet
-    unadopted.pop_all()
-    stack.callback(fleet.close)
-    return fleet, router
-
-
-def _node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack,
-               gpus: float = 0.0) -> NodePool:
-    """The placement group of one pool on the nodes `resource` (config key `key`) names, `gpus` GPUs per
-    process; removed when the run ends."""
-    try:
-        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s, gpus)
-    except PlacementError as exc:
-        raise SystemExit(f"miles: {exc}") from None
-    stack.callback(pool.remove)
-    return pool
-
-
-def _trainer_pool(cfg: RunConfig, stack: contextlib.ExitStack, gpus: float = 0.0) -> NodePool:
-    return _node_pool("trainer", cfg.trainer.num_ranks, cfg.placement.trainer_nodes, "placement.trainer_nodes",
-                      cfg, stack, gpus)
-
-
-def _place_devices(cfg: RunConfig, engines: bool = True) -> tuple[RunConfig, GpuShares]:
-    """`cfg` with trainer.device and rollout.engine.device made concrete for the cluster's GPUs (auto:
-    cuda where it has any), and each process's GPU share; `engines`: whether the run starts engines."""
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0.0)
-    n = 0
-    if engines and not cfg.rollout.engine_urls:
-        n = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-        n += cfg.teacher.num_engines if cfg.teacher.model.path and not cfg.teacher.engine_urls else 0
-    trainer, engine, shares = place_devices(cfg.trainer.device, cfg.rollout.engine.device, gpus,
-                                            cfg.trainer.num_ranks, n)
-    trainer_cfg = dataclasses.replace(cfg.trainer, device=trainer)
-    trainer_cfg.validate()
-    rollout = dataclasses.replace(cfg.rollout, engine=dataclasses.replace(cfg.rollout.engine, device=engine))
-    return dataclasses.replace(cfg, trainer=trainer_cfg, rollout=rollout), shares
-
-
-def _start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.ExitStack,
-                    gpus: float = 0.0) -> list[str]:
-    """The teacher engines' URLs (none without a [teacher] section): started here from
-    teacher.model.path, or teacher.engine_urls checked for the student's tokenizer. They join no
-    fleet, router or weight transport, so no weight update ever reaches them."""
-    import httpx
-    import ray
-
-    t = cfg.teacher
-    if t.engine_urls:
-        _check_reachable(t.engine_urls, "teacher.engine_urls")
-        with httpx.Client() as client:
-            for url in t.engine_urls:
-                check_served_teacher(client, url, cfg.model.path)
-        return list(t.engine_urls)
-    if not t.model.path:
-        return []
-    cls = remote(EngineShell)
-    if cfg.rollout.engine.device == "cuda":
-        cls = cls.options(num_gpus=gpus)
-    # Their own admin token, never handed to anything: nothing may administer a teacher.
-    actors = [cls.remote(cfg.rollout.engine.for_run(t.model.path, cfg.run.seed + 20_000 + i, secrets.token_hex(16)),
-                         pools.engine if pools else None) for i in range(t.num_engines)]
-    for a in actors:
-        stack.callback(ray.kill, a)
-    return ray.get([a.url.remote() for a in actors])
-
-
-def _check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:
-    """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
-    import httpx
-
-    for url in urls:
-        try:
-            httpx.get(url + "/health", timeout=10).raise_for_status()
-        except httpx.HTTPError as exc:
-            raise SystemExit(f"miles: engine {url} ({key}) does not answer /health: {exc}") from None
-
-
-@contextlib.contextmanager
-def _ray(cfg: RunConfig):
-    """Ray for the run: joined or started here; a cluster started here is shut down on exit."""
-    import ray
-
-    started = not ray.is_initialized()
-    ensure_ray(cfg.ray)
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
-
-
-def run_admin_token(external: bool) -> str | None:
-    """The admin token of a run: a fresh random one for the engines and the router the run starts, so
-    their admin routes are never open; for engines started outside the run, their operator's
-    (MILES_ENGINE_ADMIN_TOKEN), if any."""
-    if external:
-        return os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None
-    return secrets.token_hex(16)
-
-
 def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
            ) -> tuple[TrainContext, RunningRouter | SupervisedRouter | None, Callable[[], TrainerGroup]]:
     """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
     how to start its trainer group again (fault.restart_trainer)."""
-    stack.enter_context(_ray(cfg))
-    cfg, gpus = _place_devices(cfg)
+    stack.enter_context(ray_for_run(cfg))
+    cfg, gpus = place_run_devices(cfg)
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
     admin_token = run_admin_token(external=bool(external))
     wiring: dict = {}
-    fleet, router = _start_fleet(cfg, pools, admin_token, stack, wiring, gpus.engine)
+    fleet, router = start_fleet(cfg, pools, admin_token, stack, wiring, gpus.engine)
     urls = fleet.serving_urls()
     log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}")
-    teacher_urls = _start_teachers(cfg, pools, stack, gpus.engine)
+    teacher_urls = start_teachers(cfg, pools, stack, gpus.engine)
     if teacher_urls:
         log(f"teacher engines ready: {', '.join(teacher_urls)}")
     sync = dataclasses.replace(cfg.sync, dtype=cfg.wire_dtype())
-    trainer_pool = _trainer_pool(cfg, stack, gpus.trainer)
+    ranks_pool = trainer_pool(cfg, stack, gpus.trainer)
 
     def start_trainer() -> TrainerGroup:
         group = TrainerGroup(cfg.trainer, sync, cfg.model.path, cfg.run.seed, cfg.rollout.temperature,
-                             pools.trainer if pools else None, admin_token, pool=trainer_pool)
+                             pools.trainer if pools else None, admin_token, pool=ranks_pool)
         stack.callback(group.close)
         log(f"trainer ranks on {', '.join(group.nodes)}; group master {group.master}")
         group.connect_engines(fleet.serving_urls())
@@ -284,7 +90,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     # Threaded: the trainer's blocking collect() must not hold up version updates or evaluation.
     # Not pinned: its HTTP and scoring work runs wherever a core is idle. Pinned to the engine
     # pool it took a quarter of the engines' core away from decoding under fully_async.
-    rollout = remote(RolloutManager, max_concurrency=8).options(**_on_driver_node()).remote(
+    rollout = remote(RolloutManager, max_concurrency=8).options(**on_driver_node()).remote(
         cfg.rollout, cfg.model.path, urls, cfg.run.seed, buffer_cfg=cfg.buffer, admin_token=admin_token,
         router_url=router.url, teacher_urls=teacher_urls, evaluator=functools.partial(Evaluator, cfg.eval))
     sink = open_sinks(cfg.metrics, run_dir, run_dir.name, to_dict(cfg))
@@ -298,14 +104,6 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
     ctx = wiring["ctx"] = TrainContext(cfg, run_dir, rollout, trainer, sink, progress, fleet=fleet,
                                        router_url=router.url)
     return ctx, router, start_trainer
-
-
-def _on_driver_node() -> dict:
-    """Ray options that keep an actor on the driver's node (where the router it talks to serves)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
 
 
 def _start_faults(ctx: TrainContext, router: RunningRouter | SupervisedRouter | None,
@@ -489,12 +287,12 @@ def run_sft(cfg: RunConfig) -> dict:
                                            .take(sft.eval_examples), tok, encode)
     rng = random.Random(cfg.run.seed)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_ray(cfg))
-        cfg, gpus = _place_devices(cfg, engines=False)
+        stack.enter_context(ray_for_run(cfg))
+        cfg, gpus = place_run_devices(cfg, engines=False)
         pools = core_pools(cfg.placement)
         tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
         trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None,
-                               pool=_trainer_pool(cfg, stack, gpus.trainer))
+                               pool=trainer_pool(cfg, stack, gpus.trainer))
         stack.callback(trainer.close)
         progress = Progress("sft", sft.steps, mode=cfg.metrics.progress)
         order: list[int] = []

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from miles.buffer.types import Sample, SampleStatus
+from miles.engine_api.sampling import SamplingParams
 from miles.registry import Registry
 from miles.rollout.config import AgentConfig
-from miles.rollout.engine.sampler import SamplingParams
 from miles.versions import from_wire
 
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}

@@ -6,7 +6,7 @@ batched request), so a prefix cache there can share the prompt. A sample the eng
 resume from its generated prefix (partial rollout): the prefix is sent back as token ids and each
 segment records the weight version it ran under. A group that times out or whose engine fails comes
 back with `failure` set; buffer.on_failure decides its fate.
-Non-goals: which prompts are drawn and when (manager.py, producer.py), admin calls (engine_admin.py).
+Non-goals: which prompts are drawn and when (manager.py, producer.py), admin calls (engine_api/client.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import httpx
 
 from miles.buffer.types import Group, Reason, Sample, SampleStatus
 from miles.data.chat import encode_prompt
+from miles.engine_api.client import EngineClient
 from miles.rewards.runner import RewardRunner
 from miles.rollout.config import RolloutConfig
-from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.generate import GenerateContext, GenerationError, SamplingParams, generate, generate_many
 from miles.rollout.stats import SampleStats
 from miles.rollout.teacher import TeacherScorer
@@ -48,7 +48,7 @@ class GroupGenerator:
     waits for the router."""
 
     def __init__(self, cfg: RolloutConfig, seed: int, tokenizer, rewards: RewardRunner | None, generate_fn, buffer,
-                 admin: EngineAdmin, stopping: threading.Event, teacher: TeacherScorer | None = None):
+                 admin: EngineClient, stopping: threading.Event, teacher: TeacherScorer | None = None):
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
         self.rewards = rewards
         # The `(response, label) -> float` view of the runner: evaluation and ctx.reward_fn use it.

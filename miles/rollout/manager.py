@@ -4,7 +4,7 @@ data buffer and composes the parts that do the work:
     group.py         GroupGenerator: one prompt's samples, generated (partial rollout included), scored
     producer.py      Producer: the fully-async background thread feeding the buffer
     stats.py         SampleStats: rollout/... figures between two reports
-    engine_admin.py  EngineAdmin: pause, continue, memory release/resume, aborts
+    EngineClient     (engine_api/client.py) pause, continue, memory release/resume, aborts
 
 Two ways to produce groups:
 - `generate_batch` (sync and one-step-off schedules): one step's prompts, generated together and put
@@ -26,15 +26,20 @@ from typing import Callable, Literal, Protocol
 
 from miles.buffer.data_buffer import BufferConfig, DataBuffer
 from miles.data.prompts import Prompt, PromptSource
+from miles.engine_api import routes
+from miles.engine_api.aio import run_coroutine
+from miles.engine_api.client import EngineClient
 from miles.models.loading import load_tokenizer
 from miles.rollout.config import RolloutConfig
-from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.generate import get_generate_fn
 from miles.rollout.group import GroupGenerator
-from miles.rollout.http import async_client, run_coroutine
 from miles.rollout.producer import Producer
 from miles.rollout.teacher import TeacherScorer
 from miles.rewards.runner import RewardRunner
+
+
+# Admin calls (a pause behind a long step, a memory release) may take a while; connect included.
+ADMIN_TIMEOUT_S = 120.0
 
 
 class Evaluates(Protocol):
@@ -52,7 +57,8 @@ class RolloutManager:
         self.cfg, self.seed = cfg, seed
         # Its own prompt source: the buffer's ledger must see every prompt it hands out.
         self.buffer = DataBuffer(buffer_cfg or BufferConfig(), PromptSource(cfg.task, "train", seed))
-        self.admin = EngineAdmin(engine_urls, admin_token, router_url)
+        self.admin = EngineClient(engine_urls, admin_token, ADMIN_TIMEOUT_S, router_url=router_url,
+                                  connect_timeout_s=ADMIN_TIMEOUT_S)
         generate_fn = None if cfg.generate_fn == "single_turn" else get_generate_fn(cfg.generate_fn)
         self.groups = GroupGenerator(cfg, seed, load_tokenizer(model_path), RewardRunner(cfg.reward, cfg.reward_config),
                                      generate_fn,
@@ -82,7 +88,7 @@ class RolloutManager:
         t0 = time.perf_counter()
 
         async def run():
-            async with async_client(self.cfg.request_timeout_s) as client:
+            async with self.admin.async_http(self.cfg.request_timeout_s) as client:
                 return await asyncio.gather(*(self.groups.generate_group(client, p) for p in prompts))
 
         groups = run_coroutine(run())
@@ -169,10 +175,10 @@ class RolloutManager:
 
     def pause_engines(self, mode: str) -> None:
         """Pause every engine for a weight push (abort | retract | in_place, the engine's pause modes)."""
-        self.admin.call("pause_generation", {"mode": mode})
+        self.admin.each(routes.PAUSE_GENERATION, {"mode": mode})
 
     def continue_engines(self) -> None:
-        self.admin.call("continue_generation", {})
+        self.admin.each(routes.CONTINUE_GENERATION, {})
 
     def set_engine_urls(self, urls: list[str]) -> None:
         """The serving engines changed (one replaced, added or removed); admin calls follow them."""

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from miles.buffer.data_buffer import BufferClosed
 from miles.rollout.group import GroupGenerator
-from miles.rollout.http import async_client
 
 
 class Producer:
@@ -62,7 +61,7 @@ class Producer:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(self.buffer.cfg.max_inflight_groups + 4, thread_name_prefix="buffer"))
         tasks: set[asyncio.Task] = set()
-        async with async_client(self.groups.cfg.request_timeout_s) as client:
+        async with self.admin.async_http(self.groups.cfg.request_timeout_s) as client:
             while not self.stopping.is_set():
                 try:
                     prompt = await asyncio.to_thread(self.buffer.admit, 0.2)

@@ -21,12 +21,17 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from miles.buffer.types import Sample
 from miles.config.loader import ConfigError
+from miles.engine_api import routes
 from miles.models.loading import check_model_path
 from miles.rollout.generate import GenerationError
 from miles.trainer.teacher import tokenizer_mismatch
+
+if TYPE_CHECKING:  # the run config imports this module, and loads without httpx
+    from miles.engine_api.client import EngineClient
 
 
 @dataclass
@@ -68,15 +73,13 @@ class TeacherConfig:
                 raise ConfigError(f"teacher.engine_urls: {url!r} is not an http(s) URL")
 
 
-def teacher_tokenizer_path(client, url: str) -> str:
+def teacher_tokenizer_path(client: EngineClient, url: str) -> str:
     """Where a serving teacher's tokenizer lives, by its /get_model_info (SGLang's `tokenizer_path`)."""
-    r = client.get(f"{url}/get_model_info", timeout=30)
-    r.raise_for_status()
-    info = r.json()
+    info = client.get(url, routes.GET_MODEL_INFO, timeout=30)
     return info.get("tokenizer_path") or info.get("model_path") or ""
 
 
-def check_served_teacher(client, url: str, student_path: str) -> None:
+def check_served_teacher(client: EngineClient, url: str, student_path: str) -> None:
     """Refuse a teacher engine whose tokenizer is not the student's (ConfigError with the reason)."""
     path = teacher_tokenizer_path(client, url)
     if not path:

@@ -27,8 +27,8 @@ import tempfile
 import time
 import uuid
 
-from miles.sync.engine_client import EngineClient
-from miles.sync.transports.base import TransportError
+from miles.engine_api.client import EngineClient
+from miles.sync.transports.base import TransportError, engine_client
 from miles.trainer.lora import LoraConfig, save_adapter
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class AdapterSync:
         urls = [u.rstrip("/") for u in engine_urls]
         if self._client is not None:
             self._client.close()
-        self._client = EngineClient(self.admin_token, self.timeout_s)
+        self._client = engine_client(self.admin_token, self.timeout_s)
         if EXTENSION not in self._client.extensions(urls):
             raise TransportError(
                 f"trainer.lora.sync = 'adapter' needs the miles extension {EXTENSION!r} on every engine (requests "

@@ -7,7 +7,7 @@ push = [pause engines in place + noise-fill them, first update only] → prepare
 failure raises VerificationError naming the engines and tensors; it never passes silently.
 
 Against engines without miles' extensions (plain SGLang servers, or built-in engines in SGLang-only
-mode; see engine_client.extensions) only SGLang's protocol is used:
+mode; see engine_api/extensions.py) only SGLang's protocol is used:
   * a transport whose engine end is an extension (p2p, disk_delta, colocated) is refused at connect,
     before the run starts, naming the transport that works (broadcast);
   * there is no staged commit, so every push is wrapped in /pause_generation (retract) and
@@ -33,9 +33,9 @@ import time
 from miles.precision.types import get_format
 from miles.sync import verify
 from miles.sync.convert import get_converter
-from miles.sync.engine_client import EngineClient
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
 from miles.sync.transports import TRANSPORTS, TransportError
+from miles.sync.transports.base import engine_client
 from miles.versions import INITIAL
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class WeightUpdater:
         urls = [u.rstrip("/") for u in engine_urls]
         if self._client is not None:  # a reconnect to a changed set of engines
             self._client.close()
-        self._client = EngineClient(self.admin_token, self.cfg.timeout_s)
+        self._client = engine_client(self.admin_token, self.cfg.timeout_s)
         self.extensions = self._client.extensions(urls)
         receiver = getattr(self.transport, "Receiver", None)
         needed = getattr(receiver, "extension", None)
@@ -235,7 +235,7 @@ class WeightUpdater:
         failed, self._disconnected = self.transport, True
         self.transport = self._build(self.cfg.transport)  # unconnected: the next attempt connects its own
         threading.Thread(target=_close_quietly, args=(failed,), daemon=True).start()
-        quick = EngineClient(self.admin_token, min(self.cfg.timeout_s, 10.0))
+        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
         try:
             quick.post_all(self.engine_urls, "/update_weights_from_disk", {"reset_staging": True})
         except TransportError as exc:
@@ -246,7 +246,9 @@ class WeightUpdater:
 
     def _push_checked(self, named, version: int) -> dict[str, float]:
         full_check = self._updates == 0 and self.cfg.verify_first_update
-        record = Record(per_tensor=full_check) if full_check or self.cfg.verify_checksums else None
+        # Weights handed over in GPU memory are checksummed there, when every engine can do the same.
+        digest = "sum64" if self.takes_device_tensors and "device_digest" in self.extensions else "xxh3"
+        record = Record(per_tensor=full_check, digest=digest) if full_check or self.cfg.verify_checksums else None
         if full_check:
             # Engines hold noise from the fill until the commit: hold their running requests between two
             # steps meanwhile (in-place pause), so that nothing is generated from noise.
@@ -256,7 +258,7 @@ class WeightUpdater:
                 verify.noise_fill(self._client, self.engine_urls, self.noise_seed)
                 metrics = self._push(named, version, record)
                 t0 = time.perf_counter()
-                verify.compare_full(self._client, self.engine_urls, record.tensors)
+                verify.compare_full(self._client, self.engine_urls, record.tensors, record.digest)
             finally:
                 if paused:
                     self._client.post_all(paused, "/continue_generation", {})
@@ -265,7 +267,7 @@ class WeightUpdater:
             metrics = self._push(named, version, record)
             t0 = time.perf_counter()
         if not full_check and record is not None:
-            verify.compare_buckets(self._client, self.engine_urls, record.buckets, record.digests)
+            verify.compare_buckets(self._client, self.engine_urls, record.buckets, record.digests, record.digest)
             metrics["sync/verified_buckets"] = len(record.buckets)
         metrics["sync/verify_s"] = time.perf_counter() - t0
         for k, v in getattr(self.transport, "last_stats", {}).items():
@@ -328,7 +330,7 @@ class WeightUpdater:
         """Before any engine commits: every engine must answer at once. An engine that stalls (a stopped
         process, a wedged host) fails the version here, while no engine has committed it, instead of
         leaving the fleet on two versions."""
-        quick = EngineClient(self.admin_token, min(self.cfg.timeout_s, 10.0))
+        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
         try:
             quick.post_all(self.engine_urls, "/health", None, method="GET")
         except TransportError as exc:

@@ -37,7 +37,7 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
     """`forward_logprobs` from the model's logits (B, T, V): the tokens' logprobs (B, T-1) and, if
     asked, the entropy (B, T-1), in float32 at `temperature`."""
     logits = logits[:, :-1].float()
-    if temperature > 0:
+    if temperature > 0 and temperature != 1.0:  # x / 1 is x: skip a full (B, T, V) pass and its backward
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

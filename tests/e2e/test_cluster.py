@@ -97,7 +97,9 @@ def _train_on_the_cluster(cluster: LocalCluster, model_dir: str, out_dir, **over
     return _python(_TRAIN, model_dir, str(out_dir), json.dumps(over))
 
 
-@pytest.mark.parametrize("transport", [pytest.param(t, marks=pytest.mark.slow) for t in ("broadcast", "disk_delta", "p2p")])
+# broadcast runs in the default tier; the other transports' runs over two nodes are further variants (slow).
+@pytest.mark.parametrize("transport", ["broadcast"] + [pytest.param(t, marks=pytest.mark.slow)
+                                                       for t in ("disk_delta", "p2p")])
 def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_model_dir, tmp_path, transport):
     extra = {"sync.delta_dir": str(tmp_path / "deltas")} if transport == "disk_delta" else {}
     summary = _train_on_the_cluster(cluster, tiny_model_dir, tmp_path, **{"sync.transport": transport}, **extra)
@@ -123,7 +125,6 @@ def test_grpo_with_trainer_on_the_head_and_engines_on_node_two(cluster, tiny_mod
     assert summary["steps"] == 2
 
 
-@pytest.mark.slow
 def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cluster, tiny_model_dir, tmp_path):
     # Two engines: requests (evaluation's too) go to the other one while the killed one is replaced, by
     # a standby engine (started with the others, on node 2 too), so the slot serves again within the run.

@@ -121,7 +121,7 @@ def test_a_train_run_on_sglang_only_engines_sends_only_sglang_requests(sglang, t
                                        for t in ("broadcast", "p2p", "disk_delta", "broadcast+fp8")])
 def test_in_miles_mode_every_departure_from_sglang_is_an_advertised_extension(sglang, transport, tiny_model_dir,
                                                                               tmp_path, ray_cluster, monkeypatch):
-    from miles.rollout.engine.weight_api import EXTENSION_SURFACE
+    from miles.engine_api.extensions import EXTENSION_SURFACE
 
     transport, _, served_format = transport.partition("+")
     extra = {"sync.delta_dir": str(tmp_path / "deltas")} if transport == "disk_delta" else {}
@@ -189,7 +189,7 @@ def test_lora_adapter_sync_and_lora_routes_follow_sglangs_protocol(sglang, base_
     request; SGLang-only engines answer the LoRA routes with SGLang's status codes."""
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.server import start_server_thread
-    from miles.rollout.engine.weight_api import EXTENSION_SURFACE
+    from miles.engine_api.extensions import EXTENSION_SURFACE
     from miles.sync.adapter import AdapterSync
     from miles.trainer.lora import LoraConfig, adapter_tensors, apply_lora
     from miles.models.loading import load_model

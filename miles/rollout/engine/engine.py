@@ -34,13 +34,14 @@ from concurrent.futures import Future
 
 import torch
 
+from miles.engine_api.errors import InvalidRequest
+from miles.engine_api.sampling import SamplingParams
+from miles.engine_api.types import MEMORY_TAGS, GenerateRequest, GenerateResult
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.lora import read_adapter
 from miles.rollout.engine.memory import Memory
 from miles.rollout.engine.model_runner import ModelRunner
-from miles.rollout.engine.sampler import SamplingParams
 from miles.rollout.engine.scheduler import Scheduler
-from miles.rollout.engine.types import MEMORY_TAGS, GenerateRequest, GenerateResult, InvalidRequest
 from miles.rollout.engine.weight_receiver import WeightReceiver
 
 

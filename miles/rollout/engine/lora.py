@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from miles.rollout.engine.types import InvalidRequest
+from miles.engine_api.errors import InvalidRequest
 from miles.sync.files import UnsafePath, check_regular
 
 CONFIG_FILE = "adapter_config.json"

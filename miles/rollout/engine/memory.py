@@ -24,10 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles.devices import release_cached
+from miles.engine_api.errors import InvalidRequest
+from miles.engine_api.types import MEMORY_TAGS
 from miles.precision.linear import drop_stored
 from miles.rollout.engine.model_runner import ModelRunner
 from miles.rollout.engine.scheduler import Scheduler
-from miles.rollout.engine.types import MEMORY_TAGS, InvalidRequest
 
 
 class Memory:

@@ -38,6 +38,7 @@ import time
 import torch
 
 from miles.devices import resolve
+from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
@@ -46,9 +47,8 @@ from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.prefix_cache import PrefixCache
-from miles.rollout.engine.sampler import sample
 from miles.rollout.engine.row import Row
-from miles.rollout.engine.types import FinishReason, GenerateResult
+from miles.rollout.engine.sampler import sample
 
 
 class ModelRunner:

@@ -8,7 +8,8 @@ A chat turn renders the request's messages (and tools) through the model's chat 
 generates exactly as /generate would on those ids (same scheduler, sampling and stop handling, so
 greedy text is /generate's), and splits the reply into `content` and `tool_calls` with the engine's
 `tool_call_parser` when the request offers tools. `stream: true` sends OpenAI stream chunks as the
-tokens are sampled (content token by token, each tool call once its block closes; TurnStream). Every bound is the engine's own (protocol.py): a refusal is SGLang's error object
+tokens are sampled (content token by token, each tool call once its block closes; TurnStream). Every
+bound is the engine's own (engine_api/parsing.py): a refusal is SGLang's error object
 `{"object": "error", "message", "type", "param", "code"}` with status 400 and the field named.
 Non-goals: the legacy /v1/completions, n > 1, logprobs in the answer (/generate with return_logprob
 has them), exact tokens across the turns of one conversation (the session API, rollout/sessions/,
@@ -26,9 +27,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from miles.rollout.sessions.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
     parse_request, render_prompt, sse_event, tools_of
-from miles.rollout.engine import protocol
+from miles.engine_api import bodies, parsing
+from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.streaming import TokenDelta, stream
-from miles.rollout.engine.types import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.sessions.schema import ChatCompletionRequest
 from miles.rollout.sessions.tool_calls import ParsedTurn, get_tool_parser
 
@@ -82,7 +83,7 @@ def add_openai_routes(app: FastAPI, engine, served_model_name: str) -> None:
 
     def checked(raw: bytes):
         """The typed request, its prompt ids and the engine request; refusals name the chat field."""
-        req = parse_request(protocol.parse_json(raw), ChatCompletionRequest, HINTS)
+        req = parse_request(parsing.parse_json(raw), ChatCompletionRequest, HINTS)
         if req.stream_options is not None and not req.stream:
             raise RequestRefused("stream_options: only with stream = true", param="stream_options")
         ids = render_prompt(engine.tokenizer, req.messages, tools_of(req))
@@ -90,11 +91,11 @@ def add_openai_routes(app: FastAPI, engine, served_model_name: str) -> None:
               "top_p": 1.0 if req.top_p is None else req.top_p,
               "max_new_tokens": req.max_completion_tokens or req.max_tokens, "stop": req.stop,
               "sampling_seed": req.seed}
-        params = protocol.parse_sampling_params({k: v for k, v in sp.items() if v is not None},
+        params = parsing.parse_sampling_params({k: v for k, v in sp.items() if v is not None},
                                                 engine.config.default_max_new_tokens)
         return req, ids, engine.make_request(ids, params)
 
-    @app.post("/v1/chat/completions", openapi_extra=protocol.openapi_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=bodies.openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         try:
             # Parsing, rendering and tokenizing cost in proportion to the body: on a thread.

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.engine_api.types import FinishReason, GenerateRequest
 from miles.models.moe import encode_routed_experts
-from miles.rollout.engine.types import FinishReason, GenerateRequest
 
 
 @dataclass

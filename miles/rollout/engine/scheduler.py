@@ -17,11 +17,11 @@ re-prefills little) and they continue after /continue_generation; `in_place` sto
 the running batch and its KV as they are. Memory release (memory.py) holds generation the same way
 until the memory is resumed. New requests queue meanwhile.
 
-Failure isolation: the checks at the edge (protocol.py, Engine.make_request) refuse every bad input
-they foresee; a step that raises anyway must not fail the requests that happened to share it. Its
-batch is dropped (a forward that raised midway may have grown some layers' KV and not others) and its
-unfinished requests become suspects: each runs one prefill and one decode step alone, in an empty
-batch, before anything else is admitted. A suspect that raises alone is failed by itself
+Failure isolation: the checks at the edge (engine_api/parsing.py, Engine.make_request) refuse every
+bad input they foresee; a step that raises anyway must not fail the requests that happened to share
+it. Its batch is dropped (a forward that raised midway may have grown some layers' KV and not
+others) and its unfinished requests become suspects: each runs one prefill and one decode step
+alone, in an empty batch, before anything else is admitted. A suspect that raises alone is failed by itself
 (RequestFailed, HTTP 422); the others keep the tokens they had (and those of their run alone) and go
 back to the head of the queue, so they finish as they would have. A request whose step failed twice
 while no run alone could be blamed (the fault is in the combination, or transient) is failed with
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
+from miles.engine_api.types import PAUSE_MODES, FinishReason, GenerateRequest
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.model_runner import ModelRunner
 from miles.rollout.engine.row import Row
-from miles.rollout.engine.types import (PAUSE_MODES, EngineStepFailed, FinishReason, GenerateRequest,
-                                        InvalidRequest, RequestFailed)
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """HTTP front of the built-in engine, speaking SGLang's API (field names and response shapes).
 
 Clients that drive SGLang servers (the router, generate functions, weight-sync transports) drive
-this one unchanged. Every request body is checked in protocol.py before it reaches the engine; a bad
-request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps serving. A request that
-passes the checks and still makes the engine's step raise gets 422, and the requests batched with it
-go on (503, retry, where no single request can be blamed; scheduler.py).
+this one unchanged. Every request body is checked (engine_api/parsing.py, bodies.py) before it
+reaches the engine; a bad request gets HTTP 400 {"error": "<field>: <reason>"} and the engine keeps
+serving. A request that passes the checks and still makes the engine's step raise gets 422, and the
+requests batched with it go on (503, retry, where no single request can be blamed; scheduler.py).
 Admin endpoints (weight updates, cache flush, pausing, aborting every request) need
 `Authorization: Bearer <token>` when the engine was started with an admin token; an engine without
 one serves on loopback only, unless started with `--insecure-admin`. Bodies are bounded in size
@@ -33,16 +33,18 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from miles.config.flags import load_server_config
 from miles.config import ConfigError
-from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, exit_with_parent, serve_app, url_of
+from miles.config.flags import load_server_config
 from miles.devices import gpu_uuid
-from miles.rollout.engine import protocol
+from miles.engine_api import bodies, parsing
+from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
+from miles.engine_api.extensions import SERVER_INFO_KEY
+from miles.engine_api.sampling import SamplingParams
+from miles.engine_api.types import MEMORY_TAGS
+from miles.net import UNAUTHORIZED, BodyLimit, ServerThread, bearer_ok, bind, exit_with_parent, serve_app, url_of
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.openai_routes import add_openai_routes
-from miles.rollout.engine.sampler import SamplingParams
 from miles.rollout.engine.streaming import TokenDelta, stream
-from miles.rollout.engine.types import MEMORY_TAGS, EngineStepFailed, InvalidRequest, RequestFailed
 from miles.rollout.engine.weight_api import WeightRoutes
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,7 @@ def build_app(engine) -> FastAPI:
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
-        return protocol.parse_json(raw) if raw.strip() else {}  # SGLang's control routes take an empty body
+        return parsing.parse_json(raw) if raw.strip() else {}  # SGLang's control routes take an empty body
 
     weights = WeightRoutes(engine, require_admin)
     miles_mode = not engine.config.sglang_only
@@ -120,8 +122,8 @@ def build_app(engine) -> FastAPI:
                 "weight_version": engine.weight_version}
 
     def checked_generate(raw: bytes) -> tuple[list, bool, bool]:
-        body = protocol.parse_json(raw)
-        items, batched = protocol.parse_generate(body, engine.tokenizer, engine.config.default_max_new_tokens,
+        body = parsing.parse_json(raw)
+        items, batched = parsing.parse_generate(body, engine.tokenizer, engine.config.default_max_new_tokens,
                                                  engine.context_length)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
         return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts,
@@ -133,7 +135,7 @@ def build_app(engine) -> FastAPI:
     # from one thread at a time, and the scheduler's thread keeps its share; small ones never wait.
     large_lane = ThreadPoolExecutor(1, thread_name_prefix="miles-engine-large-body")
 
-    @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
+    @app.post("/generate", openapi_extra=bodies.openapi_body(bodies.GenerateBody))
     async def generate(request: Request):
         raw = await request.body()
         if len(raw) > LARGE_BODY:
@@ -181,7 +183,7 @@ def build_app(engine) -> FastAPI:
                 "vocab_size": engine.vocab_size, "num_running_reqs": running, "num_waiting_reqs": waiting,
                 "engine_stats": dict(engine.stats)}
         if miles_mode:  # a plain SGLang server has no such key: no extensions
-            info["miles_extensions"] = weights.extensions()
+            info[SERVER_INFO_KEY] = weights.extensions()
             # Where it computes (config may say auto): a trainer on the same GPU hands weights over by IPC.
             info["device"] = str(engine.runner.device)
             if engine.runner.device.type == "cuda":
@@ -202,9 +204,9 @@ def build_app(engine) -> FastAPI:
         async def get_weight_version():
             return {"weight_version": engine.weight_version}
 
-    @app.post("/abort_request", openapi_extra=protocol.openapi_body(protocol.Abort))
+    @app.post("/abort_request", openapi_extra=bodies.openapi_body(bodies.Abort))
     async def abort_request(request: Request):
-        req = protocol.parse_body(protocol.Abort, await body_of(request))
+        req = bodies.parse_body(bodies.Abort, await body_of(request))
         if req.abort_all:
             require_admin(request)  # a client may abort its own request, only an admin everyone's
         elif req.rid is None:
@@ -212,17 +214,17 @@ def build_app(engine) -> FastAPI:
         engine.abort(None if req.abort_all else req.rid)
         return {"success": True}
 
-    @app.post("/pause_generation", openapi_extra=protocol.openapi_body(protocol.PauseGeneration))
+    @app.post("/pause_generation", openapi_extra=bodies.openapi_body(bodies.PauseGeneration))
     async def pause_generation(request: Request):
         require_admin(request)
-        mode = protocol.parse_body(protocol.PauseGeneration, await body_of(request)).mode
+        mode = bodies.parse_body(bodies.PauseGeneration, await body_of(request)).mode
         await asyncio.to_thread(engine.pause, mode)
         return {"success": True, "status": "ok", "message": f"generation paused ({mode})"}
 
-    @app.post("/continue_generation", openapi_extra=protocol.openapi_body(protocol.ContinueGeneration))
+    @app.post("/continue_generation", openapi_extra=bodies.openapi_body(bodies.ContinueGeneration))
     async def continue_generation(request: Request):
         require_admin(request)
-        protocol.parse_body(protocol.ContinueGeneration, await body_of(request))
+        bodies.parse_body(bodies.ContinueGeneration, await body_of(request))
         engine.continue_generation()
         return {"success": True, "status": "ok", "message": "generation continued"}
 
@@ -230,12 +232,12 @@ def build_app(engine) -> FastAPI:
         """POST /<name>: an admin call that applies `act` to the memory tags in the body."""
         async def route(request: Request):
             require_admin(request)
-            tags = protocol.parse_memory_tags(await body_of(request), MEMORY_TAGS)
+            tags = bodies.parse_memory_tags(await body_of(request), MEMORY_TAGS)
             await asyncio.to_thread(act, tags)
             return {"success": True, "message": f"{done} {list(tags)}"}
 
         app.add_api_route(f"/{name}", route, methods=["POST"], name=name,
-                          openapi_extra=protocol.openapi_body(protocol.MemoryTags))
+                          openapi_extra=bodies.openapi_body(bodies.MemoryTags))
 
     memory_route("release_memory_occupation", engine.release_memory, "released")
     memory_route("resume_memory_occupation", engine.resume_memory, "resumed")
@@ -245,21 +247,21 @@ def build_app(engine) -> FastAPI:
         with the engine unchanged."""
         require_admin(request)
         try:
-            req = protocol.parse_body(body_model, await body_of(request))
+            req = bodies.parse_body(body_model, await body_of(request))
             loaded = await asyncio.to_thread(act, req)
         except InvalidRequest as exc:
             return JSONResponse({"success": False, "error_message": str(exc), "error": str(exc),
                                  "loaded_adapters": engine.lora_adapters()}, status_code=400)
         return {"success": True, "error_message": None, "loaded_adapters": loaded}
 
-    @app.post("/load_lora_adapter", openapi_extra=protocol.openapi_body(protocol.LoadLoRAAdapter))
+    @app.post("/load_lora_adapter", openapi_extra=bodies.openapi_body(bodies.LoadLoRAAdapter))
     async def load_lora_adapter(request: Request):
-        return await lora_route(request, protocol.LoadLoRAAdapter,
+        return await lora_route(request, bodies.LoadLoRAAdapter,
                                 lambda r: engine.load_lora_adapter(r.lora_name, r.lora_path, r.pinned))
 
-    @app.post("/unload_lora_adapter", openapi_extra=protocol.openapi_body(protocol.UnloadLoRAAdapter))
+    @app.post("/unload_lora_adapter", openapi_extra=bodies.openapi_body(bodies.UnloadLoRAAdapter))
     async def unload_lora_adapter(request: Request):
-        return await lora_route(request, protocol.UnloadLoRAAdapter, lambda r: engine.unload_lora_adapter(r.lora_name))
+        return await lora_route(request, bodies.UnloadLoRAAdapter, lambda r: engine.unload_lora_adapter(r.lora_name))
 
     @app.get("/metrics")
     async def metrics():

@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from miles.rollout.engine.types import GenerateRequest, GenerateResult
+from miles.engine_api.types import GenerateRequest, GenerateResult
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The engine's weight routes: the ones every transport shares, and a mount point for each
 transport's own (built from its Receiver in miles/sync/transports/<name>.py).
 
-Shared here (SGLang's routes, bodies as SGLang declares them, see protocol.py):
+Shared here (SGLang's routes, bodies as SGLang declares them, see engine_api/bodies.py):
     POST /update_weights_from_disk    {model_path, weight_version, flush_cache, ...} reloads a
          safetensors checkpoint and applies it. With the `staged_commit` extension a transport may add a
          load_format of its own (disk_delta: "miles_delta", {model_path: <version dir>, commit: false}
@@ -27,36 +27,10 @@ from typing import Callable
 
 from fastapi import APIRouter, HTTPException, Request
 
+from miles.engine_api import bodies, parsing
+from miles.engine_api.errors import InvalidRequest
+from miles.engine_api.extensions import BASE_EXTENSIONS
 from miles.net import UNAUTHORIZED, bearer_ok
-from miles.rollout.engine import protocol
-from miles.rollout.engine.types import InvalidRequest
-
-# The miles extensions every built-in engine in miles mode has, besides its transports' (their
-# Receivers' `extension`). Listed in /get_server_info as `miles_extensions`.
-# lora_default: a /generate request that names no adapter (lora_path) uses the most recently loaded
-# one, where SGLang uses the base model (rollout/engine/lora.py); it adds no route or field.
-BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load", "lora_default")
-
-# What each extension adds to SGLang's protocol: a route of its own (None) or fields on an SGLang
-# route. A client may send these only to an engine that advertises the extension (docs/sglang.md;
-# tests/e2e/test_sglang_conformance.py holds miles to it). Load-format values ("flattened_small",
-# "shm", "miles_delta") ride on SGLang's string `load_format` field.
-EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
-    "staged_commit": {"/update_weights_from_distributed": frozenset({"commit", "reset_staging"}),
-                      "/update_weights_from_disk": frozenset({"commit", "reset_staging"}),
-                      "/update_weights_from_tensor": frozenset({"commit", "reset_staging", "swap_buffers"})},
-    "flattened_small": {"/update_weights_from_distributed": frozenset({"screened"})},
-    "checked_weights": {"/weights_checker": frozenset({"seed", "expected", "buckets"})},
-    "engine_load": {"/get_load": None, "/get_weight_version": None},
-    "p2p": {"/p2p_open_buffer": None, "/p2p_close_buffer": None,
-            "/update_weights_from_tensor": frozenset({"screened"})},
-    "colocated": {"/update_weights_from_tensor": frozenset({"shm_path", "names", "dtypes", "shapes", "offsets"})},
-    "disk_delta": {"/init_delta_base": None},
-    "lora_default": {},
-    # A weight the engine serves in a format may be sent as that format's bytes, under the name
-    # "<name>@<format>" (precision/wire.py); /get_server_info lists them as `quantized_weights`.
-    "quantized_weights": {},
-}
 
 
 class WeightRoutes:
@@ -84,14 +58,14 @@ class WeightRoutes:
 
     def parse(self, sglang_model, miles_model, body: dict):
         """The body as SGLang's model, or with the miles extension's fields unless in SGLang-only mode."""
-        return protocol.parse_body(sglang_model if self.sglang_only else miles_model, body)
+        return bodies.parse_body(sglang_model if self.sglang_only else miles_model, body)
 
     def post(self, path: str, handler: Callable[[dict], dict], *, fields: set[str] | None = None,
              thread: bool = True, sglang: bool = False, methods: list[str] | None = None,
              stages: bool = False) -> None:
         """Serve `handler(body) -> reply` as an admin POST route, off the event loop unless thread=False.
         fields: the body's allowed keys. sglang: SGLang's routes, refused as the server's other admin
-        routes are (their bodies are checked by protocol.parse_*). stages: the route puts weights into
+        routes are (their bodies are checked by bodies.parse_*). stages: the route puts weights into
         staging, so a refusal of it discards staging (and poisons a version sent in several requests)."""
 
         async def route(request: Request):
@@ -100,10 +74,10 @@ class WeightRoutes:
             elif not bearer_ok(request.headers.get("authorization"), self.engine.config.admin_token):
                 raise HTTPException(401, UNAUTHORIZED)
             raw = await request.body()
-            body = protocol.parse_json(raw) if raw.strip() else {}  # SGLang's GET forms send no body
+            body = parsing.parse_json(raw) if raw.strip() else {}  # SGLang's GET forms send no body
             try:
                 if fields is not None:
-                    protocol.no_unknown(body, fields)
+                    parsing.no_unknown(body, fields)
                 return await asyncio.to_thread(handler, body) if thread else handler(body)
             except InvalidRequest as exc:
                 if stages:  # all or nothing: a refused update leaves nothing a later commit could apply
@@ -141,7 +115,7 @@ class WeightRoutes:
         return v
 
     def _from_disk(self, body: dict) -> dict:
-        req = self.parse(protocol.UpdateWeightFromDisk, protocol.MilesUpdateWeightFromDisk, body)
+        req = self.parse(bodies.UpdateWeightFromDisk, bodies.MilesUpdateWeightFromDisk, body)
         fmt, path = req.load_format, req.model_path
         receiver = self.weights
         if getattr(req, "reset_staging", False):
@@ -166,7 +140,7 @@ class WeightRoutes:
         return {**reply, "num_paused_requests": 0}
 
     def _relabel(self, body: dict) -> dict:
-        req = protocol.parse_body(protocol.UpdateWeightVersion, body)
+        req = bodies.parse_body(bodies.UpdateWeightVersion, body)
         if req.abort_all_requests:
             self.engine.abort()
         self.engine.set_weight_version(req.new_version)
@@ -174,7 +148,7 @@ class WeightRoutes:
                 "new_version": req.new_version}
 
     def _checker(self, body: dict) -> dict:
-        return self.weights.check(self.parse(protocol.CheckWeights, protocol.MilesCheckWeights, body))
+        return self.weights.check(self.parse(bodies.CheckWeights, bodies.MilesCheckWeights, body))
 
 
 def build_weight_router(engine, require_admin: Callable[[Request], None]) -> APIRouter:

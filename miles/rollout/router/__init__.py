@@ -2,11 +2,11 @@
 
     config.py    RouterConfig: which router, where it listens, stickiness, retries
     policy.py    Router: engine selection, quarantine and re-admission, proxying
-    upstream.py  the HTTP client to the engines
     app.py       the HTTP app, served on a thread, in a child process or as `miles router`
     launcher.py  the Rust sglang-router instead (`router.kind = "sglang"`)
 
-When an engine counts as dead is the shared liveness section (miles/rollout/liveness.py).
+When an engine counts as dead is the shared liveness section (miles/rollout/liveness.py); the HTTP client
+to the engines is miles' one EngineClient (miles/engine_api/client.py).
 """
 
 from miles.rollout.router.app import (RouterProcess, RouterServeConfig, RunningRouter, build_app, main,

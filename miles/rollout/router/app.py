@@ -49,8 +49,8 @@ def build_app(router: Router):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-    from miles.rollout.engine import protocol  # pydantic: only once a router is built
-    from miles.rollout.engine.types import InvalidRequest
+    from miles.engine_api import bodies, parsing  # pydantic: only once a router is built
+    from miles.engine_api.errors import InvalidRequest
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -93,7 +93,7 @@ def build_app(router: Router):
 
         return StreamingResponse(out(), status_code=status, media_type=ctype)
 
-    @app.post("/generate", openapi_extra=protocol.openapi_body(protocol.GenerateBody))
+    @app.post("/generate", openapi_extra=bodies.openapi_body(bodies.GenerateBody))
     async def generate(request: Request):
         return await forward(request, "/generate")
 
@@ -156,11 +156,11 @@ def build_app(router: Router):
         status = 200 if ok else refused[0] if refused and len(refused) == len(statuses) else 502
         return JSONResponse({"success": ok, "workers": results}, status_code=status)
 
-    @app.post("/abort_request", openapi_extra=protocol.openapi_body(protocol.Abort))
+    @app.post("/abort_request", openapi_extra=bodies.openapi_body(bodies.Abort))
     async def abort_request(request: Request):
         body = await request.body()
         try:
-            req = protocol.parse_body(protocol.Abort, protocol.parse_json(body) if body.strip() else {})
+            req = bodies.parse_body(bodies.Abort, parsing.parse_json(body) if body.strip() else {})
         except InvalidRequest as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         # A client may abort its own request by id; aborting everyone's is an admin call, and only an

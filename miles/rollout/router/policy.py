@@ -6,8 +6,8 @@ routing key (header `X-Routing-Key` by default) sticks to the engine that served
 a multi-turn episode returns to the engine holding its prefix KV; if that engine is quarantined the
 key moves.
 
-Liveness (the `health` section, shared with the engine fleet): every `interval_s` each engine's
-/health and /get_model_info (its weight_version) are read. After `failure_threshold` consecutive failures (health
+Liveness (the `health` section and its probes, shared with the engine fleet, rollout/liveness.py):
+every `interval_s` each engine's /health and /get_model_info (its weight_version) are read. After `failure_threshold` consecutive failures (health
 checks or requests that failed before an answer) an engine is quarantined: it gets no new requests.
 It is re-admitted once healthy again AND at the fleet's current weight version, so an engine that
 restarted from an old checkpoint cannot serve stale weights. A request whose engine fails before
@@ -31,11 +31,11 @@ from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from miles.engine_api.client import EngineClient
+from miles.engine_api.errors import EngineError
 from miles.net import bearer_headers
-from miles.rollout.liveness import HealthConfig
+from miles.rollout.liveness import HealthConfig, Liveness
 from miles.rollout.router.config import RouterConfig, check_url
-from miles.rollout.router.upstream import TimedOut, Unreachable, Upstream
-from miles.versions import from_wire
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ class Router:
         self._turn = itertools.count()  # round-robin among engines tied on outstanding requests
         self._sticky: OrderedDict[str, str] = OrderedDict()  # routing key -> worker url, LRU-bounded
         self.counters = _Counters()
-        self._client: Upstream | None = None  # created on the serving event loop
+        # Its async connections are made on the serving event loop, at the first request.
+        self._client = EngineClient(timeout_s=config.request_timeout_s, connect_timeout_s=5.0)
+        self.liveness = Liveness(self.health, self._client)
         # Fault injection (orchestration/faults.py): when it returns True an engine's reply is dropped.
         self.response_fault = None
 
@@ -151,13 +153,9 @@ class Router:
 
     async def close(self) -> None:
         """Close the connections to the engines (the serving event loop is ending)."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._client.aclose()
 
-    def client(self) -> Upstream:
-        if self._client is None:
-            self._client = Upstream(self.config.request_timeout_s)
+    def client(self) -> EngineClient:
         return self._client
 
     def _attempts(self, key: str | None, tried: set[str]):
@@ -184,17 +182,17 @@ class Router:
         for w in self._attempts(key, tried):
             w.outstanding += 1
             try:
-                status, content, ctype = await self.client().request(
-                    method, w.url + path, body, {"content-type": content_type or "application/json"})
-            except Unreachable as exc:
+                status, content, ctype = await self.client().asend(
+                    method, w.url, path, body, {"content-type": content_type or "application/json"})
+            except EngineError as exc:
+                if exc.timed_out:
+                    return 504, _json({"error": f"engine {w.url} did not answer within "
+                                       f"{self.config.request_timeout_s}s"}), "application/json"
                 # Nothing came back, so nothing was delivered: another engine can take it.
                 self.record_failure(w, str(exc))
                 tried.add(w.url)
-                errors.append(f"{w.url}: {exc}")
+                errors.append(str(exc))
                 continue
-            except TimedOut:
-                return 504, _json({"error": f"engine {w.url} did not answer within "
-                                   f"{self.config.request_timeout_s}s"}), "application/json"
             finally:
                 w.outstanding -= 1
             w.served += 1
@@ -214,25 +212,23 @@ class Router:
             w.outstanding += 1
             answered = False
             try:
-                async with self.client().stream(w.url + path, body,
-                                                {"content-type": content_type or "application/json"}) as answer:
+                async with self.client().astream(w.url, path, body,
+                                                 {"content-type": content_type or "application/json"}) as answer:
                     answered = True
                     w.served += 1
                     yield answer
                     return
-            except Unreachable as exc:
+            except EngineError as exc:
                 if answered:
                     raise
+                if exc.timed_out:
+                    yield 504, "application/json", _pieces(_json({"error": f"engine {w.url} did not answer within "
+                                                                            f"{self.config.request_timeout_s}s"}))
+                    return
                 self.record_failure(w, str(exc))
                 tried.add(w.url)
-                errors.append(f"{w.url}: {exc}")
+                errors.append(str(exc))
                 continue
-            except TimedOut:
-                if answered:
-                    raise
-                yield 504, "application/json", _pieces(_json({"error": f"engine {w.url} did not answer within "
-                                                                        f"{self.config.request_timeout_s}s"}))
-                return
             finally:
                 w.outstanding -= 1
         yield 503, "application/json", _pieces(self._unavailable(errors))
@@ -244,7 +240,7 @@ class Router:
 
         async def one(w: Worker) -> dict:
             try:
-                status, _, _ = await self.client().request("POST", w.url + path, body, headers)
+                status, _, _ = await self.client().asend("POST", w.url, path, body, headers)
                 return {"url": w.url, "status": status}
             except Exception as exc:  # noqa: BLE001 - report per engine, do not fail the others
                 return {"url": w.url, "status": None, "error": f"{type(exc).__name__}: {exc}"}
@@ -252,18 +248,11 @@ class Router:
         return list(await asyncio.gather(*(one(w) for w in list(self.workers.values()))))
 
     async def check(self, w: Worker) -> None:
-        timeout = self.health.timeout_s
-        try:
-            status, _, _ = await self.client().request("GET", w.url + "/health", timeout=timeout)
-            if status != 200:
-                raise RuntimeError(f"/health answered {status}")
-            # SGLang's route for the version in force (a string; "default" before any update).
-            status, content, _ = await self.client().request("GET", w.url + "/get_model_info", timeout=timeout)
-            version = from_wire(json.loads(content).get("weight_version")) if status == 200 else None
-        except Exception as exc:  # noqa: BLE001 - any failure is a failed check
-            self.record_failure(w, f"health check: {type(exc).__name__}: {exc}")
-            return
-        self.record_health(w, version)
+        why, version = await self.liveness.serving(w.url)
+        if why is not None:
+            self.record_failure(w, why)
+        else:
+            self.record_health(w, version)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))

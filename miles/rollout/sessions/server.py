@@ -30,8 +30,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from miles.models.loading import load_tokenizer
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, BodyLimit, ServerThread, bind, serve_app
 from miles.registry import RegistryError
-from miles.rollout.engine.protocol import openapi_body, parse_json
-from miles.rollout.engine.types import InvalidRequest
+from miles.engine_api.bodies import openapi_body
+from miles.engine_api.parsing import parse_json
+from miles.engine_api.errors import InvalidRequest
 from miles.rollout.sessions.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, \
     completion_body, parse_request, sse_event
 from miles.rollout.sessions.schema import RESPONSES_HINTS, ChatCompletionRequest, CreateSessionRequest, \
@@ -62,7 +63,7 @@ def response_body(c: Completion, req: ResponsesRequest, response_id: str, model:
 
 async def _json_body(request: Request, empty_ok: bool = False) -> dict:
     """The body as a JSON object, or a SessionError (400) saying what is wrong with it: malformed,
-    nested too deeply, holding text that is not Unicode (see protocol.parse_json)."""
+    nested too deeply, holding text that is not Unicode (see engine_api.parsing.parse_json)."""
     raw = await request.body()
     if empty_ok and not raw.strip():
         return {}

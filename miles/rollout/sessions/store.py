@@ -23,8 +23,8 @@ import httpx
 
 from miles.buffer.types import Sample, SampleStatus
 from miles.data.chat import ChatFormat
+from miles.engine_api.client import EngineClient
 from miles.rollout.generate import versions_of
-from miles.rollout.http import async_client
 from miles.rollout.sessions.chat_completion import Completion, RequestRefused, arguments, render_prompt, \
     template_message, tools_of
 from miles.rollout.sessions.schema import ChatCompletionRequest, ChatMessage
@@ -275,7 +275,7 @@ class SessionStore:
         """The engine's answer (SGLang's /generate body). With `listener`, the engine streams and
         listener(ids) gets the turn's tokens so far after every chunk."""
         if self._client is None:
-            self._client = async_client(600)
+            self._client = EngineClient.async_http(600)
         url = session.engine_url or self.engine_url
         body = {"input_ids": input_ids, "sampling_params": sp, "return_logprob": True, "rid": rid}
         try:

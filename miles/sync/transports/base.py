@@ -20,18 +20,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from miles.rollout.engine.types import InvalidRequest
+from miles.engine_api.client import EngineClient
+from miles.engine_api.errors import EngineError, InvalidRequest
 
 if TYPE_CHECKING:
     import torch
 
 
-class TransportError(RuntimeError):
-    """A transfer or commit failed on at least one engine; the message names the engines."""
+class TransportError(EngineError):
+    """A transfer or commit failed on at least one engine; the message names the engines. Also what a
+    transport's EngineClient raises for one call (`engine_client`), so callers catch one error."""
 
 
 class WeightUpdateError(InvalidRequest):
     """A weight update the engine refused; the old weights stay in force (HTTP 400)."""
+
+
+def engine_client(admin_token: str | None, timeout_s: float) -> EngineClient:
+    """The client the trainer's end talks to engines with: its failures are TransportErrors."""
+    return EngineClient(admin_token=admin_token, timeout_s=timeout_s, error=TransportError)
+
+
+def reconnect(transport, engine_urls: list[str], timeout_s: float) -> EngineClient:
+    """How an HTTP transport's `connect` begins: refuse an empty engine list, close what an earlier
+    connect opened, keep the URLs (no trailing slash) as `transport.engine_urls`, and return a fresh
+    client carrying the transport's admin token."""
+    if not engine_urls:
+        raise ValueError("connect: no engine URLs given")
+    transport.close()
+    transport.engine_urls = [u.rstrip("/") for u in engine_urls]
+    return engine_client(transport.admin_token, timeout_s)
 
 
 class Transport(Protocol):

@@ -1,15 +1,11 @@
 """Broadcast transport: one torch.distributed group of the trainer's source (rank 0) + every engine.
 
 Per bucket: the metadata (names, dtypes, shapes, load_format, commit=false) is POSTed to every
-engine's /update_weights_from_distributed, then the bytes follow from rank 0. With load_format
-"flattened_small" (the default) tensors under SPLIT_BYTES are flattened together into uint8
-broadcasts of about SPLIT_BYTES each (message_plan), and every larger tensor is broadcast on its
-own, from its own memory: each broadcast has a fixed cost, which a few large messages make small,
-while flattening tensors that are large already would cost one more copy for nothing. The sender
-flattens into a buffer it keeps, one message while gloo sends the one before; engines receive the
-flattened tensors into one buffer and stage them as views of it.
-"flattened_bucket" (SGLang's) flattens everything into one message. Engines reply only after their
-receive completes, so collecting the replies is also the barrier.
+engine's /update_weights_from_distributed, then the bytes follow from rank 0, in one of the wire
+formats of broadcast_wire.py ("flattened_small", the default: small tensors flattened together,
+large ones alone). The sender flattens into a buffer it keeps, one message while gloo sends the one
+before. Engines reply only after their receive completes, so collecting the replies is also the
+barrier.
 
 Against engines without miles' `staged_commit` extension (plain SGLang servers) each bucket is one
 SGLang request that applies what it carries (load_format "flattened_bucket", flush_cache false), and
@@ -29,11 +25,7 @@ The engine's end (Receiver, SGLang's `update_weights_from_distributed` plus mile
     a process with other torch.distributed users.
   * /update_weights_from_distributed first completes the broadcast(s) - always, even when the
     metadata is wrong, so every member of the collective stays in step - then validates names/shapes
-    against the model and stages the tensors (commit=true then applies the version). Wire formats:
-    "flattened_bucket" = ONE uint8 broadcast holding every tensor's bytes in order; "flattened_small"
-    as above (screened for NaN/Inf by the sender as it flattens, screen.py; by the engine, each
-    message while the next arrives, when the sender does not say `screened`); null = one broadcast
-    per tensor in its own dtype.
+    against the model and stages the tensors (commit=true then applies the version).
 Non-goals: NCCL/CUDA IPC (a GPU variant would swap the backend), multi-source fan-out (p2p.py).
 """
 
@@ -41,18 +33,17 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
-import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from miles.engine_api import bodies
 from miles.net import LOOPBACK
-from miles.rollout.engine import protocol
-from miles.sync import screen, verify
-from miles.sync.engine_client import reconnect
+from miles.sync import screen
+from miles.sync.transports import broadcast_wire as wire
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
 from miles.versions import to_wire
 
 if TYPE_CHECKING:
@@ -71,41 +62,6 @@ def _spawn(fn, *args) -> cf.Future:
 
     threading.Thread(target=run, name="miles-broadcast", daemon=True).start()
     return fut
-
-
-# flattened_small: tensors smaller than this travel flattened together, in messages of about this
-# size; each larger one goes alone, from its own memory (uncopied). Every broadcast is a gloo
-# operation of its own, with a fixed cost: messages this big make it small next to the bytes, while
-# the engine still screens one message for NaN/Inf as the next arrives.
-SPLIT_BYTES = 32 << 20
-
-
-def message_plan(sizes: list[int]) -> tuple[list[list[int]], list[int], int]:
-    """How flattened_small splits a bucket of tensors of `sizes` bytes; the sender and every engine
-    compute the same. Returns the messages (indices into the bucket, in sending order), each flattened
-    tensor's byte offset in the flat buffer of all of them (-1 for a tensor sent alone), and that
-    buffer's size. Offsets are 64-byte aligned, so each tensor is a view of the flat buffer in its
-    own dtype; a flattened message is the span of the flat buffer from its first tensor to its last."""
-    messages, group, offsets, size, flat = [], [], [-1] * len(sizes), 0, 0
-    for i, n in enumerate(sizes):
-        if n >= SPLIT_BYTES:
-            messages.append([i])
-            continue
-        flat = (flat + 63) // 64 * 64
-        offsets[i], flat = flat, flat + n
-        group.append(i)
-        size += n
-        if size >= SPLIT_BYTES:
-            messages.append(group)
-            group, size = [], 0
-    if group:
-        messages.append(group)
-    return messages, offsets, flat
-
-
-def _span(message: list[int], offsets: list[int], sizes: list[int]) -> tuple[int, int]:
-    """The bytes of the flat buffer a flattened message covers."""
-    return offsets[message[0]], offsets[message[-1]] + sizes[message[-1]]
 
 
 # After an engine errors while our broadcast is still running, how long to let the broadcast finish
@@ -217,7 +173,7 @@ class BroadcastTransport:
                 yield torch.cat(raw)  # (total_bytes,) uint8, each tensor's bytes in bucket order
                 return
             sizes = [r.numel() for r in raw]
-            plan, offsets, flat_bytes = message_plan(sizes)
+            plan, offsets, flat_bytes = wire.message_plan(sizes)
             flat = self._send_buffer(flat_bytes)
             for message in plan:
                 items = [(meta["names"][i], tensors[i]) for i in message]
@@ -226,7 +182,7 @@ class BroadcastTransport:
                     bad.extend(screen.nonfinite(items))  # while gloo sends it
                     continue
                 bad.extend(screen.copy_screened([flat], items, [offsets[i] for i in message]))
-                lo, hi = _span(message, offsets, sizes)
+                lo, hi = wire.span(message, offsets, sizes)
                 yield flat[lo:hi]
 
         def broadcast():
@@ -372,7 +328,7 @@ class BroadcastReceiver(TransportReceiver):
         self._api = None  # the engine's weight routes, set by mount
 
     def mount(self, api) -> None:
-        # SGLang's routes: their bodies are checked by protocol.parse_*, unauthorized as the server's.
+        # SGLang's routes: their bodies are checked by bodies.parse_*, unauthorized as the server's.
         self._api = api
         api.post("/init_weights_update_group", self._init_route, sglang=True)
         api.post("/destroy_weights_update_group", self._destroy_route, sglang=True)
@@ -380,17 +336,17 @@ class BroadcastReceiver(TransportReceiver):
 
     def _init_route(self, body: dict) -> dict:
         # Joining blocks until every member arrives (the caller runs this off the event loop).
-        req = protocol.parse_body(protocol.InitWeightsUpdateGroup, body)
+        req = bodies.parse_body(bodies.InitWeightsUpdateGroup, body)
         message = self.init_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
                                   req.group_name, req.backend)
         return {"success": True, "message": message}
 
     def _destroy_route(self, body: dict) -> dict:
-        self.destroy_group(protocol.parse_body(protocol.DestroyWeightsUpdateGroup, body).group_name)
+        self.destroy_group(bodies.parse_body(bodies.DestroyWeightsUpdateGroup, body).group_name)
         return {"success": True, "message": "group destroyed"}
 
     def _update_route(self, body: dict) -> dict:
-        req = self._api.parse(protocol.UpdateWeightsFromDistributed, protocol.MilesUpdateWeightsFromDistributed,
+        req = self._api.parse(bodies.UpdateWeightsFromDistributed, bodies.MilesUpdateWeightsFromDistributed,
                               body)
         commit = getattr(req, "commit", True)  # SGLang's form: every request applies what it carries
         if getattr(req, "reset_staging", False):
@@ -490,69 +446,16 @@ class BroadcastReceiver(TransportReceiver):
                    ) -> tuple[dict[str, "torch.Tensor"], set[str] | None]:
         """The received tensors, and the names among them holding NaN/Inf when the format screens
         them on arrival or the sender did (flattened_small; None otherwise)."""
-        import torch
         import torch.distributed as dist
 
         w = self.weights
+        if load_format not in wire.FORMATS:
+            raise w.fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket', "
+                         "'flattened_small' or null")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = w.timeout
-        out: dict = {}
-        nonfinite: set[str] | None = None  # screened names holding NaN/Inf; None: not screened yet
-        if load_format == "flattened_bucket":
-            nbytes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
-            flat = torch.empty(sum(nbytes), dtype=torch.uint8)
-            if flat.numel():
-                group.pg.broadcast([flat], opts).wait()
-            offset = 0
-            for (name, dtype, shape), n in zip(specs, nbytes):
-                chunk = flat[offset:offset + n]
-                # The bucket buffer is fresh and held only by staging, so aligned chunks are staged as
-                # views (no copy); viewing bytes at a misaligned offset as a wider dtype is not allowed,
-                # so those few are re-based by a copy.
-                if offset % torch.empty((), dtype=dtype).element_size():
-                    chunk = chunk.clone()
-                out[name] = chunk.view(dtype).reshape(shape)
-                offset += n
-        elif load_format == "flattened_small":
-            # The same plan as the sender's (message_plan). Every receive is queued at once (gloo
-            # completes them in order), so each message is screened for NaN/Inf (unless the sender
-            # did) while the ones after it are still arriving. Flattened tensors are staged as views
-            # of one buffer, which the commit adopts whole, so the version after next is received
-            # into the memory this one leaves.
-            sizes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
-            plan, offsets, flat_bytes = message_plan(sizes)
-            flat = w.buffer(flat_bytes)
-            bufs = []
-            for message in plan:
-                if offsets[message[0]] < 0:
-                    bufs.append(w.buffer(sizes[message[0]]))
-                else:
-                    lo, hi = _span(message, offsets, sizes)
-                    bufs.append(flat[lo:hi])
-            # The sender skips empty messages (only empty tensors): so does this end.
-            works = [group.pg.broadcast([b], opts) if b.numel() else None for b in bufs]
-            nonfinite = set()
-            for message, buf, work in zip(plan, bufs, works):
-                if work is not None:
-                    work.wait()
-                for i in message:
-                    name, dtype, shape = specs[i]
-                    at = offsets[i]
-                    data = buf if at < 0 else flat[at:at + sizes[i]]
-                    out[name] = data.view(dtype).reshape(shape)
-                    if not screened and not verify.finite(out[name]):
-                        nonfinite.add(name)
-            out = {name: out[name] for name, _, _ in specs}
-        elif load_format is None:
-            for name, dtype, shape in specs:
-                t = w.buffer(math.prod(shape) * torch.empty((), dtype=dtype).element_size()).view(dtype).reshape(shape)
-                group.pg.broadcast([t], opts).wait()
-                out[name] = t
-        else:
-            raise w.fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket', "
-                             "'flattened_small' or null")
-        return out, nonfinite
+        return wire.receive(group.pg, opts, specs, load_format, screened, w.buffer)
 
 
 BroadcastTransport.Receiver = BroadcastReceiver  # the engine's end, defined after the sender it answers

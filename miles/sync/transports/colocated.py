@@ -20,11 +20,11 @@ import math
 from typing import TYPE_CHECKING
 
 from miles.devices import gpu_uuid
+from miles.engine_api.client import EngineClient
 from miles.net import LOOPBACK
 from miles.sync import cuda_ipc, shm
-from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
 from miles.versions import to_wire
 from miles.sync.transports.p2p import is_local
 

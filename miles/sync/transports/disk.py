@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from miles.config.loader import ConfigError
-from miles.sync.engine_client import reconnect
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError
+from miles.sync.transports.base import TransportError, reconnect
 from miles.versions import to_wire
 
 if TYPE_CHECKING:

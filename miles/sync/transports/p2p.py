@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from miles.config.loader import ConfigError
+from miles.engine_api.client import EngineClient
 from miles.net import LOOPBACK, resolve
 from miles.sync import screen, shm
-from miles.sync.engine_client import EngineClient, reconnect
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError
-from miles.versions import to_wire
+from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
 from miles.sync.transports.broadcast import BroadcastTransport
+from miles.versions import to_wire
 
 if TYPE_CHECKING:
     import torch

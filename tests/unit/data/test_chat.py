@@ -14,7 +14,7 @@ from miles.models.loading import load_tokenizer
 from miles.rewards.runner import RewardRunner
 from miles.rollout.config import RolloutConfig
 from miles.data.prompts import Prompt, TaskConfig
-from miles.rollout.engine_admin import EngineAdmin
+from miles.engine_api.client import EngineClient
 from miles.rollout.group import GroupGenerator
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
@@ -63,7 +63,7 @@ def test_group_samples_carry_the_prompt_metadata_and_templated_ids(tiny_model_di
         weight_version = 0
 
     g = GroupGenerator(cfg, 0, tok, RewardRunner("exact_match"), None, Buffer(),
-                       EngineAdmin(["http://engine"]), threading.Event())
+                       EngineClient(["http://engine"]), threading.Event())
     prompt = Prompt(3, "What is 2+2?", "4", messages=MESSAGES, metadata={"data_source": "gsm8k"})
 
     async def run():

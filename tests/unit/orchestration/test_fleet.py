@@ -251,8 +251,9 @@ def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_m
     from miles.rollout.liveness import HealthConfig
     from miles.rollout.router import RouterConfig, start_router_thread
     from miles.sync import verify
-    from miles.sync.engine_client import EngineClient
-    from miles.sync.transports.disk_delta import DiskDeltaConfig, load_base, version_dir
+    from miles.engine_api.client import EngineClient
+    from miles.sync.transports.delta_format import load_base, version_dir
+    from miles.sync.transports.disk_delta import DiskDeltaConfig
     from miles.sync.updater import WeightUpdater
 
     torch.set_num_threads(1)
@@ -289,7 +290,7 @@ def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_m
                         bring_up=bring_up, reconnect=main.connect)
     fleet.adopt(engines)
     fleet.start_monitor()
-    client = EngineClient(TOKEN)
+    client = EngineClient(admin_token=TOKEN)
     try:
         killed = FaultInjector(FaultConfig(seed=3), fleet).engine_fault("kill_engine")
         t0 = time.monotonic()
@@ -327,9 +328,9 @@ def test_a_replacement_whose_bring_up_fails_starts_over_with_another_engine(flee
     does not end the run: that engine is killed and the replacement starts over after a pause."""
     import signal
 
-    from miles.orchestration import fleet as fleet_module
+    from miles.orchestration.fleet import replacement
 
-    monkeypatch.setattr(fleet_module, "REPLACE_PAUSE_S", 0.5)
+    monkeypatch.setattr(replacement, "REPLACE_PAUSE_S", 0.5)
     push, tried = fleet.bring_up, []
 
     def failing_once(url: str) -> None:

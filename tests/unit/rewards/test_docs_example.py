@@ -52,7 +52,7 @@ def test_docs_reward_file_scores_through_a_run_config(tmp_path, model_dir):
 def test_a_generate_function_may_leave_scoring_to_the_runner(scores_itself):
     from miles.rollout.config import RolloutConfig
     from miles.data.prompts import Prompt
-    from miles.rollout.engine_admin import EngineAdmin
+    from miles.engine_api.client import EngineClient
     from miles.rollout.group import GroupGenerator
 
     async def my_generate(ctx, prompt, params, rid):
@@ -67,7 +67,7 @@ def test_a_generate_function_may_leave_scoring_to_the_runner(scores_itself):
 
     gen = GroupGenerator(RolloutConfig(n_samples_per_prompt=2), 0, Tokenizer(), RewardRunner("exact_match"), my_generate,
                          None,
-                         EngineAdmin(["http://127.0.0.1:1"]), threading.Event())
+                         EngineClient(["http://127.0.0.1:1"]), threading.Event())
     group = asyncio.run(gen.generate_group(None, Prompt(index=0, text="1+1=", label="2")))
     assert group.rewards == ([7.0, 7.0] if scores_itself else [1.0, 1.0])
     assert gen.take_stats(1.0)["reward/calls"] == (0 if scores_itself else 2)

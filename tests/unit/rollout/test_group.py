@@ -6,14 +6,14 @@ import threading
 
 from miles.buffer.types import Group, Sample, SampleStatus
 from miles.rollout.config import RolloutConfig
-from miles.rollout.engine_admin import EngineAdmin
+from miles.engine_api.client import EngineClient
 from miles.rollout.group import GroupGenerator, long_tail_length
 from miles.rollout.stats import SampleStats
 
 
 def _generator(**cfg) -> GroupGenerator:
     return GroupGenerator(RolloutConfig(**cfg), seed=3, tokenizer=None, rewards=None, generate_fn=None, buffer=None,
-                          admin=EngineAdmin(["http://127.0.0.1:1"]), stopping=threading.Event())
+                          admin=EngineClient(["http://127.0.0.1:1"]), stopping=threading.Event())
 
 
 def test_each_sample_has_its_own_reproducible_seed():

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from miles.rollout.engine import protocol
+from miles.engine_api import parsing
 
 TOKEN = "hostile-test-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -75,9 +75,9 @@ BAD_GENERATE = [
     ({"top_k": 2**63}, "sampling_params.top_k"),
     ({"top_k": 2**31}, "sampling_params.top_k"),
     ({"top_k": -2}, "sampling_params.top_k"),
-    ({"stop": ["x"] * (protocol.MAX_STOP_STRINGS + 1)}, "sampling_params.stop"),
-    ({"stop": ["x" * (protocol.MAX_STOP_CHARS + 1)]}, "sampling_params.stop"),
-    ({"stop_token_ids": [1] * (protocol.MAX_STOP_TOKEN_IDS + 1)}, "sampling_params.stop_token_ids"),
+    ({"stop": ["x"] * (parsing.MAX_STOP_STRINGS + 1)}, "sampling_params.stop"),
+    ({"stop": ["x" * (parsing.MAX_STOP_CHARS + 1)]}, "sampling_params.stop"),
+    ({"stop_token_ids": [1] * (parsing.MAX_STOP_TOKEN_IDS + 1)}, "sampling_params.stop_token_ids"),
 ]
 
 
@@ -95,7 +95,7 @@ def test_out_of_bounds_sampling_params_get_400_naming_the_field(engine, router, 
     (b'{"input_ids": [5], "rid": "\\udc00"}', "rid"),
     (b'{"input_ids": [5], "sampling_params": {"stop": ["a", "\\ud800"]}}', "sampling_params.stop[1]"),
     (DEEP, "nested too deeply"),
-    (b'{"input_ids": [5], "rid": "' + b"r" * (protocol.MAX_RID_CHARS + 1) + b'"}', "rid"),
+    (b'{"input_ids": [5], "rid": "' + b"r" * (parsing.MAX_RID_CHARS + 1) + b'"}', "rid"),
 ])
 def test_encoding_and_nesting_errors_are_caught_at_the_edge(engine, router, raw, field):
     for url in (engine, router):
@@ -242,7 +242,7 @@ def test_session_api_refuses_hostile_messages_with_400_and_keeps_serving(session
         r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=60)
         assert r.status_code == 400, r.text
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                              "stop": ["x"] * (protocol.MAX_STOP_STRINGS + 1)}, timeout=60)
+                              "stop": ["x"] * (parsing.MAX_STOP_STRINGS + 1)}, timeout=60)
     assert r.status_code == 400 and "stop" in r.text, r.text
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text

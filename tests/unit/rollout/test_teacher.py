@@ -13,6 +13,7 @@ import torch
 
 from miles.buffer.types import Sample
 from miles.config import ConfigError, load_config
+from miles.engine_api.client import EngineClient
 from miles.run_config import RunConfig
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import start_server_thread
@@ -88,7 +89,7 @@ def test_a_group_is_scored_in_one_call_with_the_teachers_logprobs_of_each_respon
 
 def test_a_served_teacher_with_another_tokenizer_is_refused_with_the_reason(tiny_model_dir, other_tokenizer_dir,
                                                                             teacher_engine):
-    with httpx.Client(timeout=30) as client:
+    with EngineClient(timeout_s=30) as client:
         check_served_teacher(client, teacher_engine.url, tiny_model_dir)  # same tokenizer: accepted
         other = start_server_thread(EngineConfig(model_path=other_tokenizer_dir))
         try:

@@ -197,7 +197,7 @@ def test_non_finite_tensor_is_refused_by_name_in_either_message_kind(default_gro
     large ones (the engine runs in this process, so a smaller split makes the tiny model's matrices
     'large'): by miles' sender as it sends them, or, for a sender that does not say `screened`, by
     the engine as they arrive."""
-    import miles.sync.transports.broadcast as bc
+    import miles.sync.transports.broadcast_wire as bc
     from miles.sync import screen
 
     monkeypatch.setattr(bc, "SPLIT_BYTES", 4096)
@@ -242,7 +242,7 @@ def test_non_finite_tensor_is_refused_by_name_in_either_message_kind(default_gro
 
 
 def test_message_plan_flattens_small_tensors_into_aligned_groups_and_sends_large_ones_alone(monkeypatch):
-    import miles.sync.transports.broadcast as bc
+    import miles.sync.transports.broadcast_wire as bc
 
     monkeypatch.setattr(bc, "SPLIT_BYTES", 100)
     sizes = [30, 6, 250, 40, 30, 0, 100, 2]
@@ -261,7 +261,7 @@ def test_flattened_tensors_are_staged_as_views_and_the_next_version_reuses_their
         default_group, engine_thread, base_model_dir, admin_token, monkeypatch):
     """No receive copies a flattened tensor out of its message, and in steady state a version is
     received into the memory the version before the last one left (no fresh pages per update)."""
-    import miles.sync.transports.broadcast as bc
+    import miles.sync.transports.broadcast_wire as bc
 
     monkeypatch.setattr(bc, "SPLIT_BYTES", 1 << 16)
     name = "model.norm.weight"  # small: flattened

@@ -16,14 +16,15 @@ import torch
 
 from miles.sync.prepare import buckets
 from miles.sync.transports import TransportError
-from miles.sync.transports.disk_delta import DiskDeltaTransport, version_dir
+from miles.sync.transports.delta_format import version_dir
+from miles.sync.transports.disk_delta import DiskDeltaTransport
 
 PROMPT = [19, 20, 15, 21, 31, 27]
 
 
 def _state(model_dir: str, seed: int | None, touched: float = 1.0) -> dict[str, torch.Tensor]:
     """The base checkpoint's tensors, with a fraction of the tensors perturbed."""
-    from miles.sync.transports.disk_delta import load_base
+    from miles.sync.transports.delta_format import load_base
 
     base = load_base(model_dir)
     if seed is None:
@@ -144,7 +145,7 @@ def test_failed_write_refuses_the_commit(delta, engine_thread, base_model_dir, m
     def disk_full(*_a, **_k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(dd, "_write_atomic", disk_full)
+    monkeypatch.setattr(dd, "write_atomic", disk_full)
     with pytest.raises(TransportError, match="No space left"):
         _send(delta, _state(base_model_dir, seed=9))
     monkeypatch.undo()

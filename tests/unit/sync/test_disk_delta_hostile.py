@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from miles.sync.prepare import buckets
-from miles.sync.transports.disk_delta import DiskDeltaTransport, load_base
+from miles.sync.transports.delta_format import load_base
+from miles.sync.transports.disk_delta import DiskDeltaTransport
 
 Q, K = "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"
 

@@ -19,7 +19,8 @@ import torch
 from miles.orchestration.faults import damage_delta
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports import TransportError
-from miles.sync.transports.disk_delta import DiskDeltaConfig, load_base
+from miles.sync.transports.delta_format import load_base
+from miles.sync.transports.disk_delta import DiskDeltaConfig
 from miles.sync.updater import WeightUpdater
 
 

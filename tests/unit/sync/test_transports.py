@@ -146,7 +146,7 @@ def test_registry_lists_every_transport():
 
 
 def test_broadcast_sends_large_tensors_unflattened_and_exact(engine_thread, base_model_dir, admin_token, monkeypatch):
-    import miles.sync.transports.broadcast as bc
+    import miles.sync.transports.broadcast_wire as bc
 
     # Lower the split so the tiny model has both kinds: small tensors flattened, large ones alone.
     monkeypatch.setattr(bc, "SPLIT_BYTES", 4096)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miles.config.loader import ConfigError, build, load_config
-from miles.config.run import RunConfig
+from miles.run_config import RunConfig
 from miles.net import free_port
 from miles.trainer.backends.base import BACKENDS
 from miles.trainer.backends.fsdp import FSDPBackend

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from miles.config.loader import ConfigError
+from miles.engine_api.sampling import SamplingParams
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.engine import Engine
-from miles.rollout.engine.sampler import SamplingParams
 from tests.unit.rollout.engine.test_engine_lora import _write_adapter
 
 PROMPTS = ["47+38=", "1+2=", "The trainer computes a policy", "ls cat echo grep python file"]

@@ -42,7 +42,7 @@ def test_architecture_greedy_matches_transformers(arch, tmp_path, tiny_model_dir
     from miles.models.loading import load_model
     from miles.rollout.engine.config import EngineConfig
     from miles.rollout.engine.engine import Engine
-    from miles.rollout.engine.sampler import SamplingParams
+    from miles.engine_api.sampling import SamplingParams
 
     path = _build(arch, tmp_path / arch, tiny_model_dir)
     hf = load_model(path).eval()

@@ -56,7 +56,7 @@ def test_routed_experts_match_transformers_for_every_token(moe_server, tiny_moe_
 def test_routed_experts_only_when_asked_and_only_for_moe(moe_server, tiny_model_dir):
     from miles.rollout.engine.engine import Engine
     from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.types import InvalidRequest
+    from miles.engine_api.errors import InvalidRequest
 
     r = httpx.post(f"{moe_server.url}/generate", json={"input_ids": [3, 4, 5],
                                                        "sampling_params": {"max_new_tokens": 2}}, timeout=60)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from miles.rollout.engine.protocol import parse_sampling_params
-from miles.rollout.engine.sampler import SamplingParams, sample
+from miles.engine_api.parsing import parse_sampling_params
+from miles.engine_api.sampling import SamplingParams
+from miles.rollout.engine.sampler import sample
 from miles.rollout.generate import SamplingParams as ClientSamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])  # (1, V)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles.sync import shm
-from miles.sync.transports.disk_delta import load_base
+from miles.sync.transports.delta_format import load_base
 from miles.sync.verify import dtype_name, tensor_checksum, unique_tensors
 
 NORM = "model.norm.weight"

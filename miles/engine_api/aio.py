@@ -1,7 +1,8 @@
-"""The rollout side's HTTP plumbing: one client configuration for talking to engines and routers, and
-running a batch of requests from the synchronous methods a threaded Ray actor exposes.
+"""The asynchronous plumbing under EngineClient: httpx's API over aiohttp's connection pool (the
+client generate functions and agents are handed), and running a batch of requests from the
+synchronous methods a threaded Ray actor exposes.
 
-Non-goals: what is requested (group.py, evaluator.py, engine_admin.py).
+Non-goals: what is requested (EngineClient in client.py; rollout's group.py, the evaluator).
 """
 
 from __future__ import annotations
@@ -12,10 +13,25 @@ import threading
 import httpx
 
 
+# Idle connections are dropped before a uvicorn server's own keep-alive (5 s by default) would
+# close them under a request.
+KEEPALIVE_S = 2.0
+
+
 def async_client(timeout_s: float) -> httpx.AsyncClient:
     """The client rollouts talk to engines and routers with: an httpx.AsyncClient (what generate
     functions and agents are handed), whose requests travel on aiohttp's connection pool."""
     return httpx.AsyncClient(timeout=timeout_s, transport=AiohttpTransport())
+
+
+def aiohttp_session():
+    """An aiohttp session as every async engine call uses it: unbounded pool, idle connections dropped
+    after KEEPALIVE_S, bodies passed on undecoded (the caller decodes what the headers say). Made on
+    the event loop it serves."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                                 auto_decompress=False)
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
@@ -28,10 +44,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     they arrive.
     """
 
-    # Idle connections are dropped before a uvicorn server's own keep-alive (5 s by default) would
-    # close them under a request.
-    KEEPALIVE_S = 2.0
-
     def __init__(self):
         self._session = None
 
@@ -39,9 +51,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self.KEEPALIVE_S),
-                auto_decompress=False)  # httpx decodes what the headers say
+            self._session = aiohttp_session()  # httpx decodes what the headers say
         t = request.extensions.get("timeout", {})
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
         headers = [(k, v) for k, v in request.headers.multi_items()

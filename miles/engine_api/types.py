@@ -1,30 +1,18 @@
-"""Data contracts of the built-in engine: a generation request, its finish reason and its result.
+"""Data contracts of generation: a request, its finish reason and its result.
 
-The HTTP layer translates these to and from SGLang-shaped JSON; the engine never sees JSON.
+An engine's HTTP layer translates these to and from SGLang-shaped JSON (parsing.py in, `to_sglang`
+out); the built-in engine's scheduler never sees JSON.
+Non-goal: the control routes' bodies (bodies.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from miles.rollout.engine.sampler import SamplingParams
+from miles.engine_api.sampling import SamplingParams
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 MEMORY_TAGS = ("weights", "kv_cache")  # what /release_memory_occupation can free
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; the message names the offending field (HTTP 400)."""
-
-
-class RequestFailed(Exception):
-    """An accepted request whose step raised even when it ran alone (HTTP 422): sent again as it is, it
-    fails again. The requests batched with it were not affected."""
-
-
-class EngineStepFailed(Exception):
-    """A request whose batch step raised twice while no request of it failed alone (HTTP 503): the
-    fault lies in the combination or in the engine, so a retry may succeed."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +26,7 @@ class GenerateRequest:
     # prompt's tokens from position k on (input_token_logprobs).
     logprob_start_len: int = -1
     # The LoRA adapter the request named (SGLang's lora_path), a lora.Adapter; None: the engine's
-    # default. Typed loosely: lora.py imports this module, and this one stays below it.
+    # default. Typed loosely: adapters are the built-in engine's (rollout/engine/lora.py), above this contract.
     adapter: object | None = field(default=None, compare=False)
 
 

@@ -14,11 +14,11 @@ import json
 import threading
 from pathlib import Path
 
+from miles.engine_api.client import EngineClient
 from miles.run_config import RunConfig
 from miles.eval.evaluator import Evaluator
 from miles.metrics.sink import JsonlSink, clean
 from miles.net import LOOPBACK
-from miles.rollout.engine_admin import EngineAdmin
 from miles.rollout.generate import get_generate_fn
 from miles.rewards.runner import RewardRunner
 from miles.rollout.group import GroupGenerator
@@ -40,7 +40,7 @@ def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = N
     try:
         generate_fn = None if rollout.generate_fn == "single_turn" else get_generate_fn(rollout.generate_fn)
         groups = GroupGenerator(rollout, cfg.run.seed, load_tokenizer(cfg.model.path), RewardRunner(rollout.reward, rollout.reward_config),
-                                generate_fn, None, EngineAdmin(urls), threading.Event())
+                                generate_fn, None, EngineClient(urls), threading.Event())
         metrics = clean(Evaluator(cfg.eval, groups, cfg.run.seed).evaluate())
     finally:
         if server is not None:

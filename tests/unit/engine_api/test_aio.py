@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from miles.net import bind, free_port, serve_app
-from miles.rollout.http import async_client
+from miles.engine_api.aio import async_client
 
 
 def _app() -> FastAPI:
