@@ -15,7 +15,6 @@ import contextlib
 import errno
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
