@@ -165,6 +165,7 @@ class MilesCheckWeights(CheckWeights):
     seed: int = 0
     expected: dict[str, list[str]] | None = None
     buckets: list[list[list[str]]] | None = None
+    digest: Literal["xxh3", "sum64"] = "xxh3"  # sum64: the device_digest extension (sync/verify.py)
 
 
 class PauseGeneration(Body):

@@ -21,7 +21,9 @@ SERVER_INFO_KEY = "miles_extensions"
 # Receivers' `extension`).
 # lora_default: a /generate request that names no adapter (lora_path) uses the most recently loaded
 # one, where SGLang uses the base model (rollout/engine/lora.py); it adds no route or field.
-BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load", "lora_default")
+# device_digest: checksums of weights on a GPU computed there (sync/verify.py's sum64), not on the host.
+BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load", "lora_default",
+                   "device_digest")
 
 # What each extension adds to SGLang's protocol: a route of its own (None) or fields on an SGLang
 # route. A client may send these only to an engine that advertises the extension. Load-format values
@@ -32,6 +34,7 @@ EXTENSION_SURFACE: dict[str, dict[str, frozenset[str] | None]] = {
                       "/update_weights_from_tensor": frozenset({"commit", "reset_staging", "swap_buffers"})},
     "flattened_small": {"/update_weights_from_distributed": frozenset({"screened"})},
     "checked_weights": {"/weights_checker": frozenset({"seed", "expected", "buckets"})},
+    "device_digest": {"/weights_checker": frozenset({"digest"})},
     "engine_load": {"/get_load": None, "/get_weight_version": None},
     "p2p": {"/p2p_open_buffer": None, "/p2p_close_buffer": None,
             "/update_weights_from_tensor": frozenset({"screened"})},

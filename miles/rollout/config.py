@@ -36,24 +36,24 @@ SANDBOX_BACKENDS = ("auto", "root", "rootless")
 @dataclass
 class SandboxConfig:
     backend: str = "auto"
-    """How commands are confined: "root" (namespaces, a throwaway uid and a memory cgroup; needs root),
-    "rootless" (user namespaces and bubblewrap; needs no privilege, has no memory cgroup), or "auto"
+    """How commands are confined: "root" (namespaces, a throwaway uid and a cgroup; needs root),
+    "rootless" (user namespaces and bubblewrap; needs no privilege, but a cgroup it may write), or "auto"
     (root when running as root and it works here, else rootless)."""
     extra_ro_paths: list[str] = field(default_factory=list)
-    """Host paths bound read-only into a rootless sandbox beyond /usr (absolute), for tasks whose tools
-    live elsewhere, e.g. ["/opt/tool"]; the root backend already shows /opt and /etc."""
+    """Host paths bound read-only into the sandbox beyond /usr and the dynamic linker's /etc files
+    (absolute), for tasks whose tools live elsewhere, e.g. ["/opt/tool"]."""
     cpu_time_s: int = 10
     """CPU seconds per command (RLIMIT_CPU); past it the command gets SIGXCPU, then SIGKILL."""
     memory_mb: int = 1024
-    """Memory in MiB: each process's address-space limit, and on the root backend also the limit of all
-    the sandbox's processes together (a memory cgroup, where files written to the working directory count too)."""
+    """Memory in MiB: each process's address-space limit, and the limit of all the sandbox's processes
+    together (a cgroup, where files written to the working directory count too)."""
     disk_mb: int = 64
     """Size of the working directory in MiB (a tmpfs: writes past it fail with 'No space left')."""
     max_file_mb: int = 16
     """Largest file a command may write, in MiB (RLIMIT_FSIZE)."""
     max_processes: int = 64
     """Most processes the command may have at once (RLIMIT_NPROC, counted per sandbox uid on the root backend
-    and per user namespace on the rootless one)."""
+    and per user namespace on the rootless one; the sandbox's cgroup also caps them, where it has a pids controller)."""
     wall_timeout_s: float = 20.0
     """Wall-clock seconds per command; then every process of the command is killed."""
     max_output_bytes: int = 8192

@@ -212,15 +212,16 @@ def push_weights(named: Iterable[tuple[str, "object"]], transport, version: int,
 class Record:
     """Checksums of what the trainer sent: per tensor (noise-fill check) and per bucket (later updates)."""
 
-    def __init__(self, per_tensor: bool):
+    def __init__(self, per_tensor: bool, digest: str = "xxh3"):
         self.per_tensor = per_tensor
+        self.digest = digest  # verify.DIGESTS: sum64 for tensors on a GPU, checked where they are
         self.tensors: dict[str, list] = {}  # name -> [dtype, xxh3_128]
         self.buckets: list[list[list[str]]] = []  # [[name, dtype], ...] per bucket
         self.digests: list[str] = []
 
     def add(self, bucket) -> None:
         self.buckets.append([[n, verify.dtype_name(t)] for n, t in bucket])
-        self.digests.append(verify.bucket_checksum(t for _, t in bucket))
+        self.digests.append(verify.bucket_checksum((t for _, t in bucket), self.digest))
         if self.per_tensor:
             for n, t in bucket:
-                self.tensors[n] = [verify.dtype_name(t), verify.tensor_checksum(t)]
+                self.tensors[n] = [verify.dtype_name(t), verify.tensor_checksum(t, self.digest)]

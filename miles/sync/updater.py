@@ -297,7 +297,9 @@ class WeightUpdater:
 
     def _push_checked(self, named, version: int) -> dict[str, float]:
         full_check = self._updates == 0 and self.cfg.verify_first_update
-        record = Record(per_tensor=full_check) if full_check or self.cfg.verify_checksums else None
+        # Weights handed over in GPU memory are checksummed there, when every engine can do the same.
+        digest = "sum64" if self.takes_device_tensors and "device_digest" in self.extensions else "xxh3"
+        record = Record(per_tensor=full_check, digest=digest) if full_check or self.cfg.verify_checksums else None
         if full_check:
             # Engines hold noise from the fill until the commit: hold their running requests between two
             # steps meanwhile (in-place pause), so that nothing is generated from noise.
@@ -307,7 +309,7 @@ class WeightUpdater:
                 verify.noise_fill(self._client, self.engine_urls, self.noise_seed)
                 metrics = self._push(named, version, record)
                 t0 = time.perf_counter()
-                verify.compare_full(self._client, self.engine_urls, record.tensors)
+                verify.compare_full(self._client, self.engine_urls, record.tensors, record.digest)
             finally:
                 paused = [u for u in paused if u not in self._fenced]
                 if paused:
@@ -317,7 +319,7 @@ class WeightUpdater:
             metrics = self._push(named, version, record)
             t0 = time.perf_counter()
         if not full_check and record is not None:
-            verify.compare_buckets(self._client, self.engine_urls, record.buckets, record.digests)
+            verify.compare_buckets(self._client, self.engine_urls, record.buckets, record.digests, record.digest)
             metrics["sync/verified_buckets"] = len(record.buckets)
         metrics["sync/verify_s"] = time.perf_counter() - t0
         for k, v in getattr(self.transport, "last_stats", {}).items():

@@ -6,7 +6,11 @@ Two checks, both answering "did the transport write every tensor, bit for bit?":
     xxh3-128 checksum. A tensor the transport skipped still holds noise and fails, by name.
   * per-bucket checksums (later updates): one xxh3-128 digest per bucket, compared after commit.
     Cheap (one hash pass over the bytes already in memory) and catches drift or a dropped tensor.
-Checksums are taken over the bytes in the trainer's wire dtype; the engine casts its copy to that
+Two digests: xxh3-128 over the bytes on the host (the default), and `sum64` for tensors on a GPU: two
+position-weighted sums of the bytes as 64-bit words, wrapping, computed where the tensors are, so a
+push from GPU memory is verified without copying the weights to the host (the `device_digest`
+extension; any changed word or two swapped words change it, like a checksum and unlike a hash
+against an adversary, which verification does not defend against). Checksums are taken over the bytes in the trainer's wire dtype; the engine casts its copy to that
 dtype first (an upcast on receive and a downcast here is exact), so an fp32 engine fed bf16 passes.
 Tied weights (one storage, two names) count once, under the first name, on both sides.
 Non-goals: tolerance-based comparisons; a mismatch is a bug, never noise.
@@ -34,7 +38,41 @@ def tensor_bytes(t: "torch.Tensor"):
     return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
 
-def tensor_checksum(t: "torch.Tensor") -> str:
+DIGESTS = ("xxh3", "sum64")
+
+# Odd multipliers and offsets of sum64's two word weights (the 64-bit golden ratio, and constants
+# of splitmix64): each weight is odd for every position, so one changed word always changes the sum.
+_K1, _C1 = -7046029254386353131, 0x632BE59BD9B4E019  # 0x9E3779B97F4A7C15 as int64
+_K2, _C2 = -4658895280553007687, 0x3C6EF372FE94F82A  # 0xBF58476D1CE4E5B9 as int64
+_CHUNK = 1 << 24  # words per pass: bounds the temporaries on the device (3 x 128 MiB)
+_MASK = (1 << 64) - 1
+
+
+def sum64(tensors: Iterable["torch.Tensor"]) -> str:
+    """Two position-weighted sums mod 2**64 over the tensors' bytes as 64-bit words (each tensor padded
+    with zero bytes to whole words), on the tensors' own device: 32 hex digits."""
+    import torch
+
+    s1 = s2 = pos = 0
+    for t in tensors:
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if b.numel() % 8:
+            b = torch.cat([b, b.new_zeros(8 - b.numel() % 8)])
+        words = b.view(torch.int64)
+        for a in range(0, words.numel(), _CHUNK):
+            x = words[a:a + _CHUNK]
+            i = torch.arange(pos + a, pos + a + x.numel(), dtype=torch.int64, device=x.device)
+            w1 = (i * _K1 + _C1) | 1  # (n,) int64, wrapping; odd
+            w2 = ((i ^ 0x5555555555555555) * _K2 + _C2) | 1
+            s1 = (s1 + int((x * w1).sum())) & _MASK
+            s2 = (s2 + int((x * w2).sum())) & _MASK
+        pos += words.numel()
+    return f"{s1:016x}{s2:016x}"
+
+
+def tensor_checksum(t: "torch.Tensor", digest: str = "xxh3") -> str:
+    if digest == "sum64":
+        return sum64([t])
     import xxhash
 
     return xxhash.xxh3_128_hexdigest(tensor_bytes(t))
@@ -51,7 +89,9 @@ def bound_checksum(name: str, dtype: str, shape, data) -> str:
     return h.hexdigest()
 
 
-def bucket_checksum(tensors: Iterable["torch.Tensor"]) -> str:
+def bucket_checksum(tensors: Iterable["torch.Tensor"], digest: str = "xxh3") -> str:
+    if digest == "sum64":
+        return sum64(tensors)
     import xxhash
 
     h = xxhash.xxh3_128()
@@ -106,18 +146,18 @@ def noise_fill_(model, seed: int = 0) -> int:
     return len(tensors)
 
 
-def engine_checksums(model, expected: dict[str, list]) -> dict:
+def engine_checksums(model, expected: dict[str, list], digest: str = "xxh3") -> dict:
     """Compare the engine with {name: [dtype, checksum]}: mismatched, missing and unexpected names."""
     import torch
 
     everything = model.state_dict()  # tied aliases included: a trainer may send either name
     mismatched, covered = [], set()
-    for name, (dtype, digest) in expected.items():
+    for name, (dtype, want) in expected.items():
         t = everything.get(name)
         if t is None:
             continue
         covered.add(_storage(t))
-        if tensor_checksum(t.to(getattr(torch, dtype))) != digest:
+        if tensor_checksum(t.to(getattr(torch, dtype)), digest) != want:
             mismatched.append(name)
     unexpected = [n for n, t in unique_tensors(model).items() if _storage(t) not in covered]
     return {"mismatched": mismatched, "missing": sorted(set(expected) - set(everything)),
@@ -129,12 +169,12 @@ def _storage(t) -> tuple | int:
     return (t.data_ptr(), t.numel() * t.element_size()) if t.numel() else id(t)
 
 
-def engine_bucket_checksums(model, buckets: list[list[list[str]]]) -> list[str]:
+def engine_bucket_checksums(model, buckets: list[list[list[str]]], digest: str = "xxh3") -> list[str]:
     """One digest per bucket of [[name, dtype], ...], over the engine's copies cast to those dtypes."""
     import torch
 
     mine = model.state_dict()
-    return [bucket_checksum(mine[n].to(getattr(torch, dt)) for n, dt in b) for b in buckets]
+    return [bucket_checksum((mine[n].to(getattr(torch, dt)) for n, dt in b), digest) for b in buckets]
 
 
 # ---- trainer side -----------------------------------------------------------------------------
@@ -147,11 +187,11 @@ def noise_fill(client, urls: list[str], seed: int = 0) -> None:
     client.post_all(urls, "/weights_checker", {"action": "reset_tensors", "seed": seed})
 
 
-def compare_full(client, urls: list[str], expected: dict[str, list]) -> None:
+def compare_full(client, urls: list[str], expected: dict[str, list], digest: str = "xxh3") -> None:
     """Every engine tensor must equal the trainer's; raise VerificationError naming what differs."""
     problems = []
-    for url, r in zip(urls, client.post_all(urls, "/weights_checker", {"action": "compare",
-                                                                        "expected": expected})):
+    body = {"action": "compare", "expected": expected, **_digest_field(digest)}
+    for url, r in zip(urls, client.post_all(urls, "/weights_checker", body)):
         parts = []
         if r["mismatched"]:
             parts.append(f"{len(r['mismatched'])} tensor(s) differ from the trainer's (never written by the "
@@ -167,9 +207,11 @@ def compare_full(client, urls: list[str], expected: dict[str, list]) -> None:
         raise VerificationError("weight verification failed: " + " | ".join(problems))
 
 
-def compare_buckets(client, urls: list[str], buckets: list[list[list[str]]], digests: list[str]) -> None:
+def compare_buckets(client, urls: list[str], buckets: list[list[list[str]]], digests: list[str],
+                    digest: str = "xxh3") -> None:
     problems = []
-    for url, r in zip(urls, client.post_all(urls, "/weights_checker", {"action": "checksum", "buckets": buckets})):
+    body = {"action": "checksum", "buckets": buckets, **_digest_field(digest)}
+    for url, r in zip(urls, client.post_all(urls, "/weights_checker", body)):
         bad = [i for i, (a, b) in enumerate(zip(r["checksums"], digests)) if a != b]
         if bad:
             problems.append(f"engine {url}: bucket(s) {bad} differ from the trainer (first tensors: "
@@ -213,3 +255,9 @@ def finite(t: torch.Tensor) -> bool:
     # The sum is a fast screen (a NaN or Inf makes it non-finite); only then is the exact, several
     # times slower, element-wise check paid, to tell a real NaN from a sum overflow.
     return not t.is_floating_point() or bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _digest_field(digest: str) -> dict:
+    # Sent only when it is not the default, so engines without the device_digest extension see the body
+    # they always did.
+    return {} if digest == "xxh3" else {"digest": digest}

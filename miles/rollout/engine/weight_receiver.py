@@ -189,6 +189,7 @@ class WeightReceiver:
         model = self.engine.model
         action = req.action
         expected, buckets = getattr(req, "expected", None), getattr(req, "buckets", None)
+        digest = getattr(req, "digest", "xxh3")
         miles = isinstance(req, bodies.MilesCheckWeights)
         if action == "reset_tensors":
             if not self._session:
@@ -229,7 +230,7 @@ class WeightReceiver:
             if action == "compare":
                 if not all(len(v) == 2 and _parse_dtype(v[0]) is not None for v in expected.values()):
                     raise WeightUpdateError("expected: send {name: [dtype, xxh3_128 hex digest]}")
-                r = verify.engine_checksums(model, expected)
+                r = verify.engine_checksums(model, expected, digest)
                 ok = not (r["mismatched"] or r["missing"] or r["unexpected"])
                 self._session = False
                 if ok:
@@ -248,7 +249,7 @@ class WeightReceiver:
                 if not all(all(len(e) == 2 and e[0] in meta and _parse_dtype(e[1]) is not None for e in b)
                            for b in buckets):
                     raise WeightUpdateError("buckets: send [[[name, dtype], ...], ...] with names of this model")
-                return {"success": True, "checksums": verify.engine_bucket_checksums(model, buckets)}
+                return {"success": True, "checksums": verify.engine_bucket_checksums(model, buckets, digest)}
         more = ", begin_session" if miles else ""
         raise WeightUpdateError(f"action: {action!r} is unknown; use snapshot{more}, reset_tensors, compare or checksum")
 

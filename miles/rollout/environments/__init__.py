@@ -5,7 +5,7 @@
     terminal.py   shell tasks checked by a verifier, each episode in its own sandbox, with the tasks
     sandbox.py    namespaces, a throwaway uid and limits for the commands of terminal episodes (root backend)
     rootless.py   the same without privilege: user namespaces and bubblewrap (rootless backend)
-    workdir.py    a sandbox's working directory; cgroup.py its memory cgroup (root backend)
+    workdir.py    a sandbox's working directory; cgroup.py its memory and pids cgroup (both backends)
 
 Where tasks live: a task whose episodes need an environment (its files, its verifier) is part of
 that environment and lives in its module here, e.g. terminal.py's TASKS and their prompt source.

@@ -11,16 +11,19 @@ with every namespace new (user, PID, network, mount, IPC, UTS, cgroup):
   a /dev of a few devices, small private /tmp and /dev/shm, and the working directory. Nothing else
   of the host (its /etc/shadow, /home, /root, the project's checkout, /run and its sockets) exists;
 - no network: the new network namespace holds only a downed loopback;
-- limits: RLIMIT_CPU, RLIMIT_AS (per process; without a cgroup nothing caps the sum), RLIMIT_FSIZE,
-  and RLIMIT_NPROC, which is set *inside* the command's user namespace by `prlimit`, where the kernel
-  counts only that namespace's processes (set outside, it would count every process of the user);
+- limits: a cgroup (cgroup.py) holds all the sandbox's processes, with `memory_mb` for their memory
+  together and `max_processes` for their number; where this process may make no such group (no
+  root, no delegated cgroup), the sandbox refuses to start and says what the host needs, rather than
+  cap memory per process only. Per command: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, and RLIMIT_NPROC,
+  which is set *inside* the command's user namespace by `prlimit`, where the kernel counts only that
+  namespace's processes (set outside, it would count every process of the user);
 - cleanup: bwrap's PID 1 exits when the command does and takes the PID namespace with it, and it
   dies with bwrap (--die-with-parent), which the host kills at the wall-clock timeout. The holder
   exits when its owner does (`tail --pid`), which frees the tmpfs.
 
 Started as root, the backend first drops to a throwaway uid, so the command is never host root and
 its process count is its own (the kernel exempts uid 0 from RLIMIT_NPROC, even in a namespace).
-Non-goals: a memory cgroup (rootless cgroups need systemd delegation), seccomp filters.
+Non-goals: asking systemd for a delegated cgroup itself, seccomp filters.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ import time
 from pathlib import Path
 
 from miles.owners import alive as owner_alive
+from miles.rollout.environments import cgroup
+from miles.rollout.environments.cgroup import CgroupUnavailable, SandboxCgroup
 from miles.rollout.environments.workdir import SandboxUnavailable, WorkDir, tmpfs_options
 
 INNER_WORKDIR = "/var/tmp/work"
@@ -82,7 +87,7 @@ def probe() -> str:
                     f"set it to {'1' if off == '0' else '0'} (sysctl), or use sandbox.backend = \"root\" as root"
                     + hint)
     try:
-        with RootlessBackend(disk_mb=1, parent_dir=None) as b:
+        with RootlessBackend(disk_mb=1, parent_dir=None, memory_mb=64, max_processes=8) as b:
             argv = b.argv("echo ok", max_processes=8)
             r = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd="/",
                                env={"PATH": SAFE_PATH}, preexec_fn=b.preexec(cpu_time_s=10, memory_mb=512,
@@ -99,11 +104,25 @@ def probe() -> str:
 class RootlessBackend:
     """One sandbox's holder and working directory; `argv` builds each command's bwrap line."""
 
-    cgroup = None  # no memory cgroup without privilege
-
-    def __init__(self, disk_mb: int, parent_dir: str | None, extra_ro_paths: tuple[str, ...] = ()):
+    def __init__(self, disk_mb: int, parent_dir: str | None, extra_ro_paths: tuple[str, ...] = (), *,
+                 memory_mb: int, max_processes: int):
         self.extra_ro_paths = tuple(extra_ro_paths)
         self.token = secrets.token_hex(8)
+        cgroup.sweep_stale()
+        try:
+            # Made with this process's own rights: as root, or in a group delegated to its user.
+            self.cgroup = SandboxCgroup.create(os.getpid(), self.token, memory_mb << 20, max_processes)
+        except CgroupUnavailable as e:
+            raise SandboxUnavailable(f"the rootless sandbox limits memory_mb and max_processes for all of a "
+                                     f"sandbox's processes together, with a cgroup: {e}") from None
+        try:
+            self._start(disk_mb, parent_dir)
+        except BaseException:
+            self.cgroup.remove()
+            raise
+
+    def _start(self, disk_mb: int, parent_dir: str | None) -> None:
+        """The holder, and the working directory mounted in its user namespace."""
         if os.geteuid() == 0:
             self.uid = self.gid = 200_000 + secrets.randbelow(1_000_000_000)
             _require_traversable(Path(parent_dir or tempfile.gettempdir()))
@@ -171,9 +190,13 @@ class RootlessBackend:
         return args + ["--", "prlimit", f"--nproc={n}:{n}", "--", "/bin/sh", "-c", command]
 
     def preexec(self, cpu_time_s: int, memory_mb: int, max_file_mb: int):
+        group = self.cgroup
+
         def apply():
-            # In the child between fork and exec. The uid change comes first: it clears the
-            # parent-death signal, which makes the command die with the host thread that started it.
+            # In the child between fork and exec. The cgroup is joined with the owner's rights, before
+            # the uid change; that change comes next, as it clears the parent-death signal, which
+            # makes the command die with the host thread that started it.
+            group.join(os.getpid())
             self._as_sandbox_user()
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             resource.setrlimit(resource.RLIMIT_CPU, (cpu_time_s, cpu_time_s + 1))
@@ -218,6 +241,7 @@ class RootlessBackend:
 
     def close(self) -> None:
         self.workdir.remove()
+        self.cgroup.remove()
 
     def __enter__(self) -> "RootlessBackend":
         return self

@@ -1,10 +1,10 @@
 """A sandbox for the shell commands of terminal tasks, on one of two backends.
 
 `sandbox.backend` picks how commands are confined: "root" (below; needs root), "rootless" (user
-namespaces and bubblewrap, rootless.py; needs no privilege), or "auto" (root when this process is
-root and the root backend works here, rootless otherwise). Both give the same guarantees except the
-memory cgroup, which only the root backend has; the escape-attempt suite
-(tests/unit/rollout/environments/test_sandbox_escapes.py) runs against each.
+namespaces and bubblewrap, rootless.py; needs no privilege, but a cgroup it may write), or "auto"
+(root when this process is root and the root backend works here, rootless otherwise). Both give the
+same guarantees; the escape-attempt suite (tests/unit/rollout/environments/test_sandbox_escapes.py)
+runs against each.
 
 On the root backend each command runs in fresh Linux namespaces (network, PID, mount) as an
 unprivileged user id that no other sandbox shares, with its own working directory (workdir.py):
@@ -12,14 +12,15 @@ unprivileged user id that no other sandbox shares, with its own working director
 - no network: a new network namespace holds only a downed loopback, so nothing (not even servers on
   the host's loopback interface, nor abstract unix sockets) can be reached;
 - a minimal root: the command's / is a fresh tmpfs holding read-only binds of /usr, /bin, /sbin,
-  /lib*, /etc and /opt, a private /proc, a /dev of a few character devices, small private /tmp,
-  /var/tmp and /dev/shm, and the working directory. Nothing else of the host's filesystem (/run,
-  /home, /root, /sys, other users' /tmp, and every unix socket in them) exists inside;
+  /lib*, the dynamic linker's few /etc files and `extra_ro_paths`, a private /proc, a /dev of a few
+  character devices, small private /tmp, /var/tmp and /dev/shm, and the working directory. Nothing
+  else of the host's filesystem (/etc/passwd, /run, /home, /root, /sys, the project's checkout, the
+  host's /tmp, and every unix socket in them) exists inside;
 - nowhere else to write: the command runs as a throwaway uid that owns only its working directory;
 - limits: the working directory is a tmpfs of `disk_mb` (the disk quota); all the sandbox's processes
-  together live in one memory cgroup of `memory_mb` (cgroup.py); CPU seconds, per-process address
-  space, file size and process count (RLIMIT_*; the process count is per uid, which is why every
-  sandbox gets its own); a wall-clock timeout; output truncated to a budget (a command that keeps
+  together live in one cgroup of `memory_mb` and `max_processes` (cgroup.py); CPU seconds, per-process
+  address space, file size and process count (RLIMIT_*; the process count is per uid, which is why
+  every sandbox gets its own); a wall-clock timeout; output truncated to a budget (a command that keeps
   printing far past it is stopped);
 - cleanup: the command runs in its own PID namespace, so when it ends or is killed every process it
   left behind dies with the namespace (and with the host process, through PR_SET_PDEATHSIG);
@@ -27,8 +28,9 @@ unprivileged user id that no other sandbox shares, with its own working director
 
 When the kernel or the privileges do not allow the chosen backend (root: not root, no
 `unshare`/`setpriv`/`pivot_root`, namespaces refused, no writable memory cgroup, no tmpfs mount;
-rootless: no `bwrap`, user namespaces disabled), the sandbox refuses to start with SandboxUnavailable,
-naming what is missing, rather than run anything unconfined. The limits are SandboxConfig
+rootless: no `bwrap`, user namespaces disabled, no cgroup this user may write), the sandbox refuses
+to start with SandboxUnavailable, naming what is missing (and, for the cgroup, what the host needs),
+rather than run anything unconfined or cap memory per process only. The limits are SandboxConfig
 (rollout.agent.sandbox, in rollout/config.py with the rest of the rollout section).
 Non-goals: seccomp syscall filtering, containers/images, persistent processes across commands.
 """
@@ -50,32 +52,37 @@ from typing import Callable, Protocol
 
 from miles.rollout.config import SANDBOX_BACKENDS, SandboxConfig
 from miles.rollout.environments import cgroup, rootless, workdir
-from miles.rollout.environments.cgroup import CgroupUnavailable, MemoryCgroup
+from miles.rollout.environments.cgroup import CgroupUnavailable, SandboxCgroup
 from miles.rollout.environments.rootless import INNER_WORKDIR, RootlessBackend
 from miles.rollout.environments.workdir import SandboxError, SandboxUnavailable, WorkDir, WorkDirUnavailable
 
 _SAFE_PATH = rootless.SAFE_PATH
 BACKENDS = SANDBOX_BACKENDS
 
-# The host directories a command sees, read-only; everything else of the host's filesystem is absent.
-ROOT_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
+# What of the host a command sees, read-only, as on the rootless backend: /usr and its merged links
+# (or directories), the few /etc files the dynamic linker and a shell need, and `extra_ro_paths`.
+# Everything else of the host's filesystem (/etc/passwd, /root, /home, the project's checkout, the
+# host's /tmp) is absent.
+ROOT_DIRS = ("usr",) + rootless.LINK_DIRS
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
 # Runs as root inside the new namespaces: build a new root on a private tmpfs (read-only binds of
-# ROOT_DIRS, a few devices, private /tmp, /var/tmp, /dev/shm and /proc, the working directory),
+# ROOT_DIRS, the /etc files and the extra paths given after the command, a few devices, private /tmp,
+# /var/tmp, /dev/shm and /proc, the working directory),
 # pivot into it, then run the command as the sandbox uid. This shell stays PID 1, as root: a process
 # that changes its uid loses its parent-death signal, and PID 1's is what takes the namespace down
 # when unshare dies (--kill-child). The command is thus never PID 1, which would ignore
 # default-action signals such as SIGXCPU.
 _SETUP = (
-    'set -e; PATH="$PATH:/usr/sbin:/sbin"; W="$1"; U="$2"; C="$3"; '
+    'set -e; PATH="$PATH:/usr/sbin:/sbin"; W="$1"; U="$2"; C="$3"; shift 3; '
     "mount -t tmpfs -o size=1m,mode=0755 miles-sandbox /var/tmp; R=/var/tmp/root; mkdir $R; "
     "mount -t tmpfs -o size=1m,mode=0755 miles-sandbox-root $R; "
+    'ro() { if [ -d "$1" ]; then mkdir -p "$R$1"; else mkdir -p "$(dirname "$R$1")"; touch "$R$1"; fi; '
+    '  mount --bind "$1" "$R$1"; mount -o remount,bind,ro,nosuid,nodev "$R$1"; }; '
     f"for d in {' '.join(ROOT_DIRS)}; do "
-    '  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"; '
-    '  elif [ -d "/$d" ]; then mkdir "$R/$d"; mount --bind "/$d" "$R/$d"; '
-    '    mount -o remount,bind,ro,nosuid,nodev "$R/$d"; fi; '
+    '  if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$R/$d"; elif [ -d "/$d" ]; then ro "/$d"; fi; '
     "done; "
+    f'mkdir $R/etc; for f in {" ".join(rootless.ETC_FILES)}; do if [ -e "/etc/$f" ]; then ro "/etc/$f"; fi; done; '
     "mkdir $R/dev $R/proc $R/tmp $R/var; mount -t tmpfs -o size=64k,mode=0755 miles-sandbox $R/dev; "
     f"for n in {' '.join(DEVICES)}; do touch $R/dev/$n; mount --bind /dev/$n $R/dev/$n; done; "
     "ln -s /proc/self/fd $R/dev/fd; for i in 0 1 2; do ln -s /proc/self/fd/$i $R/dev/$i; done; "
@@ -83,6 +90,7 @@ _SETUP = (
     "mkdir $R/dev/shm; mount -t tmpfs -o size=1m,mode=1777,nosuid,nodev miles-sandbox $R/dev/shm; "
     "mount -t tmpfs -o size=4m,mode=1777,nosuid,nodev miles-sandbox $R/tmp; "
     "mkdir $R/var/tmp; mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev miles-sandbox $R/var/tmp; "
+    'for p in "$@"; do ro "$p"; done; '
     f'mkdir $R{INNER_WORKDIR}; mount --bind "$W" $R{INNER_WORKDIR}; '
     "mount -t proc -o nosuid,nodev,noexec proc $R/proc; "
     "cd $R; pivot_root . .; umount -l .; "
@@ -166,16 +174,17 @@ def _probe() -> str:
     if missing:
         return f"the sandbox needs {', '.join(missing)} (util-linux) on PATH" + hint
     try:
-        r = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount", "--propagation", "private", "true"],
+        r = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount", "--propagation", "private", "--cgroup",
+                            "true"],
                            capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"creating namespaces failed: {e}" + hint
     if r.returncode != 0:
         return f"the kernel refused new namespaces ({r.stderr.strip() or r.returncode})" + hint
     try:
-        cgroup.MemoryCgroup.create(os.getpid(), 0, 64 << 20).remove()
+        SandboxCgroup.create(os.getpid(), "probe", 64 << 20, 8).remove()
     except CgroupUnavailable as e:
-        return f"the sandbox needs a memory cgroup to limit the memory of all its processes together: {e}" + hint
+        return f"the sandbox needs a cgroup to limit the memory of all its processes together: {e}" + hint
     return ""
 
 
@@ -184,7 +193,7 @@ class SandboxBackend(Protocol):
 
     workdir: WorkDir
     uid: int                   # the host uid its commands run as
-    cgroup: MemoryCgroup | None
+    cgroup: SandboxCgroup
 
     def argv(self, command: str) -> list[str]:
         """The host command line that runs `command` confined."""
@@ -193,7 +202,7 @@ class SandboxBackend(Protocol):
         """What the child runs between fork and exec (limits, parent-death signal, uid)."""
 
     def oom_kills(self) -> int:
-        """Processes the memory limit has killed so far (0 where there is no memory cgroup)."""
+        """Processes the sandbox's memory limit has killed so far."""
 
     def processes(self) -> list[int]:
         """Host PIDs of its commands still running."""
@@ -206,7 +215,7 @@ class SandboxBackend(Protocol):
 
 
 class _Root:
-    """One root-backend sandbox: a throwaway uid, a tmpfs working directory on the host, a memory cgroup."""
+    """One root-backend sandbox: a throwaway uid, a tmpfs working directory on the host, a cgroup."""
 
     def __init__(self, config: SandboxConfig, parent_dir: str | None):
         self.config = config
@@ -220,24 +229,26 @@ class _Root:
         except WorkDirUnavailable as e:
             raise SandboxUnavailable(f"the sandbox's working directory: {e}") from None
         try:
-            self.cgroup = MemoryCgroup.create(os.getpid(), self.uid, config.memory_mb << 20)
+            self.cgroup = SandboxCgroup.create(os.getpid(), str(self.uid), config.memory_mb << 20,
+                                               config.max_processes)
         except CgroupUnavailable as e:
             self.workdir.remove()
-            raise SandboxUnavailable(f"the sandbox's memory cgroup: {e}") from None
+            raise SandboxUnavailable(f"the sandbox's cgroup: {e}") from None
 
     def argv(self, command: str) -> list[str]:
+        # --cgroup: inside, the sandbox's cgroup is the root, so the host's cgroup paths do not show.
         return ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
-                "--", "/bin/sh", "-c", _SETUP, "sandbox-setup", str(self.workdir.path), str(self.uid), command]
+                "--cgroup", "--", "/bin/sh", "-c", _SETUP, "sandbox-setup", str(self.workdir.path), str(self.uid),
+                command, *self.config.extra_ro_paths]
 
     def preexec(self):
         c = self.config
-        procs = str(self.cgroup.procs)
+        group = self.cgroup
 
         def apply():
-            # In the child between fork and exec: join the sandbox's memory cgroup (everything the
-            # command starts inherits it), and die with the host thread that started it.
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
+            # In the child between fork and exec: join the sandbox's cgroup (everything the command
+            # starts inherits it), and die with the host thread that started it.
+            group.join(os.getpid())
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             resource.setrlimit(resource.RLIMIT_CPU, (c.cpu_time_s, c.cpu_time_s + 1))
             mem = c.memory_mb << 20
@@ -270,12 +281,11 @@ class _Root:
 class _Rootless:
     """The rootless backend (rootless.py) behind the interface Sandbox uses."""
 
-    cgroup = None
-
     def __init__(self, config: SandboxConfig, parent_dir: str | None):
         self.config = config
-        self._b = RootlessBackend(config.disk_mb, parent_dir, tuple(config.extra_ro_paths))
-        self.workdir, self.uid = self._b.workdir, self._b.uid
+        self._b = RootlessBackend(config.disk_mb, parent_dir, tuple(config.extra_ro_paths),
+                                  memory_mb=config.memory_mb, max_processes=config.max_processes)
+        self.workdir, self.uid, self.cgroup = self._b.workdir, self._b.uid, self._b.cgroup
 
     def argv(self, command: str) -> list[str]:
         return self._b.argv(command, self.config.max_processes)
@@ -285,7 +295,7 @@ class _Rootless:
         return self._b.preexec(c.cpu_time_s, c.memory_mb, c.max_file_mb)
 
     def oom_kills(self) -> int:
-        return 0
+        return self.cgroup.oom_kills()
 
     def processes(self) -> list[int]:
         return self._b.processes()
@@ -314,7 +324,7 @@ class Sandbox:
         self._backend: SandboxBackend = BACKEND_CLASSES[self.backend](self.config, parent_dir)
         self._dir = self._backend.workdir
         self.uid = self._backend.uid
-        self.cgroup = self._backend.cgroup  # None on the rootless backend
+        self.cgroup = self._backend.cgroup
         self.workdir = self._dir.path
         self._closed = False
         self._lock = threading.Lock()

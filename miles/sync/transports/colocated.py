@@ -208,20 +208,11 @@ class ColocatedReceiver(TransportReceiver):
         """Stage one bucket from a shared-memory buffer (one this engine lent, or a sender's).
         screened: the sender found no NaN/Inf in the bytes it wrote into a buffer this engine lent it,
         so they are not read again here (a buffer someone else owns is always screened)."""
-        import torch
-
         if not names:
             return
         w = self.weights
         with w.lock:
-            if not len(names) == len(dtypes) == len(shapes) == len(offsets):
-                raise w.fail(f"names, dtypes, shapes and offsets must have equal lengths, got {len(names)}, "
-                             f"{len(dtypes)}, {len(shapes)}, {len(offsets)}")
-            specs = w.specs(names, dtypes, shapes)
-            if any(type(o) is not int or o < 0 for o in offsets):
-                raise w.fail("offsets: expected non-negative integers")
-            ends = [off + math.prod(s) * torch.empty((), dtype=dt).element_size()
-                    for off, (_, dt, s) in zip(offsets, specs)]
+            specs, ends = _bucket_layout(w, names, dtypes, shapes, offsets)
             buf = w.lent(path)
             own = buf is not None
             try:
@@ -250,7 +241,6 @@ class ColocatedReceiver(TransportReceiver):
                 raise w.fail(err)
             w.stage(received, owned=not own, lent=path if own else None)
 
-
     def receive_ipc(self, handle, names: list[str], dtypes: list[str], shapes: list[list[int]],
                     offsets: list[int]) -> None:
         """Stage one bucket out of the sender's device buffer: copied into staging on this engine's GPU
@@ -260,14 +250,7 @@ class ColocatedReceiver(TransportReceiver):
         w = self.weights
         device = w.engine.runner.device
         with w.lock:
-            if not len(names) == len(dtypes) == len(shapes) == len(offsets):
-                raise w.fail(f"names, dtypes, shapes and offsets must have equal lengths, got {len(names)}, "
-                             f"{len(dtypes)}, {len(shapes)}, {len(offsets)}")
-            specs = w.specs(names, dtypes, shapes)
-            if any(type(o) is not int or o < 0 for o in offsets):
-                raise w.fail("offsets: expected non-negative integers")
-            ends = [off + math.prod(s) * torch.empty((), dtype=dt).element_size()
-                    for off, (_, dt, s) in zip(offsets, specs)]
+            specs, ends = _bucket_layout(w, names, dtypes, shapes, offsets)
             try:
                 buf = cuda_ipc.open_handle(handle, device)
             except WeightUpdateError as exc:
@@ -284,6 +267,21 @@ class ColocatedReceiver(TransportReceiver):
             if err is not None:
                 raise w.fail(err)
             w.stage(received, owned=True)
+
+
+def _bucket_layout(w, names, dtypes, shapes, offsets) -> tuple[list, list[int]]:
+    """Each tensor's (name, dtype, shape) and the end of its bytes in the bucket buffer, checked; the
+    receiver's failure (which discards staging) for a malformed layout. Caller holds w.lock."""
+    import torch
+
+    if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+        raise w.fail(f"names, dtypes, shapes and offsets must have equal lengths, got {len(names)}, "
+                     f"{len(dtypes)}, {len(shapes)}, {len(offsets)}")
+    specs = w.specs(names, dtypes, shapes)
+    if any(type(o) is not int or o < 0 for o in offsets):
+        raise w.fail("offsets: expected non-negative integers")
+    ends = [off + math.prod(s) * torch.empty((), dtype=dt).element_size() for off, (_, dt, s) in zip(offsets, specs)]
+    return specs, ends
 
 
 ColocatedTransport.Receiver = ColocatedReceiver  # the engine's end, defined after the sender it answers

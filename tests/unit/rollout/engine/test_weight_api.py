@@ -82,3 +82,22 @@ def test_bad_requests_are_refused_and_weights_stay(post, engine_thread, path, bo
 def test_weight_endpoints_need_the_admin_token(post):
     r = post("/weights_checker", {"action": "reset_tensors"}, token="wrong")
     assert r.status_code == 401 and "Authorization" in r.text
+
+
+def test_bucket_checksums_in_the_device_digest_equal_the_trainers(post, base_model_dir):
+    """The device_digest extension: the engine answers sum64 bucket digests over its own tensors, equal to
+    what a trainer computes over the same weights (computed where the tensors are, on a GPU or here)."""
+    from miles.models.loading import load_model
+    from miles.sync import verify
+
+    state = load_model(base_model_dir).state_dict()
+    buckets = [[["model.norm.weight", "float32"], ["model.embed_tokens.weight", "float32"]],
+               [["model.layers.0.mlp.down_proj.weight", "bfloat16"]]]
+    r = post("/weights_checker", {"action": "checksum", "buckets": buckets, "digest": "sum64"})
+    assert r.status_code == 200, r.text
+    want = [verify.bucket_checksum((state[n].to(getattr(torch, dt)) for n, dt in b), "sum64") for b in buckets]
+    assert r.json()["checksums"] == want
+    xxh3 = post("/weights_checker", {"action": "checksum", "buckets": buckets}).json()["checksums"]
+    assert xxh3 != want and all(len(d) == 32 for d in want + xxh3)
+    bad = post("/weights_checker", {"action": "checksum", "buckets": buckets, "digest": "md5"})
+    assert bad.status_code == 400 and "digest" in bad.text

@@ -2,13 +2,17 @@
 
 Each case runs the sandbox in a child process: as root for the root backend, and for the rootless
 backend as uid 65534 with no capabilities (the child imports as root, then drops every privilege
-before it creates the sandbox), so "rootless" is tested the way an unprivileged user runs it. The host
-side (files outside, a listener on 127.0.0.1, the process table) is checked here, in the parent.
+before it creates the sandbox), so "rootless" is tested the way an unprivileged user runs it. That
+child first joins cgroup v1 groups handed to uid 65534, as an administrator delegates them to a user
+(`delegated_cgroups`); without them the rootless sandbox refuses to start, which a test shows. The
+host side (files outside, a listener on 127.0.0.1, the process table) is checked here, in the parent.
 A backend this machine cannot run is skipped with the reason the sandbox itself gives.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+import miles
+import miles.rollout.environments.cgroup as cgroup_mod
 import miles.rollout.environments.rootless as rootless_mod
 import miles.rollout.environments.sandbox as sandbox_mod
 from miles.config import ConfigError
@@ -35,6 +41,8 @@ import json, os, sys
 from pathlib import Path
 from miles.rollout.environments.sandbox import Sandbox, SandboxConfig, SandboxUnavailable, check_available
 spec = json.loads(sys.argv[1])
+for procs in spec["join"]:
+    Path(procs).write_text(str(os.getpid()))
 if spec["drop_to"] is not None:
     os.setgroups([])
     os.setgid(spec["drop_to"])
@@ -51,6 +59,7 @@ for step in spec["steps"]:
     out["steps"].append({"exit_code": r.exit_code, "stdout": r.stdout, "stderr": r.stderr, "timed_out": r.timed_out,
                          "violations": list(r.violations), "elapsed_s": r.elapsed_s, "processes": sb.processes(),
                          "workdir_bytes": sum(p.stat().st_size for p in Path(sb.workdir).iterdir() if p.is_file())})
+out["cgroup"] = {"kind": sb.cgroup.kind, "peak_bytes": sb.cgroup.peak_bytes(), "oom_kills": sb.cgroup.oom_kills()}
 sb.close()
 out["processes_after_close"] = sb.processes()
 print(json.dumps(out))
@@ -73,18 +82,51 @@ def parent_dir():
     remove_tree(d)
 
 
-def confine(backend: str, parent_dir: Path, *commands, timeout_s: float | None = None, **config) -> dict:
-    """Run `commands` in one sandbox of `backend` (each a string, or (command, timeout_s)); the child's report."""
+@contextlib.contextmanager
+def delegated_cgroups(uid: int, enabled: bool = True):
+    """The cgroup.procs files of cgroup v1 memory and pids groups handed to `uid`, as an administrator
+    delegates them (chown): a process that joins them and then runs as `uid` may make its sandboxes'
+    groups inside. Empty where this process cannot make a memory group (not root, or no v1 hierarchy)."""
+    made = {}
+    if enabled and os.geteuid() == 0:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, rel = line.split(":", 2)
+            for c in set(controllers.split(",")) & {"memory", "pids"}:
+                d = cgroup_mod.ROOT / c / rel.lstrip("/") / f"miles-delegated-{os.getpid()}-{time.monotonic_ns()}"
+                try:
+                    d.mkdir()
+                except OSError:
+                    continue
+                made[c] = d
+                for p in (d, d / "cgroup.procs", d / "tasks"):
+                    os.chown(p, uid, uid)
+    try:
+        yield [str(d / "cgroup.procs") for d in made.values()] if "memory" in made else []
+    finally:
+        for d in made.values():
+            for sub in [p for p in d.iterdir() if p.is_dir()] + [d]:  # what a killed owner left, then the group
+                cgroup_mod._remove(sub)
+
+
+def child_report(backend: str, parent_dir: Path, *commands, timeout_s: float | None = None, delegate: bool = True,
+                 **config) -> dict:
+    """What the child (see _CHILD) reports after running `commands` in one sandbox of `backend`."""
     drop_to = NOBODY if backend == "rootless" and os.geteuid() == 0 else None
     steps = [{"run": c} if isinstance(c, str) else {"run": c[0], "timeout_s": c[1]} for c in commands]
     cfg = {"backend": backend, "wall_timeout_s": 10, "cpu_time_s": 5, "max_output_bytes": 4096,
            "max_processes": 32, "max_file_mb": 4, "memory_mb": 256, **config}
-    spec = {"drop_to": drop_to, "config": cfg, "parent_dir": str(parent_dir), "steps": steps}
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True,
-                       timeout=timeout_s or 60, cwd=str(parent_dir),
-                       env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    with delegated_cgroups(NOBODY, enabled=drop_to is not None and delegate) as join:
+        spec = {"drop_to": drop_to, "join": join, "config": cfg, "parent_dir": str(parent_dir), "steps": steps}
+        r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True,
+                           timeout=timeout_s or 60, cwd=str(parent_dir),
+                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.splitlines()[-1])
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def confine(backend: str, parent_dir: Path, *commands, timeout_s: float | None = None, **config) -> dict:
+    """Run `commands` in one sandbox of `backend` (each a string, or (command, timeout_s)); the child's report."""
+    out = child_report(backend, parent_dir, *commands, timeout_s=timeout_s, **config)
     if "unavailable" in out:
         pytest.skip(f"the {backend} sandbox cannot run here as uid {out['euid']}: {out['unavailable']}")
     assert out["backend"] == backend
@@ -134,11 +176,8 @@ def test_host_files_are_not_readable(backend, parent_dir):
     if shadow:
         assert shadow.splitlines()[0] not in step["stdout"]
     assert f"{REPO}" in step["stderr"] and "No such file or directory" in step["stderr"]
-    if backend == "rootless":
-        # Nothing of /etc but what the linker needs is there at all; the root backend shows /etc read-only.
-        assert "cat: /etc/shadow: No such file or directory" in step["stderr"]
-    else:
-        assert "cat: /etc/shadow: Permission denied" in step["stderr"]
+    # Nothing of /etc but what the linker needs is there at all.
+    assert "cat: /etc/shadow: No such file or directory" in step["stderr"]
 
 
 def test_fork_bomb_is_bounded_by_the_process_limit_and_leaves_nothing(backend, parent_dir):
@@ -229,6 +268,76 @@ def test_disk_fill_stops_at_the_quota(backend, parent_dir):
     assert "TMP FULL" in tmp["stdout"] and "SHM FULL" in tmp["stdout"]
 
 
+def test_eight_processes_together_cannot_exceed_the_sandbox_memory(backend, parent_dir):
+    # 8 processes of 48 MiB each under a 192 MiB sandbox: each is far below the per-process address
+    # space limit (also 192 MiB), so only a limit on the sandbox as a whole can stop them.
+    hog = ("python3 -c 'import time; x = bytearray(b\"x\") * (48 << 20); print(\"alive\", flush=True); "
+           "time.sleep(4); print(\"done\", flush=True)'")
+    out = confine(backend, parent_dir, " & ".join([hog] * 8) + " & wait", memory_mb=192, wall_timeout_s=30,
+                  cpu_time_s=10, timeout_s=90)
+    step, group = out["steps"][0], out["cgroup"]
+    assert step["stdout"].count("done") < 8, step
+    assert any("memory limit exceeded (192 MiB for the whole sandbox)" in v for v in step["violations"]), step
+    assert group["oom_kills"] >= 1 and group["peak_bytes"] is not None and group["peak_bytes"] <= 192 << 20, group
+
+
+def test_thousands_of_small_files_stop_at_the_disk_quota(backend, parent_dir):
+    # The way one sandbox filled 40 MB of the host's /tmp: many files, each far below max_file_mb.
+    # The working directory is a tmpfs of disk_mb, so they stop at its size (a page each) or its inodes.
+    fill = ("python3 -c \"import os\nn = 0\ntry:\n    for n in range(20000):\n"
+            "        open(f'f{n}', 'wb').write(os.urandom(3000))\n"
+            "except OSError as e:\n    print(n, e.errno)\" ; du -sk . | cut -f1")
+    out = confine(backend, parent_dir, fill, disk_mb=16, max_file_mb=1)
+    step = out["steps"][0]
+    written, err, used_kib = map(int, step["stdout"].split())
+    assert err == errno.ENOSPC, step
+    assert 3000 < written < 4200  # thousands got in, then the quota (16 MiB: 4096 pages, 4096 inodes)
+    assert used_kib <= 16 << 10 and step["workdir_bytes"] <= 16 << 20, step
+
+
+def test_the_checkout_the_package_root_and_the_hosts_tmp_are_not_readable(backend, parent_dir):
+    host_tmp = Path(tempfile.gettempdir()) / f"miles-host-secret-{os.getpid()}"
+    host_tmp.write_text("host secret\n")
+    host_tmp.chmod(0o644)
+    try:
+        targets = [REPO / "README.md", Path(miles.__file__), Path(miles.__file__).parent, Path("/work/main"),
+                   Path("/root"), Path("/root/.bashrc"), Path("/etc/passwd"), host_tmp,
+                   Path("/var/tmp") / host_tmp.name]
+        probe = ("python3 -c \"import json, os, sys\nout = {}\nfor p in sys.argv[1:]:\n    try:\n"
+                 "        out[p] = 'READ ' + (str(os.listdir(p)) if os.path.isdir(p) else open(p).read(40))\n"
+                 "    except OSError as e:\n        out[p] = e.errno\nprint(json.dumps(out))\" "
+                 + " ".join(str(t) for t in targets))
+        out = confine(backend, parent_dir, probe)
+    finally:
+        host_tmp.unlink()
+    seen = json.loads(out["steps"][0]["stdout"])
+    assert seen == {str(t): errno.ENOENT for t in targets}  # none of them exists inside at all
+
+
+def test_without_a_cgroup_it_may_write_the_rootless_sandbox_refuses_and_says_what_the_host_needs(parent_dir):
+    # The same child as above, minus the delegated cgroup: uid 65534 may make no group on this host.
+    out = child_report("rootless", parent_dir, "echo ran", delegate=False)
+    if "unavailable" not in out:
+        pytest.skip(f"uid {out['euid']} may make cgroups on this host, so there is no refusal to see")
+    why = out["unavailable"]
+    if "cgroup" not in why:
+        pytest.skip(f"the rootless sandbox cannot run here for another reason: {why}")
+    assert "limits memory_mb and max_processes for all of a sandbox's processes together" in why, why
+    assert "run as root" in why and "chown to this user the cgroup v1 memory" in why and "cgroup v2" in why, why
+    assert list(parent_dir.iterdir()) == []  # nothing was started
+
+
+def test_without_a_writable_cgroup_the_root_sandbox_refuses_and_says_what_the_host_needs(monkeypatch, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("the root backend needs root before it looks for a cgroup")
+    # A host whose cgroup filesystem offers nothing (an empty folder stands in for /sys/fs/cgroup).
+    monkeypatch.setattr(cgroup_mod, "ROOT", tmp_path)
+    monkeypatch.setattr(sandbox_mod, "_probe_results", {})
+    with pytest.raises(SandboxUnavailable, match="needs a cgroup to limit the memory of all its processes together"
+                                                 ".*the host needs: run as root .*; or chown to this user"):
+        Sandbox(SandboxConfig(backend="root"))
+
+
 def test_huge_output_is_truncated_and_a_flood_is_stopped(backend, parent_dir):
     t0 = time.monotonic()
     out = confine(backend, parent_dir, "head -c 10000 /dev/zero | tr '\\0' a", "yes")
@@ -241,7 +350,10 @@ def test_huge_output_is_truncated_and_a_flood_is_stopped(backend, parent_dir):
 
 _OWNER = r"""
 import json, os, sys, threading, time
+from pathlib import Path
 from miles.rollout.environments.sandbox import Sandbox, SandboxConfig
+for procs in json.loads(sys.argv[2]):
+    Path(procs).write_text(str(os.getpid()))
 if os.geteuid() == 0:
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
 sb = Sandbox(SandboxConfig(backend="rootless"), parent_dir=sys.argv[1])
@@ -258,14 +370,18 @@ def test_a_killed_owner_of_a_rootless_sandbox_leaves_no_process_and_no_directory
         check_available("rootless")
     except SandboxUnavailable as e:
         pytest.skip(f"no rootless sandbox here: {e}")
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(parent_dir)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        info = json.loads(owner.stdout.readline())
-        assert info["running"] and Path(info["workdir"], "x.txt").exists()
-    finally:
-        owner.kill()
-        owner.wait()
+    with delegated_cgroups(NOBODY) as join:
+        owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(parent_dir), json.dumps(join)],
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        try:
+            line = owner.stdout.readline()
+            if not line:
+                pytest.skip("the rootless sandbox cannot run here as uid 65534 (no cgroup it may write)")
+            info = json.loads(line)
+            assert info["running"] and Path(info["workdir"], "x.txt").exists()
+        finally:
+            owner.kill()
+            owner.wait()
     # The command dies with its owner's thread (parent-death signal), the holder with its owner
     # (and the working directory's tmpfs with the holder); only an empty mount point stays on the host.
     deadline = time.monotonic() + 5
