@@ -6,15 +6,7 @@ push = [pause engines in place + noise-fill them, first update only] → prepare
 + commit → verify (every tensor at the first update; one checksum per bucket afterwards) → continue. A verification
 failure raises VerificationError naming the engines and tensors; it never passes silently.
 
-The commit is one fleet-wide round in two phases (`_commit_round`). Phase one is the transport's
-sends: every engine stages and checks every bucket, or the version fails with nothing committed.
-Then every engine is held between two decode steps (in-place pause) and must answer: its
-acknowledgement. Phase two sends the commit to all, and engines generate again only once every one
-acknowledged its commit (within sync.timeout_s): no engine serves the new version while another
-still serves the old one. An engine that does not acknowledge in time while others moved is fenced:
-it stays held (it serves nothing, at whatever version it ends up), the attempt raises
-FencedEngines naming it, and the fleet (orchestration/fleet/) takes it out of routing and replaces
-it or catches it up with a full push before it serves again.
+The commit is one fleet-wide round in two phases, all engines or a fence (sync/commit.py).
 
 Against engines without miles' extensions (plain SGLang servers, or built-in engines in SGLang-only
 mode; see engine_api/extensions.py) only SGLang's protocol is used:
@@ -42,34 +34,14 @@ import time
 
 from miles.precision.types import get_format
 from miles.sync import verify
+from miles.sync.commit import CommitRound, CommittingTransport, FencedEngines, FleetCommit
 from miles.sync.convert import get_converter
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
 from miles.sync.transports import TRANSPORTS, TransportError
 from miles.sync.transports.base import engine_client
-from miles.versions import INITIAL, to_wire
+from miles.versions import INITIAL
 
 log = logging.getLogger(__name__)
-
-
-class FencedEngines(TransportError):
-    """A commit round in which some engines committed the version and `fenced` (URLs) did not acknowledge
-    their commit in time: the fleet is at `version` without them. They are held (paused in place), so
-    they serve nothing at their old version; they must leave routing and be replaced or brought to the
-    version by a full push before they serve again. Set as attributes, so that the error pickles (Ray)."""
-
-    version: int | None = None
-    fenced: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass
-class CommitRound:
-    """One fleet-wide commit round, as `WeightUpdater.rounds` keeps it (time.time() seconds): no engine
-    generated between held_at and released_at; from released_at on, every engine serving holds `version`."""
-
-    version: int
-    held_at: float
-    released_at: float
-    fenced: tuple[str, ...] = ()
 
 
 class WeightUpdater:
@@ -89,10 +61,12 @@ class WeightUpdater:
         self._fresh_engines = False  # every engine reported SGLang's initial version at connect
         self.quantized: dict = {}  # engine name -> Format of weights sent as their format's bytes (wire.py)
         self._tamper = None  # tamper_next_version's function, until the next attempt takes it
-        self._at_commit = None  # stall_before_commit's function, until the next commit round takes it
-        self._fenced: set[str] = set()  # engines the current attempt's commit round fenced: never continued
-        self._committing = threading.Event()  # a commit round is under way (the attempt deadline waits for it)
-        self.rounds: list[CommitRound] = []  # committed versions, newest last (the last 100)
+        self.commits = FleetCommit(self)  # the fleet-wide commit rounds, and what they fenced
+
+    @property
+    def rounds(self) -> list[CommitRound]:
+        """The committed versions' rounds, newest last (the last 100)."""
+        return self.commits.rounds
 
     @property
     def plain(self) -> bool:
@@ -235,7 +209,7 @@ class WeightUpdater:
     def stall_before_commit(self, stall) -> None:
         """Fault injection (fault.stall_engine_at_commit): `stall()` runs once, in the next commit round,
         after every engine acknowledged it holds the version staged and right before the commit is sent."""
-        self._at_commit = stall
+        self.commits.at_commit = stall
 
     def _attempt(self, name: str, named, version: int, fresh: bool) -> dict[str, float]:
         """One push of the version over transport `name` (a fresh sender after a failure), run on a
@@ -254,11 +228,11 @@ class WeightUpdater:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 result["error"] = exc
 
-        self._fenced = set()
+        self.commits.fenced = set()
         worker = threading.Thread(target=run, name="miles-weight-push", daemon=True)
         worker.start()
         worker.join(self.cfg.version_timeout_s)
-        if worker.is_alive() and self._committing.is_set():
+        if worker.is_alive() and self.commits.committing.is_set():
             # A commit round is not cut short (engines may have committed): it ends within its own deadline.
             worker.join(self.cfg.timeout_s + 30.0)
         if worker.is_alive():
@@ -311,7 +285,7 @@ class WeightUpdater:
                 t0 = time.perf_counter()
                 verify.compare_full(self._client, self.engine_urls, record.tensors, record.digest)
             finally:
-                paused = [u for u in paused if u not in self._fenced]
+                paused = [u for u in paused if u not in self.commits.fenced]
                 if paused:
                     self._client.post_all(paused, "/continue_generation", {})
             metrics["sync/verified_tensors"] = len(record.tensors)
@@ -328,7 +302,7 @@ class WeightUpdater:
         return metrics
 
     def _push(self, named, version: int, record) -> dict[str, float]:
-        transport = self.transport if self.plain else _FleetCommit(self.transport, self._commit_round)
+        transport = self.transport if self.plain else CommittingTransport(self.transport, self.commits.run)
         metrics = push_weights(named, transport, version, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
                                converter=self.converter, record=record,
                                quantized=None if self.plain else self.quantized)
@@ -378,115 +352,6 @@ class WeightUpdater:
                             "running during it may see the noise fill", url, exc)
         return paused
 
-    def _commit_round(self, transport, version: int) -> None:
-        """Commit `version` on every engine, all or fenced (see the module's docstring)."""
-        t0 = time.time()
-        self._committing.set()
-        held: list[str] = []
-        fenced: list[str] = []
-        try:
-            held = self._hold()
-            if self._at_commit is not None:
-                stall, self._at_commit = self._at_commit, None
-                stall()
-            done, box = threading.Event(), {}
-
-            def run():
-                try:
-                    transport.commit(version)
-                except BaseException as exc:  # noqa: BLE001 - handed to the round below
-                    box["error"] = exc
-                finally:
-                    done.set()
-
-            threading.Thread(target=run, name="miles-commit", daemon=True).start()
-            if not done.wait(self.cfg.timeout_s):
-                box["error"] = TransportError(f"not every engine acknowledged the commit of weight version "
-                                              f"{version} within sync.timeout_s = {self.cfg.timeout_s}s")
-            error = box.get("error")
-            if error is not None:
-                moved, behind, silent = self._versions_after(version)
-                # Once any engine moved, every other one is fenced; while commits may still land (the round
-                # timed out), so is every engine that does not answer.
-                fenced = behind + silent if moved else ([] if done.is_set() else silent)
-                if not fenced:
-                    raise error
-                self._fenced = set(fenced)
-                log.error("weight version %d: %s did not acknowledge the commit in time (%s); the fleet moves to "
-                          "it without them: they stay held until replaced or caught up", version, fenced, error)
-                exc = FencedEngines(f"weight version {version} was committed on {moved} but not acknowledged in "
-                                    f"time by {fenced}, which are fenced (held, serving nothing) until they are "
-                                    f"replaced or caught up: {error}")
-                exc.version, exc.fenced = version, tuple(fenced)
-                raise exc from None
-        finally:
-            self._release([u for u in held if u not in fenced])
-            self._committing.clear()
-            if fenced:  # the fleet moved to the version without them
-                self.rounds = [*self.rounds[-99:], CommitRound(version, t0, time.time(), tuple(fenced))]
-        self.rounds = [*self.rounds[-99:], CommitRound(version, t0, time.time())]
-
-    def _hold(self) -> list[str]:
-        """Pause in place every engine that is generating, all at once; every engine must answer (its
-        acknowledgement that it is alive, holding the version staged). Returns the engines this paused
-        (not those their owner had paused). Without the engine_load extension: only the readiness check."""
-        if "engine_load" not in self.extensions:
-            self._ready()
-            return []
-        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
-        try:
-            try:
-                loads = quick.post_all(self.engine_urls, "/get_load", None, method="GET")
-            except TransportError as exc:
-                raise TransportError(f"not committing: an engine is not answering ({exc})") from None
-            free = [u for u, load in zip(self.engine_urls, loads) if not load.get("paused")]
-            answers = quick.try_all(free, "/pause_generation", {"mode": "in_place"})
-            held = [u for u, a in zip(free, answers) if not isinstance(a, BaseException)]
-            failed = [a for a in answers if isinstance(a, BaseException)]
-        finally:
-            quick.close()
-        if failed:
-            self._release(held)
-            raise TransportError("not committing: an engine is not answering (" + "; ".join(map(str, failed)) + ")")
-        return held
-
-    def _release(self, urls: list[str]) -> None:
-        if not urls:
-            return
-        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
-        try:
-            for url, a in zip(urls, quick.try_all(urls, "/continue_generation", {})):
-                if isinstance(a, BaseException):
-                    log.warning("engine %s held for a commit round could not be continued (%s)", url, a)
-        finally:
-            quick.close()
-
-    def _versions_after(self, version: int) -> tuple[list[str], list[str], list[str]]:
-        """After a failed commit round: the engines holding `version`, those at another, those not answering."""
-        want = to_wire(version)
-        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
-        try:
-            seen = quick.run_all([lambda u=u: quick.weight_version(u, min(self.cfg.timeout_s, 10.0))
-                                  for u in self.engine_urls])
-        finally:
-            quick.close()
-        moved = [u for u, v in zip(self.engine_urls, seen) if v is not None and str(v) == want]
-        behind = [u for u, v in zip(self.engine_urls, seen) if v is not None and str(v) != want]
-        silent = [u for u, v in zip(self.engine_urls, seen) if v is None]
-        return moved, behind, silent
-
-    def _ready(self) -> None:
-        """Before any engine commits: every engine must answer at once. An engine that stalls (a stopped
-        process, a wedged host) fails the version here, while no engine has committed it, instead of
-        leaving the fleet on two versions."""
-        quick = engine_client(self.admin_token, min(self.cfg.timeout_s, 10.0))
-        try:
-            quick.post_all(self.engine_urls, "/health", None, method="GET")
-        except TransportError as exc:
-            raise TransportError(f"not committing: an engine is not answering ({exc})") from None
-        finally:
-            quick.close()
-
     def close(self) -> None:
         self.transport.close()
         if self._client is not None:
@@ -500,22 +365,6 @@ def _model_type(path: str) -> str | None:
             return json.load(f).get("model_type")
     except (OSError, ValueError):
         return None
-
-
-class _FleetCommit:
-    """A transport whose commit is the fleet-wide commit round (WeightUpdater._commit_round)."""
-
-    def __init__(self, inner, commit_round):
-        self._inner, self._commit_round = inner, commit_round
-
-    def send_bucket(self, bucket) -> None:
-        self._inner.send_bucket(bucket)
-
-    def commit(self, weight_version: int) -> None:
-        self._commit_round(self._inner, weight_version)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 class _Replay:

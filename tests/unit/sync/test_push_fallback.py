@@ -128,7 +128,7 @@ def test_engines_are_held_through_the_commit_round_and_generate_again_once_every
     place) and answers before the commit is sent, and is continued only after every one committed."""
     import pickle
 
-    from miles.sync.updater import FencedEngines
+    from miles.sync.commit import FencedEngines
 
     url = engine_thread.url
     _relabel([url], admin_token)
