@@ -60,7 +60,10 @@ def test_the_plan_puts_push_faults_on_kill_steps_and_counts_one_only_when_its_pu
     kills = kill_plan(40, 3, 2)
     assert kills == {"engine": [4, 8, 12], "trainer": [5, 9, 13], "reward_worker": [6, 10, 14], "router": [7, 11, 15]}
     pushes = push_plan(kills, stalls=4, corrupt=2, resume_s=12.0)
-    assert pushes == {"corrupt_delta": [5, 7], "stall": [6, 9, 10, 11], "stall_resume_s": [0.0, 12.0, 0.0, 12.0]}
+    assert pushes == {"corrupt_delta": [5, 7], "stall": [6, 9, 10, 11], "stall_resume_s": [0.0, 12.0, 0.0, 12.0],
+                      "stall_commit": []}
+    with_commit = push_plan(kills, stalls=2, corrupt=1, resume_s=12.0, commit_stalls=1)
+    assert len(with_commit["stall_commit"]) == 1 and not set(with_commit["stall_commit"]) & set(with_commit["stall"])
     with pytest.raises(SystemExit, match="raise --kills-per-kind or --steps"):
         push_plan(kill_plan(8, 1, 2), stalls=3, corrupt=1, resume_s=12.0)
     recs = [{"step": 5, "sync/total_s": 1.0, "sync/rollbacks": 1, "sync/verified_buckets": 3},
@@ -69,6 +72,6 @@ def test_the_plan_puts_push_faults_on_kill_steps_and_counts_one_only_when_its_pu
             {"step": 9, "sync/total_s": 1.0, "sync/rollbacks": 1}]                  # not verified
     figures = push_figures(recs, pushes)
     assert figures == {"push_faults_recovered": 2, "rollbacks": 2, "engine_loss_retries": 1, "reconnect_retries": 0,
-                       "pushes_unverified": 1}
+                       "pushes_unverified": 1, "fenced_engines": 0}
     recs[2]["sync/reconnect_retries"] = 1  # step 7's push waited for the stalled engine to answer again
     assert push_figures(recs, pushes)["push_faults_recovered"] == 3
