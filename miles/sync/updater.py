@@ -14,6 +14,12 @@ mode; see engine_api/extensions.py) only SGLang's protocol is used:
     before the run starts, naming the transport that works (broadcast);
   * there is no staged commit, so every push is wrapped in /pause_generation (retract) and
     /continue_generation: no request decodes while the version is partly applied;
+  * a push that fails midway is rolled back where the previous version still exists in full: the
+    `disk` transport keeps its directory until every engine loaded the next, so every engine loads it
+    again and serves it (`_recover_plain`). Over broadcast SGLang applies each bucket as it arrives and
+    nothing of the previous version is kept (keeping a copy would cost every push a model's worth of
+    host memory), so the push stops with MixedVersions: the engines stay paused and the error names
+    the version each one reports;
   * verification uses SGLang's /weights_checker actions: once, before the run (`check_start`), the
     engines snapshot their weights, fill them with noise, receive the trainer's starting weights
     and compare with the snapshot, so a tensor the transport never writes fails by name; after each
@@ -310,13 +316,13 @@ class WeightUpdater:
 
     def _push_plain(self, named, version: int) -> dict[str, float]:
         """A push to engines without a staged commit: paused (retract) from the first bucket to the
-        version label, so no request decodes from a partly applied version."""
+        version label, so no request decodes from a partly applied version. A failure is rolled back
+        or reported engine by engine (`_recover_plain`); either way it raises."""
         paused = self._pause_plain()
         try:
             metrics = self._push(named, version, None)
         except TransportError as exc:
-            raise TransportError(f"{exc}; the engines stay paused, holding a partly applied version, until a "
-                                 "push succeeds") from None
+            self._recover_plain(version, exc)
         t0 = time.perf_counter()
         try:
             if self.cfg.verify_checksums:
@@ -327,6 +333,52 @@ class WeightUpdater:
         self._updates += 1
         metrics["sync/verify_s"] = time.perf_counter() - t0
         return metrics
+
+    def _recover_plain(self, version: int, exc: TransportError) -> None:
+        """After a failed push to SGLang engines: load the previous version again on every engine and
+        continue them, then raise saying so; where that cannot be done (no copy of it left, or an engine
+        did not take it), raise MixedVersions naming the version each engine reports, leaving every engine
+        paused, since some may hold part of `version` under the previous label."""
+        restore = getattr(self.transport, "restore", None)
+        why = (f"sync.transport = {self.cfg.transport!r} keeps no copy of the previous version to roll back to "
+               "(sync.transport = 'disk' does)")
+        if restore is not None:
+            try:
+                restored = restore(self.engine_urls)
+                why = "this sender has loaded no version yet, so there is none to roll back to"
+            except TransportError as rexc:
+                restored, why = None, f"rolling back failed: {rexc}"
+            if restored is not None:
+                previous, source = restored
+                try:
+                    if self.cfg.verify_checksums:
+                        verify.compare_across_engines(self._client, self.engine_urls)
+                    self._continue(self.engine_urls)
+                except TransportError as rexc:
+                    why = f"after rolling back to version {previous}: {rexc}"
+                else:
+                    log.warning("weight version %d failed; every engine was rolled back to version %d", version,
+                                previous)
+                    raise TransportError(
+                        f"weight version {version} failed ({exc}); every engine was rolled back to version "
+                        f"{previous} (reloaded from {source}) and serves it") from None
+        held = self._versions_held()
+        raise MixedVersions(
+            f"weight version {version} failed midway ({exc}); {why}. SGLang applies each part of a version as it "
+            f"arrives, so an engine may hold part of version {version} under an older label; every engine stays "
+            "paused until a push succeeds (resume the run: its first push is a full one). Versions the engines "
+            "report: " + ", ".join(f"{url}: {label}" for url, label in held.items()), held) from None
+
+    def _versions_held(self) -> dict[str, str]:
+        """Each engine's weight version label, as SGLang's /get_model_info reports it ("no answer: ..." when
+        the engine did not answer)."""
+        held = {}
+        for url in self.engine_urls:
+            try:
+                held[url] = str(self._client.get(url, "/get_model_info").get("weight_version"))
+            except TransportError as exc:
+                held[url] = f"no answer ({exc})"
+        return held
 
     def _pause_plain(self) -> list[str]:
         # retract, not in_place: SGLang flushes the KV cache after an update, which it refuses while
@@ -365,6 +417,16 @@ def _model_type(path: str) -> str | None:
             return json.load(f).get("model_type")
     except (OSError, ValueError):
         return None
+
+
+class MixedVersions(TransportError):
+    """A push to SGLang engines failed midway and could not be rolled back: `held` maps each engine to
+    the version label it reports (its weights may include part of the failed version). Set as an
+    instance attribute, so that the error pickles (Ray)."""
+
+    def __init__(self, message: str, held: dict[str, str] | None = None):
+        super().__init__(message)
+        self.held = dict(held or {})
 
 
 class _Replay:

@@ -10,6 +10,9 @@ shared collective), and it works the same on built-in engines.
 
 Atomicity: a built-in engine stages the whole checkpoint and switches at once. SGLang loads in place,
 so the updater pauses SGLang engines around the load (updater.py). A failed write is never loaded.
+Rollback: the previous version's directory stays until every engine loaded the next one, so a version
+that failed on some engines is undone by loading it again on all (`restore`), at no cost to a push
+that succeeds.
 Non-goals: deltas (disk_delta.py sends only the changed bytes, as a miles extension).
 """
 
@@ -65,7 +68,8 @@ class DiskTransport:
         self._client = None
         self._shards = 0
         self._failed: str | None = None
-        self._served: str | None = None  # the directory the engines loaded last
+        self._served: str | None = None  # the directory every engine loaded last
+        self._served_version: int | None = None  # its weight version
 
     @classmethod
     def from_config(cls, cfg: DiskConfig, admin_token: str | None, base_path: str = "") -> DiskTransport:
@@ -118,7 +122,29 @@ class DiskTransport:
             self._begin()
         if self._served is not None and self._served != final:
             shutil.rmtree(self._served, ignore_errors=True)
-        self._served = final
+        self._served, self._served_version = final, weight_version
+
+    def restore(self, engine_urls: list[str]) -> tuple[int, str] | None:
+        """Load the version every engine loaded last again, on each of `engine_urls` (relabelled first:
+        an engine's version never moves backwards on a load). Returns (version, directory), or None when
+        this sender has no such version (nothing loaded yet). Raises TransportError naming the engines
+        that did not take it."""
+        if self._served is None or self._client is None:
+            return None
+        label = to_wire(self._served_version)
+        failed = []
+        for url in engine_urls:  # one by one, so that the error names exactly the engines left behind
+            try:
+                self._client.post(url, "/update_weight_version", {"new_version": label})
+                self._client.post(url, "/update_weights_from_disk", {
+                    "model_path": self._served, "weight_version": label, "flush_cache": True,
+                    "abort_all_requests": False})
+            except TransportError as exc:
+                failed.append(f"{url} ({exc})")
+        if failed:
+            raise TransportError(f"reloading version {self._served_version} from {self._served} failed on "
+                                 + ", ".join(failed))
+        return self._served_version, self._served
 
     def close(self) -> None:
         if self._client is not None:

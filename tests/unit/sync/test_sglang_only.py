@@ -1,7 +1,8 @@
 """The trainer against engines that speak only SGLang's protocol (built-in engines started with
 `sglang_only`): broadcast runs over SGLang's routes with a pause around each push, verification runs
 over SGLang's /weights_checker actions, and transports that need a miles extension are refused at
-connect, naming the one that works."""
+connect, naming the one that works. A push that fails midway is rolled back to the previous version
+on every engine (disk), or stops naming the version each engine reports (broadcast)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 
 from miles.config.loader import load_config
+from miles.engine_api.errors import InvalidRequest
 from miles.run_config import RunConfig
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.server import start_server_thread
 from miles.sync.transports import TransportError
-from miles.sync.updater import WeightUpdater
+from miles.sync.updater import MixedVersions, WeightUpdater
 from miles.sync.verify import VerificationError
 
 
@@ -164,3 +166,93 @@ def test_disk_sync_over_sglang_full_reload(sglang_engines, base_model_dir, admin
         assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000008"]
     finally:
         updater.close()
+
+
+def _relabel_default(urls, admin_token):
+    """Engines shared by this module's tests start a new numbering (a load never moves a version back)."""
+    for url in urls:
+        httpx.post(url + "/update_weight_version", headers=_admin(admin_token), timeout=60,
+                   json={"new_version": "default"}).raise_for_status()
+
+
+def test_a_disk_push_one_engine_refuses_is_rolled_back_to_the_previous_version_on_every_engine(
+        sglang_engines, base_model_dir, admin_token, tmp_path, monkeypatch):
+    urls = [s.url for s in sglang_engines]
+    _relabel_default(urls, admin_token)
+    updater = _updater(base_model_dir, admin_token, "disk", disk_dir=tmp_path / "weights", verify_checksums=True)
+    updater.connect(urls)
+    refusing = sglang_engines[1].engine.receiver
+    real_stage = refusing.stage_checkpoint
+
+    def refuse_once(path):
+        monkeypatch.setattr(refusing, "stage_checkpoint", real_stage)
+        raise InvalidRequest("injected: the engine's disk is full")
+
+    try:
+        previous = _state(base_model_dir, seed=11)
+        updater.push(iter({n: t.clone() for n, t in previous.items()}.items()), version=11)
+        monkeypatch.setattr(refusing, "stage_checkpoint", refuse_once)
+        with pytest.raises(TransportError, match=r"weight version 12 failed .*disk is full.*every engine was "
+                                                 r"rolled back to version 11 .*and serves it") as err:
+            updater.push(iter(_state(base_model_dir, seed=12).items()), version=12)
+        assert not isinstance(err.value, MixedVersions)
+        # The engine that loaded version 12 went back too: every engine holds version 11, and generates.
+        for server in sglang_engines:
+            served = server.engine.model.state_dict()
+            assert all(torch.equal(served[n], t) for n, t in previous.items())
+            assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "11"
+            assert server.engine.paused is False
+            out = httpx.post(server.url + "/generate", timeout=60, json={
+                "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+            assert out["meta_info"]["weight_version"] == "11"
+        # The next push goes through as usual.
+        updater.push(iter(_state(base_model_dir, seed=13).items()), version=13)
+        assert {httpx.get(u + "/get_model_info").json()["weight_version"] for u in urls} == {"13"}
+    finally:
+        updater.close()
+
+
+class FailingTransport:
+    """A wire that fails after `after` buckets, as an engine that refuses or dies mid-push makes it."""
+
+    def __init__(self, inner, after: int):
+        self.inner, self.after, self.sent = inner, after, 0
+
+    def send_bucket(self, bucket):
+        if self.sent == self.after:
+            raise TransportError("injected: engine refused bucket %d" % (self.sent + 1))
+        self.inner.send_bucket(bucket)
+        self.sent += 1
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_broadcast_push_that_fails_midway_stops_naming_the_version_each_engine_reports(
+        sglang_engines, base_model_dir, admin_token):
+    urls = [s.url for s in sglang_engines]
+    _relabel_default(urls, admin_token)
+    updater = _updater(base_model_dir, admin_token, verify_checksums=True)
+    updater.connect(urls)
+    try:
+        updater.push(iter(_state(base_model_dir, seed=4).items()), version=4)
+        working = updater.transport
+        updater.transport = FailingTransport(working, after=2)
+        with pytest.raises(MixedVersions, match=r"weight version 5 failed midway .*refused bucket 3.*keeps no copy "
+                                                r"of the previous version.*stays paused") as err:
+            updater.push(iter(_state(base_model_dir, seed=5).items()), version=5)
+        assert err.value.held == {url: "4" for url in urls}
+        assert all(f"{url}: 4" in str(err.value) for url in urls)
+        # Two buckets of version 5 are in force under the label 4: nothing is generated from the mixture.
+        assert all(server.engine.paused for server in sglang_engines)
+        # A push that succeeds continues them, at its version.
+        updater.transport = working
+        new = _state(base_model_dir, seed=6)
+        updater.push(iter({n: t.clone() for n, t in new.items()}.items()), version=6)
+    finally:
+        updater.close()
+    for server in sglang_engines:
+        assert server.engine.paused is False
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "6"
+        served = server.engine.model.state_dict()
+        assert all(torch.equal(served[n], t) for n, t in new.items())
