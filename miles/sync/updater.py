@@ -365,9 +365,11 @@ class WeightUpdater:
         held = self._versions_held()
         raise MixedVersions(
             f"weight version {version} failed midway ({exc}); {why}. SGLang applies each part of a version as it "
-            f"arrives, so an engine may hold part of version {version} under an older label; every engine stays "
-            "paused until a push succeeds (resume the run: its first push is a full one). Versions the engines "
-            "report: " + ", ".join(f"{url}: {label}" for url, label in held.items()), held) from None
+            f"arrives, so an engine may hold part of version {version} under an older label: every engine stays "
+            "paused (nothing is generated from a mixture) until a push succeeds, and since each push to SGLang "
+            "engines sends every tensor, the next one that succeeds brings every engine it reaches to one version. "
+            "Versions the engines report: " + ", ".join(f"{url}: {label}" for url, label in held.items()),
+            held) from None
 
     def _versions_held(self) -> dict[str, str]:
         """Each engine's weight version label, as SGLang's /get_model_info reports it ("no answer: ..." when

@@ -256,3 +256,47 @@ def test_a_broadcast_push_that_fails_midway_stops_naming_the_version_each_engine
         assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "6"
         served = server.engine.model.state_dict()
         assert all(torch.equal(served[n], t) for n, t in new.items())
+
+
+class StoppingTransport:
+    """A wire during which an engine dies: `stop()` runs after `after` buckets."""
+
+    def __init__(self, inner, after: int, stop):
+        self.inner, self.after, self.stop, self.sent = inner, after, stop, 0
+
+    def send_bucket(self, bucket):
+        if self.sent == self.after:
+            self.stop()
+        self.inner.send_bucket(bucket)
+        self.sent += 1
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_disk_push_an_engine_dies_in_cannot_be_rolled_back_there_and_stops_naming_each_version(
+        sglang_engines, base_model_dir, admin_token, tmp_path):
+    doomed = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=admin_token, sglang_only=True))
+    urls = [s.url for s in sglang_engines]
+    _relabel_default(urls, admin_token)
+    updater = _updater(base_model_dir, admin_token, "disk", disk_dir=tmp_path / "weights", timeout_s=10)
+    updater.connect([*urls, doomed.url])
+    try:
+        updater.push(iter(_state(base_model_dir, seed=21).items()), version=21)
+        updater.transport = StoppingTransport(updater.transport, after=1, stop=doomed.stop)
+        with pytest.raises(MixedVersions, match=r"weight version 22 failed midway .*rolling back failed: "
+                                                r"reloading version 21 .* failed on " + doomed.url) as err:
+            updater.push(iter(_state(base_model_dir, seed=22).items()), version=22)
+        held = err.value.held
+        assert {held[u] for u in urls} == {"21"} and held[doomed.url].startswith("no answer"), held
+        assert all(server.engine.paused for server in sglang_engines)
+        # Without the dead engine (the fleet routes around it), the next push continues the others.
+        updater.transport = updater.transport.inner
+        updater.connect(urls)
+        updater.push(iter(_state(base_model_dir, seed=23).items()), version=23)
+    finally:
+        updater.close()
+        doomed.stop()
+    for server in sglang_engines:
+        assert server.engine.paused is False
+        assert httpx.get(server.url + "/get_model_info").json()["weight_version"] == "23"
