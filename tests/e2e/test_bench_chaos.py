@@ -30,7 +30,7 @@ def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     line = json.loads(done.stdout.strip().splitlines()[-1])
     log = (tmp_path / "chaos.log").read_text()[-6000:]
     assert line["plan"] == {"engine": [4], "trainer": [5], "reward_worker": [6], "router": [7], "driver": [2],
-                            "corrupt_delta": [5], "stall": [6, 7], "stall_resume_s": [0.0, 12.0]}
+                            "corrupt_delta": [5], "stall": [6, 7], "stall_resume_s": [0.0, 12.0], "stall_commit": []}
     assert line["by_kind"] == {"engine": 1, "reward_worker": 1, "trainer": 1, "router": 1, "driver": 1,
                                "stall": 2, "corrupt_delta": 1}, log
     assert line["kills"] == 5
