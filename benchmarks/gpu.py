@@ -44,12 +44,14 @@ def copy_bandwidth(device: str) -> float:
     return 2 * n * 10 / (time.perf_counter() - t)
 
 
-def build_model(preset: str, device: str) -> str:
+def build_model(preset: str, device: str, out: str | None = None) -> str:
+    """`preset` written to `out` (default: a new temporary directory), built with `device` as torch's
+    default device."""
     import torch
 
     from miles.models.presets import build_tiny_model
 
-    out = tempfile.mkdtemp(prefix=f"miles-bench-gpu-{preset}-")
+    out = out or tempfile.mkdtemp(prefix=f"miles-bench-gpu-{preset}-")
     with torch.device(device):  # a 0.6B shape initialises in seconds on the GPU
         build_tiny_model(preset, out)
     return out

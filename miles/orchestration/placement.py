@@ -105,7 +105,7 @@ def gpu_shares(gpus: float, trainer_ranks: int, engines: int) -> GpuShares:
     n = trainer_ranks + engines
     if n == 0:
         return GpuShares()
-    if gpus < 1 and n:
+    if gpus < 1:
         raise ConfigError("the run puts its trainer or engines on cuda (trainer.device / rollout.engine.device), "
                           "but the Ray cluster offers no GPU: set them to 'cpu' (or 'auto'), or join a cluster "
                           "with GPUs (ray.address)")

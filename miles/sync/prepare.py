@@ -214,7 +214,7 @@ class Record:
 
     def __init__(self, per_tensor: bool, digest: str = "xxh3"):
         self.per_tensor = per_tensor
-        self.digest = digest  # verify.DIGESTS: sum64 for tensors on a GPU, checked where they are
+        self.digest = digest  # xxh3, or sum64 for tensors on a GPU (checked where they are)
         self.tensors: dict[str, list] = {}  # name -> [dtype, xxh3_128]
         self.buckets: list[list[list[str]]] = []  # [[name, dtype], ...] per bucket
         self.digests: list[str] = []

@@ -10,7 +10,8 @@ Two digests: xxh3-128 over the bytes on the host (the default), and `sum64` for 
 position-weighted sums of the bytes as 64-bit words, wrapping, computed where the tensors are, so a
 push from GPU memory is verified without copying the weights to the host (the `device_digest`
 extension; any changed word or two swapped words change it, like a checksum and unlike a hash
-against an adversary, which verification does not defend against). Checksums are taken over the bytes in the trainer's wire dtype; the engine casts its copy to that
+against an adversary, which verification does not defend against).
+Checksums are taken over the bytes in the trainer's wire dtype; the engine casts its copy to that
 dtype first (an upcast on receive and a downcast here is exact), so an fp32 engine fed bf16 passes.
 Tied weights (one storage, two names) count once, under the first name, on both sides.
 Non-goals: tolerance-based comparisons; a mismatch is a bug, never noise.
@@ -37,8 +38,6 @@ def tensor_bytes(t: "torch.Tensor"):
 
     return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
 
-
-DIGESTS = ("xxh3", "sum64")
 
 # Odd multipliers and offsets of sum64's two word weights (the 64-bit golden ratio, and constants
 # of splitmix64): each weight is odd for every position, so one changed word always changes the sum.

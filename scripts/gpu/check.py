@@ -20,6 +20,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `benchmarks` beside `miles`
+from benchmarks import gpu as bench  # noqa: E402 - found through the line above
+
 
 def _cuda() -> bool:
     import torch
@@ -33,18 +36,8 @@ def probe(out: str) -> None:
     info = {"torch": torch.__version__, "cuda": _cuda(), "date": time.strftime("%Y-%m-%d")}
     if _cuda():
         p = torch.cuda.get_device_properties(0)
-        n = 1 << 30  # bytes per copy: far past the 60 MB L2
-        a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-        for _ in range(3):
-            b.copy_(a)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(10):
-            b.copy_(a)
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t) / 10
         info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1),
-                    copy_gb_s=round(2 * n / dt / 1e9, 1))  # bytes read + written
+                    copy_gb_s=round(bench.copy_bandwidth("cuda") / 1e9, 1))  # bytes read + written
     Path(out).write_text(json.dumps(info))
 
 
@@ -140,12 +133,7 @@ def watch(out: str, metrics: str, cmd: list[str]) -> int:
 
 def build_model(preset: str, out: str) -> None:
     """A preset built with the GPU as torch's default device: a 0.6B shape initialises in seconds."""
-    import torch
-
-    from miles.models.presets import build_tiny_model
-
-    with torch.device("cuda" if _cuda() else "cpu"):
-        build_tiny_model(preset, out)
+    bench.build_model(preset, "cuda" if _cuda() else "cpu", out)
 
 
 def _read(path: Path):

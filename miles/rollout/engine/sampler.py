@@ -38,8 +38,12 @@ def sample(
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
     logprobs_all = torch.log_softmax(logits / temps.to(device)[:, None], dim=-1)  # (B, V)
 
-    tokens = logits.argmax(dim=-1)  # (B,) kept for greedy rows
+    tokens = torch.empty(len(params), dtype=torch.long, device=device)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows, device=device)
+        tokens[idx] = logits[idx].argmax(dim=-1)
     if sampled_rows:
         idx = torch.tensor(sampled_rows, device=device)
         probs = _truncate(logprobs_all[idx].exp(), [params[i] for i in sampled_rows])  # (S, V)
@@ -58,8 +62,7 @@ def sample(
         cdf = probs.cumsum(dim=-1)  # (S, V)
         # Strictly below the total mass, so the draw never lands on a zero-probability tail token.
         target = (u * cdf[:, -1] * (1 - 1e-6))[:, None]
-        drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
-        tokens = tokens.index_put((idx,), drawn)
+        tokens[idx] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
     token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     return tokens, token_logprobs
 

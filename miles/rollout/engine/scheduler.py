@@ -258,6 +258,8 @@ class Scheduler:
             self._end_isolation()
         room = self.config.max_batch_size - self.runner.num_running
         admit: list[Row] = []
+        if not self._waiting or room <= 0:
+            return admit
         # Rows are padded to the longest, so the batch's KV is (rows x the longest reservation) tokens.
         longest = max((self._reserve(r) for r in self.runner.rows if r.finish is None), default=0)
         while self._waiting and len(admit) < room:

@@ -93,7 +93,6 @@ class ColocatedTransport:
         if self._gpu is not None and bucket[0][1].is_cuda:
             return self._send(bucket, offsets, {**self._device_bucket(bucket, offsets, nbytes),
                                                 "load_format": "cuda_ipc"})
-        bucket = [(n, t.cpu()) for n, t in bucket]  # no-op for host tensors
         if self._buf.numel() < nbytes:
             shm.unlink(self._path)
             self._path, self._buf = shm.create(nbytes, tag="colo")
@@ -106,7 +105,7 @@ class ColocatedTransport:
 
         device = bucket[0][1].device
         if self._device_buf is None or self._device_buf.numel() < nbytes:
-            self._device_buf = self._handle = None
+            self._device_buf = self._handle = None  # the old buffer is freed before the larger one is taken
             self._device_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._handle = cuda_ipc.share(self._device_buf)
         shm.write_bucket(self._device_buf, bucket, offsets)
@@ -182,25 +181,21 @@ class ColocatedReceiver(TransportReceiver):
         names = api.list(body, "names")
         if api.flag(body, "reset_staging", False):
             self.weights.reset_staging()
-        if names and fmt == "cuda_ipc":
-            try:
-                self.receive_ipc(body.get("ipc_handle"), names, api.list(body, "dtypes"), api.list(body, "shapes"),
-                                 api.list(body, "offsets"))
-            except WeightUpdateError:
-                if api.flag(body, "commit", False):
-                    self.weights.reset_staging()
-                raise
-        elif names:
-            path = body.get("shm_path")
-            if not isinstance(path, str):
-                raise WeightUpdateError("shm_path: send the path of the shared-memory buffer holding the bucket")
-            try:
-                self.receive_shm(path, names, api.list(body, "dtypes"), api.list(body, "shapes"),
-                                 api.list(body, "offsets"), screened=api.flag(body, "screened", False))
-            except WeightUpdateError:
-                if api.flag(body, "commit", False):
-                    self.weights.reset_staging()
-                raise
+        if not names:
+            return api.finish(body, "staged 0 tensors")
+        layout = (names, api.list(body, "dtypes"), api.list(body, "shapes"), api.list(body, "offsets"))
+        path = body.get("shm_path")
+        if fmt == "shm" and not isinstance(path, str):
+            raise WeightUpdateError("shm_path: send the path of the shared-memory buffer holding the bucket")
+        try:
+            if fmt == "cuda_ipc":
+                self.receive_ipc(body.get("ipc_handle"), *layout)
+            else:
+                self.receive_shm(path, *layout, screened=api.flag(body, "screened", False))
+        except WeightUpdateError:
+            if api.flag(body, "commit", False):
+                self.weights.reset_staging()
+            raise
         return api.finish(body, f"staged {len(names)} tensors")
 
     def receive_shm(self, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],

@@ -73,14 +73,20 @@ def _engine_process(model_dir, port: int = 0):
     return EngineProcess(model_dir, port=port, admin_token=TOKEN, extra_args=["--num-threads", "1"])
 
 
-@pytest.fixture()
-def fleet(tiny_model_dir):
+def _starter(model_dir):
+    """start(slot) -> a fresh engine process's handle, as the fleet's engine starter."""
     from miles.orchestration.fleet import EngineHandle
 
     def start(slot: int) -> EngineHandle:
-        proc = _engine_process(tiny_model_dir)
+        proc = _engine_process(model_dir)
         return EngineHandle(proc.url, proc.proc.pid, proc.stop)
 
+    return start
+
+
+@pytest.fixture()
+def fleet(tiny_model_dir):
+    start = _starter(tiny_model_dir)
     with ThreadPoolExecutor(2) as pool:
         engines = list(pool.map(start, [0, 1]))
     with _running_fleet(tiny_model_dir, engines, start) as f:
@@ -143,13 +149,9 @@ def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version
 def test_a_push_an_engine_stalls_in_for_good_is_rolled_back_and_made_again_without_it(tiny_model_dir):
     import signal
 
-    from miles.orchestration.fleet import EngineHandle
     from miles.sync.prepare import SyncConfig
 
-    def start(slot: int) -> EngineHandle:
-        proc = _engine_process(tiny_model_dir)
-        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
-
+    start = _starter(tiny_model_dir)
     with ThreadPoolExecutor(2) as pool:
         engines = list(pool.map(start, [0, 1]))
     cfg = SyncConfig(bucket_size_mb=1, timeout_s=5.0, version_timeout_s=30.0, retries=0)
@@ -179,14 +181,10 @@ def test_an_engine_stalled_between_readiness_and_commit_is_fenced_and_no_answer_
     import threading
 
     from miles.orchestration.faults import FaultConfig, FaultInjector
-    from miles.orchestration.fleet import EngineHandle
     from miles.rollout.generate import versions_of
     from miles.sync.prepare import SyncConfig
 
-    def start(slot: int) -> EngineHandle:
-        proc = _engine_process(tiny_model_dir)
-        return EngineHandle(proc.url, proc.proc.pid, proc.stop)
-
+    start = _starter(tiny_model_dir)
     with ThreadPoolExecutor(2) as pool:
         engines = list(pool.map(start, [0, 1]))
     cfg = SyncConfig(bucket_size_mb=1, timeout_s=3.0, version_timeout_s=60.0, retries=0)

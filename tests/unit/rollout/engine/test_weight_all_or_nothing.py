@@ -4,6 +4,7 @@ noise fill is allowed only inside a verification session, during which the engin
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -74,14 +75,23 @@ def test_a_refused_update_leaves_nothing_a_later_empty_commit_could_apply(
     assert torch.equal(_norm(engine_thread), before)
 
 
+@contextlib.contextmanager
+def _norm_bucket(values: torch.Tensor):
+    """A shared-memory bucket holding `values` as the final norm's weight: the /update_weights_from_tensor
+    fields that describe it."""
+    path, buf = shm.create(values.numel() * 4)
+    try:
+        buf.copy_(values.reshape(-1).view(torch.uint8))
+        yield {"load_format": "shm", "shm_path": path, "names": [NORM], "dtypes": ["float32"],
+               "shapes": [list(values.shape)], "offsets": [0]}
+    finally:
+        shm.unlink(path)
+
+
 def test_a_refused_bucket_poisons_its_version_and_a_late_commit_changes_nothing(post, engine_thread, base_model_dir):
     _at_version(post, engine_thread, base_model_dir, "300")
     before = _norm(engine_thread)
-    path, buf = shm.create(before.numel() * 4)
-    try:
-        buf.copy_((before + 5).reshape(-1).view(torch.uint8))
-        bucket = {"load_format": "shm", "shm_path": path, "names": [NORM], "dtypes": ["float32"],
-                  "shapes": [list(before.shape)], "offsets": [0]}
+    with _norm_bucket(before + 5) as bucket:
         ok = post("/update_weights_from_tensor", {**bucket, "commit": False, "reset_staging": True})
         assert ok.status_code == 200 and _staged(engine_thread) == 1, ok.text
         # The next bucket of the version is refused (a field it does not know): the version is dead.
@@ -92,8 +102,6 @@ def test_a_refused_bucket_poisons_its_version_and_a_late_commit_changes_nothing(
         # A bucket whose commit flag is garbage stages nothing either.
         garbage = post("/update_weights_from_tensor", {**bucket, "commit": "x", "reset_staging": True})
         assert garbage.status_code == 400 and _staged(engine_thread) == 0, garbage.text
-    finally:
-        shm.unlink(path)
     assert engine_thread.engine.weight_version == "300"
     assert torch.equal(_norm(engine_thread), before)
 
@@ -104,11 +112,7 @@ def test_a_bucket_after_a_refused_one_is_refused_naming_reset_staging_until_a_ve
     tell a new version's first bucket from the dead one's next, so it refuses until reset_staging says so."""
     _at_version(post, engine_thread, base_model_dir, "350")
     before = _norm(engine_thread)
-    path, buf = shm.create(before.numel() * 4)
-    try:
-        buf.copy_((before + 5).reshape(-1).view(torch.uint8))
-        bucket = {"load_format": "shm", "shm_path": path, "names": [NORM], "dtypes": ["float32"],
-                  "shapes": [list(before.shape)], "offsets": [0]}
+    with _norm_bucket(before + 5) as bucket:
         assert post("/update_weights_from_tensor", {**bucket, "commit": False, "reset_staging": True}).status_code == 200
         bad = post("/update_weights_from_tensor", {**bucket, "commit": False, "bogus": 1})
         assert bad.status_code == 400, bad.text
@@ -132,8 +136,6 @@ def test_a_bucket_after_a_refused_one_is_refused_naming_reset_staging_until_a_ve
         assert engine_thread.engine.weight_version == "351"
         r = post("/update_weights_from_tensor", whole)
         assert r.status_code == 200 and r.json()["weight_version"] == "352", r.text
-    finally:
-        shm.unlink(path)
 
 
 def test_versions_never_move_backwards_and_only_with_a_commit(post, engine_thread, base_model_dir):
