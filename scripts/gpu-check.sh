@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with one CUDA GPU, in one go (about 8 minutes), ending in one JSON line:
 #   1. the GPU: name, memory, measured device-copy bandwidth;
-#   2. the tests marked `cuda` (engine and trainer on the GPU against transformers and the CPU path);
+#   2. the tests marked `cuda` (engine and trainer on the GPU against transformers and the CPU path, weight
+#      pushes from and into GPU memory; those needing two GPUs skip on one);
 #   3. the main job unchanged (examples/arithmetic/run.sh: device auto = cuda): wall time, eval before/after;
 #   4. a Qwen3-0.6B-shaped RL run (64 prompts x 8 samples x 128 new tokens, 3 steps, engine and trainer
 #      colocated on the GPU), each step's rollout/train/push seconds and the share of it the GPU was busy;
@@ -45,8 +46,9 @@ cat "$OUT/device.json" >&2; echo >&2
 
 if [ "$SMALL" = 1 ]; then
   part pytest-cuda 120 "$PY" -m pytest -q -m cuda tests/unit/trainer/test_device.py -p no:cacheprovider
-else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack)
-  part pytest-cuda 60 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
+else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack),
+  # among them tests/unit/sync/test_broadcast_backend.py (the broadcast transport from and into GPU memory)
+  part pytest-cuda 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
 fi
 
 # The main job exactly as the README runs it (small: fewer steps, for the plumbing).
