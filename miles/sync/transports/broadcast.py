@@ -244,7 +244,7 @@ class BroadcastTransport:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-            with broadcast_group.current(self.device):
+            with broadcast_group.current(self.device), broadcast_group.explained(self.group_backend):
                 # Each message is queued as soon as it is flattened: the group sends it while the next one
                 # is copied, and runs them in order, so none waits for the one before it to be acknowledged.
                 works = [self._pg.broadcast([m], opts) for m in messages() if m.numel()]

@@ -125,3 +125,17 @@ def current(device) -> contextlib.AbstractContextManager:
     import torch
 
     return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def explained(backend: str | None):
+    """NCCL's own refusal of two ranks on one GPU (met at the first broadcast, where a member did not
+    say its GPU, as a plain SGLang server does not) re-raised with what to do instead."""
+    try:
+        yield
+    except Exception as exc:
+        if backend == "nccl" and "duplicate gpu" in str(exc).lower():
+            raise RuntimeError(f"{exc}: NCCL refuses two ranks of one group on one GPU; engines that share the "
+                               "trainer's GPU take weights over CUDA IPC with sync.transport = 'colocated', or set "
+                               "sync.backend = 'gloo'") from exc
+        raise

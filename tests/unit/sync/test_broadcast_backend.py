@@ -91,6 +91,17 @@ def test_an_engines_server_info_says_where_it_computes():
         choose("mpi", TRAINER, [])
 
 
+def test_nccls_own_duplicate_gpu_error_is_explained_with_the_transport_to_use():
+    from miles.sync.transports.broadcast_group import explained
+
+    with pytest.raises(RuntimeError, match="Duplicate GPU detected.*sync.transport = 'colocated'"):
+        with explained("nccl"):
+            raise RuntimeError("NCCL error: invalid usage, NCCL version 2.27: Duplicate GPU detected : rank 1 and "
+                               "rank 0 both on CUDA device 1a000")
+    with pytest.raises(ValueError, match="^other$"), explained("nccl"):
+        raise ValueError("other")
+
+
 def test_the_config_refuses_nccl_beside_a_cpu_trainer_or_engine_and_an_unknown_backend(tiny_model_dir):
     def load(**overrides):
         return load_config(RunConfig, None, {"model.path": tiny_model_dir, **overrides})
