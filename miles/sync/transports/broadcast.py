@@ -23,8 +23,9 @@ cannot). On NCCL the trainer hands over tensors on its GPU (`takes_device_tensor
 flattens them into a buffer on that GPU and every engine receives into a buffer on its own: no host
 round trip; verification then checksums on the GPUs (sum64), as for a CUDA IPC push. The engine's
 end is BroadcastReceiver (broadcast_receiver.py).
-Non-goals: CUDA IPC (colocated.py), multi-source fan-out (p2p.py), SGLang's tensor-parallel engines
-(one rank per engine here).
+An SGLang server with tensor parallelism joins with one rank per TP rank (its /get_server_info's
+tp_size sets the rank offsets); the built-in engine with one.
+Non-goals: CUDA IPC (colocated.py), multi-source fan-out (p2p.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from typing import TYPE_CHECKING
 
 from miles.config.loader import ConfigError
 from miles.devices import gpu_uuid
+from miles.engine_api import routes
+from miles.engine_api.extensions import common
 from miles.net import LOOPBACK
 from miles.sync import screen
 from miles.sync.prepare import SyncConfig
@@ -149,12 +152,13 @@ class BroadcastTransport:
         import torch.distributed as dist
 
         self._http = reconnect(self, engine_urls, self.timeout_s + 30)
-        extensions = self._http.extensions(self.engine_urls)
+        infos = self._http.post_all(self.engine_urls, routes.GET_SERVER_INFO, None, method="GET")
+        extensions = common(infos)
         self.staged = "staged_commit" in extensions  # else SGLang's apply-as-you-go form
         self.wire_format = self.load_format if self.load_format in extensions | {"flattened_bucket"} \
             else "flattened_bucket"
-        self.group_backend, self.device = self._choose_backend()
-        world = 1 + len(self.engine_urls)
+        self.group_backend, self.device = self._choose_backend(infos)
+        offsets, world = broadcast_group.engine_ranks(infos)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # wait_for_workers=False: engines connect only after our POSTs reach them.
         self._store = dist.TCPStore(self.master_address, self.master_port, world, is_master=True,
@@ -163,7 +167,7 @@ class BroadcastTransport:
         replies = [_spawn(self._post, url, "/init_weights_update_group", {
             "master_address": self.master_address, "master_port": port, "rank_offset": rank,
             "world_size": world, "group_name": self.group_name, "backend": self.group_backend,
-        }) for rank, url in enumerate(self.engine_urls, start=1)]
+        }) for rank, url in zip(offsets, self.engine_urls)]
 
         def join():
             return broadcast_group.build(self._store, self.group_name, 0, world, self.group_backend, timeout)
@@ -178,9 +182,9 @@ class BroadcastTransport:
         self._broken = None
         self._fresh, self._version_failed = True, False
 
-    def _choose_backend(self) -> tuple[str, "torch.device"]:
-        """The group's backend (broadcast_group.choose, from where this process and every engine compute)
-        and the device the sender's buffers live on."""
+    def _choose_backend(self, infos: list[dict]) -> tuple[str, "torch.device"]:
+        """The group's backend (broadcast_group.choose, from where this process and every engine compute,
+        as their server infos say) and the device the sender's buffers live on."""
         import torch
 
         device = torch.device(self.device_name or _process_device())
@@ -188,9 +192,7 @@ class BroadcastTransport:
             device = torch.device("cuda", torch.cuda.current_device())
         on_gpu = device.type == "cuda"
         source = broadcast_group.Member("the trainer", device.type, gpu_uuid(device) if on_gpu else None)
-        # Engines are asked where they compute only when NCCL could run (a trainer on a GPU).
-        engines = [broadcast_group.engine_member(u, self._http.get(u, "/get_server_info"))
-                   for u in self.engine_urls] if on_gpu and self.backend != "gloo" else []
+        engines = [broadcast_group.engine_member(u, i) for u, i in zip(self.engine_urls, infos)]
         chosen = broadcast_group.choose(self.backend, source, engines)
         # gloo sends from host memory unless told otherwise: a GPU tensor would cost gloo a copy per bucket.
         return chosen, device if chosen == "nccl" or self.device_name else torch.device("cpu")

@@ -50,6 +50,17 @@ def engine_member(url: str, info: dict) -> Member:
     return Member(url, device.split(":")[0] if device else None, info.get("gpu_uuid") or None)
 
 
+def engine_ranks(infos: list[dict]) -> tuple[list[int], int]:
+    """Each engine's first rank in the group (its rank_offset) and the group's size. An SGLang server
+    joins with one rank per tensor-parallel rank (rank_offset + tp_rank, its /get_server_info says
+    tp_size); the built-in engine with one."""
+    offsets, rank = [], 1  # rank 0: the trainer's source
+    for info in infos:
+        offsets.append(rank)
+        rank += max(1, int(info.get("tp_size") or 1))
+    return offsets, rank
+
+
 def choose(backend: str, source: Member, engines: list[Member]) -> str:
     """The backend the group runs on: gloo or nccl. `backend` is sync.backend (auto, gloo, nccl);
     `source` the trainer's sending rank. Raises TransportError naming the fix when nccl cannot run."""

@@ -21,7 +21,7 @@ from miles.config.loader import load_config
 from miles.run_config import RunConfig
 from miles.sync.transports import TransportError
 from miles.sync.transports.broadcast import BroadcastConfig, BroadcastTransport
-from miles.sync.transports.broadcast_group import Member, choose, engine_member
+from miles.sync.transports.broadcast_group import Member, choose, engine_member, engine_ranks
 
 GPU0, GPU1 = "GPU-0000", "GPU-1111"
 TRAINER = Member("the trainer", "cuda", GPU0)
@@ -89,6 +89,12 @@ def test_an_engines_server_info_says_where_it_computes():
     assert engine_member("u", {}) == Member("u", None, None)  # says nothing: not counted as a GPU
     with pytest.raises(TransportError, match="choose auto"):
         choose("mpi", TRAINER, [])
+
+
+def test_an_sglang_server_with_tensor_parallelism_holds_one_rank_per_tp_rank():
+    # rank 0 is the trainer; SGLang joins as rank_offset + tp_rank, the built-in engine says no tp_size.
+    assert engine_ranks([{"tp_size": 2}, {}, {"tp_size": 4}]) == ([1, 3, 4], 8)
+    assert engine_ranks([{}, {}]) == ([1, 2], 3)
 
 
 def test_nccls_own_duplicate_gpu_error_is_explained_with_the_transport_to_use():
