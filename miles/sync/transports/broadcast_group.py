@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,8 +118,27 @@ def build(store, group_name: str, rank: int, world_size: int, backend: str, time
         prefixed = dist.PrefixStore("cuda/", named)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        with _env(NCCL_ON_TIMEOUT):
+            return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     raise ValueError(f"backend {backend!r}: use 'gloo' or 'nccl'")
+
+
+NCCL_ON_TIMEOUT = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+"""How this group's NCCL meets a dead or late member, read by torch when the group is built: a wait
+blocks and raises at the deadline (so a push fails like one on gloo), and the communicator is torn
+down without ending the process (torch's default would end the engine or the trainer)."""
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]):
+    """`values` in the environment while the group is built, where the user has not set them."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def finish(device: "torch.device") -> None:

@@ -17,7 +17,6 @@ Non-goals: the sender, the message formats (broadcast_wire.py), SGLang's tensor-
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -117,10 +116,6 @@ class BroadcastReceiver(TransportReceiver):
         try:
             store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=w.timeout)
             left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-            if backend == "nccl":
-                # A broadcast that outlives its deadline fails this update; by default torch's NCCL
-                # watchdog would end the whole engine process instead.
-                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             pg = broadcast_group.build(store, group_name, rank_offset, world_size, backend, left)
         except Exception as exc:  # noqa: BLE001 - torch's store and gloo errors: the rendezvous failed
             raise WeightUpdateError(f"master_address/master_port: joining weight-update group {group_name!r} at "

@@ -97,6 +97,17 @@ def test_an_sglang_server_with_tensor_parallelism_holds_one_rank_per_tp_rank():
     assert engine_ranks([{}, {}]) == ([1, 2], 3)
 
 
+def test_nccl_groups_are_built_to_fail_a_late_push_rather_than_end_the_process(monkeypatch):
+    from miles.sync.transports import broadcast_group
+
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's own choice stands
+    with broadcast_group._env(broadcast_group.NCCL_ON_TIMEOUT):
+        assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ  # only while the group is built
+
+
 def test_nccls_own_duplicate_gpu_error_is_explained_with_the_transport_to_use():
     from miles.sync.transports.broadcast_group import explained
 
