@@ -12,9 +12,10 @@ explicit "nccl" that cannot run is refused at connect with the reason and what t
 (`choose`). Engines sharing the trainer's GPU take weights over CUDA IPC: sync.transport = "colocated".
 
 The group is built from the members' TCPStore without init_process_group (a trainer's own default
-group is neither used nor disturbed). An NCCL group lays its keys out in the store as SGLang's
+group is neither used nor disturbed). It lays its keys out in the store as SGLang's
 `init_custom_process_group` does (the group's name twice, then the device), so a plain SGLang server
-joins it with its own /init_weights_update_group {backend: "nccl"}.
+joins it with its own /init_weights_update_group, and a trainer built on that helper joins a miles
+engine's.
 Non-goals: the messages and their formats (broadcast_wire.py), the HTTP side (broadcast.py).
 """
 
@@ -106,15 +107,14 @@ def build(store, group_name: str, rank: int, world_size: int, backend: str, time
     connects at the group's first broadcast, which every member makes."""
     import torch.distributed as dist
 
+    # SGLang's init_custom_process_group keys a group by its name, then torch's per-group "name/" and
+    # per-device prefix: "cpu/" for gloo (one gloo context serves both devices), "cuda/" for nccl.
+    named = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
     if backend == "gloo":
-        # The prefix keeps several groups (or a re-initialised one) from colliding in one store.
-        return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", named), rank, world_size, timeout)
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise RuntimeError("this torch has no NCCL (a CPU-only build): set sync.backend = 'gloo'")
-        # SGLang's init_custom_process_group: PrefixStore(name) under torch's per-group "name/" and
-        # per-device "cuda/" prefixes.
-        named = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
         prefixed = dist.PrefixStore("cuda/", named)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

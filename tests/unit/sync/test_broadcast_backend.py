@@ -163,6 +163,36 @@ def test_on_cpu_auto_runs_on_gloo_from_host_memory_verified(cpu_engine, base_mod
     assert all(torch.equal(held[n], t * 0.5) for n, t in state.items())
 
 
+def test_the_senders_group_is_keyed_as_sglangs_so_a_member_built_by_sglangs_helper_receives():
+    """The other half of the key layout (the built-in engine receiving from a trainer that builds its
+    group with the same helper) is tests/unit/rollout/engine/test_weight_receiver.py's RawTrainer."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from miles.sync.transports import broadcast_group
+    from tests.helpers.sglang_group import join_as_sglang
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+    got = {}
+
+    def sglang_engine():
+        pg = join_as_sglang("127.0.0.1", store.port, 1, 2, "sglang_keyed_group")
+        got["t"] = torch.zeros(6)
+        dist.broadcast(got["t"], src=0, group=pg)
+
+    engine = threading.Thread(target=sglang_engine, daemon=True)
+    engine.start()
+    pg = broadcast_group.build(store, "sglang_keyed_group", 0, 2, "gloo", timeout)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([torch.arange(6.0)], opts).wait()
+    engine.join(60)
+    assert torch.equal(got["t"], torch.arange(6.0))
+
+
 def test_a_cpu_trainer_asking_for_nccl_is_refused_before_any_engine_joins(cpu_engine, admin_token):
     transport = BroadcastTransport(admin_token=admin_token, timeout_s=60, backend="nccl", device="cpu")
     with pytest.raises(TransportError, match="the trainer's source rank computes on cpu.*set trainer.device = 'cuda'"):
