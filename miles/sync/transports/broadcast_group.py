@@ -80,14 +80,15 @@ def choose(backend: str, source: Member, engines: list[Member]) -> str:
 
 
 def _why_not_nccl(source: Member, engines: list[Member]) -> str | None:
-    on_cpu = [m.name for m in [source, *engines] if m.device != "cuda"]
     if source.device != "cuda":
         return (f"the trainer's source rank computes on {source.device or 'an unknown device'}, and NCCL moves "
                 "GPU memory only; set trainer.device = 'cuda', or sync.backend = 'gloo' (or 'auto')")
-    if on_cpu:
-        return (f"engine(s) {on_cpu} are not on a GPU by their /get_server_info `device` (NCCL moves GPU memory "
-                "only, and every member of the group must be on one); put every engine on cuda (rollout.engine.device = 'cuda'), or set "
-                "sync.backend = 'gloo' (or 'auto'), which joins cpu and cuda members alike")
+    off_gpu = [m.name for m in engines if m.device != "cuda"]
+    if off_gpu:
+        return (f"engine(s) {off_gpu} are not on a GPU by their /get_server_info `device` (NCCL moves GPU "
+                "memory only, and every member of the group must be on one); put every engine on cuda "
+                "(rollout.engine.device = 'cuda'), or set sync.backend = 'gloo' (or 'auto'), which joins cpu "
+                "and cuda members alike")
     seen: dict[str, str] = {}
     for m in [source, *engines]:
         if m.gpu is None:
