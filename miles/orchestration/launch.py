@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import secrets
+from pathlib import Path
 
 from miles.engine_api import routes
 from miles.engine_api.client import EngineClient
@@ -20,7 +21,7 @@ from miles.orchestration.actors import EngineShell, remote
 from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.placement import CorePools, GpuShares, NodePool, PlacementError, place_devices
 from miles.orchestration.ray_cluster import ensure_ray, node_address
-from miles.orchestration.router_supervisor import SupervisedRouter
+from miles.orchestration.router_supervisor import RECORD, RouterRecord, SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.rollout.teacher import check_served_teacher
@@ -66,11 +67,14 @@ def cannot_start(slot: int) -> EngineHandle:
 
 
 def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None, stack: contextlib.ExitStack,
-                 run: dict, gpus: float = 0.0) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
+                run: dict, gpus: float = 0.0, run_dir: Path | None = None, resume: bool = False
+                ) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
     """Engines, the router in front of them, and the fleet that keeps them serving.
 
     The engines are the run's own, or the ones at rollout.engine_urls: those are probed, routed
     around and re-admitted like the run's own, but never started, stopped or restarted by it.
+    With router.own_process the router's record is kept in `run_dir`, and a `resume` adopts the
+    router an earlier driver of the run left serving (with these engines in place of that driver's).
     `run` gets the TrainContext under "ctx" once it exists; the fleet's callbacks only fire after
     the monitor starts, by which time it does."""
     unadopted = stack.enter_context(contextlib.ExitStack())  # stops the engines until the fleet owns them
@@ -79,7 +83,8 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
         check_reachable([e.url for e in engines])
         # The router's token guards its membership routes; the engines' own (their operator's) goes
         # with every call it forwards to them, so without one the router still gets a fresh token.
-        router_token = admin_token or secrets.token_hex(16)
+        previous = RouterRecord.load(run_dir / RECORD) if resume and run_dir is not None else None
+        router_token = admin_token or (previous.admin_token if previous else None) or secrets.token_hex(16)
     else:
         size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
         pool = node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus)
@@ -94,9 +99,16 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
                                  host=cfg.router.host or node_address())
     if cfg.router.own_process:
         # Restarted with the engines serving at that moment; `run` holds the fleet by then.
-        router = SupervisedRouter(router_cfg, [e.url for e in engines], cfg.health,
-                                  workers=lambda: run["fleet"].serving_urls() if "fleet" in run else
-                                  [e.url for e in engines])
+        urls = [e.url for e in engines]
+
+        def serving() -> list[str]:
+            return run["fleet"].serving_urls() if "fleet" in run else urls
+
+        router = None
+        if resume and run_dir is not None:
+            router = SupervisedRouter.adopt(run_dir, router_cfg, urls, cfg.health, workers=serving)
+        if router is None:
+            router = SupervisedRouter(router_cfg, urls, cfg.health, workers=serving, state_dir=run_dir)
     else:
         router = start_router_thread(router_cfg, [e.url for e in engines], cfg.health)
     stack.callback(router.stop)
@@ -208,13 +220,15 @@ def ray_for_run(cfg: RunConfig):
             ray.shutdown()
 
 
-def run_admin_token(external: bool) -> str | None:
+def run_admin_token(external: bool, run_dir: Path | None = None) -> str | None:
     """The admin token of a run: a fresh random one for the engines and the router the run starts, so
-    their admin routes are never open; for engines started outside the run, their operator's
-    (MILES_ENGINE_ADMIN_TOKEN), if any."""
+    their admin routes are never open, or, resuming, the one of the router an earlier driver of the run
+    left serving (so that router can be adopted and speaks for the new engines); for engines started
+    outside the run, their operator's (MILES_ENGINE_ADMIN_TOKEN), if any."""
     if external:
         return os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None
-    return secrets.token_hex(16)
+    previous = RouterRecord.load(run_dir / RECORD) if run_dir is not None else None
+    return previous.admin_token if previous is not None and previous.admin_token else secrets.token_hex(16)
 
 
 def on_driver_node() -> dict:
