@@ -1,6 +1,8 @@
-"""The driver itself SIGKILLed mid-run, then `miles train --resume RUN_DIR` in a new process: the run
-completes, and every prompt is trained or discarded exactly once (fully_async; real processes for the
-driver, Ray, the engine and the trainer)."""
+"""The driver itself SIGKILLed mid-run (with its process group), then `miles train --resume RUN_DIR` in a
+new process: the router (a process of its own session) keeps answering /health meanwhile and is
+adopted by the resumed driver, which stops it at the end; the run completes, and every prompt is
+trained or discarded exactly once (fully_async; real processes for the driver, Ray, the router, the
+engine and the trainer)."""
 
 import json
 import os
@@ -10,7 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+
+from miles.orchestration.router_supervisor import RECORD, RouterRecord
 
 pytestmark = pytest.mark.e2e
 
@@ -72,8 +77,9 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)  # its own Ray cluster, which must go down with it
     log = (tmp_path / "first.log").open("w")
-    driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     started: list[int] = []
+    router = None
     try:
         latest = run_dir / "checkpoints" / "latest"
         deadline = time.monotonic() + 600
@@ -87,7 +93,9 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
         run_procs = [p for p in started if any(name in command(p) for name in (
             "ray::EngineShell", "ray::TrainerShell", "ray::RolloutManager", "raylet", "gcs_server"))]
         assert len([p for p in run_procs if "ray::" in command(p)]) >= 3
-        driver.send_signal(signal.SIGKILL)
+        router = RouterRecord.load(run_dir / RECORD)
+        assert router is not None and alive(router.pid) and router.pid not in run_procs
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and everything in its process group
         driver.wait()
         killed_at = int(latest.read_text().strip().split("_")[1])
         assert killed_at < STEPS and not (run_dir / "summary.json").exists()  # it died mid-run
@@ -97,18 +105,32 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
         while any(alive(p) for p in run_procs) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not [command(p) for p in run_procs if alive(p)], "processes of the killed run outlived it"
+        # The router did not: it answers /health with no engine left behind it (503), and still lists
+        # the dead driver's engines.
+        assert alive(router.pid), "the router died with the driver"
+        assert httpx.get(router.url + "/health", timeout=10).status_code in (200, 503)
+        assert httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]
     finally:
         if driver.poll() is None:
-            driver.kill()
+            os.killpg(driver.pid, signal.SIGKILL)
         for p in started:
-            if alive(p):
+            if alive(p) and (router is None or p != router.pid):
                 os.kill(p, signal.SIGKILL)
         log.close()
 
-    resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
-                             env=env, capture_output=True, text=True, timeout=900)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    try:
+        resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        ended = router is None or not alive(router.pid)
+        if not ended:
+            os.kill(router.pid, signal.SIGKILL)  # never a stray router, whatever failed
     assert f"resumed from {run_dir / 'checkpoints' / f'state_{killed_at}'}" in resumed.stderr
+    # The resumed driver adopted the router (same URL, same process), gave it the new engines, and
+    # stopped it at the end of the run.
+    assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
+    assert ended and not (run_dir / RECORD).exists(), "the run's end left its router running"
 
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(STEPS + 1))  # the steps redone after the checkpoint are recorded once
@@ -116,6 +138,7 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
     assert {i: after[i] for i in before} == before  # what the checkpoint had trained is not trained again
     assert sorted(after.values()) == sorted(s for s in range(1, STEPS + 1) for _ in range(PROMPTS))
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["router"]["adopted"] and summary["cluster"]["router"] == router.url
     ledger = summary["ledger"]
     assert ledger["trained"] == STEPS * PROMPTS
     assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
