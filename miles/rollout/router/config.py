@@ -32,7 +32,7 @@ class RouterConfig:
     admin_token: str | None = None
     """When set, /add_worker, /remove_worker, /flush_cache and aborting every request need
     `Authorization: Bearer <token>`; the router forwards it to the engines only on such authorized
-    calls. `miles train` always sets a fresh random one."""
+    calls. `miles train` sets a fresh random one (`--resume`: the one of the run's router it adopts)."""
     insecure_admin: bool = False
     """Allow binding a non-loopback host without admin_token, leaving every admin route open to the
     network; only for a network whose every user is trusted."""

@@ -193,7 +193,7 @@ def test_miles_train_answers_bad_configs_with_a_message_not_a_traceback(tmp_path
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"fault.kill_router_at_steps": "3"}, "needs router.own_process = true"),
+    ({"fault.kill_router_at_steps": "3", "router.own_process": "false"}, "needs router.own_process = true"),
     ({"fault.drop_response_prob": "0.1", "router.own_process": "true"}, "set router.own_process = false"),
     ({"fault.kill_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),
     ({"fault.stall_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),
