@@ -132,8 +132,10 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
     assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
     assert ended and not (run_dir / RECORD).exists(), "the run's end left its router running"
 
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(STEPS + 1))  # the steps redone after the checkpoint are recorded once
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(STEPS + 1))  # the steps redone after the checkpoint are recorded once
+    # Every trained sample came from an engine at the fleet's version, before and after the resume.
+    assert [r["rollout/off_fleet_samples"] for r in recs[1:]] == [0.0] * STEPS
     before, after = trained_at(run_dir, killed_at), trained_at(run_dir, STEPS)
     assert {i: after[i] for i in before} == before  # what the checkpoint had trained is not trained again
     assert sorted(after.values()) == sorted(s for s in range(1, STEPS + 1) for _ in range(PROMPTS))
