@@ -81,6 +81,8 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
     if cfg.rollout.engine_urls:
         engines, standby, start = [EngineHandle.outside(u) for u in cfg.rollout.engine_urls], [], cannot_start
         check_reachable([e.url for e in engines])
+        if resume:
+            continue_engines([e.url for e in engines], admin_token)
         # The router's token guards its membership routes; the engines' own (their operator's) goes
         # with every call it forwards to them, so without one the router still gets a fresh token.
         previous = RouterRecord.load(run_dir / RECORD) if resume and run_dir is not None else None
@@ -194,6 +196,17 @@ def start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.Ex
     for a in actors:
         stack.callback(ray.kill, a)
     return ray.get([a.url.remote() for a in actors])
+
+
+def continue_engines(urls: list[str], admin_token: str | None) -> None:
+    """Engines that outlived a killed driver may have been paused by it (a weight push's pause, a commit
+    round's hold) with nobody left to continue them: a resumed run continues each before it generates.
+    Their weights are the dead driver's; the restored checkpoint's are pushed before any generation."""
+    with EngineClient(admin_token=admin_token, timeout_s=30.0) as client:
+        for url, answer in zip(urls, client.try_all(urls, routes.CONTINUE_GENERATION, {})):
+            if isinstance(answer, BaseException):
+                raise SystemExit(f"miles: engine {url} (rollout.engine_urls) could not be continued after the "
+                                 f"previous driver: {answer}") from None
 
 
 def check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:

@@ -4,6 +4,7 @@ adopted by the resumed driver, which stops it at the end; the run completes, and
 trained or discarded exactly once (fully_async; real processes for the driver, Ray, the router, the
 engine and the trainer)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -62,18 +63,50 @@ def trained_at(run_dir: Path, step: int) -> dict[int, int]:
     return {int(k): v for k, v in state["ledger"]["trained_at"].items()}
 
 
-def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "killed"
+def train_args(tiny_model_dir, tmp_path, **more) -> list[str]:
     overrides = {"model.path": tiny_model_dir, "run.output_dir": str(tmp_path), "run.name": "killed",
                  "loop.schedule": "fully_async", "loop.num_steps": STEPS, "loop.save_every": 1,
                  "eval.every_steps": 0, "eval.num_prompts": 8, "eval.max_new_tokens": 4,
                  "rollout.prompts_per_step": PROMPTS, "rollout.n_samples_per_prompt": 4,
                  "rollout.max_new_tokens": 4, "rollout.temperature": 1.5, "buffer.filter": "none",
                  "buffer.max_inflight_groups": 4, "buffer.capacity": 4, "ray.num_cpus": 2,
-                 "rollout.reward": "tests.e2e.test_resume:digit_fraction", "metrics.progress": "off"}
+                 "rollout.reward": "tests.e2e.test_resume:digit_fraction", "metrics.progress": "off", **more}
     args = [sys.executable, "-m", "miles.cli", "train"]
     for key, value in overrides.items():
         args += [f"--{key}", str(value)]
+    return args
+
+
+def wait_for_checkpoint(run_dir: Path, step: int, driver: subprocess.Popen, log: Path) -> None:
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not (latest.exists() and int(latest.read_text().strip().split("_")[1]) >= step):
+        assert driver.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"no step-{step} checkpoint within 10 minutes"
+        time.sleep(0.2)
+
+
+def check_nothing_lost_or_trained_twice(run_dir: Path, killed_at: int) -> dict:
+    """The resumed run's records and ledger: each step once, every trained sample at the fleet's
+    version, what the checkpoint had trained not trained again, every drawn prompt accounted for."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(STEPS + 1))  # the steps redone after the checkpoint are recorded once
+    assert [r["rollout/off_fleet_samples"] for r in recs[1:]] == [0.0] * STEPS
+    before, after = trained_at(run_dir, killed_at), trained_at(run_dir, STEPS)
+    assert {i: after[i] for i in before} == before  # what the checkpoint had trained is not trained again
+    assert sorted(after.values()) == sorted(s for s in range(1, STEPS + 1) for _ in range(PROMPTS))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ledger = summary["ledger"]
+    assert ledger["trained"] == STEPS * PROMPTS
+    assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
+    state = json.loads((run_dir / "checkpoints" / f"state_{STEPS}" / "rollout.json").read_text())
+    assert sorted(map(int, state["ledger"]["states"])) == list(range(ledger["drawn"]))  # nothing skipped
+    return summary
+
+
+def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = train_args(tiny_model_dir, tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)  # its own Ray cluster, which must go down with it
     log = (tmp_path / "first.log").open("w")
@@ -81,12 +114,8 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
     started: list[int] = []
     router = None
     try:
+        wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
         latest = run_dir / "checkpoints" / "latest"
-        deadline = time.monotonic() + 600
-        while not (latest.exists() and int(latest.read_text().strip().split("_")[1]) >= 2):
-            assert driver.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no step-2 checkpoint within 10 minutes"
-            time.sleep(0.2)
         started = descendants(driver.pid)
         # The run's own processes: the engine, trainer ranks and rollout manager (Ray actors) and the
         # Ray node under them. Ray's per-node agents are left out: they notice a dead node only late.
@@ -132,17 +161,53 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
     assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
     assert ended and not (run_dir / RECORD).exists(), "the run's end left its router running"
 
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == list(range(STEPS + 1))  # the steps redone after the checkpoint are recorded once
-    # Every trained sample came from an engine at the fleet's version, before and after the resume.
-    assert [r["rollout/off_fleet_samples"] for r in recs[1:]] == [0.0] * STEPS
-    before, after = trained_at(run_dir, killed_at), trained_at(run_dir, STEPS)
-    assert {i: after[i] for i in before} == before  # what the checkpoint had trained is not trained again
-    assert sorted(after.values()) == sorted(s for s in range(1, STEPS + 1) for _ in range(PROMPTS))
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
     assert summary["router"]["adopted"] and summary["cluster"]["router"] == router.url
-    ledger = summary["ledger"]
-    assert ledger["trained"] == STEPS * PROMPTS
-    assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"]
-    state = json.loads((run_dir / "checkpoints" / f"state_{STEPS}" / "rollout.json").read_text())
-    assert sorted(map(int, state["ledger"]["states"])) == list(range(ledger["drawn"]))  # nothing skipped
+
+
+def test_engines_started_outside_the_run_keep_their_router_through_a_killed_driver_and_are_adopted(
+        tiny_model_dir, tmp_path):
+    """rollout.engine_urls: the engines and the router outlive the driver's process group, so the
+    router keeps serving them (/health 200, both active); `--resume` adopts both, continues the engines
+    the dead driver may have left paused, pushes them the checkpoint's weights, and the run completes."""
+    from miles.rollout.engine.process import EngineProcess
+
+    token = "outside-token"
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(EngineProcess(tiny_model_dir, admin_token=token,
+                                                     extra_args=["--num-threads", "1"])) for _ in range(2)]
+        urls = [e.url for e in engines]
+        run_dir = tmp_path / "killed"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MILES_ENGINE_ADMIN_TOKEN": token}
+        env.pop("RAY_ADDRESS", None)
+        with (tmp_path / "first.log").open("w") as log:
+            driver = subprocess.Popen(train_args(tiny_model_dir, tmp_path, **{"rollout.engine_urls": ",".join(urls)}),
+                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
+                router = RouterRecord.load(run_dir / RECORD)
+                os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait()
+            finally:
+                if driver.poll() is None:
+                    os.killpg(driver.pid, signal.SIGKILL)
+        killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+        try:
+            # The engines' front door stays open: the router answers /health with both engines serving.
+            time.sleep(1.0)
+            health = httpx.get(router.url + "/health", timeout=10)
+            assert health.status_code == 200 and health.json()["active_workers"] == 2, health.text
+            resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)],
+                                     cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+        finally:
+            ended = not alive(router.pid)
+            if not ended:
+                os.kill(router.pid, signal.SIGKILL)
+        assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
+        assert ended and not (run_dir / RECORD).exists()
+        summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
+        assert summary["router"]["adopted"]
+        # The same engine processes, never restarted, at the resumed run's last version.
+        assert all(e.proc.poll() is None for e in engines)
+        assert [httpx.get(u + "/get_model_info").json()["weight_version"] for u in urls] == [str(STEPS)] * 2
