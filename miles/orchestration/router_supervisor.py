@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,6 +158,7 @@ class SupervisedRouter:
         self.workers = workers or (lambda: list(worker_urls))
         self.check_every_s = check_every_s
         self.restarts: list[dict] = []
+        self._own_dir = state_dir is None  # a temporary folder of this object's, removed at stop()
         if state_dir is None:
             state_dir = Path(tempfile.mkdtemp(prefix="miles-router-"))
         self.record_path = Path(state_dir) / RECORD
@@ -270,6 +272,8 @@ class SupervisedRouter:
             self.record_path.unlink()
         except FileNotFoundError:
             pass
+        if self._own_dir:
+            shutil.rmtree(self.record_path.parent, ignore_errors=True)
 
 
 def _expect_ok(resp, url: str) -> None:
