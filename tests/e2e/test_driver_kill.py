@@ -73,7 +73,8 @@ def train_args(tiny_model_dir, tmp_path, **more) -> list[str]:
                  "rollout.reward": "tests.e2e.test_resume:digit_fraction", "metrics.progress": "off", **more}
     args = [sys.executable, "-m", "miles.cli", "train"]
     for key, value in overrides.items():
-        args += [f"--{key}", str(value)]
+        if value is not None:  # None drops a default
+            args += [f"--{key}", str(value)]
     return args
 
 
