@@ -260,7 +260,8 @@ def run(args: list[str], log: Path, timeout_s: float, kill_at: int = 0, run_dir:
                 if time.monotonic() - t0 > timeout_s:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    return {"rc": None, "timed_out": True, "killed": False, "wall_s": time.monotonic() - t0}
+                    return {"rc": None, "timed_out": True, "killed": False, "wall_s": time.monotonic() - t0,
+                            "router_answered": None}
                 if kill_at and not killed and _checkpoint_step(run_dir) >= kill_at:
                     # The driver and its process group; Ray takes down what it owned, not the router.
                     os.killpg(proc.pid, signal.SIGKILL)
