@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from miles.orchestration.router_supervisor import RECORD, RouterRecord, SupervisedRouter
 from miles.rollout.liveness import HealthConfig
@@ -82,8 +81,8 @@ def test_a_router_outlives_its_killed_driver_and_the_next_driver_adopts_it(tmp_p
             pids.append(router.pid)
             assert httpx.get(router.url + "/list_workers", timeout=5).status_code == 200  # the same URL
             assert json.loads((tmp_path / RECORD).read_text())["pid"] == router.pid
-            assert router.report() == {"restarts": 1, "max_restart_s": pytest.approx(router.report()["max_restart_s"]),
-                                       "adopted": True}
+            report = router.report()
+            assert report["restarts"] == 1 and report["adopted"] and report["max_restart_s"] > 0
         finally:
             router.stop()
         assert _wait_gone(pids[-1], 5) and not (tmp_path / RECORD).exists()
