@@ -18,6 +18,8 @@ from miles.engine_api import routes
 from miles.engine_api.client import EngineClient
 from miles.engine_api.errors import EngineError
 from miles.orchestration.actors import EngineShell, remote
+from miles.orchestration.context import log
+from miles.orchestration.detached import DetachedEngines
 from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.placement import CorePools, GpuShares, NodePool, PlacementError, place_devices
 from miles.orchestration.ray_cluster import ensure_ray, node_address
@@ -28,9 +30,10 @@ from miles.rollout.teacher import check_served_teacher
 from miles.run_config import RunConfig
 
 
-def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
+def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool, detached: DetachedEngines | None = None):
     """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool: on
-    the slot's bundle's node, in the pool's cores.
+    the slot's bundle's node, in the pool's cores; start_many(n, first) starts slots first..n-1
+    together; adopt(size) -> up to size engines an earlier driver of the run left (detached engines only).
 
     Slot -1 is a standby engine, not yet given a slot (it takes the bundles after the slots')."""
     import ray
@@ -43,22 +46,50 @@ def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
     def launch(slot: int):
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
         bundle = slot if slot >= 0 else next(standby_bundles)
-        return cls.options(**pool.options(bundle)).remote(
-            cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
+        options = {**pool.options(bundle), **(detached.options() if detached else {})}
+        actor = cls.options(**options).remote(cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores,
+                                              detached.lease_s if detached else None)
+        if detached:
+            detached.track(actor)
+        return actor
 
     def handle(actor) -> EngineHandle:
         url, pid, node = ray.get([actor.url.remote(), actor.pid.remote(), actor.node.remote()])
-        return EngineHandle(url, pid, lambda: ray.kill(actor), node=node, on_this_node=node == here,
+
+        def stop() -> None:
+            if detached:
+                detached.forget(actor)
+            ray.kill(actor)
+
+        return EngineHandle(url, pid, stop, node=node, on_this_node=node == here,
                             signal_self=lambda sig: actor.signal.remote(sig))
 
     def start(slot: int) -> EngineHandle:
         return handle(launch(slot))
 
-    def start_many(n: int) -> list[EngineHandle]:
-        actors = [launch(i) for i in range(n)]  # all start together; then wait for each
+    def start_many(n: int, first: int = 0) -> list[EngineHandle]:
+        actors = [launch(i) for i in range(first, n)]  # all start together; then wait for each
         return [handle(a) for a in actors]
 
-    return start, start_many
+    def adopt(size: int) -> list[EngineHandle]:
+        found = []
+        for actor in detached.left_behind() if detached else []:
+            if len(found) == size:  # more than this run needs now: ended
+                ray.kill(actor)
+                continue
+            try:
+                ray.get(actor.url.remote(), timeout=60)  # a dead or hung actor fails here, not in handle's wait
+                engine = handle(actor)
+            except Exception as exc:  # noqa: BLE001 - dead or unanswering: ended, and a new one takes its place
+                log(f"a detached engine of this run left by the previous driver does not answer "
+                    f"({str(exc).splitlines()[0][:200]}): ending it")
+                ray.kill(actor)
+                continue
+            detached.track(actor)
+            found.append(engine)
+        return found
+
+    return start, start_many, adopt
 
 
 def cannot_start(slot: int) -> EngineHandle:
@@ -89,10 +120,20 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
         router_token = admin_token or (previous.admin_token if previous else None) or secrets.token_hex(16)
     else:
         size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-        pool = node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus)
-        start, start_many = engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
+        detached = None
+        if cfg.ray.detached_engines and run_dir is not None:
+            detached = DetachedEngines(run_dir, cfg.ray.engine_lease_s)
+            stack.callback(detached.stop)
+        pool = node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus,
+                         detached_as=detached.group_name if detached else None)
+        start, start_many, adopt = engine_starter(cfg, pools.engine if pools else None, admin_token, pool, detached)
+        adopted = adopt(size) if resume else []
+        if adopted:
+            log(f"adopted {len(adopted)} detached engines left serving by the previous driver: "
+                f"{', '.join(e.url for e in adopted)}")
+            continue_engines([e.url for e in adopted], admin_token)
         # Standby engines start with the others, so that even the first failure finds one ready.
-        started = start_many(size)
+        started = adopted + start_many(size, first=len(adopted))
         engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
         for e in started:
             unadopted.callback(e.stop)
@@ -137,11 +178,11 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
 
 
 def node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack,
-               gpus: float = 0.0) -> NodePool:
+              gpus: float = 0.0, detached_as: str | None = None) -> NodePool:
     """The placement group of one pool on the nodes `resource` (config key `key`) names, `gpus` GPUs per
-    process; removed when the run ends."""
+    process; removed when the run ends (`detached_as`: named so, it outlives a killed driver)."""
     try:
-        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s, gpus)
+        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s, gpus, detached_as=detached_as)
     except PlacementError as exc:
         raise SystemExit(f"miles: {exc}") from None
     stack.callback(pool.remove)

@@ -148,6 +148,7 @@ def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cl
     assert summary["steps"] == 3
 
 
+@pytest.mark.slow  # a variant of test_driver_kill.py's default-tier run, and of the detached engines' below
 def test_a_killed_driver_on_a_joined_cluster_takes_its_engines_along_and_resume_adopts_its_router(
         cluster, tiny_model_dir, tmp_path):
     """On a cluster given by ray.address the engines are still the driver's Ray actors: its process group
@@ -194,6 +195,54 @@ def test_a_killed_driver_on_a_joined_cluster_takes_its_engines_along_and_resume_
     engines = summary["cluster"]["engines"]
     assert [(e["node"], _host(e["url"])) for e in engines] == [(NODE2, NODE2)] and engines[0]["url"] not in old
     assert summary["router"]["adopted"] and summary["cluster"]["nodes"] == [HEAD, NODE2]
+
+
+def test_detached_engines_outlive_a_killed_driver_and_resume_adopts_them(cluster, tiny_model_dir, tmp_path):
+    """ray.detached_engines: the engine on node 2 and the router outlive the driver's process group, the
+    router keeps serving it (/health 200); `miles train --resume` adopts both (the same engine, continued,
+    given the checkpoint's weights), completes the run with nothing lost or trained twice, and ends the
+    engine at the run's end."""
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = train_args(tiny_model_dir, tmp_path, **{
+        "ray.num_cpus": None, "ray.address": cluster.address, "ray.node_ip_address": HEAD,
+        "ray.detached_engines": "true", "placement.trainer_nodes": "miles_trainer",
+        "placement.engine_nodes": "miles_engines"})
+    with (tmp_path / "first.log").open("w") as log:
+        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
+            router = RouterRecord.load(run_dir / RECORD)
+            old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    try:
+        time.sleep(3.0)  # past a few of the router's health rounds without the driver
+        assert [_host(u) for u in old] == [NODE2] and all(_answers(u) for u in old)
+        health = httpx.get(router.url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["active_workers"] == 1, health.text
+        resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        ended = not alive(router.pid)
+        if not ended:
+            os.kill(router.pid, signal.SIGKILL)
+    assert f"adopted 1 detached engines left serving by the previous driver: {old[0]}" in resumed.stderr, \
+        resumed.stderr[-3000:]
+    assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr
+    assert ended and not (run_dir / RECORD).exists()
+    summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
+    assert [e["url"] for e in summary["cluster"]["engines"]] == old  # the same engine, never restarted
+    deadline = time.monotonic() + 30
+    while _answers(old[0]):  # stopped at the run's end like any engine of the run
+        assert time.monotonic() < deadline, "the adopted engine outlived the run's end"
+        time.sleep(0.5)
 
 
 def _answers(url: str) -> bool:

@@ -166,6 +166,7 @@ def test_a_killed_driver_is_resumed_by_miles_train_resume_with_nothing_lost(tiny
     assert summary["router"]["adopted"] and summary["cluster"]["router"] == router.url
 
 
+@pytest.mark.slow  # a variant of the run above (about 45 s more)
 def test_engines_started_outside_the_run_keep_their_router_through_a_killed_driver_and_are_adopted(
         tiny_model_dir, tmp_path):
     """rollout.engine_urls: the engines and the router outlive the driver's process group, so the

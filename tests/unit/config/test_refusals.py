@@ -52,6 +52,8 @@ def refusal(overrides: dict[str, str], path=None) -> str:
     ("trainer.grad_clip", "-1", "or 0 to turn clipping off"),
     ("trainer.collective_timeout_s", "-1", "> 0"),
     ("ray.num_cpus", "0", "set it >= 1"),
+    ("ray.detached_engines", "true", "needs a cluster that outlives the driver: set ray.address"),
+    ("ray.engine_lease_s", "0", "set it > 0"),
     ("router.request_timeout_s", "0", "set it > 0"),
     ("sft.batch_size", "0", "sft.batch_size >= 1"),
     ("loop.collect_timeout_s", "-3", "> 0"),
