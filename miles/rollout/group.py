@@ -152,6 +152,7 @@ class GroupGenerator:
         response: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         versions: list[list[int]] = [[] for _ in range(n)]
+        off_fleet = [False] * n
         last: list = [None] * n
         todo, segment = list(range(n)), 0
         while todo:
@@ -170,6 +171,9 @@ class GroupGenerator:
                 response[k] += s.response_ids
                 logprobs[k] += s.rollout_logprobs
                 versions[k].append(min(known, s.oldest_weight_version))
+                # Every engine serving held `known` or newer when the request went out (a version is
+                # known once the fleet committed it): an older one is an engine behind the fleet.
+                off_fleet[k] = off_fleet[k] or s.oldest_weight_version < known
                 last[k] = s
                 if (s.status is SampleStatus.ABORTED and self.cfg.partial_rollout and segment < self.cfg.max_resumes
                         and len(response[k]) < params[k].max_new_tokens and not self.stopping.is_set()):
@@ -189,7 +193,8 @@ class GroupGenerator:
             samples.append(Sample(prompt_ids=list(prompt_ids), response_ids=response[k], rollout_logprobs=logprobs[k],
                                   loss_mask=[1] * len(response[k]), status=status, weight_versions=versions[k],
                                   response_text=text, label=prompt.label, prompt_index=prompt.index,
-                                  routed_experts=s.routed_experts, metadata=dict(prompt.metadata)))
+                                  routed_experts=s.routed_experts, metadata=dict(prompt.metadata),
+                                  off_fleet=off_fleet[k]))
         return samples
 
     async def _request(self, client, url, prompts, params, rids, prompt) -> list[Sample]:
