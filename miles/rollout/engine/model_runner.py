@@ -32,6 +32,7 @@ Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), 
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 
@@ -44,12 +45,16 @@ from miles.models.moe import hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.decode_forward import DecodeForward, unsupported
+from miles.rollout.engine.graphs import DecodeGraphs, length_bucket
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.row import Row
-from miles.rollout.engine.sampler import sample
+from miles.rollout.engine.sampler import SamplingBatch, sample
+from miles.rollout.engine.static_kv import StaticKV
 
+log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
@@ -98,7 +103,51 @@ class ModelRunner:
         # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
-        self.kv = BatchKV()
+        self.kv: BatchKV | StaticKV = BatchKV()
+        # Fast decode (static_kv.py, graphs.py): set when it serves this engine; the sampling tensors of
+        # the batch are rebuilt only when the rows list is replaced (admission, compaction).
+        self.fast: DecodeGraphs | None = None
+        self._sampling: tuple[list[Row], SamplingBatch] | None = None
+        self._setup_fast_decode()
+
+    def _setup_fast_decode(self) -> None:
+        """Serve decode from the static KV cache when fast_decode allows it (see EngineConfig.fast_decode)."""
+        cfg, on_cuda = self.config, self.device.type == "cuda"
+        if cfg.fast_decode == "off" or (cfg.fast_decode == "auto" and not on_cuda):
+            return
+        reason = unsupported(self.model)
+        if reason is not None:
+            log.warning("fast_decode: %s; decoding on the eager path", reason)
+            return
+        slots = cfg.max_batch_size
+        cap = min(self.context_length, self.kv_budget // slots)
+        if cap < self.context_length and cfg.fast_decode == "auto":
+            log.warning("fast_decode off: a static KV cache of max_batch_size = %d rows x context_length = %d tokens "
+                        "exceeds the KV budget (%d tokens); lower context_length or max_batch_size, raise "
+                        "memory_fraction, or set fast_decode = 'on' to serve a context of %d tokens",
+                        slots, self.context_length, self.kv_budget, cap)
+            return
+        if cap < 2:
+            log.warning("fast_decode off: the KV budget (%d tokens) leaves no room per row for %d rows",
+                        self.kv_budget, slots)
+            return
+        if cap < self.context_length:
+            log.warning("fast_decode: serving a context of %d tokens (of %d) so that %d rows fit the KV budget",
+                        cap, self.context_length, slots)
+            self.context_length = cap
+        c = self.model.config
+        fwd = DecodeForward(self.model)
+        self.kv = StaticKV(c.num_hidden_layers, fwd.kv_heads, fwd.head_dim, slots, cap,
+                           next(self.model.parameters()).dtype, self.device)
+        self.fast = DecodeGraphs(fwd, self.kv, use_graphs=on_cuda and cfg.cuda_graphs and cfg.quantization == "none")
+
+    def release_static(self, kv: bool) -> None:
+        """Drop the CUDA graphs (their memory pool) and, with `kv`, the static KV buffers; the next step
+        allocates and captures again. Caller holds model_lock, with the running batch retracted."""
+        if self.fast is not None:
+            self.fast.clear()
+            if kv:
+                self.kv.free()
 
     @property
     def num_running(self) -> int:
@@ -173,6 +222,9 @@ class ModelRunner:
 
     def decode(self) -> None:
         """One token for every row of the running batch."""
+        if self.fast is not None:
+            self._decode_static()
+            return
         kv = self.kv
         t0 = time.perf_counter()
         mask = torch.cat([kv.mask, kv.mask.new_ones((len(self.rows), 1))], dim=1)  # (B, L+1)
@@ -185,6 +237,43 @@ class ModelRunner:
                                            capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
             tokens, logprobs = self._sample(logits, self.rows)
             host = tokens.tolist(), logprobs.tolist()  # waits for the device: the step's device time ends here
+        kv.mask = mask
+        kv.next_pos = kv.next_pos + 1
+        kv.last_tokens = tokens
+        self._decoded(t0, routed, epoch, version, *host)
+
+    def _decode_static(self) -> None:
+        """decode() over the static KV cache: no host synchronisation until the step's tokens and logprobs
+        come back in one copy. A batch with LoRA adapters or routed-expert capture runs the same forward
+        eagerly with its hooks; any other batch replays a CUDA graph where graphs are on."""
+        rows, kv = self.rows, self.kv
+        t0 = time.perf_counter()
+        with self.model_lock, torch.inference_mode():
+            epoch, version = self.weights_epoch, self.weight_version
+            capture = any(r.req.return_routed_experts and r.finish is None for r in rows)
+            adapters = [self.adapter_of(r) for r in rows]
+            if self._sampling is None or self._sampling[0] is not rows:
+                self._sampling = (rows, SamplingBatch([r.req.params for r in rows], self.device))
+            sampling = self._sampling[1]
+            u = sampling.uniforms([r.generator for r in rows], self._generator)
+            routed = None
+            if capture or any(a is not None for a in adapters) or not self.fast.use_graphs:
+                ids: list[torch.Tensor] = []
+                with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])), \
+                        self.adapters.applied(adapters):
+                    logits = self.fast.forward(kv, *kv.inputs(len(rows)), length_bucket(max(kv.lens) + 1, kv.cap))
+                if capture:  # each (B, top_k): the routing of the token just fed
+                    routed = torch.stack(ids, dim=1).to(torch.int32)[:, None]  # (B, 1, MoE layers, top_k)
+            else:
+                logits = self.fast.run(len(rows))
+            tokens, logprobs = sampling.sample(logits, u)
+            kv.advance(tokens)
+            # One copy to the host (exact: token ids and float32 logprobs both fit a float64).
+            host = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        self._decoded(t0, routed, epoch, version, [int(t) for t in host[0]], host[1])
+
+    def _decoded(self, t0: float, routed, epoch: int, version: str, tokens: list[int], logprobs: list[float]) -> None:
+        """A decode step's host bookkeeping, once its tokens are on the host."""
         t1 = time.perf_counter()
         if routed is not None:
             for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
@@ -193,10 +282,7 @@ class ModelRunner:
         for row in self.rows:
             if row.kv_version != epoch and row.finish is None:
                 row.kv_version = None  # its KV now spans two weight versions: never cache it
-        kv.mask = mask
-        kv.next_pos = kv.next_pos + 1
-        kv.last_tokens = tokens
-        self._record(self.rows, *host, version)
+        self._record(self.rows, tokens, logprobs, version)
         self.stats["decode_forwards"] += 1
         self.stats["decode_device_s"] += t1 - t0
         self.stats["decode_host_s"] += time.perf_counter() - t1
