@@ -93,7 +93,8 @@ class DecodeGraphs:
             self.forward(self.kv, tokens, pos, Lb)
         torch.cuda.current_stream(self.kv.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread of the engine (a weight receiver's copy) may use the device meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.forward(self.kv, tokens, pos, Lb)
         if self._pool is None:
             self._pool = graph.pool()

@@ -1,0 +1,159 @@
+"""The engine's fast decode (static KV cache, decode forward over it, sampling on the device) answers
+exactly as its eager path: the same greedy ids and seeded samples, logprobs within float tolerance,
+with requests joining and leaving a running batch, the prefix cache, streaming, input logprobs, LoRA,
+routed experts and memory release all still served; a KV budget too short for every row's context
+serves a shorter context and says so."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from miles.devices import total_memory
+from miles.engine_api.errors import InvalidRequest
+from miles.engine_api.sampling import SamplingParams
+from miles.models.loading import load_model
+from miles.rollout.engine import kv_cache
+from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.engine import Engine
+from miles.rollout.engine.lora import read_adapter
+from miles.rollout.engine.static_kv import StaticKV
+from tests.unit.rollout.engine.test_engine_lora import _write_adapter
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12], list(range(20, 90)), [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+
+
+def _engine(model_dir, fast: bool, **over) -> Engine:
+    cfg = EngineConfig(model_path=model_dir, fast_decode="on" if fast else "off",
+                       **{"max_batch_size": 8, "prefix_block_size": 4, **over})
+    engine = Engine(cfg)
+    assert isinstance(engine.runner.kv, StaticKV) == fast
+    return engine
+
+
+def _run(engine: Engine, requests, stagger: float = 0.0):
+    """Submit each (prompt, params, extra kwargs) `stagger` seconds apart; results in order."""
+    def one(i):
+        time.sleep(stagger * i)
+        prompt, params, kw = requests[i]
+        return engine.submit(engine.make_request(prompt, params, return_logprob=True, **kw)).result(120)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, range(len(requests))))
+
+
+def _both(model_dir, requests, stagger=0.0, **over):
+    outs = []
+    for fast in (False, True):
+        engine = _engine(model_dir, fast, **over)
+        try:
+            outs.append(_run(engine, requests, stagger))
+        finally:
+            engine.stop()
+    return outs
+
+
+def _assert_same(eager, fast, atol=1e-4):
+    for a, b in zip(eager, fast):
+        assert b.output_ids == a.output_ids
+        assert b.finish_reason == a.finish_reason
+        torch.testing.assert_close(torch.tensor(b.output_logprobs), torch.tensor(a.output_logprobs), atol=atol, rtol=0)
+
+
+def test_greedy_ids_and_logprobs_equal_the_eager_path_as_rows_join_and_leave(model_dir):
+    budgets = [40, 12, 25, 6, 33]
+    reqs = [(p, SamplingParams(temperature=0, max_new_tokens=n), {}) for p, n in zip(PROMPTS, budgets)]
+    eager, fast = _both(model_dir, reqs, stagger=0.02)
+    _assert_same(eager, fast)
+    assert any(len(o.output_ids) > 10 for o in fast)
+
+
+def test_seeded_sampling_with_truncation_draws_the_same_tokens(model_dir):
+    params = [SamplingParams(temperature=0.8, top_k=5, max_new_tokens=20, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.7, max_new_tokens=20, seed=2),
+              SamplingParams(temperature=0, max_new_tokens=20),
+              SamplingParams(temperature=1.2, min_p=0.1, max_new_tokens=20, seed=3)]
+    eager, fast = _both(model_dir, [(p, s, {}) for p, s in zip(PROMPTS, params)])
+    _assert_same(eager, fast)
+
+
+def test_prefix_cache_streaming_and_input_logprobs_still_served(model_dir):
+    shared = PROMPTS[2]
+    outs = []
+    for fast in (False, True):
+        engine = _engine(model_dir, fast)
+        try:
+            first = _run(engine, [(shared + [7], SamplingParams(temperature=0, max_new_tokens=8), {})])[0]
+            streamed: list[int] = []
+            req = engine.make_request(shared + [8], SamplingParams(temperature=0, max_new_tokens=8), return_logprob=True,
+                                      logprob_start_len=60)
+            second = engine.submit(req, listener=lambda ids, lps: streamed.extend(ids)).result(120)
+            assert streamed == second.output_ids
+            outs.append((first, second))
+        finally:
+            engine.stop()
+    (e1, e2), (f1, f2) = outs
+    _assert_same([e1, e2], [f1, f2])
+    assert f2.cached_tokens > 0  # the second prompt read the first one's KV, written from the static cache
+    ids_e, lps_e = e2.input_logprobs
+    ids_f, lps_f = f2.input_logprobs
+    assert ids_f == ids_e
+    torch.testing.assert_close(torch.tensor(lps_f[1:]), torch.tensor(lps_e[1:]), atol=1e-4, rtol=0)
+
+
+def test_lora_adapter_rows_decode_on_their_adapter(model_dir, tmp_path):
+    _write_adapter(model_dir, tmp_path / "a")
+    outs = []
+    for fast in (False, True):
+        engine = _engine(model_dir, fast)
+        try:
+            with engine.model_lock:
+                engine.runner.adapters.add(read_adapter("a", str(tmp_path / "a"), engine.model))
+            reqs = [(p, SamplingParams(temperature=0, max_new_tokens=12), {"lora_path": "a" if i % 2 else None})
+                    for i, p in enumerate(PROMPTS[:4])]
+            outs.append(_run(engine, reqs))
+        finally:
+            engine.stop()
+    _assert_same(*outs)
+
+
+def test_routed_experts_are_recorded_on_the_fast_path(tiny_moe_model_dir):
+    reqs = [(p, SamplingParams(temperature=0, max_new_tokens=6), {"return_routed_experts": True}) for p in PROMPTS[:3]]
+    eager, fast = _both(tiny_moe_model_dir, reqs)
+    _assert_same(eager, fast)
+    for a, b in zip(eager, fast):
+        assert b.routed_experts and b.routed_experts == a.routed_experts
+
+
+def test_memory_release_frees_the_static_cache_and_decoding_resumes(model_dir):
+    engine = _engine(model_dir, True)
+    try:
+        reqs = [(p, SamplingParams(temperature=0, max_new_tokens=10), {}) for p in PROMPTS[:2]]
+        before = _run(engine, reqs)
+        engine.release_memory(("kv_cache",))
+        assert not engine.runner.kv.allocated
+        engine.resume_memory(("kv_cache",))
+        after = _run(engine, reqs)
+        _assert_same(before, after, atol=1e-5)
+    finally:
+        engine.stop()
+
+
+def test_a_short_kv_budget_serves_a_shorter_context_and_refuses_longer_prompts(model_dir):
+    model = load_model(model_dir)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    slots, per_row = 4, 200
+    fraction = (weights + slots * per_row * kv_cache.bytes_per_token(model)) / total_memory("cpu")
+    engine = _engine(model_dir, True, max_batch_size=slots, memory_fraction=fraction, prefix_cache=False)
+    try:
+        assert engine.context_length == engine.runner.kv.cap < model.config.max_position_embeddings
+        with pytest.raises(InvalidRequest, match="context length"):
+            engine.make_request(list(range(3, 3 + engine.context_length)))
+        out = _run(engine, [([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=engine.context_length,
+                                                       ignore_eos=True), {})])[0]
+        assert out.finish_reason.type == "length" and len(out.output_ids) == engine.context_length - 3
+    finally:
+        engine.stop()
