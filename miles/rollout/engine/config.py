@@ -46,6 +46,10 @@ class EngineConfig:
     """HTTP port; 0 picks a free one (read the chosen URL from the running server)."""
     max_batch_size: int = 256
     """Most requests decoded together in one forward; later ones wait for a free slot."""
+    max_prefill_tokens: int = 8192
+    """Most prompt tokens admitted into one prefill: further waiting requests are prefilled at the next
+    step, after a decode step of the running rows, so a burst of long prompts does not stall decoding
+    (a single longer prompt is still computed whole). 0: no limit."""
     fast_decode: str = "auto"
     """Decode over the static KV cache (static_kv.py): allocated once, written in place, attention through
     SDPA, sampling on the device. auto: on for cuda when the KV budget gives each of max_batch_size rows
@@ -101,6 +105,8 @@ class EngineConfig:
                               "the device's memory the engine may hold; 0.4 leaves the rest to a trainer)")
         if self.max_batch_size < 1:
             raise ConfigError("engine max_batch_size must be >= 1")
+        if self.max_prefill_tokens < 0:
+            raise ConfigError(f"engine max_prefill_tokens = {self.max_prefill_tokens}: set it >= 0 (0: no limit)")
         if self.fast_decode not in FAST_DECODE:
             raise ConfigError(f"engine fast_decode = {self.fast_decode!r}: choose one of {', '.join(FAST_DECODE)}")
         if self.prefix_block_size < 1:

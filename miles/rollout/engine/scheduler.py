@@ -27,7 +27,11 @@ back to the head of the queue, so they finish as they would have. A request whos
 while no run alone could be blamed (the fault is in the combination, or transient) is failed with
 EngineStepFailed (HTTP 503, retry). A step that held a single row blames it at once.
 
-Non-goals: priorities, preemption by length or memory pressure, chunked prefill; the torch work
+Prefill budget: one iteration admits prompts up to max_prefill_tokens in all (at least one prompt), so a
+burst of long prompts is prefilled over several iterations with a decode step of the running rows
+between each; a single prompt longer than the budget is still computed in one forward.
+
+Non-goals: priorities, preemption by length or memory pressure, splitting one prompt's prefill; the torch work
 itself (model_runner.py).
 """
 
@@ -262,11 +266,18 @@ class Scheduler:
             return admit
         # Rows are padded to the longest, so the batch's KV is (rows x the longest reservation) tokens.
         longest = max((self._reserve(r) for r in self.runner.rows if r.finish is None), default=0)
+        prefill_budget, prefill_tokens = self.config.max_prefill_tokens, 0
         while self._waiting and len(admit) < room:
             need = max(longest, self._reserve(self._waiting[0]))
             if (self.runner.num_running + len(admit) + 1) * need > self.runner.kv_budget and \
                     (self.runner.num_running or admit):
                 break  # waits for room; an empty batch always takes one (its context fits, checked at start)
+            # Prompts beyond this step's prefill budget wait for the next step: the running rows decode a
+            # token between two prefills rather than waiting for a whole burst of long prompts.
+            prompt = len(self._waiting[0].prefill_ids())
+            if prefill_budget and admit and prefill_tokens + prompt > prefill_budget:
+                break
+            prefill_tokens += prompt
             longest = need
             admit.append(self._waiting.popleft())
         return admit
