@@ -1,8 +1,8 @@
 """The engine's fast decode (static KV cache, decode forward over it, sampling on the device) answers
 exactly as its eager path: the same greedy ids and seeded samples, logprobs within float tolerance,
 with requests joining and leaving a running batch, the prefix cache, streaming, input logprobs, LoRA,
-routed experts and memory release all still served; a KV budget too short for every row's context
-serves a shorter context and says so."""
+routed experts, quantized serving, weight updates and memory release all still served, on every model
+family it supports; a KV budget too short for every row's context serves a shorter context and says so."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from miles.rollout.engine.engine import Engine
 from miles.rollout.engine.lora import read_adapter
 from miles.rollout.engine.static_kv import StaticKV
 from tests.unit.rollout.engine.test_engine_lora import _write_adapter
+from tests.unit.rollout.engine.test_engine_models import _build
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], list(range(20, 90)), [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
@@ -157,3 +158,32 @@ def test_a_short_kv_budget_serves_a_shorter_context_and_refuses_longer_prompts(m
         assert out.finish_reason.type == "length" and len(out.output_ids) == engine.context_length - 3
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3_moe"])
+def test_every_supported_family_decodes_as_on_the_eager_path(arch, tmp_path, tiny_model_dir):
+    path = _build(arch, tmp_path / arch, tiny_model_dir)
+    reqs = [(p, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True), {}) for p in PROMPTS[:4]]
+    eager, fast = _both(path, reqs)
+    _assert_same(eager, fast)
+
+
+def test_quantized_serving_decodes_as_on_the_eager_path(model_dir):
+    reqs = [(p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i), {}) for i, p in enumerate(PROMPTS[:3])]
+    eager, fast = _both(model_dir, reqs, quantization="fp8")
+    _assert_same(eager, fast)
+
+
+def test_a_weight_update_between_steps_is_decoded_with_on_both_paths(model_dir):
+    outs = []
+    for fast in (False, True):
+        engine = _engine(model_dir, fast)
+        try:
+            name = next(n for n in engine.param_meta if n.endswith("layers.0.mlp.down_proj.weight"))
+            new = engine.model.state_dict()[name].detach().clone() * 1.5
+            engine.apply_weights({name: new}, "v2", adopt={name})
+            outs.append(_run(engine, [(p, SamplingParams(temperature=0, max_new_tokens=10), {}) for p in PROMPTS[:3]]))
+        finally:
+            engine.stop()
+    _assert_same(*outs)
+    assert all(o.weight_version == "v2" for o in outs[1])
