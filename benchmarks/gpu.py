@@ -194,9 +194,9 @@ def breakdown(model_dir: str, device: str, dtype: str, batch: int, prompt_len: i
 
     runner = ModelRunner(_engine_config(model_dir, device, dtype, batch, prompt_len + new_tokens, "fast"))
     g = torch.Generator().manual_seed(1)
-    rows = [Row.of(GenerateRequest(rid=str(i), input_ids=tuple(torch.randint(5, 300, (prompt_len,), generator=g).tolist()),
-                                   params=SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True,
-                                                         seed=i)), Future()) for i in range(batch)]
+    prompts = torch.randint(5, 300, (batch, prompt_len), generator=g).tolist()
+    rows = [Row.of(GenerateRequest(rid=str(i), input_ids=tuple(p), params=SamplingParams(
+        temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=i)), Future()) for i, p in enumerate(prompts)]
     runner.prefill(rows)
     for _ in range(max(new_tokens // 2 - 1, 1)):  # to the middle of the generation (graphs captured on the way)
         runner.decode()
@@ -219,7 +219,8 @@ def breakdown(model_dir: str, device: str, dtype: str, batch: int, prompt_len: i
             _sync(device)
     kernels = _kernel_ms(prof, device, 3)
     kernel_ms = sum(kernels.values())
-    weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in runner.model.state_dict().values()}.values())
+    unique = {t.data_ptr(): t for t in runner.model.state_dict().values()}  # a tied weight once
+    weights = sum(t.numel() * t.element_size() for t in unique.values())
     per_token = bytes_per_token(runner.model)
     Bk, _ = fast.buckets(batch)
     return {"tokens_in_kv_mean": round(sum(kv.lens) / batch, 1), "graphs": fast.use_graphs,

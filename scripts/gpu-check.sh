@@ -56,7 +56,8 @@ part probe 60 "$PY" "${CHECK[@]}" probe "$OUT/device.json"
 cat "$OUT/device.json" >&2; echo >&2
 
 if [ "$SMALL" = 1 ]; then
-  part pytest-cuda 120 "$PY" -m pytest -q -m cuda tests/unit/trainer/test_device.py tests/unit/rollout/engine/test_decode_graphs.py -p no:cacheprovider
+  part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/unit/trainer/test_device.py \
+      tests/unit/rollout/engine/test_decode_graphs.py
 else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack)
   part pytest-cuda 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
 fi

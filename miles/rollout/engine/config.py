@@ -55,6 +55,10 @@ class EngineConfig:
     SDPA, sampling on the device. auto: on for cuda when the KV budget gives each of max_batch_size rows
     the whole context_length (else off, logged with the fix), off for cpu; on: on, serving a shorter
     context_length when the budget is short; off. Models outside decode_forward.FAMILIES decode eagerly."""
+    prefill_chunk_tokens: int = 2048
+    """With fast_decode, a prompt longer than this is prefilled this many tokens per engine step, a decode
+    step of the running rows between two chunks, so it does not stall them (requests asking for input
+    logprobs or routed experts, or on a LoRA adapter, are prefilled whole). 0: never split a prompt."""
     cuda_graphs: bool = True
     """With fast_decode on cuda, replay decode steps as CUDA graphs, one per batch/length bucket
     (graphs.py). Batches on a LoRA adapter or returning routed experts, and quantized serving, decode
@@ -107,6 +111,9 @@ class EngineConfig:
             raise ConfigError("engine max_batch_size must be >= 1")
         if self.max_prefill_tokens < 0:
             raise ConfigError(f"engine max_prefill_tokens = {self.max_prefill_tokens}: set it >= 0 (0: no limit)")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(f"engine prefill_chunk_tokens = {self.prefill_chunk_tokens}: set it >= 0 "
+                              "(0: never split a prompt)")
         if self.fast_decode not in FAST_DECODE:
             raise ConfigError(f"engine fast_decode = {self.fast_decode!r}: choose one of {', '.join(FAST_DECODE)}")
         if self.prefix_block_size < 1:

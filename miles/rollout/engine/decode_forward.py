@@ -1,4 +1,5 @@
-"""One decode forward over the static KV cache: a token per slot in, next-token logits out.
+"""The forwards over the static KV cache: a decode step (a token per slot in, next-token logits out),
+and one chunk of a long prompt's prefill into a slot.
 
 The HF model's own modules do the work (embeddings, norms, projections, MLP or MoE block, LM head),
 so LoRA hooks, quantized linears and router hooks apply exactly as in the eager forward; what this
@@ -15,7 +16,11 @@ No host synchronisation and no Python branch on tensor values, so the forward ca
 CUDA graph (graphs.py). Supported: the Llama-style decoder families listed in FAMILIES, whose layers
 are pre-norm attention + MLP with rotary positions; any other model decodes on the eager path.
 
-Non-goals: prefill (the HF forward computes prompts, model_runner.py), sliding windows, ALiBi.
+A prefill chunk (`chunk`) computes positions [start, start + C) of one prompt in one slot, attending
+to the slot's columns [0, start + C) under a causal mask (SDPA with grouped-query attention), so a
+long prompt is prefilled a chunk per engine step between decode steps (model_runner.py).
+
+Non-goals: prefilling batches of prompts (the HF forward does, model_runner.py), sliding windows, ALiBi.
 """
 
 from __future__ import annotations
@@ -99,3 +104,35 @@ class DecodeForward:
         o = F.scaled_dot_product_attention(q, k_cache[:Bk, :, :Lb], v_cache[:Bk, :, :Lb], attn_mask=mask,
                                            scale=self.scaling)  # (Bk, kv_heads, G, D)
         return attn.o_proj(o.reshape(Bk, 1, self.heads * D))
+
+    def chunk(self, kv: StaticKV, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Prefill positions [start, start + C) of `slot` from `ids` (C,), the columns before them already
+        written; returns the logits (V,) of the last position."""
+        C = ids.shape[0]
+        pos = torch.arange(start, start + C, device=ids.device)
+        x = self.inner.embed_tokens(ids[None])  # (1, C, hidden)
+        cos, sin = self.inner.rotary_emb(x, pos[None])
+        # Position start + i sees the columns up to itself: (1, 1, C, start + C), True = attend.
+        mask = (torch.arange(start + C, device=ids.device)[None, :] <= pos[:, None])[None, None]
+        for i, layer in enumerate(self.inner.layers):
+            x = x + self._chunk_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, kv.k[i], kv.v[i],
+                                          slot, start, mask)
+            out = layer.mlp(layer.post_attention_layernorm(x))
+            x = x + (out[0] if isinstance(out, tuple) else out)
+        x = self.inner.norm(x[:, -1:])
+        return self.model.lm_head(x)[0, 0]  # (V,)
+
+    def _chunk_attention(self, attn, h, cos, sin, k_cache, v_cache, slot, start, mask):
+        C, D = h.shape[1], self.head_dim
+        q = attn.q_proj(h).view(1, C, self.heads, D)
+        k = attn.k_proj(h).view(1, C, self.kv_heads, D)
+        v = attn.v_proj(h).view(1, C, self.kv_heads, D)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (1, heads, C, D)
+        k_cache[slot, :, start:start + C] = k[0]
+        v_cache[slot, :, start:start + C] = v[0].transpose(0, 1)
+        L = start + C
+        o = F.scaled_dot_product_attention(q, k_cache[slot:slot + 1, :, :L], v_cache[slot:slot + 1, :, :L],
+                                           attn_mask=mask, scale=self.scaling, enable_gqa=True)  # (1, heads, C, D)
+        return attn.o_proj(o.transpose(1, 2).reshape(1, C, self.heads * D))

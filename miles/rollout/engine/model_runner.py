@@ -44,6 +44,7 @@ from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
+from miles.rollout.engine.chunked_prefill import ChunkedPrefill
 from miles.rollout.engine.config import EngineConfig
 from miles.rollout.engine.decode_forward import DecodeForward, unsupported
 from miles.rollout.engine.graphs import DecodeGraphs, length_bucket
@@ -107,6 +108,7 @@ class ModelRunner:
         # Fast decode (static_kv.py, graphs.py): set when it serves this engine; the sampling tensors of
         # the batch are rebuilt only when the rows list is replaced (admission, compaction).
         self.fast: DecodeGraphs | None = None
+        self.chunked: ChunkedPrefill | None = None  # long prompts prefilled a chunk per step (fast decode only)
         self._sampling: tuple[list[Row], SamplingBatch] | None = None
         self._setup_fast_decode()
 
@@ -140,6 +142,8 @@ class ModelRunner:
         self.kv = StaticKV(c.num_hidden_layers, fwd.kv_heads, fwd.head_dim, slots, cap,
                            next(self.model.parameters()).dtype, self.device)
         self.fast = DecodeGraphs(fwd, self.kv, use_graphs=on_cuda and cfg.cuda_graphs and cfg.quantization == "none")
+        if cfg.prefill_chunk_tokens:
+            self.chunked = ChunkedPrefill(self, cfg.prefill_chunk_tokens)
 
     def release_static(self, kv: bool) -> None:
         """Drop the CUDA graphs (their memory pool) and, with `kv`, the static KV buffers; the next step
@@ -151,15 +155,29 @@ class ModelRunner:
 
     @property
     def num_running(self) -> int:
-        return len(self.rows) - self.dead
+        """Admitted and unfinished: in the batch, or waiting for their prompt's next chunk."""
+        return len(self.rows) - self.dead + len(self.chunking)
+
+    @property
+    def chunking(self) -> list[Row]:
+        """Admitted rows whose prompt is being prefilled a chunk per step (chunked_prefill.py)."""
+        return self.chunked.rows if self.chunked is not None else []
 
     # ---- steps ------------------------------------------------------------------------------
 
     def prefill(self, rows: list[Row]) -> None:
         """Compute `rows`' prompts, sample their first tokens and append them to the running batch."""
+        if self.chunked is not None:
+            rows = self.chunked.take(rows)  # long prompts: a chunk per step from prefill_chunk()
+            if not rows:
+                return
         t0 = time.perf_counter()
         self._prefill(rows)
         self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def prefill_chunk(self) -> None:
+        """The next chunk of the first long prompt waiting; after its last it joins the batch."""
+        self.chunked.step()
 
     def _prefill(self, rows: list[Row]) -> None:
         # Identical prompts (on the same adapter) are prefilled once; `lead[i]` is the unique prompt row i copies.
@@ -292,18 +310,21 @@ class ModelRunner:
         for row in self.rows:
             if row.req.rid in rids and row.finish is None:
                 row.finish = FinishReason("abort", message="aborted")
+        if self.chunked is not None:
+            self.chunked.abort(rids)
 
     def retire_finished(self) -> list[Row]:
         """Rows that finished since the last call, marked answered (the caller answers them); their KV
         goes to the prefix cache. They stay in the batch tensors until `compact` drops them."""
+        gone = self.chunked.finished() if self.chunked is not None else []  # aborted before their last chunk
         newly = [i for i, r in enumerate(self.rows) if r.finish is not None and not r.answered]
         if not newly:
-            return []
+            return gone
         self._cache_rows([i for i in newly if self.rows[i].output_ids])
         for i in newly:
             self.rows[i].answered = True
         self.dead += len(newly)
-        return [self.rows[i] for i in newly]
+        return [self.rows[i] for i in newly] + gone
 
     def compact(self, force: bool = False) -> None:
         """Drop retired rows from the batch tensors.
@@ -318,7 +339,7 @@ class ModelRunner:
         keep = [i for i, r in enumerate(self.rows) if r.finish is None]
         self.dead = 0
         if not keep:
-            self.reset()
+            self._reset_batch()
             return
         self.kv.select(keep)
         self.rows = [self.rows[i] for i in keep]
@@ -329,14 +350,20 @@ class ModelRunner:
         than the end of a row's run alone (failure isolation)."""
         live = [i for i, r in enumerate(self.rows) if r.finish is None]
         self._cache_rows(live)
-        rows = [self.rows[i] for i in live]
+        rows = [self.rows[i] for i in live] + [r for r in self.chunking if r.finish is None]
         self.reset()
         if count:
             self.stats["retracted_reqs"] += len(rows)
         return rows
 
     def reset(self) -> None:
-        """Forget the running batch (its rows must be answered or requeued by the caller)."""
+        """Forget the running batch and the prompts waiting for a chunk (their rows must be answered or
+        requeued by the caller)."""
+        self._reset_batch()
+        if self.chunked is not None:
+            self.chunked.clear()
+
+    def _reset_batch(self) -> None:
         self.dead = 0
         self.rows = []
         self.kv.reset()

@@ -29,9 +29,10 @@ EngineStepFailed (HTTP 503, retry). A step that held a single row blames it at o
 
 Prefill budget: one iteration admits prompts up to max_prefill_tokens in all (at least one prompt), so a
 burst of long prompts is prefilled over several iterations with a decode step of the running rows
-between each; a single prompt longer than the budget is still computed in one forward.
+between each. With the fast decode, a prompt longer than prefill_chunk_tokens is prefilled a chunk per
+iteration (chunked_prefill.py), before the iteration's decode step.
 
-Non-goals: priorities, preemption by length or memory pressure, splitting one prompt's prefill; the torch work
+Non-goals: priorities, preemption by length or memory pressure; the torch work
 itself (model_runner.py).
 """
 
@@ -194,7 +195,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not (self._stopping or self._control or self._aborts
-                           or (not self._held() and (self._waiting or runner.rows))):
+                           or (not self._held() and (self._waiting or runner.rows or runner.chunking))):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -222,6 +223,10 @@ class Scheduler:
                     for _, done in control:
                         done.set()
                     continue
+                if runner.chunking and not self._held():  # a chunk of a long prompt, then a decode step
+                    runner.prefill_chunk()
+                    self._stream(runner.rows)
+                    self._evict_finished()
                 if runner.rows and not self._held():
                     runner.decode()
                     self._stream(runner.rows)
@@ -231,7 +236,7 @@ class Scheduler:
                 runner.stats["busy_s"] += time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine or its batch
                 # Every row the step touched, once each (a failed prefill may or may not have merged `admit`).
-                batch = list({id(r): r for r in runner.rows + admit}.values())
+                batch = list({id(r): r for r in runner.rows + runner.chunking + admit}.values())
                 self._isolate(batch, exc, aborts)
                 for _, done in control:
                     done.set()
@@ -257,7 +262,7 @@ class Scheduler:
         empty batch, while a failed step is being isolated; else waiting rows up to max_batch_size."""
         if self._waiting and self._waiting[0].isolation == "suspect":
             # Between two runs alone the batch is empty; otherwise let what runs finish first.
-            return [self._waiting.popleft()] if not self.runner.rows else []
+            return [self._waiting.popleft()] if not (self.runner.rows or self.runner.chunking) else []
         if self._isolation is not None:
             self._end_isolation()
         room = self.config.max_batch_size - self.runner.num_running
@@ -398,7 +403,7 @@ class Scheduler:
         with self._cond:
             pending = list(self._waiting)
             self._waiting.clear()
-        for row in self.runner.rows:
+        for row in self.runner.rows + self.runner.chunking:
             if not row.future.done():
                 row.future.set_result(self.runner.result(row, FinishReason("abort", message="engine stopped")))
         for row in pending:

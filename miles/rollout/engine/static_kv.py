@@ -1,7 +1,7 @@
 """The static KV cache: the running batch's keys and values in buffers allocated once and written in place.
 
-Layout. Each layer holds keys and values of shape (slots, kv_heads, cap, head_dim), allocated (zeroed)
-the first time rows arrive and kept until `free`. Row i of the running batch lives in slot i, its
+Layout. Each layer holds keys and values of shape (slots + 1, kv_heads, cap, head_dim), allocated
+(zeroed) the first time rows arrive and kept until `free`. Row i of the running batch lives in slot i, its
 token at position p in column p (left-aligned: a row's KV starts at column 0 whatever its length).
 A decode step writes every row's new key and value into column `next_pos[i]` of its slot and reads
 columns [0, Lb) of slots [0, Bk), where Lb and Bk are the length and batch buckets of the step
@@ -13,6 +13,8 @@ masked column multiplies a finite value by a zero attention weight.
   * compaction: `select` moves the kept rows down to slots [0, n), copying only the moved rows'
     columns, never the whole batch;
   * prefix cache: `row_kv` reads one row's columns out for an insert.
+  * chunked prefill: one more slot, `staging`, past the ones batches use, holds a long prompt while it
+    is prefilled a chunk per step; `adopt` then moves it into the next free slot.
 The same interface as kv_cache.BatchKV (merge, select, reset, row_kv, next_pos, last_tokens), so
 the model runner's prefill, retirement and prefix-cache code need not know which one it holds.
 
@@ -35,8 +37,9 @@ import torch
 class StaticKV:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int, cap: int,
                  dtype: torch.dtype, device: torch.device):
-        self.shape = (slots, kv_heads, cap, head_dim)
+        self.shape = (slots + 1, kv_heads, cap, head_dim)  # the last slot: staging (never in a batch bucket)
         self.num_layers, self.slots, self.cap = num_layers, slots, cap
+        self.staging = slots
         self.dtype, self.device = dtype, device
         self.k: list[torch.Tensor] = []  # per layer (slots, kv_heads, cap, head_dim); empty until allocated
         self.v: list[torch.Tensor] = []
@@ -79,8 +82,9 @@ class StaticKV:
             raise RuntimeError(f"static KV: {self.n} + {R} rows exceed its {self.slots} slots (max_batch_size)")
         new_lens = lens.tolist()
         if max(new_lens) > self.cap:
-            raise RuntimeError(f"static KV: a prompt of {max(new_lens)} tokens exceeds the {self.cap} columns of a slot")
-        self._allocate()
+            raise RuntimeError(f"static KV: a prompt of {max(new_lens)} tokens exceeds the {self.cap} columns "
+                               "of a slot")
+        self.allocate()
         row, col = mask.nonzero(as_tuple=True)  # real tokens, row-major: each row's in position order
         pos = (mask.cumsum(dim=1) - 1)[row, col]  # their positions
         slot = row + self.n
@@ -110,8 +114,32 @@ class StaticKV:
         self.lens = [self.lens[i] for i in keep]
 
     def row_kv(self, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of row i's tokens [a, b), each (layers, H, b - a, D)."""
+        """Keys and values of row i's tokens [a, b) (of the staging slot for i = staging), each
+        (layers, H, b - a, D)."""
         return (torch.stack([k[i, :, a:b] for k in self.k]), torch.stack([v[i, :, a:b] for v in self.v]))
+
+    # ---- chunked prefill ----------------------------------------------------------------------
+
+    def load_staging(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write a cached prefix, keys and values (layers, H, c, D), into the staging slot's first c columns."""
+        self.allocate()
+        c = keys.shape[2]
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            k[self.staging, :, :c] = keys[layer]
+            v[self.staging, :, :c] = values[layer]
+
+    def adopt(self, length: int, token: torch.Tensor) -> None:
+        """Move the staging slot's prompt (`length` columns) into the next free slot, its next input
+        `token` (a (1,) tensor): the row joins the batch."""
+        if self.n >= self.slots:
+            raise RuntimeError(f"static KV: no free slot among {self.slots} for a prefilled row")
+        n = self.n
+        for k, v in zip(self.k, self.v):
+            k[n, :, :length] = k[self.staging, :, :length]
+            v[n, :, :length] = v[self.staging, :, :length]
+        self._pos[n] = length
+        self._tokens[n:n + 1] = token
+        self.lens = self.lens + [length]
 
     # ---- the decode step --------------------------------------------------------------------
 
@@ -123,8 +151,8 @@ class StaticKV:
         self.lens = [min(x + 1, self.cap) for x in self.lens]
 
     def inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, positions) of slots [0, rows), positions clamped to the last column: a finished row
-        waiting for compaction keeps stepping, its outputs ignored."""
+        """(tokens, positions) of slots [0, rows). A finished row waiting for compaction keeps stepping,
+        its outputs ignored; the forward clamps its position to the last column."""
         return self._tokens[:rows], self._pos[:rows]
 
     def free(self) -> None:
@@ -133,13 +161,16 @@ class StaticKV:
         self._tokens = self._pos = None
         self.lens = []
 
-    def _allocate(self) -> None:
+    def allocate(self) -> None:
+        """Allocate the buffers (zeroed), unless they are. Never as inference tensors, whatever the caller's
+        mode: merges, compaction and resets write into them outside inference mode."""
         if self.k:
             return
-        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self._tokens = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-        self._pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        with torch.inference_mode(False):
+            self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self._tokens = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+            self._pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self.generation += 1
 
     def nbytes(self) -> int:

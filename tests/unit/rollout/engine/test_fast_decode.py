@@ -89,8 +89,8 @@ def test_prefix_cache_streaming_and_input_logprobs_still_served(model_dir):
         try:
             first = _run(engine, [(shared + [7], SamplingParams(temperature=0, max_new_tokens=8), {})])[0]
             streamed: list[int] = []
-            req = engine.make_request(shared + [8], SamplingParams(temperature=0, max_new_tokens=8), return_logprob=True,
-                                      logprob_start_len=60)
+            req = engine.make_request(shared + [8], SamplingParams(temperature=0, max_new_tokens=8),
+                                      return_logprob=True, logprob_start_len=60)
             second = engine.submit(req, listener=lambda ids, lps: streamed.extend(ids)).result(120)
             assert streamed == second.output_ids
             outs.append((first, second))
@@ -187,3 +187,56 @@ def test_a_weight_update_between_steps_is_decoded_with_on_both_paths(model_dir):
             engine.stop()
     _assert_same(*outs)
     assert all(o.weight_version == "v2" for o in outs[1])
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(model_dir):
+    long_prompt = PROMPTS[2] + PROMPTS[4]  # 81 tokens: 6 chunks of 16
+    short = (PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    outs = []
+    for fast in (False, True):
+        engine = _engine(model_dir, fast, prefill_chunk_tokens=16)
+        try:
+            during: list[bool] = []  # per streamed step of the short row: was the long prompt being chunked?
+            first = engine.submit(engine.make_request(*short, return_logprob=True),
+                                  listener=lambda ids, lps: during.append(bool(engine.runner.chunking)))
+            while not during:
+                time.sleep(0.001)
+            before = engine.stats["prefill_forwards"]
+            long_out = _run(engine, [(long_prompt, SamplingParams(temperature=0, max_new_tokens=12), {})])[0]
+            prefills = engine.stats["prefill_forwards"] - before
+            again = _run(engine, [(long_prompt, SamplingParams(temperature=0, max_new_tokens=12), {})])[0]
+            outs.append((first.result(60), long_out, again, prefills, any(during)))
+        finally:
+            engine.stop()
+    (e_short, e_long, e_again, e_prefills, _), (f_short, f_long, f_again, f_prefills, interleaved) = outs
+    _assert_same([e_short, e_long, e_again], [f_short, f_long, f_again])
+    assert e_prefills == 1 and f_prefills == 6  # whole on the eager path; ceil(81 / 16) chunks on the fast one
+    assert interleaved  # the short row got tokens while the long prompt was being prefilled
+    assert f_again.cached_tokens > 0  # the chunked prompt's KV went to the prefix cache
+
+
+def test_a_chunking_row_can_be_aborted_or_retracted(model_dir):
+    from concurrent.futures import Future
+
+    from miles.engine_api.types import GenerateRequest
+    from miles.rollout.engine.model_runner import ModelRunner
+    from miles.rollout.engine.row import Row
+
+    runner = ModelRunner(EngineConfig(model_path=model_dir, fast_decode="on", max_batch_size=4, prefill_chunk_tokens=8))
+
+    def row(rid):
+        return Row.of(GenerateRequest(rid=rid, input_ids=tuple(PROMPTS[2]), params=SamplingParams(
+            temperature=0, max_new_tokens=5)), Future())
+
+    a, b = row("a"), row("b")
+    runner.prefill([a, b])
+    assert runner.chunking == [a, b] and runner.num_running == 2 and not runner.rows
+    runner.prefill_chunk()
+    runner.abort({"a"})
+    assert runner.retire_finished() == [a] and a.finish.type == "abort"
+    runner.prefill_chunk()
+    assert runner.retract() == [b] and not runner.chunking
+    runner.prefill([b])
+    while runner.chunking:
+        runner.prefill_chunk()
+    assert runner.rows == [b] and len(b.output_ids) == 1
