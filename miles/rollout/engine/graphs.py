@@ -13,8 +13,9 @@ A graph reads the KV buffers and the weights at the addresses it was captured wi
 those (the buffers reallocated after a memory release, a weight update that adopted new storage,
 weights parked and resumed) drops every graph, and the next steps capture again.
 
-Where graphs are off (cpu, `cuda_graphs = false`) the same padded forward runs eagerly, which is what
-the CPU tests check bucket by bucket.
+Where graphs are off (cpu, `cuda_graphs = false`, quantized serving, MoE models whose expert dispatch
+reads the routing on the host) the same padded forward runs eagerly, which is what the CPU tests check
+bucket by bucket. A capture that fails turns graphs off for the engine's life (logged), never the step.
 Non-goals: graphs for prefill, for LoRA or routed-expert batches (their hooks are Python; the
 model runner decodes those eagerly), torch.compile.
 """
@@ -22,11 +23,14 @@ model runner decodes those eagerly), torch.compile.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
 from miles.rollout.engine.decode_forward import DecodeForward
 from miles.rollout.engine.static_kv import StaticKV
+
+log = logging.getLogger(__name__)
 
 MIN_LENGTH_BUCKET = 64
 
@@ -67,7 +71,14 @@ class DecodeGraphs:
             self._captured_for = key
         entry = self.graphs.get((Bk, Lb))
         if entry is None:
-            entry = self.graphs[(Bk, Lb)] = self._capture(Bk, Lb)
+            try:
+                entry = self.graphs[(Bk, Lb)] = self._capture(Bk, Lb)
+            except Exception:  # noqa: BLE001 - a forward that cannot be captured still decodes, eagerly
+                log.warning("decode graphs off: capturing a (%d, %d) step failed; decoding eagerly", Bk, Lb,
+                            exc_info=True)
+                self.use_graphs = False
+                self.clear()
+                return self.forward(self.kv, *self.kv.inputs(Bk), Lb)[:n]
         graph, logits = entry
         graph.replay()
         return logits[:n]

@@ -141,7 +141,10 @@ class ModelRunner:
         fwd = DecodeForward(self.model)
         self.kv = StaticKV(c.num_hidden_layers, fwd.kv_heads, fwd.head_dim, slots, cap,
                            next(self.model.parameters()).dtype, self.device)
-        self.fast = DecodeGraphs(fwd, self.kv, use_graphs=on_cuda and cfg.cuda_graphs and cfg.quantization == "none")
+        # Not captured: quantized linears (their served bytes change under them) and MoE blocks (their
+        # expert dispatch reads the routing on the host).
+        self.fast = DecodeGraphs(fwd, self.kv, use_graphs=on_cuda and cfg.cuda_graphs and cfg.quantization == "none"
+                                 and not self.routers)
         if cfg.prefill_chunk_tokens:
             self.chunked = ChunkedPrefill(self, cfg.prefill_chunk_tokens)
 

@@ -38,7 +38,7 @@ def _admit(runner: ModelRunner, lengths: list[int]) -> None:
     runner.prefill(rows)
 
 
-def _each_bucket(runner: ModelRunner, padded_step):
+def _each_bucket(runner: ModelRunner, padded_step, atol: float = 2e-5):
     """For batches of 1..SLOTS rows, short (length bucket 64) and long (128): the step's logits at its
     buckets against the unpadded eager forward over exactly the columns in use."""
     seen = set()
@@ -51,7 +51,7 @@ def _each_bucket(runner: ModelRunner, padded_step):
                 plain = runner.fast.forward(kv, *kv.inputs(n), max(kv.lens[:n]) + 1)
                 at_buckets = padded_step(n)
             seen.add(runner.fast.buckets(n))
-            torch.testing.assert_close(at_buckets, plain, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(at_buckets, plain, atol=atol, rtol=1e-4)
             assert torch.equal(at_buckets.argmax(-1), plain.argmax(-1))
     assert seen == {(b, L) for b in (1, 2, 4, 8) for L in (64, 128)}
 
@@ -66,7 +66,8 @@ def test_padded_step_equals_unpadded_for_every_bucket(model_dir):
 def test_graph_replay_equals_eager_for_every_bucket(model_dir):
     runner = _runner(model_dir, "cuda")
     assert runner.fast.use_graphs
-    _each_bucket(runner, lambda n: runner.fast.run(n).clone())
+    # Other column counts may pick other SDPA kernels on the GPU: float32 rounding apart.
+    _each_bucket(runner, lambda n: runner.fast.run(n).clone(), atol=1e-4)
     assert runner.fast.captures == 8  # one graph per bucket met
 
 
@@ -85,3 +86,20 @@ def test_graphs_capture_again_after_the_weights_move(model_dir):
     assert runner.fast.captures == 2
     torch.testing.assert_close(after, plain, atol=2e-5, rtol=1e-4)
     assert not torch.allclose(before, after)
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_from_then_on(model_dir, monkeypatch):
+    runner = _runner(model_dir, "cpu")
+    _admit(runner, [5, 9, 3])
+    fast = runner.fast
+    fast.use_graphs = True  # as on cuda; the capture then fails as a host-synchronising forward's would
+
+    def fail(*_):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fast, "_capture", fail)
+    with torch.inference_mode():
+        logits = fast.run(3)
+        plain = fast.forward(runner.kv, *runner.kv.inputs(4), 64)[:3]
+    assert not fast.use_graphs and not fast.graphs
+    torch.testing.assert_close(logits, plain)
