@@ -75,6 +75,8 @@ class ChunkedPrefill:
                 tokens, logprobs = sample(logits[None], [row.req.params], [row.generator], runner._generator)
                 if whole and runner.prefix_cache.max_tokens:
                     runner.prefix_cache.insert(ids, lambda x, y: kv.row_kv(kv.staging, x, y))
+                if kv.n >= kv.slots:  # retired rows still hold slots: drop them (admission counted only live ones)
+                    runner.compact(force=True)
                 kv.adopt(len(ids), tokens)
                 host = torch.stack([tokens.double(), logprobs.double()]).tolist()
         runner.stats["prefill_forwards"] += 1

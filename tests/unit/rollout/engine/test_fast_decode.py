@@ -240,3 +240,22 @@ def test_a_chunking_row_can_be_aborted_or_retracted(model_dir):
     while runner.chunking:
         runner.prefill_chunk()
     assert runner.rows == [b] and len(b.output_ids) == 1
+
+
+def test_a_chunked_row_joins_a_full_batch_once_its_retired_rows_are_dropped(model_dir):
+    from concurrent.futures import Future
+
+    from miles.engine_api.types import GenerateRequest
+    from miles.rollout.engine.model_runner import ModelRunner
+    from miles.rollout.engine.row import Row
+
+    runner = ModelRunner(EngineConfig(model_path=model_dir, fast_decode="on", max_batch_size=2, prefill_chunk_tokens=8))
+    asks = [(PROMPTS[0], 1), (PROMPTS[1], 9), (PROMPTS[2], 4)]
+    rows = [Row.of(GenerateRequest(rid=str(i), input_ids=tuple(p), params=SamplingParams(
+        temperature=0, max_new_tokens=n)), Future()) for i, (p, n) in enumerate(asks)]
+    runner.prefill(rows[:2])
+    runner.retire_finished()  # row 0 finished at its first token: retired, still in its slot
+    runner.prefill(rows[2:])  # admitted: one live row and one chunking, within max_batch_size
+    while runner.chunking:
+        runner.prefill_chunk()
+    assert runner.rows == rows[1:] and runner.num_running == 2
