@@ -63,14 +63,15 @@ class SamplingBatch:
         engine generator. Generators live on the host, so a seed draws the same uniforms on every device."""
         import torch
 
-        u = torch.zeros(len(self.params))
+        u = [0.0] * len(self.params)  # Python floats hold float32 draws exactly; one tensor built at the end
         shared = [i for i in self.sampled if generators[i] is None]
         if shared:
-            u[torch.tensor(shared)] = torch.rand(len(shared), generator=default_generator)
+            for i, x in zip(shared, torch.rand(len(shared), generator=default_generator).tolist()):
+                u[i] = x
         for i in self.sampled:
             if generators[i] is not None:
-                u[i] = torch.rand(1, generator=generators[i])[0]
-        return u
+                u[i] = torch.rand(1, generator=generators[i]).item()
+        return torch.tensor(u, dtype=torch.float32)
 
     def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (B,) and their logprobs (B,) for logits (B, V) and host uniforms `u` (B,)."""
