@@ -25,6 +25,13 @@ or unloading an adapter that changes the default counts as a weight change (weig
 With `quantization`, the Linear layers serve their weights in a low-precision format and dequantize
 them in each matmul (precision/linear.py); the parameters themselves stay as received.
 
+Fast decode (`fast_decode`, on for cuda by default): the batch's KV lives in a static cache
+(static_kv.py) instead of kv_cache.BatchKV, behind the same interface, so prefill, retirement and the
+prefix cache read and write it as before; decode then runs decode_forward.py's forward over it, as a
+CUDA graph per bucket (graphs.py) unless the batch has LoRA adapters or records routed experts (those
+run the same forward eagerly with their hooks), and samples on the device (sampler.SamplingBatch).
+Long prompts are prefilled a chunk per step (chunked_prefill.py).
+
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
 (kv_cache.py), releasing memory (memory.py).
 """
@@ -56,6 +63,7 @@ from miles.rollout.engine.sampler import SamplingBatch, sample
 from miles.rollout.engine.static_kv import StaticKV
 
 log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
