@@ -41,7 +41,7 @@ class StaticKV:
         self.num_layers, self.slots, self.cap = num_layers, slots, cap
         self.staging = slots
         self.dtype, self.device = dtype, device
-        self.k: list[torch.Tensor] = []  # per layer (slots, kv_heads, cap, head_dim); empty until allocated
+        self.k: list[torch.Tensor] = []  # per layer (slots + 1, kv_heads, cap, head_dim); empty until allocated
         self.v: list[torch.Tensor] = []
         self._tokens: torch.Tensor | None = None  # (slots,) next input token of each slot
         self._pos: torch.Tensor | None = None  # (slots,) next position (= columns written) of each slot
