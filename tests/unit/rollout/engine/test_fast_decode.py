@@ -259,3 +259,30 @@ def test_a_chunked_row_joins_a_full_batch_once_its_retired_rows_are_dropped(mode
     while runner.chunking:
         runner.prefill_chunk()
     assert runner.rows == rows[1:] and runner.num_running == 2
+
+
+def test_a_request_that_breaks_a_fast_decode_step_fails_alone(model_dir):
+    from miles.engine_api.errors import RequestFailed
+
+    long_prompt = [11 + i % 50 for i in range(40)]
+    limit = len(long_prompt) + 4
+    engine = _engine(model_dir, True)
+    try:
+        greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+        honest = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]  # short: their positions never reach the limit
+        alone = _run(engine, [(p, greedy, {}) for p in honest])
+        forward = engine.runner.fast.forward
+
+        def faulty(kv, tokens, pos, Lb):  # the long row's decode crosses the limit; nobody else's does
+            if int(pos.max()) >= limit:
+                raise RuntimeError("injected fault in the decode forward")
+            return forward(kv, tokens, pos, Lb)
+
+        engine.runner.fast.forward = faulty
+        futures = [engine.submit(engine.make_request(p, greedy, return_logprob=True)) for p in honest]
+        bad = engine.submit(engine.make_request(long_prompt, greedy))
+        with pytest.raises(RequestFailed):
+            bad.result(120)
+        assert [f.result(120).output_ids for f in futures] == [o.output_ids for o in alone]
+    finally:
+        engine.stop()
