@@ -118,6 +118,7 @@ class ModelRunner:
         self.fast: DecodeGraphs | None = None
         self.chunked: ChunkedPrefill | None = None  # long prompts prefilled a chunk per step (fast decode only)
         self._sampling: tuple[list[Row], SamplingBatch] | None = None
+        self._pending: tuple | None = None  # the fast decode's launched step not yet recorded (see _decode_static)
         self._setup_fast_decode()
 
     def _setup_fast_decode(self) -> None:
@@ -269,13 +270,27 @@ class ModelRunner:
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
         kv.last_tokens = tokens
-        self._decoded(t0, routed, epoch, version, *host)
+        t1 = time.perf_counter()
+        self.stats["decode_device_s"] += t1 - t0
+        self._recorded(t1, self.rows, routed, epoch, version, *host)
 
     def _decode_static(self) -> None:
-        """decode() over the static KV cache: no host synchronisation until the step's tokens and logprobs
-        come back in one copy. A batch with LoRA adapters or routed-expert capture runs the same forward
-        eagerly with its hooks; any other batch replays a CUDA graph where graphs are on."""
+        """decode() over the static KV cache. A batch with LoRA adapters or routed-expert capture runs the
+        same forward eagerly with its hooks; any other batch replays a CUDA graph where graphs are on.
+
+        One step behind on the host: the step is launched (its next inputs stay on the device), its tokens
+        and logprobs start their copy to the host, and only then is the previous step's copy waited for and
+        recorded, so the host's bookkeeping runs while the device computes. A row's finish is therefore
+        seen one step late and its extra token ignored (as for any finished row still in the batch); a
+        step whose every row is known to finish by its length is not launched. `flush` records the
+        pending step; whatever takes rows out of the batch (retract, reset) or pauses flushes first."""
         rows, kv = self.rows, self.kv
+        if self._pending is not None:
+            ran = self._pending[0]
+            ids = None if ran is rows else {id(r) for r in ran}  # the batch is usually the same list
+            if all(self._finishes(r, ids is None or id(r) in ids) for r in rows):
+                self.flush()
+                return
         t0 = time.perf_counter()
         with self.model_lock, torch.inference_mode():
             epoch, version = self.weights_epoch, self.weight_version
@@ -297,23 +312,54 @@ class ModelRunner:
                 logits = self.fast.run(len(rows))
             tokens, logprobs = sampling.sample(logits, u)
             kv.advance(tokens)
-            # One copy to the host (exact: token ids and float32 logprobs both fit a float64).
-            host = torch.stack([tokens.double(), logprobs.double()]).tolist()
-        self._decoded(t0, routed, epoch, version, [int(t) for t in host[0]], host[1])
+            # One copy to the host (exact: token ids and float32 logprobs both fit a float64), not waited for.
+            out = torch.stack([tokens.double(), logprobs.double()])  # (2, B)
+            host, done = out, None
+            if out.is_cuda:
+                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                host.copy_(out, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+        previous, self._pending = self._pending, (rows, host, done, routed, epoch, version)
+        self.stats["decode_device_s"] += time.perf_counter() - t0
+        if previous is not None:
+            self._decoded(*previous)
 
-    def _decoded(self, t0: float, routed, epoch: int, version: str, tokens: list[int], logprobs: list[float]) -> None:
-        """A decode step's host bookkeeping, once its tokens are on the host."""
+    def _finishes(self, row: Row, in_pending: bool) -> bool:
+        """Whether `row` is finished once the pending step (which it ran in, or not) is recorded, by what
+        the host knows: its length (an EOS is seen only when recorded)."""
+        if row.finish is not None:
+            return True
+        n = len(row.output_ids) + in_pending
+        return n >= row.req.params.max_new_tokens or len(row.req.input_ids) + n >= self.context_length
+
+    def flush(self) -> None:
+        """Record the fast decode's step still pending on the host, if any."""
+        previous, self._pending = self._pending, None
+        if previous is not None:
+            self._decoded(*previous)
+
+    def _decoded(self, rows: list[Row], host, done, routed, epoch: int, version: str) -> None:
+        """A fast decode step's host bookkeeping: wait for its copy, then record it for `rows`, the batch
+        it ran for."""
         t1 = time.perf_counter()
+        if done is not None:
+            done.synchronize()
+        tokens, logprobs = host.tolist()
+        self._recorded(t1, rows, routed, epoch, version, [int(t) for t in tokens], logprobs)
+
+    def _recorded(self, t1: float, rows: list[Row], routed, epoch: int, version: str, tokens: list[int],
+                  logprobs: list[float]) -> None:
+        """A decode step's host bookkeeping, once its tokens are on the host."""
         if routed is not None:
-            for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
+            for row, r in zip(rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
                 if row.req.return_routed_experts and row.finish is None:
                     row.routed.append(r)
-        for row in self.rows:
+        for row in rows:
             if row.kv_version != epoch and row.finish is None:
                 row.kv_version = None  # its KV now spans two weight versions: never cache it
-        self._record(self.rows, tokens, logprobs, version)
+        self._record(rows, tokens, logprobs, version)
         self.stats["decode_forwards"] += 1
-        self.stats["decode_device_s"] += t1 - t0
         self.stats["decode_host_s"] += time.perf_counter() - t1
 
     def abort(self, rids: set[str]) -> None:
@@ -359,6 +405,7 @@ class ModelRunner:
         """Take every running row out of the batch (to be queued again); its KV survives in the prefix
         cache, so coming back re-prefills little. `count`: a retraction (pause, memory release) rather
         than the end of a row's run alone (failure isolation)."""
+        self.flush()
         live = [i for i, r in enumerate(self.rows) if r.finish is None]
         self._cache_rows(live)
         rows = [self.rows[i] for i in live] + [r for r in self.chunking if r.finish is None]
@@ -375,6 +422,7 @@ class ModelRunner:
             self.chunked.clear()
 
     def _reset_batch(self) -> None:
+        self._pending = None  # a step still pending concerns rows the caller has answered or requeued
         self.dead = 0
         self.rows = []
         self.kv.reset()

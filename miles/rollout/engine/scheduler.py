@@ -218,6 +218,9 @@ class Scheduler:
                     runner.abort(aborts)
                     self._evict_finished()
                 if control:
+                    runner.flush()  # the fast decode's last step recorded: a pause sees every token
+                    self._stream(runner.rows)
+                    self._evict_finished()
                     if any(mode == "retract" for mode, _ in control):
                         self._retract_all()
                     for _, done in control:

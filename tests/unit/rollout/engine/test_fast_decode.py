@@ -286,3 +286,21 @@ def test_a_request_that_breaks_a_fast_decode_step_fails_alone(model_dir):
         assert [f.result(120).output_ids for f in futures] == [o.output_ids for o in alone]
     finally:
         engine.stop()
+
+
+def test_a_pause_records_the_step_the_host_was_behind_on(model_dir):
+    engine = _engine(model_dir, True)
+    try:
+        streamed: list[int] = []
+        params = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+        done = engine.submit(engine.make_request(PROMPTS[0], params), listener=lambda ids, lps: streamed.extend(ids))
+        while len(streamed) < 5:
+            time.sleep(0.001)
+        engine.pause("in_place")
+        (row,) = engine.runner.rows
+        assert engine.runner._pending is None and streamed == row.output_ids  # every launched step recorded
+        engine.continue_generation()
+        out = done.result(60)
+        assert len(out.output_ids) == 200 and out.output_ids == streamed
+    finally:
+        engine.stop()
