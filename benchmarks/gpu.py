@@ -210,7 +210,7 @@ def breakdown(model_dir: str, device: str, dtype: str, batch: int, prompt_len: i
         eager = lambda: fast.forward(kv, *kv.inputs(batch), Lb)  # noqa: E731
         eager_ms = _timed_ms(eager, device, n)
         logits = eager()
-        sampling = runner._sampling[1]
+        sampling = runner.decoder.sampling[1]
         u = sampling.uniforms([r.generator for r in rows], torch.Generator())
         sampling_ms = _timed_ms(lambda: sampling.sample(logits, u), device, n)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

@@ -27,10 +27,9 @@ them in each matmul (precision/linear.py); the parameters themselves stay as rec
 
 Fast decode (`fast_decode`, on for cuda by default): the batch's KV lives in a static cache
 (static_kv.py) instead of kv_cache.BatchKV, behind the same interface, so prefill, retirement and the
-prefix cache read and write it as before; decode then runs decode_forward.py's forward over it, as a
-CUDA graph per bucket (graphs.py) unless the batch has LoRA adapters or records routed experts (those
-run the same forward eagerly with their hooks), and samples on the device (sampler.SamplingBatch).
-Long prompts are prefilled a chunk per step (chunked_prefill.py).
+prefix cache read and write it as before; decode() is then fast_decode.py's step (CUDA graphs,
+sampling on the device, the host one step behind), and long prompts are prefilled a chunk per step
+(chunked_prefill.py).
 
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
 (kv_cache.py), releasing memory (memory.py).
@@ -39,7 +38,6 @@ Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), 
 from __future__ import annotations
 
 import inspect
-import logging
 import threading
 import time
 
@@ -53,16 +51,14 @@ from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
 from miles.rollout.engine.chunked_prefill import ChunkedPrefill
 from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.decode_forward import DecodeForward, unsupported
-from miles.rollout.engine.graphs import DecodeGraphs, length_bucket
+from miles.rollout.engine.fast_decode import FastDecoder
+from miles.rollout.engine.graphs import DecodeGraphs
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.row import Row
-from miles.rollout.engine.sampler import SamplingBatch, sample
+from miles.rollout.engine.sampler import sample
 from miles.rollout.engine.static_kv import StaticKV
-
-log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -113,49 +109,18 @@ class ModelRunner:
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
         self.kv: BatchKV | StaticKV = BatchKV()
-        # Fast decode (static_kv.py, graphs.py): set when it serves this engine; the sampling tensors of
-        # the batch are rebuilt only when the rows list is replaced (admission, compaction).
-        self.fast: DecodeGraphs | None = None
-        self.chunked: ChunkedPrefill | None = None  # long prompts prefilled a chunk per step (fast decode only)
-        self._sampling: tuple[list[Row], SamplingBatch] | None = None
-        self._pending: tuple | None = None  # the fast decode's launched step not yet recorded (see _decode_static)
-        self._setup_fast_decode()
+        # Fast decode (fast_decode.py): set when it serves this engine, with its graphs (`fast`) and, for
+        # long prompts, the chunked prefill.
+        self.decoder: FastDecoder | None = FastDecoder.setup(self)
+        self.fast: DecodeGraphs | None = self.decoder.graphs if self.decoder is not None else None
+        self.chunked: ChunkedPrefill | None = None
+        if self.decoder is not None and config.prefill_chunk_tokens:
+            self.chunked = ChunkedPrefill(self, config.prefill_chunk_tokens)
 
-    def _setup_fast_decode(self) -> None:
-        """Serve decode from the static KV cache when fast_decode allows it (see EngineConfig.fast_decode)."""
-        cfg, on_cuda = self.config, self.device.type == "cuda"
-        if cfg.fast_decode == "off" or (cfg.fast_decode == "auto" and not on_cuda):
-            return
-        reason = unsupported(self.model)
-        if reason is not None:
-            log.warning("fast_decode: %s; decoding on the eager path", reason)
-            return
-        slots = cfg.max_batch_size
-        cap = min(self.context_length, self.kv_budget // slots)
-        if cap < self.context_length and cfg.fast_decode == "auto":
-            log.warning("fast_decode off: a static KV cache of max_batch_size = %d rows x context_length = %d tokens "
-                        "exceeds the KV budget (%d tokens); lower context_length or max_batch_size, raise "
-                        "memory_fraction, or set fast_decode = 'on' to serve a context of %d tokens",
-                        slots, self.context_length, self.kv_budget, cap)
-            return
-        if cap < 2:
-            log.warning("fast_decode off: the KV budget (%d tokens) leaves no room per row for %d rows",
-                        self.kv_budget, slots)
-            return
-        if cap < self.context_length:
-            log.warning("fast_decode: serving a context of %d tokens (of %d) so that %d rows fit the KV budget",
-                        cap, self.context_length, slots)
-            self.context_length = cap
-        c = self.model.config
-        fwd = DecodeForward(self.model)
-        self.kv = StaticKV(c.num_hidden_layers, fwd.kv_heads, fwd.head_dim, slots, cap,
-                           next(self.model.parameters()).dtype, self.device)
-        # Not captured: quantized linears (their served bytes change under them) and MoE blocks (their
-        # expert dispatch reads the routing on the host).
-        self.fast = DecodeGraphs(fwd, self.kv, use_graphs=on_cuda and cfg.cuda_graphs and cfg.quantization == "none"
-                                 and not self.routers)
-        if cfg.prefill_chunk_tokens:
-            self.chunked = ChunkedPrefill(self, cfg.prefill_chunk_tokens)
+    def flush(self) -> None:
+        """Record the fast decode's step still pending on the host, if any (fast_decode.py)."""
+        if self.decoder is not None:
+            self.decoder.flush()
 
     def release_static(self, kv: bool) -> None:
         """Drop the CUDA graphs (their memory pool) and, with `kv`, the static KV buffers; the next step
@@ -252,8 +217,8 @@ class ModelRunner:
 
     def decode(self) -> None:
         """One token for every row of the running batch."""
-        if self.fast is not None:
-            self._decode_static()
+        if self.decoder is not None:
+            self.decoder.step()
             return
         kv = self.kv
         t0 = time.perf_counter()
@@ -273,80 +238,6 @@ class ModelRunner:
         t1 = time.perf_counter()
         self.stats["decode_device_s"] += t1 - t0
         self._recorded(t1, self.rows, routed, epoch, version, *host)
-
-    def _decode_static(self) -> None:
-        """decode() over the static KV cache. A batch with LoRA adapters or routed-expert capture runs the
-        same forward eagerly with its hooks; any other batch replays a CUDA graph where graphs are on.
-
-        One step behind on the host: the step is launched (its next inputs stay on the device), its tokens
-        and logprobs start their copy to the host, and only then is the previous step's copy waited for and
-        recorded, so the host's bookkeeping runs while the device computes. A row's finish is therefore
-        seen one step late and its extra token ignored (as for any finished row still in the batch); a
-        step whose every row is known to finish by its length is not launched. `flush` records the
-        pending step; whatever takes rows out of the batch (retract, reset) or pauses flushes first."""
-        rows, kv = self.rows, self.kv
-        if self._pending is not None:
-            ran = self._pending[0]
-            ids = None if ran is rows else {id(r) for r in ran}  # the batch is usually the same list
-            if all(self._finishes(r, ids is None or id(r) in ids) for r in rows):
-                self.flush()
-                return
-        t0 = time.perf_counter()
-        with self.model_lock, torch.inference_mode():
-            epoch, version = self.weights_epoch, self.weight_version
-            capture = any(r.req.return_routed_experts and r.finish is None for r in rows)
-            adapters = [self.adapter_of(r) for r in rows]
-            if self._sampling is None or self._sampling[0] is not rows:
-                self._sampling = (rows, SamplingBatch([r.req.params for r in rows], self.device))
-            sampling = self._sampling[1]
-            u = sampling.uniforms([r.generator for r in rows], self._generator)
-            routed = None
-            if capture or any(a is not None for a in adapters) or not self.fast.use_graphs:
-                ids: list[torch.Tensor] = []
-                with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])), \
-                        self.adapters.applied(adapters):
-                    logits = self.fast.forward(kv, *kv.inputs(len(rows)), length_bucket(max(kv.lens) + 1, kv.cap))
-                if capture:  # each (B, top_k): the routing of the token just fed
-                    routed = torch.stack(ids, dim=1).to(torch.int32)[:, None]  # (B, 1, MoE layers, top_k)
-            else:
-                logits = self.fast.run(len(rows))
-            tokens, logprobs = sampling.sample(logits, u)
-            kv.advance(tokens)
-            # One copy to the host (exact: token ids and float32 logprobs both fit a float64), not waited for.
-            out = torch.stack([tokens.double(), logprobs.double()])  # (2, B)
-            host, done = out, None
-            if out.is_cuda:
-                host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-                host.copy_(out, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-        previous, self._pending = self._pending, (rows, host, done, routed, epoch, version)
-        self.stats["decode_device_s"] += time.perf_counter() - t0
-        if previous is not None:
-            self._decoded(*previous)
-
-    def _finishes(self, row: Row, in_pending: bool) -> bool:
-        """Whether `row` is finished once the pending step (which it ran in, or not) is recorded, by what
-        the host knows: its length (an EOS is seen only when recorded)."""
-        if row.finish is not None:
-            return True
-        n = len(row.output_ids) + in_pending
-        return n >= row.req.params.max_new_tokens or len(row.req.input_ids) + n >= self.context_length
-
-    def flush(self) -> None:
-        """Record the fast decode's step still pending on the host, if any."""
-        previous, self._pending = self._pending, None
-        if previous is not None:
-            self._decoded(*previous)
-
-    def _decoded(self, rows: list[Row], host, done, routed, epoch: int, version: str) -> None:
-        """A fast decode step's host bookkeeping: wait for its copy, then record it for `rows`, the batch
-        it ran for."""
-        t1 = time.perf_counter()
-        if done is not None:
-            done.synchronize()
-        tokens, logprobs = host.tolist()
-        self._recorded(t1, rows, routed, epoch, version, [int(t) for t in tokens], logprobs)
 
     def _recorded(self, t1: float, rows: list[Row], routed, epoch: int, version: str, tokens: list[int],
                   logprobs: list[float]) -> None:
@@ -422,7 +313,8 @@ class ModelRunner:
             self.chunked.clear()
 
     def _reset_batch(self) -> None:
-        self._pending = None  # a step still pending concerns rows the caller has answered or requeued
+        if self.decoder is not None:
+            self.decoder.pending = None  # a step still pending concerns rows the caller answered or requeued
         self.dead = 0
         self.rows = []
         self.kv.reset()

@@ -298,7 +298,7 @@ def test_a_pause_records_the_step_the_host_was_behind_on(model_dir):
             time.sleep(0.001)
         engine.pause("in_place")
         (row,) = engine.runner.rows
-        assert engine.runner._pending is None and streamed == row.output_ids  # every launched step recorded
+        assert engine.runner.decoder.pending is None and streamed == row.output_ids  # every launched step recorded
         engine.continue_generation()
         out = done.result(60)
         assert len(out.output_ids) == 200 and out.output_ids == streamed
