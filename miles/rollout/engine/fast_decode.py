@@ -140,9 +140,12 @@ class FastDecoder:
         return n >= row.req.params.max_new_tokens or len(row.req.input_ids) + n >= self.runner.context_length
 
     def _record(self, rows: list[Row], host, done, routed, epoch: int, version: str) -> None:
-        """Wait for a step's copy, then record it for `rows`, the batch it ran for."""
-        t1 = time.perf_counter()
+        """Wait for a step's copy, then record it for `rows`, the batch it ran for. Launching and this wait
+        count as decode_device_s, the recording as decode_host_s."""
+        t0 = time.perf_counter()
         if done is not None:
             done.synchronize()
+        t1 = time.perf_counter()
+        self.runner.stats["decode_device_s"] += t1 - t0
         tokens, logprobs = host.tolist()
         self.runner._recorded(t1, rows, routed, epoch, version, [int(t) for t in tokens], logprobs)
