@@ -54,8 +54,6 @@ class SamplingBatch:
             self.top_k = torch.tensor([p.top_k for p in params], device=device)
             self.top_p = torch.tensor([p.top_p for p in params], device=device)
             self.min_p = torch.tensor([p.min_p for p in params], device=device)
-        # Uniforms travel host -> device through one pinned buffer, without waiting for the device.
-        self._u_host = torch.zeros(len(params), pin_memory=torch.device(device).type == "cuda")
 
     def uniforms(self, generators: list[torch.Generator | None], default_generator: torch.Generator) -> torch.Tensor:
         """One uniform per sampled row (0 for greedy rows), on the host: a seeded row takes its uniform from
@@ -81,11 +79,10 @@ class SamplingBatch:
         logprobs_all = torch.log_softmax(logits / self.temps[:, None], dim=-1)  # (B, V)
         tokens = logits.argmax(dim=-1)
         if self.sampled:
-            if self._u_host.is_pinned():
-                self._u_host.copy_(u)
-                u = self._u_host.to(logits.device, non_blocking=True)
-            else:
-                u = u.to(logits.device)
+            # Pinned, so the copy does not wait for the device; a fresh pinned block per step (torch's host
+            # allocator reuses it only once the copy is done), as the next step's uniforms may be drawn
+            # before this copy has run.
+            u = u.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else u.to(logits.device)
             probs = logprobs_all.exp()
             if self.truncates:
                 probs = _truncate(probs, self.top_k, self.top_p, self.min_p)  # (B, V)
