@@ -3,7 +3,8 @@
 # JSON line:
 #   1. the GPU: name, memory, measured device-copy bandwidth;
 #   2. the tests marked `cuda` (engine and trainer on the GPU against transformers and the CPU path, the
-#      fast decode's CUDA graphs against its eager forward for every bucket);
+#      fast decode's CUDA graphs against its eager forward for every bucket, weight pushes from and into
+#      GPU memory; those needing two GPUs skip on one);
 #   3. `miles bench gpu` on the Qwen3-0.6B shape: engine decode (fast path) against transformers.generate()
 #      at batch 64 and 256 x 256 new tokens, each step against the memory floor and taken apart
 #      (attention, matmuls, sampling, launch gaps), and miles' trainer step against a plain bf16 loop;
@@ -58,8 +59,9 @@ cat "$OUT/device.json" >&2; echo >&2
 if [ "$SMALL" = 1 ]; then
   part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/unit/trainer/test_device.py \
       tests/unit/rollout/engine/test_decode_graphs.py
-else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack)
-  part pytest-cuda 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
+else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack),
+  # among them tests/unit/sync/test_broadcast_backend.py (the broadcast transport from and into GPU memory)
+  part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
 fi
 
 # The 0.6B shape, built on the GPU: the bench's model and the RL run's.

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from miles.devices import resolve
+from miles.devices import exact_float32, resolve
 from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, routers
@@ -67,6 +67,7 @@ class ModelRunner:
         self.device = torch.device(resolve(config.device, "rollout.engine.device"))
         if self.device.type == "cuda":  # indexed, so it compares equal to the devices of its tensors
             self.device = torch.device("cuda", torch.cuda.current_device())
+            exact_float32()  # float32 serves as on cpu (rollout.engine.dtype bfloat16 is the faster path)
         self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
         quantize_linears(self.model, config.quantization, "serve", key="engine quantization",
