@@ -304,3 +304,21 @@ def test_a_pause_records_the_step_the_host_was_behind_on(model_dir):
         assert len(out.output_ids) == 200 and out.output_ids == streamed
     finally:
         engine.stop()
+
+
+@pytest.mark.cuda
+def test_on_cuda_graphs_and_chunked_prefill_give_the_cpu_eager_paths_outputs(model_dir):
+    long_prompt = PROMPTS[2] + PROMPTS[4]  # 81 tokens: chunked at 16
+    reqs = [(p, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True), {})
+            for p in [PROMPTS[0], PROMPTS[1], long_prompt, PROMPTS[3], PROMPTS[4]]]
+    reqs += [(p, SamplingParams(temperature=1.0, top_k=5, max_new_tokens=20, seed=i), {})
+             for i, p in enumerate(PROMPTS)]
+    outs = []
+    for device, fast in (("cpu", False), ("cuda", True)):
+        engine = _engine(model_dir, fast, device=device, prefill_chunk_tokens=16)
+        try:
+            assert engine.runner.fast is None or engine.runner.fast.use_graphs
+            outs.append(_run(engine, reqs, stagger=0.01))
+        finally:
+            engine.stop()
+    _assert_same(*outs)
