@@ -208,6 +208,7 @@ def report(root: str) -> None:
                       "gpu_busy_after_step1": round(sum(busy) / len(busy), 3) if busy else None}
     bench = [json.loads(line) for line in (d / "bench-gpu.log").read_text().splitlines() if line.startswith('{"bench"')] \
         if (d / "bench-gpu.log").exists() else []
+    out["decode_vs_hf"] = bench[-1].get("decode") if bench else None
     out["trainer_vs_plain"] = bench[-1].get("trainer") if bench else None
     out["sections"] = _read(d / "sections.json")
     print(json.dumps(out))
