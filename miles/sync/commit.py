@@ -61,12 +61,15 @@ class FleetCommit:
 
     def run(self, transport, version: int) -> None:
         """Commit `version` on every engine, all or fenced (see the module's docstring)."""
-        t0 = time.time()
         self.committing.set()
         held: list[str] = []
         fenced: list[str] = []
+        held_at = time.time()
         try:
             held = self._hold()
+            # Taken once every engine answered its pause: a request sent before then may still have been
+            # generating at the old version.
+            held_at = time.time()
             if self.at_commit is not None:
                 stall, self.at_commit = self.at_commit, None
                 stall()
@@ -104,8 +107,8 @@ class FleetCommit:
             self._release([u for u in held if u not in fenced])
             self.committing.clear()
             if fenced:  # the fleet moved to the version without them
-                self.rounds = [*self.rounds[-99:], CommitRound(version, t0, time.time(), tuple(fenced))]
-        self.rounds = [*self.rounds[-99:], CommitRound(version, t0, time.time())]
+                self.rounds = [*self.rounds[-99:], CommitRound(version, held_at, time.time(), tuple(fenced))]
+        self.rounds = [*self.rounds[-99:], CommitRound(version, held_at, time.time())]
 
     def _hold(self) -> list[str]:
         """Pause in place every engine that is generating, all at once; every engine must answer (its
