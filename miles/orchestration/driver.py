@@ -27,7 +27,7 @@ from miles.eval.evaluator import Evaluator
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
-from miles.models.loading import load_tokenizer
+from miles.models.loading import load_tokenizer, load_vision
 from miles.orchestration.context import TrainContext, log
 from miles.orchestration.actors import remote
 from miles.orchestration.faults import FaultInjector
@@ -122,7 +122,7 @@ def check_data(cfg: RunConfig) -> None:
         return
     try:
         counts = check_dataset(cfg.rollout.task, load_tokenizer(cfg.model.path), cfg.model.path,
-                               cfg.rollout.engine.context_length)
+                               cfg.rollout.engine.context_length, load_vision(cfg.model.path))
     except DataError as exc:
         raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
