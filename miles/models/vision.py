@@ -111,11 +111,24 @@ class VisionProcessor:
         return out
 
 
+def image_layout(grid: tuple[int, int, int], merge: int):
+    """An image's rotary offsets (3, tokens) from the position its tokens start at, in (t, h, w)
+    row-major order, and how far the text after it moves on: max(rows, cols)."""
+    import torch
+
+    t, h, w = grid
+    H, W = h // merge, w // merge
+    tt = torch.arange(t).repeat_interleave(H * W)
+    hh = torch.arange(H).repeat_interleave(W).repeat(t)
+    ww = torch.arange(W).repeat(t * H)
+    return torch.stack([tt, hh, ww]), max(H, W)
+
+
 def mrope_positions(ids, grids: list[tuple[int, int, int]], image_token_id: int, merge: int):
-    """Qwen-VL's 3-D rotary positions (3, L) of `ids` and the offset of the position after it from
-    its length (negative: an image takes fewer positions than tokens). Text tokens step all three
-    components by one; an image's tokens, in (t, h, w) row-major order, sit at start + (t, row, col),
-    and the text after it starts at start + max(rows, cols), as the model's get_rope_index does."""
+    """Qwen-VL's 3-D rotary positions (3, L) of `ids` (each image's tokens expanded) and the offset
+    of the position after it from its length (negative: an image takes fewer positions than tokens).
+    Text tokens step all three components by one; an image's tokens sit at start + image_layout, as
+    the model's own get_rope_index places them."""
     import torch
 
     L = len(ids)
@@ -123,18 +136,17 @@ def mrope_positions(ids, grids: list[tuple[int, int, int]], image_token_id: int,
     cur, i, k = 0, 0, 0
     while i < L:
         if ids[i] != image_token_id:
-            pos[:, i] = cur
-            cur += 1
-            i += 1
+            j = i
+            while j < L and ids[j] != image_token_id:
+                j += 1
+            pos[:, i:j] = torch.arange(cur, cur + j - i)
+            cur += j - i
+            i = j
             continue
-        t, h, w = grids[k]
+        offsets, advance = image_layout(grids[k], merge)
         k += 1
-        H, W = h // merge, w // merge
-        n = t * H * W
-        tt = torch.arange(t).repeat_interleave(H * W)
-        hh = torch.arange(H).repeat_interleave(W).repeat(t)
-        ww = torch.arange(W).repeat(t * H)
-        pos[:, i:i + n] = torch.stack([tt, hh, ww]) + cur
-        cur += max(H, W)
+        n = offsets.shape[1]
+        pos[:, i:i + n] = offsets + cur
+        cur += advance
         i += n
     return pos, cur - L

@@ -23,12 +23,13 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, temperature: float = 1.0,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, images=None):
     """Next-token logprobs (B, T-1) and, if asked, the per-token entropy (B, T-1) of the same
     tempered distribution. Packed rows pass position_ids and no attention_mask; the model then
-    keeps each packed sequence's attention to itself."""
+    keeps each packed sequence's attention to itself. `images`: a vision-language micro-batch's
+    ImageBatch (trainer/vision.py)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits  # (B, T, V)
+                   use_cache=False, **(images.kwargs() if images is not None else {})).logits  # (B, T, V)
     return logprobs_from_logits(logits, input_ids, temperature, with_entropy)
 
 

@@ -71,9 +71,10 @@ class FSDPBackend:
     def last_lr(self) -> float:
         return self.optim.last_lr
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
+        extra = images.kwargs() if images is not None else {}  # a vision-language batch's pixels (trainer/vision.py)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).logits  # (B, T, V)
+                          use_cache=False, **extra).logits  # (B, T, V)
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
