@@ -33,7 +33,10 @@ def decode_image(data: bytes, max_pixels: int = 0, what: str = "image"):
     try:
         img = Image.open(io.BytesIO(data))
         img.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except UnidentifiedImageError:
+        raise ImageError(f"{what} cannot be read as an image (not a format Pillow recognises); "
+                         "give a PNG, JPEG, WebP or another format Pillow reads") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise ImageError(f"{what} cannot be read as an image ({type(e).__name__}: {e}); "
                          "give a PNG, JPEG, WebP or another format Pillow reads") from None
     w, h = img.size

@@ -104,7 +104,7 @@ class ImageTable:
         except (binascii.Error, ValueError):
             raise InvalidRequest(f"{where}: not valid base64; send the image file's bytes base64-encoded") from None
         try:
-            return self.vision.process(raw, what=where)
+            return self.vision.process(raw, what=f"{where}: the image")
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
