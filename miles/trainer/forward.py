@@ -6,6 +6,8 @@ log_softmax(logits) for greedy (T == 0), before any top-p/top-k truncation.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miles.trainer.algorithms.base import entropy_from_logits
@@ -28,8 +30,9 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
     tempered distribution. Packed rows pass position_ids and no attention_mask; the model then
     keeps each packed sequence's attention to itself. `images`: a vision-language micro-batch's
     ImageBatch (trainer/vision.py)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, **(images.kwargs() if images is not None else {})).logits  # (B, T, V)
+    with images.spliced_into(model) if images is not None else contextlib.nullcontext():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits  # (B, T, V)
     return logprobs_from_logits(logits, input_ids, temperature, with_entropy)
 
 

@@ -8,6 +8,7 @@ name once registered in BACKENDS.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -47,8 +48,9 @@ class PlainBackend:
                                               betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **(images.kwargs() if images is not None else {})).logits
+        with images.spliced_into(self.model) if images is not None else contextlib.nullcontext():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).logits
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

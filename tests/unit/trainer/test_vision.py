@@ -74,3 +74,29 @@ def test_the_vision_tower_trains_only_when_asked(tiny_vl_model_dir, gloo, rollou
     tower = {n for n in before if n.startswith("model.visual.")}
     assert tower and changed - tower  # the language model learned
     assert (tower <= changed) if train_tower else not (tower & changed)
+
+
+def test_a_sampled_image_token_is_text_in_training_as_in_the_engine(tiny_vl_model_dir, gloo, rollouts):
+    """A response may hold the image token itself; the engine feeds it back as text, so must the
+    trainer (it is no image: the model's own forward would take it for one and fail)."""
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.engine import Engine
+
+    vision = load_vision(tiny_vl_model_dir)
+    seq = rollouts[0]
+    prompt = seq.tokens[:seq.prompt_len]
+    engine = Engine(EngineConfig(model_path=tiny_vl_model_dir))
+    try:  # near-uniform sampling over 400 tokens: some of these 24 x 64 draws are the image token
+        futures = [engine.submit(engine.make_request(prompt, SamplingParams(temperature=5.0, max_new_tokens=64, seed=k),
+                                                     True, image_data=[i.data for i in seq.images]))
+                   for k in range(24)]
+        outs = [f.result(300) for f in futures]
+    finally:
+        engine.stop()
+    hit = next(o for o in outs if vision.image_token_id in o.output_ids)
+    sampled = TrainSequence(tokens=prompt + hit.output_ids, prompt_len=len(prompt), loss_mask=[1] * len(hit.output_ids),
+                            old_logprobs=hit.output_logprobs, images=seq.images)
+    trainer = Trainer(build(TrainerConfig, {"micro_batch_size": 4}), tiny_vl_model_dir, 0, 1, "127.0.0.1", free_port(),
+                      temperature=5.0)
+    (got,) = trainer.proximal_logprobs([sampled])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(hit.output_logprobs), atol=1e-4, rtol=0)
