@@ -273,11 +273,11 @@ def run_sft(cfg: RunConfig) -> dict:
     With sft.target_accuracy set it stops as soon as held-out greedy accuracy reaches the target."""
     t0 = time.perf_counter()
     sft = cfg.sft
-    tok = load_tokenizer(cfg.model.path)
+    tok, vision = load_tokenizer(cfg.model.path), load_vision(cfg.model.path)
     prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(sft.num_examples)
 
-    def encode(prompt):  # as rollouts encode it: chat messages and templates included
-        return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages)
+    def encode(prompt):  # as rollouts encode it: chat messages, templates and image tokens included
+        return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages, prompt.images, vision)
 
     data = demonstration_sequences(prompts, tok, encode)
     held_out = []
