@@ -100,3 +100,11 @@ def test_a_sampled_image_token_is_text_in_training_as_in_the_engine(tiny_vl_mode
                       temperature=5.0)
     (got,) = trainer.proximal_logprobs([sampled])
     torch.testing.assert_close(torch.tensor(got), torch.tensor(hit.output_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("over", [{"lora": {"rank": 4}}, {"quantization": "fp8"}])
+def test_lora_and_quantized_training_of_a_vision_language_policy_are_refused(tiny_vl_model_dir, over):
+    from miles.trainer.backends.loading import load_policy
+
+    with pytest.raises(ValueError, match="not supported for a vision-language policy"):
+        load_policy(build(TrainerConfig, over), tiny_vl_model_dir, torch.device("cpu"))

@@ -140,3 +140,18 @@ def test_bad_image_requests_are_refused_naming_the_field(vl, parts, images, why)
 def test_a_text_model_refuses_image_data(client, tokenizer):
     r = client.post("/generate", json={"input_ids": tokenizer.encode("1+1="), "image_data": [b64(RED)]})
     assert r.status_code == 400 and "this model has no vision tower" in r.text, r.text
+
+
+def test_features_that_cannot_serve_a_vision_language_model_are_refused_by_name(tiny_vl_model_dir, tmp_path):
+    from miles.engine_api.errors import InvalidRequest
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.engine import Engine
+
+    with pytest.raises(ValueError, match=r"rollout.engine.quantization = 'fp8' is not supported for a vision-language"):
+        Engine(EngineConfig(model_path=tiny_vl_model_dir, quantization="fp8"))
+    engine = Engine(EngineConfig(model_path=tiny_vl_model_dir))
+    try:
+        with pytest.raises(InvalidRequest, match="LoRA adapters are not supported on a vision-language model"):
+            engine.load_lora_adapter("a", str(tmp_path))
+    finally:
+        engine.stop()
