@@ -13,8 +13,10 @@ the same points):
   reward_worker   SIGKILL a reward pool worker; the pool is replaced and its calls made again
                   (fault.kill_reward_worker_at_steps)
   router          SIGKILL the router process; it is restarted on its port (fault.kill_router_at_steps)
-  driver          this program SIGKILLs the driver (`miles train`, and with it its Ray cluster) once a
-                  given step's checkpoint exists, then runs `miles train --resume RUN_DIR`
+  driver          this program SIGKILLs the driver's process group (`miles train`, and with it its Ray
+                  cluster) once a given step's checkpoint exists; the router (a process of its own
+                  session) must keep answering /health; then `miles train --resume RUN_DIR`, which
+                  must adopt that router
   stall           SIGSTOP a serving engine as the step's weight push starts (fault.stall_engine_at_steps);
                   every other one is sent SIGCONT --stall-resume-s later (past the push's per-call
                   deadline, so the attempt is rolled back and retried), the others never: the failed
@@ -23,8 +25,8 @@ the same points):
                   (fault.corrupt_delta_at_steps); the engines' checksums refuse it, the version is
                   rolled back and written again
   stall_commit    SIGSTOP a serving engine between the commit round's readiness check and its commit
-                  (fault.stall_engine_at_commit, --commit-stalls, none by default): the others commit,
-                  it is fenced (serves nothing) and replaced, and the version goes to the rest again
+                  (fault.stall_engine_at_commit, --commit-stalls): the others commit, it is fenced
+                  (serves nothing) and replaced, and the version goes to the rest again
 
 With --quick the run is a smoke test of the same faults instead: the untrained tiny model, 8 prompts
 × 4 samples, and a reward that an untrained model already varies on (the share of digits in the
@@ -46,6 +48,11 @@ Last line, one JSON object:
                            reconnect to a changed fleet (sync/reconnect_retries), and then verified
   pushes_unverified        pushes whose engines' checksums were not compared with the trainer's (an
                            engine on a mixed version fails that comparison)
+  off_fleet_samples        trained samples with a segment from an engine older than the version the
+                           whole fleet was known to hold when it was sent (rollout/off_fleet_samples)
+  router_outlived_driver   the router answered /health while the killed driver was down;
+  router_adopted           the resumed driver adopted it (summary.json router.adopted);
+  routers_left_running     routers still running once every run ended (stopped here if so)
   eval_accuracy, eval_accuracy_without_faults   greedy accuracy on the same held-out prompts at the
                            end of each run (eval_accuracy_before: the warm start's)
   eval_accuracy_without_faults_by_seed, ..._spread   with --baselines N: the fault-free run for
@@ -56,7 +63,7 @@ Last line, one JSON object:
                            = 1), their mean seconds and that as a share of the mean step time
 
     miles bench chaos [--sft-model DIR] [--steps 40] [--seed 0] [--kills-per-kind 3] [--driver-kill-at 2]
-                      [--stalls 4] [--corrupt-deltas 2] [--baselines 1] [--quick]
+                      [--stalls 4] [--corrupt-deltas 2] [--commit-stalls 1] [--baselines 1] [--quick]
 """
 
 from __future__ import annotations
@@ -65,12 +72,17 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
+
+from miles.orchestration.router_supervisor import RECORD, RouterRecord
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "arithmetic"
@@ -207,8 +219,37 @@ def _checkpoint_step(run_dir: Path) -> int:
         return -1
 
 
+def router_answers(run_dir: Path) -> bool:
+    """Whether the run's router (RUN_DIR/router.json) answers /health, with any status."""
+    record = RouterRecord.load(run_dir / RECORD)
+    if record is None:
+        return False
+    try:
+        with urllib.request.urlopen(record.url + "/health", timeout=10):
+            return True
+    except urllib.error.HTTPError:
+        return True  # an answer: 503 when no engine is left behind it
+    except OSError:
+        return False
+
+
+def end_router(run_dir: Path) -> int:
+    """SIGKILL the run's router if one is still running (a run that did not end cleanly); 1 if so."""
+    record = RouterRecord.load(run_dir / RECORD)
+    if record is None or record.host != socket.gethostname():
+        return 0
+    try:
+        if b"miles.rollout.router" not in Path(f"/proc/{record.pid}/cmdline").read_bytes():
+            return 0
+    except OSError:
+        return 0
+    os.kill(record.pid, signal.SIGKILL)
+    return 1
+
+
 def run(args: list[str], log: Path, timeout_s: float, kill_at: int = 0, run_dir: Path | None = None) -> dict:
-    """Run `miles train`; with kill_at, SIGKILL it once step kill_at's checkpoint exists. Returns what happened."""
+    """Run `miles train`; with kill_at, SIGKILL its process group once step kill_at's checkpoint exists.
+    Returns what happened (`router_answered`: the router answered /health after the kill)."""
     t0 = time.monotonic()
     with log.open("a") as out:
         proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
@@ -219,15 +260,22 @@ def run(args: list[str], log: Path, timeout_s: float, kill_at: int = 0, run_dir:
                 if time.monotonic() - t0 > timeout_s:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    return {"rc": None, "timed_out": True, "killed": False, "wall_s": time.monotonic() - t0}
+                    return {"rc": None, "timed_out": True, "killed": False, "wall_s": time.monotonic() - t0,
+                            "router_answered": None}
                 if kill_at and not killed and _checkpoint_step(run_dir) >= kill_at:
-                    proc.send_signal(signal.SIGKILL)  # the driver alone: Ray takes down what it owned
+                    # The driver and its process group; Ray takes down what it owned, not the router.
+                    os.killpg(proc.pid, signal.SIGKILL)
                     killed = True
                 time.sleep(0.2)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    return {"rc": proc.returncode, "timed_out": False, "killed": killed, "wall_s": time.monotonic() - t0}
+    answered = None
+    if killed:
+        time.sleep(2.0)  # past the router's first health round without the dead driver's engines
+        answered = router_answers(run_dir)
+    return {"rc": proc.returncode, "timed_out": False, "killed": killed, "wall_s": time.monotonic() - t0,
+            "router_answered": answered}
 
 
 def warm_start(out: Path, seed: int, sft_steps: int, timeout_s: float) -> Path:
@@ -292,6 +340,7 @@ def push_figures(recs: list[dict], pushes: dict) -> dict:
                 or r.get("sync/reconnect_retries", 0)) and _verified(r):
             recovered += 1
     return {"push_faults_recovered": recovered,
+            "off_fleet_samples": int(sum(r.get("rollout/off_fleet_samples", 0) for r in recs)),
             "rollbacks": sum(int(r.get("sync/rollbacks", 0)) for r in recs),
             "engine_loss_retries": sum(int(r.get("sync/engine_loss_retries", 0)) for r in recs),
             "reconnect_retries": sum(int(r.get("sync/reconnect_retries", 0)) for r in recs),
@@ -344,7 +393,7 @@ def main(argv=None) -> int:
                         "writing (the attempt is rolled back), short of two missed health probe rounds, 4 times the "
                         "deadline (the engine is not replaced)")
     p.add_argument("--corrupt-deltas", type=int, default=2, help="pushes whose disk delta is damaged once written")
-    p.add_argument("--commit-stalls", type=int, default=0, help="engines SIGSTOPped between a push's readiness "
+    p.add_argument("--commit-stalls", type=int, default=1, help="engines SIGSTOPped between a push's readiness "
                    "check and its commit (fault.stall_engine_at_commit): fenced and replaced")
     p.add_argument("--push-deadline-s", type=float, default=10.0, help="sync.timeout_s, the deadline of each call "
                    "of a push, and health.timeout_s (sync.version_timeout_s is 120 s)")
@@ -386,6 +435,7 @@ def main(argv=None) -> int:
     if first["killed"]:
         resumed = run(_miles("train", "--resume", str(chaos_dir)), out / "chaos.log", args.timeout)
     figures = ledger_figures(chaos_dir, args.steps, limits["push_bound_s"])
+    left = end_router(chaos_dir)
     faults = figures.pop("faults", None) or {}
     by_kind = injected(chaos_dir)
     if first["killed"]:
@@ -396,7 +446,10 @@ def main(argv=None) -> int:
                  "router_restarts": ((summary_of(chaos_dir) or {}).get("router") or {}).get("restarts"),
                  "reward_worker_restarts": sum(r.get("reward/worker_restarts", 0) for r in records(chaos_dir)),
                  "wall_s": time.monotonic() - t0,
-                 "hung_runs": int(first["timed_out"] or bool(resumed and resumed["timed_out"]))})
+                 "hung_runs": int(first["timed_out"] or bool(resumed and resumed["timed_out"])),
+                 "router_outlived_driver": first["router_answered"],
+                 "router_adopted": ((summary_of(chaos_dir) or {}).get("router") or {}).get("adopted"),
+                 "routers_left_running": left})
     print(f"[bench chaos] with faults: {json.dumps(line)}", file=sys.stderr, flush=True)
 
     if not args.no_baseline and args.baselines > 0:
@@ -406,6 +459,7 @@ def main(argv=None) -> int:
             name = "baseline" if i == 0 else f"baseline-seed{seed}"
             t0 = time.monotonic()
             base = run(_command(overrides(name, seed)), out / f"{name}.log", args.timeout)
+            line["routers_left_running"] += end_router(out / "runs" / name)
             base_figures = ledger_figures(out / "runs" / name, args.steps, limits["push_bound_s"])
             by_seed[seed] = base_figures["eval_accuracy"]
             print(f"[bench chaos] without faults, seed {seed}: {json.dumps(base_figures)}", file=sys.stderr, flush=True)

@@ -19,8 +19,12 @@ reward, training and weight sync; evaluation excluded on both sides: TRL runs no
 eval is subtracted). Eval accuracy: one function (`evaluate`) for every contender's final weights,
 greedy transformers decoding of held-out problems scored by the workload's reward.
 Every setting the two cannot share is listed in `unmatched_settings`. Last line: one JSON object.
+Device: cpu (default), or `--device cuda`: every contender on the one GPU, bf16 compute over float32
+master weights on both sides (TRL's bf16 autocast; miles' engine in bf16, trainer param_dtype bf16),
+TRL generating with transformers (vLLM is not available there), miles with its engine's fast decode.
 
     miles bench trl [--workloads short,long] [--steps N] [--long-steps N] [--sft-model DIR] [--quick]
+                    [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -119,18 +123,18 @@ def eval_prompts(model: str, seed: int, n: int):
     return PromptSource(example_task(model), "eval", seed).take(n)
 
 
-def evaluate(model_dir: str, prompts, reward, max_new_tokens: int, batch: int = 64) -> float:
+def evaluate(model_dir: str, prompts, reward, max_new_tokens: int, batch: int = 64, device: str = "cpu") -> float:
     """Greedy accuracy of a checkpoint on `prompts`: the one eval function for every contender."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     scores = []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
-        enc = tok([p.text for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tok([p.text for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
@@ -183,7 +187,7 @@ def long_format_sft(sft_model: str, out: Path, steps: int, max_new_tokens: int, 
     return str(out)
 
 
-def run_trl(w: dict, out: Path, seed: int) -> dict:
+def run_trl(w: dict, out: Path, seed: int, device: str = "cpu") -> dict:
     """TRL's GRPOTrainer on the workload; loop time = the sum of its training steps."""
     import torch
     from datasets import Dataset
@@ -212,7 +216,7 @@ def run_trl(w: dict, out: Path, seed: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=torch.float32)
     n = w["prompts_per_step"] * w["samples"]
     cfg = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=False, seed=seed, max_steps=w["steps"],
+        output_dir=str(out / "trl"), use_cpu=device == "cpu", bf16=device == "cuda", seed=seed, max_steps=w["steps"],
         per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=w["samples"],
         max_completion_length=w["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=w["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
@@ -248,16 +252,21 @@ def run_trl(w: dict, out: Path, seed: int) -> dict:
             "model": str(final)}
 
 
-def run_miles(w: dict, out: Path, schedule: str, seed: int, max_staleness: int) -> dict:
-    """`miles train` on grpo.toml with the workload's settings; loop time = sum of step times less eval."""
-
+def miles_overrides(w: dict, out: Path, schedule: str, seed: int, max_staleness: int, device: str = "cpu") -> dict:
+    """grpo.toml's overrides for the workload, schedule and device."""
     pps, cores = w["prompts_per_step"], ncores()
     over = {"model.path": w["model"], "run.output_dir": str(out / "miles"), "run.name": f"{w['name']}-{schedule}",
             "run.seed": str(seed), "loop.num_steps": str(w["steps"]), "loop.save_every": "0",
             "rollout.prompts_per_step": str(pps), "rollout.n_samples_per_prompt": str(w["samples"]),
             "rollout.max_new_tokens": str(w["max_new_tokens"]), "rollout.reward": w["reward"],
             "trainer.lr": str(w["lr"]), "buffer.filter": w["filter"], "eval.every_steps": "0", "eval.num_prompts": "8",
-            "eval.max_new_tokens": str(w["eval_new_tokens"]), "metrics.progress": "plain"}
+            "eval.max_new_tokens": str(w["eval_new_tokens"]), "metrics.progress": "plain",
+            "trainer.device": device, "rollout.engine.device": device}
+    if device == "cuda":
+        # bf16 compute as TRL's bf16 autocast; a context the static KV cache can give every row, so the
+        # engine decodes on its fast path (EngineConfig.fast_decode = auto).
+        over.update({"rollout.engine.dtype": "bfloat16", "trainer.param_dtype": "bfloat16",
+                     "rollout.engine.context_length": str(w["max_new_tokens"] + 256)})
     if schedule == "sync":
         # Every core to each side in turn; the engines keep their memory while the trainer works, as
         # TRL keeps its one model (this machine holds both, and releasing writes the weights to a file).
@@ -269,6 +278,13 @@ def run_miles(w: dict, out: Path, schedule: str, seed: int, max_staleness: int) 
                      "rollout.engine.num_threads": half, "trainer.num_threads": half,
                      "buffer.max_staleness": str(max_staleness), "buffer.max_inflight_groups": str(pps),
                      "buffer.capacity": str(pps), "trainer.algorithm.tis_mode": "truncate"})
+    return over
+
+
+def run_miles(w: dict, out: Path, schedule: str, seed: int, max_staleness: int, device: str = "cpu") -> dict:
+    """`miles train` on grpo.toml with the workload's settings; loop time = sum of step times less eval."""
+    pps = w["prompts_per_step"]
+    over = miles_overrides(w, out, schedule, seed, max_staleness, device)
     summary = run_train(load_config(RunConfig, EXAMPLE / "grpo.toml", over))
     recs = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if r["step"] > 0 and "perf/step_s" in r]
@@ -308,6 +324,8 @@ def main(argv=None) -> int:
                         "that never answers right gives only zero-variance groups, and fully_async would "
                         "wait for a group that passes)")
     p.add_argument("--out", default="", help="working folder (default: a temporary one)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where every contender generates and trains (cuda: bf16 on both sides)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.long_steps = min(args.steps, 1), min(args.long_steps, 1)
@@ -333,6 +351,11 @@ def main(argv=None) -> int:
         sys.exit(f"miles bench trl: found trl {found}, the benchmark maps its settings for trl {TRL_VERSION}; "
                  f"pip install trl=={TRL_VERSION}")
 
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("miles bench trl: --device cuda but torch sees no CUDA device; leave --device at cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-trl-"))
@@ -359,15 +382,16 @@ def main(argv=None) -> int:
     line: dict = {}
     for name in names:
         w = workload(name, args, sft_model, long_model)
-        start_accuracy = evaluate(w["model"], held_out, reward_fn(w["reward"]), w["eval_new_tokens"])
+        start_accuracy = evaluate(w["model"], held_out, reward_fn(w["reward"]), w["eval_new_tokens"],
+                                  device=args.device)
         runs: dict[str, dict] = {}
         for c in contenders:
             t = time.perf_counter()
-            runs[c] = (run_trl(w, out, args.seed) if c == "trl" else
-                       run_miles(w, out, c.removeprefix("miles_"), args.seed, args.max_staleness))
+            runs[c] = (run_trl(w, out, args.seed, args.device) if c == "trl" else
+                       run_miles(w, out, c.removeprefix("miles_"), args.seed, args.max_staleness, args.device))
             runs[c]["wall_s"] = time.perf_counter() - t
             runs[c]["eval_accuracy"] = evaluate(runs[c]["model"], held_out, reward_fn(w["reward"]),
-                                                w["eval_new_tokens"])
+                                                w["eval_new_tokens"], device=args.device)
             shown = {k: v for k, v in runs[c].items() if k not in ("step_s", "ledger")}
             print(f"[bench trl] {name} {c}: {json.dumps(shown)}", file=sys.stderr, flush=True)
         rate = lambda c: runs[c]["samples_per_s"] if c in runs else None  # noqa: E731
@@ -388,8 +412,14 @@ def main(argv=None) -> int:
     unmatched = UNMATCHED if args.miles_filter == "nonzero_std" else UNMATCHED[1:]
     matched = MATCHED if args.miles_filter == "nonzero_std" else [
         *MATCHED, "zero-variance groups: kept and trained on both sides (--miles-filter none)"]
+    if args.device == "cuda":
+        matched = [m.replace("float32 on both sides", "float32 master weights and bf16 compute on both sides")
+                   for m in matched]
+        unmatched = [u.replace("miles' built-in engine (float32, its own KV cache and batching)",
+                               "miles' built-in engine (bf16, static KV cache, CUDA graphs, continuous batching)")
+                     for u in unmatched]
     line.update({"matched_settings": matched, "unmatched_settings": unmatched, "trl_version": TRL_VERSION,
-                 "eval_prompts": args.eval_prompts,
+                 "eval_prompts": args.eval_prompts, "device": args.device,
                  "cores": ncores(), "sft_model": sft_model, "long_model": long_model or None,
                  "wall_s": time.perf_counter() - t_start})
     print(json.dumps(line), flush=True)

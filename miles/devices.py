@@ -4,7 +4,9 @@ engine's configs name it (`trainer.device`, `rollout.engine.device`).
 `auto` is cuda when torch sees a GPU in the process that resolves it, else cpu: the embedded default
 (a CPU-only machine) and a GPU machine run the same config unchanged. Every asked-for cuda without a
 GPU is refused with the key that asked. Memory budgets are read here too: a GPU's total memory, or
-the host's RAM for a CPU engine, so a memory fraction means the same thing on both.
+the host's RAM for a CPU engine, so a memory fraction means the same thing on both. A process that
+computes on cuda computes float32 as float32 (`exact_float32`): the same numerics as on cpu, whatever
+the image sets; bfloat16 (trainer.param_dtype, rollout.engine.dtype) is the configured faster path.
 
 Non-goals: choosing between several GPUs (Ray's CUDA_VISIBLE_DEVICES does that), other accelerators.
 """
@@ -66,3 +68,18 @@ def gpu_uuid(device) -> str:
     import torch
 
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+TF32_OVERRIDE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
+"""Set to 1 by NVIDIA's PyTorch containers: cuBLAS then multiplies float32 in TF32 (10-bit mantissa)
+whatever torch's own flags say. torch reads it once, at the first matmul on the GPU."""
+
+
+def exact_float32() -> None:
+    """float32 matrix products on the GPU in full float32, as on cpu: torch's default precision, and an
+    image's TF32 override dropped before the first product reads it. Call before any work on cuda."""
+    import torch
+
+    os.environ.pop(TF32_OVERRIDE, None)
+    # The one switch: setting torch's legacy allow_tf32 flags beside it is refused by torch >= 2.9.
+    torch.set_float32_matmul_precision("highest")

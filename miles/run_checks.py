@@ -116,6 +116,15 @@ def check_sync(run) -> None:
     if run.rollout.pd_disaggregation and not transport.supports_pd_disaggregation:
         raise ConfigError(f"sync.transport = {name!r} cannot update prefill/decode-disaggregated engines: "
                           "set sync.transport = 'broadcast' or 'p2p', or turn off prefill/decode disaggregation")
+    if getattr(run.sync, "backend", None) == "nccl":
+        # Where a device is left to `auto`, the connect decides (broadcast_group.choose) and says why.
+        on_cpu = [key for key, device in (("trainer.device", run.trainer.device),
+                                          ("rollout.engine.device", run.rollout.engine.device)) if device == "cpu"]
+        if run.rollout.engine_urls:
+            on_cpu = [k for k in on_cpu if k != "rollout.engine.device"]  # external engines say at connect
+        if on_cpu:
+            raise ConfigError(f"sync.backend = 'nccl' moves GPU memory only, but {' and '.join(on_cpu)} = 'cpu': "
+                              "set them to 'cuda' (or 'auto'), or sync.backend = 'gloo' (or 'auto')")
 
 
 def check_routing_replay(run) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
 
 import pytest
 
@@ -105,3 +107,27 @@ def _engines_restart_their_numbering(request, admin_token):
             url = request.getfixturevalue(name).url
             httpx.post(f"{url}/update_weight_version", json={"new_version": "default"}, timeout=60,
                        headers={"Authorization": f"Bearer {admin_token}"}).raise_for_status()
+
+
+@pytest.fixture(autouse=True)
+def _no_router_outlives_its_test(request):
+    """A run's router outlives a killed driver by design (orchestration/router_supervisor.py); a test
+    whose driver was killed, or timed out, must not leave it running. After each test with a tmp_path,
+    every router recorded under it (router.json) that still runs on this machine is ended."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    tmp_path = request.getfixturevalue("tmp_path")
+    yield
+    from miles.orchestration.router_supervisor import RECORD, RouterRecord
+
+    for path in tmp_path.rglob(RECORD):
+        record = RouterRecord.load(path)
+        if record is None or record.host != socket.gethostname():
+            continue
+        try:
+            cmdline = open(f"/proc/{record.pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"miles.rollout.router" in cmdline:  # that router, not a process that took its pid later
+            os.kill(record.pid, signal.SIGKILL)

@@ -64,6 +64,10 @@ class Sample:
     # On-policy distillation with teacher engines: the teacher's logprob of every response token
     # (rollout/teacher.py); None when no teacher engine scored the sample.
     teacher_logprobs: list[float] | None = None
+    # A segment came from an engine that held an older version than the one the whole fleet was known
+    # to hold when the segment's request went out (an engine left behind by a commit round): never
+    # expected; counted as rollout/off_fleet_samples.
+    off_fleet: bool = False
     # A vision-language prompt's images, in the order of their tokens in prompt_ids.
     images: tuple[PromptImage, ...] = ()
 

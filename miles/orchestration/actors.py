@@ -15,6 +15,7 @@ import signal
 
 from miles.net import free_port
 from miles.orchestration.faults import damage_delta
+from miles.orchestration.lease import Lease
 from miles.orchestration.placement import pin_current_process
 from miles.orchestration.ray_cluster import node_address
 from miles.rollout.engine.server import start_server_thread
@@ -22,15 +23,26 @@ from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
 
 class EngineShell:
-    """One built-in engine serving the engine HTTP API from inside a Ray actor's process."""
+    """One built-in engine serving the engine HTTP API from inside a Ray actor's process. With `lease_s`
+    (a detached engine, ray.detached_engines) it ends its process once no driver renewed its lease for
+    that long (lease.py)."""
 
-    def __init__(self, engine_config, cores=None):
+    def __init__(self, engine_config, cores=None, lease_s: float | None = None):
         if not engine_config.host:
             engine_config = dataclasses.replace(engine_config, host=node_address())
         self.server = start_server_thread(engine_config)
         # Pinned once serving: start-up (imports, loading) may use any idle core, which matters when a
         # replacement starts while its pool's cores are busy generating.
         pin_current_process(cores)
+        self.lease = Lease(lease_s, self._expire) if lease_s else None
+
+    def renew_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.renew()
+
+    def _expire(self) -> None:
+        self.server.stop()
+        os._exit(0)  # the actor's process: Ray sees the detached actor gone and does not restart it
 
     def url(self) -> str:
         return self.server.url

@@ -59,19 +59,22 @@ def make_run_dir(output_dir: str, name: str) -> Path:
     return path
 
 
-def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack
+def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack, resume: bool = False
            ) -> tuple[TrainContext, RunningRouter | SupervisedRouter | None, Callable[[], TrainerGroup]]:
     """Start every component of a run, each entered on `stack`; the TrainContext that holds them, and
-    how to start its trainer group again (fault.restart_trainer)."""
+    how to start its trainer group again (fault.restart_trainer). Resuming, the router an earlier
+    driver of the run left serving is adopted (router_supervisor.py); engines and trainer are new."""
     stack.enter_context(ray_for_run(cfg))
     cfg, gpus = place_run_devices(cfg)
     pools = core_pools(cfg.placement)
     external = list(cfg.rollout.engine_urls)
-    admin_token = run_admin_token(external=bool(external))
+    admin_token = run_admin_token(external=bool(external), run_dir=run_dir if resume else None)
     wiring: dict = {}
-    fleet, router = start_fleet(cfg, pools, admin_token, stack, wiring, gpus.engine)
+    fleet, router = start_fleet(cfg, pools, admin_token, stack, wiring, gpus.engine, run_dir=run_dir, resume=resume)
     urls = fleet.serving_urls()
-    log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}")
+    adopted = getattr(router, "adopted", False)
+    log(f"engines ready{' (started outside the run)' if external else ''}: {', '.join(urls)}; router at {router.url}"
+        f"{f' (adopted: pid {router.pid}, left serving by the previous driver)' if adopted else ''}")
     teacher_urls = start_teachers(cfg, pools, stack, gpus.engine)
     if teacher_urls:
         log(f"teacher engines ready: {', '.join(teacher_urls)}")
@@ -198,7 +201,7 @@ def run_train(cfg: RunConfig, resume: str | None = None) -> dict:
     log(f"run directory: {run_dir}")
     t_start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        ctx, router, start_trainer = _start(cfg, run_dir, stack)
+        ctx, router, start_trainer = _start(cfg, run_dir, stack, resume=bool(resume))
         if resume:
             ctx.restore()
             before = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])

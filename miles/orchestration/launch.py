@@ -12,24 +12,28 @@ import dataclasses
 import itertools
 import os
 import secrets
+from pathlib import Path
 
 from miles.engine_api import routes
 from miles.engine_api.client import EngineClient
 from miles.engine_api.errors import EngineError
 from miles.orchestration.actors import EngineShell, remote
+from miles.orchestration.context import log
+from miles.orchestration.detached import DetachedEngines
 from miles.orchestration.fleet import EngineFleet, EngineHandle
 from miles.orchestration.placement import CorePools, GpuShares, NodePool, PlacementError, place_devices
 from miles.orchestration.ray_cluster import ensure_ray, node_address
-from miles.orchestration.router_supervisor import SupervisedRouter
+from miles.orchestration.router_supervisor import RECORD, RouterRecord, SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure
 from miles.rollout.router import RunningRouter, start_router_thread
 from miles.rollout.teacher import check_served_teacher
 from miles.run_config import RunConfig
 
 
-def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
+def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool, detached: DetachedEngines | None = None):
     """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool: on
-    the slot's bundle's node, in the pool's cores.
+    the slot's bundle's node, in the pool's cores; start_many(n, first) starts slots first..n-1
+    together; adopt(size) -> up to size engines an earlier driver of the run left (detached engines only).
 
     Slot -1 is a standby engine, not yet given a slot (it takes the bundles after the slots')."""
     import ray
@@ -42,22 +46,50 @@ def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool):
     def launch(slot: int):
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
         bundle = slot if slot >= 0 else next(standby_bundles)
-        return cls.options(**pool.options(bundle)).remote(
-            cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores)
+        options = {**pool.options(bundle), **(detached.options() if detached else {})}
+        actor = cls.options(**options).remote(cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores,
+                                              detached.lease_s if detached else None)
+        if detached:
+            detached.track(actor)
+        return actor
 
     def handle(actor) -> EngineHandle:
         url, pid, node = ray.get([actor.url.remote(), actor.pid.remote(), actor.node.remote()])
-        return EngineHandle(url, pid, lambda: ray.kill(actor), node=node, on_this_node=node == here,
+
+        def stop() -> None:
+            if detached:
+                detached.forget(actor)
+            ray.kill(actor)
+
+        return EngineHandle(url, pid, stop, node=node, on_this_node=node == here,
                             signal_self=lambda sig: actor.signal.remote(sig))
 
     def start(slot: int) -> EngineHandle:
         return handle(launch(slot))
 
-    def start_many(n: int) -> list[EngineHandle]:
-        actors = [launch(i) for i in range(n)]  # all start together; then wait for each
+    def start_many(n: int, first: int = 0) -> list[EngineHandle]:
+        actors = [launch(i) for i in range(first, n)]  # all start together; then wait for each
         return [handle(a) for a in actors]
 
-    return start, start_many
+    def adopt(size: int) -> list[EngineHandle]:
+        found = []
+        for actor in detached.left_behind() if detached else []:
+            if len(found) == size:  # more than this run needs now: ended
+                ray.kill(actor)
+                continue
+            try:
+                ray.get(actor.url.remote(), timeout=60)  # a dead or hung actor fails here, not in handle's wait
+                engine = handle(actor)
+            except Exception as exc:  # noqa: BLE001 - dead or unanswering: ended, and a new one takes its place
+                log(f"a detached engine of this run left by the previous driver does not answer "
+                    f"({str(exc).splitlines()[0][:200]}): ending it")
+                ray.kill(actor)
+                continue
+            detached.track(actor)
+            found.append(engine)
+        return found
+
+    return start, start_many, adopt
 
 
 def cannot_start(slot: int) -> EngineHandle:
@@ -66,26 +98,42 @@ def cannot_start(slot: int) -> EngineHandle:
 
 
 def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None, stack: contextlib.ExitStack,
-                 run: dict, gpus: float = 0.0) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
+                run: dict, gpus: float = 0.0, run_dir: Path | None = None, resume: bool = False
+                ) -> tuple[EngineFleet, RunningRouter | SupervisedRouter]:
     """Engines, the router in front of them, and the fleet that keeps them serving.
 
     The engines are the run's own, or the ones at rollout.engine_urls: those are probed, routed
     around and re-admitted like the run's own, but never started, stopped or restarted by it.
+    With router.own_process the router's record is kept in `run_dir`, and a `resume` adopts the
+    router an earlier driver of the run left serving (with these engines in place of that driver's).
     `run` gets the TrainContext under "ctx" once it exists; the fleet's callbacks only fire after
     the monitor starts, by which time it does."""
     unadopted = stack.enter_context(contextlib.ExitStack())  # stops the engines until the fleet owns them
     if cfg.rollout.engine_urls:
         engines, standby, start = [EngineHandle.outside(u) for u in cfg.rollout.engine_urls], [], cannot_start
         check_reachable([e.url for e in engines])
+        if resume:
+            continue_engines([e.url for e in engines], admin_token)
         # The router's token guards its membership routes; the engines' own (their operator's) goes
         # with every call it forwards to them, so without one the router still gets a fresh token.
-        router_token = admin_token or secrets.token_hex(16)
+        previous = RouterRecord.load(run_dir / RECORD) if resume and run_dir is not None else None
+        router_token = admin_token or (previous.admin_token if previous else None) or secrets.token_hex(16)
     else:
         size = cfg.rollout.num_engines + (cfg.health.standby_engines if cfg.health.enabled else 0)
-        pool = node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus)
-        start, start_many = engine_starter(cfg, pools.engine if pools else None, admin_token, pool)
+        detached = None
+        if cfg.ray.detached_engines and run_dir is not None:
+            detached = DetachedEngines(run_dir, cfg.ray.engine_lease_s)
+            stack.callback(detached.stop)
+        pool = node_pool("engines", size, cfg.placement.engine_nodes, "placement.engine_nodes", cfg, stack, gpus,
+                         detached_as=detached.group_name if detached else None)
+        start, start_many, adopt = engine_starter(cfg, pools.engine if pools else None, admin_token, pool, detached)
+        adopted = adopt(size) if resume else []
+        if adopted:
+            log(f"adopted {len(adopted)} detached engines left serving by the previous driver: "
+                f"{', '.join(e.url for e in adopted)}")
+            continue_engines([e.url for e in adopted], admin_token)
         # Standby engines start with the others, so that even the first failure finds one ready.
-        started = start_many(size)
+        started = adopted + start_many(size, first=len(adopted))
         engines, standby = started[:cfg.rollout.num_engines], started[cfg.rollout.num_engines:]
         for e in started:
             unadopted.callback(e.stop)
@@ -94,9 +142,16 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
                                  host=cfg.router.host or node_address())
     if cfg.router.own_process:
         # Restarted with the engines serving at that moment; `run` holds the fleet by then.
-        router = SupervisedRouter(router_cfg, [e.url for e in engines], cfg.health,
-                                  workers=lambda: run["fleet"].serving_urls() if "fleet" in run else
-                                  [e.url for e in engines])
+        urls = [e.url for e in engines]
+
+        def serving() -> list[str]:
+            return run["fleet"].serving_urls() if "fleet" in run else urls
+
+        router = None
+        if resume and run_dir is not None:
+            router = SupervisedRouter.adopt(run_dir, router_cfg, urls, cfg.health, workers=serving)
+        if router is None:
+            router = SupervisedRouter(router_cfg, urls, cfg.health, workers=serving, state_dir=run_dir)
     else:
         router = start_router_thread(router_cfg, [e.url for e in engines], cfg.health)
     stack.callback(router.stop)
@@ -123,11 +178,11 @@ def start_fleet(cfg: RunConfig, pools: CorePools | None, admin_token: str | None
 
 
 def node_pool(name: str, size: int, resource: str, key: str, cfg: RunConfig, stack: contextlib.ExitStack,
-               gpus: float = 0.0) -> NodePool:
+              gpus: float = 0.0, detached_as: str | None = None) -> NodePool:
     """The placement group of one pool on the nodes `resource` (config key `key`) names, `gpus` GPUs per
-    process; removed when the run ends."""
+    process; removed when the run ends (`detached_as`: named so, it outlives a killed driver)."""
     try:
-        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s, gpus)
+        pool = NodePool(name, size, resource, key, cfg.placement.timeout_s, gpus, detached_as=detached_as)
     except PlacementError as exc:
         raise SystemExit(f"miles: {exc}") from None
     stack.callback(pool.remove)
@@ -184,6 +239,17 @@ def start_teachers(cfg: RunConfig, pools: CorePools | None, stack: contextlib.Ex
     return ray.get([a.url.remote() for a in actors])
 
 
+def continue_engines(urls: list[str], admin_token: str | None) -> None:
+    """Engines that outlived a killed driver may have been paused by it (a weight push's pause, a commit
+    round's hold) with nobody left to continue them: a resumed run continues each before it generates.
+    Their weights are the dead driver's; the restored checkpoint's are pushed before any generation."""
+    with EngineClient(admin_token=admin_token, timeout_s=30.0) as client:
+        for url, answer in zip(urls, client.try_all(urls, routes.CONTINUE_GENERATION, {})):
+            if isinstance(answer, BaseException):
+                raise SystemExit(f"miles: engine {url} (rollout.engine_urls) could not be continued after the "
+                                 f"previous driver: {answer}") from None
+
+
 def check_reachable(urls: list[str], key: str = "rollout.engine_urls") -> None:
     """External engines must answer /health before the run starts (a typo'd URL fails here, clearly)."""
     with EngineClient(timeout_s=10.0) as client:
@@ -208,13 +274,15 @@ def ray_for_run(cfg: RunConfig):
             ray.shutdown()
 
 
-def run_admin_token(external: bool) -> str | None:
+def run_admin_token(external: bool, run_dir: Path | None = None) -> str | None:
     """The admin token of a run: a fresh random one for the engines and the router the run starts, so
-    their admin routes are never open; for engines started outside the run, their operator's
-    (MILES_ENGINE_ADMIN_TOKEN), if any."""
+    their admin routes are never open, or, resuming, the one of the router an earlier driver of the run
+    left serving (so that router can be adopted and speaks for the new engines); for engines started
+    outside the run, their operator's (MILES_ENGINE_ADMIN_TOKEN), if any."""
     if external:
         return os.environ.get("MILES_ENGINE_ADMIN_TOKEN") or None
-    return secrets.token_hex(16)
+    previous = RouterRecord.load(run_dir / RECORD) if run_dir is not None else None
+    return previous.admin_token if previous is not None and previous.admin_token else secrets.token_hex(16)
 
 
 def on_driver_node() -> dict:

@@ -142,8 +142,12 @@ class NodePool:
     shares a slot's bundle, which costs nothing since actors ask for no resources of their own).
     """
 
-    def __init__(self, name: str, size: int, resource: str, key: str, timeout_s: float, gpus: float = 0.0):
+    def __init__(self, name: str, size: int, resource: str, key: str, timeout_s: float, gpus: float = 0.0,
+                 detached_as: str | None = None):
+        """`detached_as`: a detached placement group of that name (it outlives the driver), the one an
+        earlier driver of the run left when it exists."""
         import ray
+        from ray.util import get_placement_group
         from ray.util.placement_group import placement_group
 
         need = resource or "CPU"
@@ -155,7 +159,15 @@ class NodePool:
                                  f"'{{\"{need}\": 1}}' ...`, or leave {key} empty for any node")
         self.name, self.size, self.gpus = name, size, gpus
         bundle = {need: BUNDLE_SHARE, **({"GPU": gpus} if gpus else {})}
-        self.group = placement_group([bundle] * size, strategy="PACK", name=f"miles-{name}")
+        self.group = None
+        if detached_as:
+            try:
+                self.group = get_placement_group(detached_as)
+            except ValueError:  # none left by an earlier driver
+                pass
+        if self.group is None:
+            self.group = placement_group([bundle] * size, strategy="PACK", name=detached_as or f"miles-{name}",
+                                         lifetime="detached" if detached_as else None)
         try:
             ray.get(self.group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:

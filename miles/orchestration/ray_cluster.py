@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from miles.config.loader import ConfigError
 from miles.net import LOOPBACK
 
+NAMESPACE = "miles"
+"""The Ray namespace of a run with detached engines (ray.detached_engines), where its engines and their
+placement group are named."""
+
 LOCAL_NODE_ADDRESS = str(ipaddress.ip_address(LOOPBACK) + 1)
 """The address a local cluster's node advertises: loopback, and one Ray keeps as given (the address
 after LOOPBACK, so a local run's traffic stays on loopback while Ray leaves its address alone)."""
@@ -37,8 +41,19 @@ class RayConfig:
     """Address of this machine's Ray node: a local cluster's node advertises it; when joining, the node
     of this machine that the driver attaches to (the --node-ip-address it was started with). None:
     LOCAL_NODE_ADDRESS (loopback) for a local cluster, Ray's choice when joining."""
+    detached_engines: bool = False
+    """On a joined cluster (ray.address): start the run's engines as detached Ray actors that outlive a
+    killed driver, for `miles train --resume` to adopt; each ends itself once no driver renewed its
+    lease for engine_lease_s."""
+    engine_lease_s: float = 600.0
+    """How long a detached engine serves on after its last driver stopped renewing its lease (seconds)."""
 
     def validate(self) -> None:
+        if self.detached_engines and cluster_address(self) is None:
+            raise ConfigError("ray.detached_engines needs a cluster that outlives the driver: set ray.address (or "
+                              "RAY_ADDRESS); a local cluster ends with its driver, engines included")
+        if self.engine_lease_s <= 0:
+            raise ConfigError(f"ray.engine_lease_s = {self.engine_lease_s}: set it > 0 (seconds)")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"ray.num_cpus = {self.num_cpus}: set it >= 1, or leave it unset for this "
                               "machine's count")
@@ -68,7 +83,9 @@ def ensure_ray(cfg: RayConfig) -> None:
         ray.init(address="local", num_cpus=cfg.num_cpus, _node_ip_address=cfg.node_ip_address or LOCAL_NODE_ADDRESS,
                  **common)
     else:
-        ray.init(address=address, _node_ip_address=cfg.node_ip_address, **common)
+        # Detached engines are found again by name, in a namespace every driver of a run joins.
+        namespace = {"namespace": NAMESPACE} if cfg.detached_engines else {}
+        ray.init(address=address, _node_ip_address=cfg.node_ip_address, **namespace, **common)
 
 
 def node_address() -> str:

@@ -154,6 +154,7 @@ class GroupGenerator:
         response: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         versions: list[list[int]] = [[] for _ in range(n)]
+        off_fleet = [False] * n
         last: list = [None] * n
         todo, segment = list(range(n)), 0
         while todo:
@@ -172,6 +173,9 @@ class GroupGenerator:
                 response[k] += s.response_ids
                 logprobs[k] += s.rollout_logprobs
                 versions[k].append(min(known, s.oldest_weight_version))
+                # Every engine serving held `known` or newer when the request went out (a version is
+                # known once the fleet committed it): an older one is an engine behind the fleet.
+                off_fleet[k] = off_fleet[k] or s.oldest_weight_version < known
                 last[k] = s
                 if (s.status is SampleStatus.ABORTED and self.cfg.partial_rollout and segment < self.cfg.max_resumes
                         and len(response[k]) < params[k].max_new_tokens and not self.stopping.is_set()):
@@ -192,7 +196,7 @@ class GroupGenerator:
                                   loss_mask=[1] * len(response[k]), status=status, weight_versions=versions[k],
                                   response_text=text, label=prompt.label, prompt_index=prompt.index,
                                   routed_experts=s.routed_experts, metadata=dict(prompt.metadata),
-                                  images=prompt.images))
+                                  off_fleet=off_fleet[k], images=prompt.images))
         return samples
 
     async def _request(self, client, url, prompts, params, rids, prompt) -> list[Sample]:

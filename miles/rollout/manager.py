@@ -99,6 +99,7 @@ class RolloutManager:
         samples = [s for g in groups for s in g.samples]
         if samples:
             metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
+            metrics["rollout/off_fleet_samples"] = float(sum(s.off_fleet for s in samples))
         return metrics
 
     def live_stats(self) -> dict[str, float]:
@@ -120,6 +121,7 @@ class RolloutManager:
         if samples:
             metrics["rollout/trained_reward_mean"] = sum(s.reward for s in samples) / len(samples)
             metrics["rollout/weight_version"] = min(s.oldest_weight_version for s in samples)
+            metrics["rollout/off_fleet_samples"] = float(sum(s.off_fleet for s in samples))
         if self.groups.teacher is not None:
             # Teacher engines never receive weights: more than one version seen would be a bug.
             metrics["rollout/teacher_weight_versions"] = len(self.groups.teacher.versions_seen)

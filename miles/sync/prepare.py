@@ -94,11 +94,13 @@ class SyncConfig:
 
     def resolved(self) -> SyncConfig:
         """This config as its transport's Config; settings only that transport has take their defaults
-        (a plain SyncConfig(transport=...) built in code, not through load_config)."""
+        (a plain SyncConfig(transport=...) built in code, not through load_config), and settings only
+        another transport has are dropped (a fallback from p2p to broadcast)."""
         cls = transport_config(self.transport)
         if isinstance(self, cls):
             return self
-        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in known})
 
     def validate(self) -> None:
         if self.bucket_size_mb < 1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.devices import resolve
+from miles.devices import exact_float32, resolve
 
 HOST = torch.device("cpu")
 """Host memory: where full weights are handed to the transports and exports are assembled."""
@@ -35,6 +35,7 @@ def compute_device(device: str, rank: int) -> torch.device:
     it as GPU 0)."""
     if resolve(device, "trainer.device") == "cpu":
         return HOST
+    exact_float32()  # float32 computes as on cpu (param_dtype bfloat16 is the faster path)
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

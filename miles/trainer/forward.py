@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from miles.trainer.algorithms.base import entropy_from_logits
+from miles.trainer.chunked_logprobs import token_logprobs_chunked
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -39,13 +39,10 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                          with_entropy: bool = False):
     """`forward_logprobs` from the model's logits (B, T, V): the tokens' logprobs (B, T-1) and, if
-    asked, the entropy (B, T-1), in float32 at `temperature`."""
-    logits = logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:  # x / 1 is x: skip a full (B, T, V) pass and its backward
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_logits(logits)
-    return logp, entropy
+    asked, the entropy (B, T-1), in float32 at `temperature`. Computed a chunk of tokens at a time
+    (chunked_logprobs.py), so no float32 copy of the whole logits is ever held."""
+    # Every position is scored against the next token (the last against a dummy 0, then dropped):
+    # flattening the whole (B, T, V) logits is a view, where cutting the last position first would copy.
+    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros((input_ids.shape[0], 1))], dim=1)  # (B, T)
+    logp, entropy = token_logprobs_chunked(logits, targets, temperature, with_entropy)
+    return logp[:, :-1], (entropy[:, :-1] if with_entropy else None)

@@ -1,7 +1,8 @@
 """The pieces of scripts/gpu-check.sh that are Python: probe the device, watch a run's GPU, time the
 trainer against a plain loop, and fold every part's output into one JSON line.
 
-  check.py probe OUT.json                      the GPU's name, memory and measured copy bandwidth
+  check.py probe OUT.json                      the GPU's name, memory, measured copy bandwidth and how
+                                               float32 products round (TF32 or float32)
   check.py watch OUT.json METRICS -- CMD...    run CMD, sampling GPU utilisation; each step's window is
                                                read off METRICS (metrics.jsonl) as its lines appear
   check.py build-model PRESET DIR              a preset built on the GPU (fast for large shapes)
@@ -38,7 +39,37 @@ def probe(out: str) -> None:
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1),
                     copy_gb_s=round(bench.copy_bandwidth("cuda") / 1e9, 1))  # bytes read + written
+        # How float32 multiplies here: as the image leaves torch (TF32 if it sets the override), and as
+        # miles' processes do after devices.exact_float32 (in a process of its own: the override is read once).
+        info["fp32_matmul"] = {"override": os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"),
+                               "precision": torch.get_float32_matmul_precision(),
+                               "rel_err_image": _matmul_error(), "rel_err_miles": _matmul_error_exact()}
     Path(out).write_text(json.dumps(info))
+
+
+def _matmul_error_exact() -> float | None:
+    """_matmul_error after miles' exact_float32, in a fresh process (None if that process failed)."""
+    r = subprocess.run([sys.executable, __file__, "matmul-error", "exact"], capture_output=True, text=True)
+    try:
+        return float(r.stdout)
+    except ValueError:
+        print(f"check.py: matmul-error failed: {r.stderr[-500:]}", file=sys.stderr)
+        return None
+
+
+def _matmul_error(exact: bool = False) -> float:
+    """Relative error of a 1024 x 1024 float32 product on the GPU against float64: about 1e-7 in float32,
+    about 1e-4 in TF32."""
+    import torch
+
+    if exact:
+        from miles.devices import exact_float32
+
+        exact_float32()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(1024, 1024, device="cuda", generator=g) for _ in range(2))
+    ref = a.double() @ b.double()
+    return float(((a @ b).double() - ref).norm() / ref.norm())
 
 
 class _Utilisation:
@@ -177,6 +208,7 @@ def report(root: str) -> None:
                       "gpu_busy_after_step1": round(sum(busy) / len(busy), 3) if busy else None}
     bench = [json.loads(line) for line in (d / "bench-gpu.log").read_text().splitlines() if line.startswith('{"bench"')] \
         if (d / "bench-gpu.log").exists() else []
+    out["decode_vs_hf"] = bench[-1].get("decode") if bench else None
     out["trainer_vs_plain"] = bench[-1].get("trainer") if bench else None
     out["sections"] = _read(d / "sections.json")
     print(json.dumps(out))
@@ -193,6 +225,8 @@ def main(argv: list[str]) -> int:
         build_model(*args)
     elif cmd == "report":
         report(*args)
+    elif cmd == "matmul-error":  # probe's second measurement, in a fresh process
+        print(_matmul_error(exact=args == ["exact"]))
     else:
         sys.exit(f"check.py: unknown command {cmd!r}")
     return 0

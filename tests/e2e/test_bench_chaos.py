@@ -23,7 +23,7 @@ def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "miles.cli", "bench", "chaos", "--quick", "--steps", "8",
                            "--kills-per-kind", "1", "--driver-kill-at", "2", "--stalls", "2", "--corrupt-deltas", "1",
-                           "--push-deadline-s", "5", "--stall-resume-s", "12",
+                           "--push-deadline-s", "5", "--stall-resume-s", "12", "--commit-stalls", "0",
                            "--no-baseline", "--timeout", "900", "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -37,6 +37,10 @@ def test_every_kind_of_process_killed_once_and_nothing_is_lost(tmp_path):
     assert line["run_completed"] and line["steps_recorded"] == 8, log
     assert line["prompts_lost"] == 0 and line["prompts_trained_twice"] == 0, line["ledger"]
     assert line["hung_pushes"] == 0 and line["hung_runs"] == 0
+    assert line["off_fleet_samples"] == 0
+    # The router outlived the killed driver's process group, the resumed driver adopted it, and no
+    # router was left running once the runs ended.
+    assert line["router_outlived_driver"] and line["router_adopted"] and line["routers_left_running"] == 0, log
     # The damaged delta: rolled back and retried; the stall that never ends: its engine is declared dead
     # and the version pushed again to the rest; the resumed stall: rolled back and retried, or, when
     # the push began by reconnecting to a changed fleet, waited out by reconnect retries. Each push
@@ -72,6 +76,8 @@ def test_the_plan_puts_push_faults_on_kill_steps_and_counts_one_only_when_its_pu
             {"step": 9, "sync/total_s": 1.0, "sync/rollbacks": 1}]                  # not verified
     figures = push_figures(recs, pushes)
     assert figures == {"push_faults_recovered": 2, "rollbacks": 2, "engine_loss_retries": 1, "reconnect_retries": 0,
-                       "pushes_unverified": 1, "fenced_engines": 0}
+                       "pushes_unverified": 1, "fenced_engines": 0, "off_fleet_samples": 0}
+    recs[1]["rollout/off_fleet_samples"] = 2.0
+    assert push_figures(recs, pushes)["off_fleet_samples"] == 2
     recs[2]["sync/reconnect_retries"] = 1  # step 7's push waited for the stalled engine to answer again
     assert push_figures(recs, pushes)["push_faults_recovered"] == 3

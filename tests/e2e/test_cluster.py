@@ -15,13 +15,18 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 import pytest
 
+from miles.orchestration.router_supervisor import RECORD, RouterRecord
+from tests.e2e.test_driver_kill import alive, check_nothing_lost_or_trained_twice, train_args, wait_for_checkpoint
 from tests.helpers.ray_nodes import LocalCluster
 
 pytestmark = pytest.mark.e2e
@@ -141,6 +146,111 @@ def test_an_engine_killed_on_node_two_is_replaced_there_and_the_run_completes(cl
     assert event["new_url"] in [e["url"] for e in engines] and event["old_url"] not in [e["url"] for e in engines]
     assert [(e["node"], _host(e["url"])) for e in engines] == [(NODE2, NODE2)] * 2
     assert summary["steps"] == 3
+
+
+@pytest.mark.slow  # a variant of test_driver_kill.py's default-tier run, and of the detached engines' below
+def test_a_killed_driver_on_a_joined_cluster_takes_its_engines_along_and_resume_adopts_its_router(
+        cluster, tiny_model_dir, tmp_path):
+    """On a cluster given by ray.address the engines are still the driver's Ray actors: its process group
+    SIGKILLed, Ray ends them there too, while the router (on the driver's machine, a process of its own)
+    keeps answering. `miles train --resume` joins the same cluster, starts new engines on node 2,
+    registers them with the adopted router, and completes the run with nothing lost or trained twice."""
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = train_args(tiny_model_dir, tmp_path, **{
+        "ray.num_cpus": None, "ray.address": cluster.address, "ray.node_ip_address": HEAD,
+        "placement.trainer_nodes": "miles_trainer", "placement.engine_nodes": "miles_engines"})
+    with (tmp_path / "first.log").open("w") as log:
+        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
+            router = RouterRecord.load(run_dir / RECORD)
+            old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    try:
+        assert [_host(u) for u in old] == [NODE2]
+        deadline = time.monotonic() + 60
+        while any(_answers(u) for u in old):  # ended by Ray on node 2, though the cluster lives on
+            assert time.monotonic() < deadline, f"the killed driver's engines {old} still answer after 60 s"
+            time.sleep(0.5)
+        while httpx.get(router.url + "/health", timeout=10).status_code != 503:  # up, and sees no engine left
+            assert time.monotonic() < deadline + 30, "the router did not see its engines gone within 30 s"
+            time.sleep(0.5)
+        resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        ended = not alive(router.pid)
+        if not ended:
+            os.kill(router.pid, signal.SIGKILL)
+    assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
+    assert ended and not (run_dir / RECORD).exists()
+    summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
+    engines = summary["cluster"]["engines"]
+    assert [(e["node"], _host(e["url"])) for e in engines] == [(NODE2, NODE2)] and engines[0]["url"] not in old
+    assert summary["router"]["adopted"] and summary["cluster"]["nodes"] == [HEAD, NODE2]
+
+
+def test_detached_engines_outlive_a_killed_driver_and_resume_adopts_them(cluster, tiny_model_dir, tmp_path):
+    """ray.detached_engines: the engine on node 2 and the router outlive the driver's process group, the
+    router keeps serving it (/health 200); `miles train --resume` adopts both (the same engine, continued,
+    given the checkpoint's weights), completes the run with nothing lost or trained twice, and ends the
+    engine at the run's end."""
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = train_args(tiny_model_dir, tmp_path, **{
+        "ray.num_cpus": None, "ray.address": cluster.address, "ray.node_ip_address": HEAD,
+        "ray.detached_engines": "true", "placement.trainer_nodes": "miles_trainer",
+        "placement.engine_nodes": "miles_engines"})
+    with (tmp_path / "first.log").open("w") as log:
+        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
+            router = RouterRecord.load(run_dir / RECORD)
+            old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    try:
+        time.sleep(3.0)  # past a few of the router's health rounds without the driver
+        assert [_host(u) for u in old] == [NODE2] and all(_answers(u) for u in old)
+        health = httpx.get(router.url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["active_workers"] == 1, health.text
+        resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                                 env=env, capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        ended = not alive(router.pid)
+        if not ended:
+            os.kill(router.pid, signal.SIGKILL)
+    assert f"adopted 1 detached engines left serving by the previous driver: {old[0]}" in resumed.stderr, \
+        resumed.stderr[-3000:]
+    assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr
+    assert ended and not (run_dir / RECORD).exists()
+    summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
+    assert [e["url"] for e in summary["cluster"]["engines"]] == old  # the same engine, never restarted
+    deadline = time.monotonic() + 30
+    while _answers(old[0]):  # stopped at the run's end like any engine of the run
+        assert time.monotonic() < deadline, "the adopted engine outlived the run's end"
+        time.sleep(0.5)
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+        return True
+    except httpx.HTTPError:
+        return False
 
 
 def test_a_local_run_starts_its_own_cluster_when_the_latest_one_is_gone(cluster):

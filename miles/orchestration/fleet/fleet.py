@@ -286,9 +286,16 @@ class EngineFleet(Probing, Replacing):
 
 
 def _fenced_by(exc: BaseException) -> tuple[str, ...]:
-    """The engines a failed push fenced: FencedEngines' `fenced`, also through Ray's wrapping of it."""
-    for e in (exc, getattr(exc, "cause", None)):
+    """The engines a failed push fenced: FencedEngines' `fenced`, also through Ray's wrapping of it (its
+    `cause`) and the trainer group's (a TrainerFailure raised from Ray's error)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
         urls = getattr(e, "fenced", None)
         if urls:
             return tuple(urls)
+        todo += [getattr(e, "cause", None), e.__cause__]
     return ()

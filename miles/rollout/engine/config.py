@@ -13,6 +13,8 @@ from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, check_admin_exposure
 from miles.precision.types import FORMATS
 from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 
+FAST_DECODE = ("auto", "on", "off")
+
 
 @dataclass
 class EngineConfig:
@@ -44,6 +46,23 @@ class EngineConfig:
     """HTTP port; 0 picks a free one (read the chosen URL from the running server)."""
     max_batch_size: int = 256
     """Most requests decoded together in one forward; later ones wait for a free slot."""
+    max_prefill_tokens: int = 8192
+    """Most prompt tokens admitted into one prefill: further waiting requests are prefilled at the next
+    step, after a decode step of the running rows, so a burst of long prompts does not stall decoding
+    (a single longer prompt is still computed whole). 0: no limit."""
+    fast_decode: str = "auto"
+    """Decode over the static KV cache (static_kv.py): allocated once, written in place, attention through
+    SDPA, sampling on the device. auto: on for cuda when the KV budget gives each of max_batch_size rows
+    the whole context_length (else off, logged with the fix), off for cpu; on: on, serving a shorter
+    context_length when the budget is short; off. Models outside decode_forward.FAMILIES decode eagerly."""
+    prefill_chunk_tokens: int = 2048
+    """With fast_decode, a prompt longer than this is prefilled this many tokens per engine step, a decode
+    step of the running rows between two chunks, so it does not stall them (requests asking for input
+    logprobs or routed experts, or on a LoRA adapter, are prefilled whole). 0: never split a prompt."""
+    cuda_graphs: bool = True
+    """With fast_decode on cuda, replay decode steps as CUDA graphs, one per batch/length bucket
+    (graphs.py). Batches on a LoRA adapter or returning routed experts, and quantized serving, decode
+    without graphs."""
     context_length: int | None = None
     """Longest prompt + completion in tokens; None uses the model's max_position_embeddings."""
     admin_token: str | None = None
@@ -90,6 +109,13 @@ class EngineConfig:
                               "the device's memory the engine may hold; 0.4 leaves the rest to a trainer)")
         if self.max_batch_size < 1:
             raise ConfigError("engine max_batch_size must be >= 1")
+        if self.max_prefill_tokens < 0:
+            raise ConfigError(f"engine max_prefill_tokens = {self.max_prefill_tokens}: set it >= 0 (0: no limit)")
+        if self.prefill_chunk_tokens < 0:
+            raise ConfigError(f"engine prefill_chunk_tokens = {self.prefill_chunk_tokens}: set it >= 0 "
+                              "(0: never split a prompt)")
+        if self.fast_decode not in FAST_DECODE:
+            raise ConfigError(f"engine fast_decode = {self.fast_decode!r}: choose one of {', '.join(FAST_DECODE)}")
         if self.prefix_block_size < 1:
             raise ConfigError("engine prefix_block_size must be >= 1 (8 is a good default)")
         if self.prefix_cache_mb < 0:

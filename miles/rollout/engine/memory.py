@@ -3,7 +3,8 @@
 A colocated trainer needs the engine's memory while it trains. Releasing a tag frees it until the tag
 is resumed; generation is held meanwhile (running requests are retracted to the queue and continue
 after the resume, new requests queue):
-  * "kv_cache": the running batch's KV (by the retract) and the prefix cache;
+  * "kv_cache": the running batch's KV (by the retract; the fast decode's static buffers are freed)
+    and the prefix cache;
   * "weights": the parameters leave the device: a CUDA engine parks them in host memory, a CPU engine
     (which has no other memory) in a file (config.offload_dir); the weight receiver drops its spare
     receive buffers.
@@ -50,6 +51,8 @@ class Memory:
         self._scheduler.quiesce("retract", timeout)
         runner = self._runner
         with runner.model_lock:
+            # CUDA graphs hold a pool of memory and read the weights and KV where they were captured.
+            runner.release_static(kv="kv_cache" in tags)
             if "kv_cache" in tags:
                 runner.prefix_cache.clear()
             if "weights" in tags and self._offload_path is None:

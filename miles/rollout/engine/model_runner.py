@@ -25,6 +25,12 @@ or unloading an adapter that changes the default counts as a weight change (weig
 With `quantization`, the Linear layers serve their weights in a low-precision format and dequantize
 them in each matmul (precision/linear.py); the parameters themselves stay as received.
 
+Fast decode (`fast_decode`, on for cuda by default): the batch's KV lives in a static cache
+(static_kv.py) instead of kv_cache.BatchKV, behind the same interface, so prefill, retirement and the
+prefix cache read and write it as before; decode() is then fast_decode.py's step (CUDA graphs,
+sampling on the device, the host one step behind), and long prompts are prefilled a chunk per step
+(chunked_prefill.py).
+
 A vision-language model's requests carry image keys in their ids where image tokens go
 (multimodal.py): a prefill holding any computes its input embeddings and 3-D rotary positions there,
 and each row's next position is offset by what its images took.
@@ -41,20 +47,24 @@ import time
 
 import torch
 
-from miles.devices import resolve
+from miles.devices import exact_float32, resolve
 from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer, read_model_config
 from miles.models.vision import is_vision_language
 from miles.models.moe import hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
+from miles.rollout.engine.chunked_prefill import ChunkedPrefill
 from miles.rollout.engine.config import EngineConfig
+from miles.rollout.engine.fast_decode import FastDecoder
+from miles.rollout.engine.graphs import DecodeGraphs
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
 from miles.rollout.engine.multimodal import ImageTable
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.row import Row
 from miles.rollout.engine.sampler import sample
+from miles.rollout.engine.static_kv import StaticKV
 
 
 class ModelRunner:
@@ -63,6 +73,7 @@ class ModelRunner:
         self.device = torch.device(resolve(config.device, "rollout.engine.device"))
         if self.device.type == "cuda":  # indexed, so it compares equal to the devices of its tensors
             self.device = torch.device("cuda", torch.cuda.current_device())
+            exact_float32()  # float32 serves as on cpu (rollout.engine.dtype bfloat16 is the faster path)
         vision_language = is_vision_language(read_model_config(config.model_path))
         if vision_language and config.quantization != "none":
             raise ValueError(f"rollout.engine.quantization = {config.quantization!r} is not supported for a "
@@ -111,19 +122,53 @@ class ModelRunner:
         # The running batch: row i of `rows` is row i of every tensor in `kv`. Scheduler thread only.
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
-        self.kv = BatchKV()
+        self.kv: BatchKV | StaticKV = BatchKV()
+        # Fast decode (fast_decode.py): set when it serves this engine, with its graphs (`fast`) and, for
+        # long prompts, the chunked prefill.
+        self.decoder: FastDecoder | None = FastDecoder.setup(self)
+        self.fast: DecodeGraphs | None = self.decoder.graphs if self.decoder is not None else None
+        self.chunked: ChunkedPrefill | None = None
+        if self.decoder is not None and config.prefill_chunk_tokens:
+            self.chunked = ChunkedPrefill(self, config.prefill_chunk_tokens)
+
+    def flush(self) -> None:
+        """Record the fast decode's step still pending on the host, if any (fast_decode.py)."""
+        if self.decoder is not None:
+            self.decoder.flush()
+
+    def release_static(self, kv: bool) -> None:
+        """Drop the CUDA graphs (their memory pool) and, with `kv`, the static KV buffers; the next step
+        allocates and captures again. Caller holds model_lock, with the running batch retracted."""
+        if self.fast is not None:
+            self.fast.clear()
+            if kv:
+                self.kv.free()
 
     @property
     def num_running(self) -> int:
-        return len(self.rows) - self.dead
+        """Admitted and unfinished: in the batch, or waiting for their prompt's next chunk."""
+        return len(self.rows) - self.dead + len(self.chunking)
+
+    @property
+    def chunking(self) -> list[Row]:
+        """Admitted rows whose prompt is being prefilled a chunk per step (chunked_prefill.py)."""
+        return self.chunked.rows if self.chunked is not None else []
 
     # ---- steps ------------------------------------------------------------------------------
 
     def prefill(self, rows: list[Row]) -> None:
         """Compute `rows`' prompts, sample their first tokens and append them to the running batch."""
+        if self.chunked is not None:
+            rows = self.chunked.take(rows)  # long prompts: a chunk per step from prefill_chunk()
+            if not rows:
+                return
         t0 = time.perf_counter()
         self._prefill(rows)
         self.stats["prefill_s"] += time.perf_counter() - t0
+
+    def prefill_chunk(self) -> None:
+        """The next chunk of the first long prompt waiting; after its last it joins the batch."""
+        self.chunked.step()
 
     def _prefill(self, rows: list[Row]) -> None:
         # Identical prompts (on the same adapter) are prefilled once; `lead[i]` is the unique prompt row i copies.
@@ -188,6 +233,9 @@ class ModelRunner:
 
     def decode(self) -> None:
         """One token for every row of the running batch."""
+        if self.decoder is not None:
+            self.decoder.step()
+            return
         kv = self.kv
         t0 = time.perf_counter()
         mask = torch.cat([kv.mask, kv.mask.new_ones((len(self.rows), 1))], dim=1)  # (B, L+1)
@@ -200,20 +248,25 @@ class ModelRunner:
                                            capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
             tokens, logprobs = self._sample(logits, self.rows)
             host = tokens.tolist(), logprobs.tolist()  # waits for the device: the step's device time ends here
-        t1 = time.perf_counter()
-        if routed is not None:
-            for row, r in zip(self.rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
-                if row.req.return_routed_experts and row.finish is None:
-                    row.routed.append(r)
-        for row in self.rows:
-            if row.kv_version != epoch and row.finish is None:
-                row.kv_version = None  # its KV now spans two weight versions: never cache it
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
         kv.last_tokens = tokens
-        self._record(self.rows, *host, version)
-        self.stats["decode_forwards"] += 1
+        t1 = time.perf_counter()
         self.stats["decode_device_s"] += t1 - t0
+        self._recorded(t1, self.rows, routed, epoch, version, *host)
+
+    def _recorded(self, t1: float, rows: list[Row], routed, epoch: int, version: str, tokens: list[int],
+                  logprobs: list[float]) -> None:
+        """A decode step's host bookkeeping, once its tokens are on the host."""
+        if routed is not None:
+            for row, r in zip(rows, routed):  # r: (1, layers, top_k), the routing of the token just fed
+                if row.req.return_routed_experts and row.finish is None:
+                    row.routed.append(r)
+        for row in rows:
+            if row.kv_version != epoch and row.finish is None:
+                row.kv_version = None  # its KV now spans two weight versions: never cache it
+        self._record(rows, tokens, logprobs, version)
+        self.stats["decode_forwards"] += 1
         self.stats["decode_host_s"] += time.perf_counter() - t1
 
     def abort(self, rids: set[str]) -> None:
@@ -221,18 +274,21 @@ class ModelRunner:
         for row in self.rows:
             if row.req.rid in rids and row.finish is None:
                 row.finish = FinishReason("abort", message="aborted")
+        if self.chunked is not None:
+            self.chunked.abort(rids)
 
     def retire_finished(self) -> list[Row]:
         """Rows that finished since the last call, marked answered (the caller answers them); their KV
         goes to the prefix cache. They stay in the batch tensors until `compact` drops them."""
+        gone = self.chunked.finished() if self.chunked is not None else []  # aborted before their last chunk
         newly = [i for i, r in enumerate(self.rows) if r.finish is not None and not r.answered]
         if not newly:
-            return []
+            return gone
         self._cache_rows([i for i in newly if self.rows[i].output_ids])
         for i in newly:
             self.rows[i].answered = True
         self.dead += len(newly)
-        return [self.rows[i] for i in newly]
+        return [self.rows[i] for i in newly] + gone
 
     def compact(self, force: bool = False) -> None:
         """Drop retired rows from the batch tensors.
@@ -247,7 +303,7 @@ class ModelRunner:
         keep = [i for i, r in enumerate(self.rows) if r.finish is None]
         self.dead = 0
         if not keep:
-            self.reset()
+            self._reset_batch()
             return
         self.kv.select(keep)
         self.rows = [self.rows[i] for i in keep]
@@ -256,16 +312,25 @@ class ModelRunner:
         """Take every running row out of the batch (to be queued again); its KV survives in the prefix
         cache, so coming back re-prefills little. `count`: a retraction (pause, memory release) rather
         than the end of a row's run alone (failure isolation)."""
+        self.flush()
         live = [i for i, r in enumerate(self.rows) if r.finish is None]
         self._cache_rows(live)
-        rows = [self.rows[i] for i in live]
+        rows = [self.rows[i] for i in live] + [r for r in self.chunking if r.finish is None]
         self.reset()
         if count:
             self.stats["retracted_reqs"] += len(rows)
         return rows
 
     def reset(self) -> None:
-        """Forget the running batch (its rows must be answered or requeued by the caller)."""
+        """Forget the running batch and the prompts waiting for a chunk (their rows must be answered or
+        requeued by the caller)."""
+        self._reset_batch()
+        if self.chunked is not None:
+            self.chunked.clear()
+
+    def _reset_batch(self) -> None:
+        if self.decoder is not None:
+            self.decoder.pending = None  # a step still pending concerns rows the caller answered or requeued
         self.dead = 0
         self.rows = []
         self.kv.reset()

@@ -31,61 +31,86 @@ def sample(
     Rows with their own generator draw only from it, and draw exactly once per call, so a seeded
     request produces the same tokens whatever else shares its batch.
     """
-    import torch
+    batch = SamplingBatch(params, logits.device)
+    return batch.sample(logits, batch.uniforms(generators, default_generator))
 
-    device = logits.device
-    logits = logits.float()
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
-    logprobs_all = torch.log_softmax(logits / temps.to(device)[:, None], dim=-1)  # (B, V)
 
-    tokens = torch.empty(len(params), dtype=torch.long, device=device)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows, device=device)
-        tokens[idx] = logits[idx].argmax(dim=-1)
-    if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=device)
-        probs = _truncate(logprobs_all[idx].exp(), [params[i] for i in sampled_rows])  # (S, V)
-        # Inverse-CDF sampling with one uniform per row, so the whole batch is drawn in one vectorised
-        # step: a seeded row takes its uniform from its own generator (one draw per call, whatever
-        # the batch), the others share one draw from the engine generator. Generators live on the
-        # host, so a seed draws the same uniforms on every device; they travel in one small copy.
-        u = torch.empty(len(sampled_rows))
-        shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
+class SamplingBatch:
+    """A batch's sampling parameters as device tensors, built once for as long as the batch's rows stay
+    the same, so a step's sampling runs on the device with no host round trip but the uniforms' copy."""
+
+    def __init__(self, params: list[SamplingParams], device):
+        import torch
+
+        self.params = params
+        self.sampled = [i for i, p in enumerate(params) if not p.greedy]
+        self.truncates = any(0 < params[i].top_k or params[i].top_p < 1.0 or params[i].min_p > 0.0
+                             for i in self.sampled)
+        host = torch.tensor([[p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             [0.0 if p.greedy else 1.0 for p in params]], dtype=torch.float32)
+        self.temps, sampled = host.to(device)
+        self.greedy = sampled == 0  # (B,)
+        if self.truncates:
+            self.top_k = torch.tensor([p.top_k for p in params], device=device)
+            self.top_p = torch.tensor([p.top_p for p in params], device=device)
+            self.min_p = torch.tensor([p.min_p for p in params], device=device)
+
+    def uniforms(self, generators: list[torch.Generator | None], default_generator: torch.Generator) -> torch.Tensor:
+        """One uniform per sampled row (0 for greedy rows), on the host: a seeded row takes its uniform from
+        its own generator (one draw per call, whatever the batch), the others share one draw from the
+        engine generator. Generators live on the host, so a seed draws the same uniforms on every device."""
+        import torch
+
+        u = [0.0] * len(self.params)  # Python floats hold float32 draws exactly; one tensor built at the end
+        shared = [i for i in self.sampled if generators[i] is None]
         if shared:
-            u[torch.tensor(shared)] = torch.rand(len(shared), generator=default_generator)
-        for j, i in enumerate(sampled_rows):
+            for i, x in zip(shared, torch.rand(len(shared), generator=default_generator).tolist()):
+                u[i] = x
+        for i in self.sampled:
             if generators[i] is not None:
-                u[j] = torch.rand(1, generator=generators[i])[0]
-        u = u.to(device, non_blocking=True)
-        cdf = probs.cumsum(dim=-1)  # (S, V)
-        # Strictly below the total mass, so the draw never lands on a zero-probability tail token.
-        target = (u * cdf[:, -1] * (1 - 1e-6))[:, None]
-        tokens[idx] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
-    token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, token_logprobs
+                u[i] = torch.rand(1, generator=generators[i]).item()
+        return torch.tensor(u, dtype=torch.float32)
+
+    def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (B,) and their logprobs (B,) for logits (B, V) and host uniforms `u` (B,)."""
+        import torch
+
+        logits = logits.float()
+        logprobs_all = torch.log_softmax(logits / self.temps[:, None], dim=-1)  # (B, V)
+        tokens = logits.argmax(dim=-1)
+        if self.sampled:
+            # Pinned, so the copy does not wait for the device; a fresh pinned block per step (torch's host
+            # allocator reuses it only once the copy is done), as the next step's uniforms may be drawn
+            # before this copy has run.
+            u = u.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else u.to(logits.device)
+            probs = logprobs_all.exp()
+            if self.truncates:
+                probs = _truncate(probs, self.top_k, self.top_p, self.min_p)  # (B, V)
+            # Inverse-CDF sampling with one uniform per row, so the whole batch is drawn in one step;
+            # strictly below the total mass, so the draw never lands on a zero-probability tail token.
+            cdf = probs.cumsum(dim=-1)  # (B, V)
+            target = (u * cdf[:, -1] * (1 - 1e-6))[:, None]
+            drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+            tokens = torch.where(self.greedy, tokens, drawn)
+        token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, token_logprobs
 
 
-def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero out tokens outside top-k / top-p / min-p; multinomial renormalises the rest."""
+def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out tokens outside top-k / top-p / min-p (per-row (B,) tensors; top_k <= 0 keeps all);
+    the inverse-CDF draw renormalises the rest."""
     import torch
 
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
-    min_p = [p.min_p for p in params]
-    if all(k <= 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m <= 0.0 for m in min_p):
-        return probs
-    vocab, device = probs.shape[-1], probs.device
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)  # (S, V)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)[:, None]
+    vocab = probs.shape[-1]
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
     keep = ranks < k
     sorted_probs = sorted_probs * keep
     # Mass strictly before each token; the most likely token is always kept.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep &= mass_before < torch.tensor(top_p, device=device)[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
-    keep &= sorted_probs >= torch.tensor(min_p, device=device)[:, None] * sorted_probs[:, :1]
+    keep &= mass_before < top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     keep[:, 0] = True
     out = torch.zeros_like(probs)
     out.scatter_(1, sorted_idx, sorted_probs * keep)

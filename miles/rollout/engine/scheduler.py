@@ -27,7 +27,12 @@ back to the head of the queue, so they finish as they would have. A request whos
 while no run alone could be blamed (the fault is in the combination, or transient) is failed with
 EngineStepFailed (HTTP 503, retry). A step that held a single row blames it at once.
 
-Non-goals: priorities, preemption by length or memory pressure, chunked prefill; the torch work
+Prefill budget: one iteration admits prompts up to max_prefill_tokens in all (at least one prompt), so a
+burst of long prompts is prefilled over several iterations with a decode step of the running rows
+between each. With the fast decode, a prompt longer than prefill_chunk_tokens is prefilled a chunk per
+iteration (chunked_prefill.py), before the iteration's decode step.
+
+Non-goals: priorities, preemption by length or memory pressure; the torch work
 itself (model_runner.py).
 """
 
@@ -190,7 +195,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not (self._stopping or self._control or self._aborts
-                           or (not self._held() and (self._waiting or runner.rows))):
+                           or (not self._held() and (self._waiting or runner.rows or runner.chunking))):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -213,11 +218,18 @@ class Scheduler:
                     runner.abort(aborts)
                     self._evict_finished()
                 if control:
+                    runner.flush()  # the fast decode's last step recorded: a pause sees every token
+                    self._stream(runner.rows)
+                    self._evict_finished()
                     if any(mode == "retract" for mode, _ in control):
                         self._retract_all()
                     for _, done in control:
                         done.set()
                     continue
+                if runner.chunking and not self._held():  # a chunk of a long prompt, then a decode step
+                    runner.prefill_chunk()
+                    self._stream(runner.rows)
+                    self._evict_finished()
                 if runner.rows and not self._held():
                     runner.decode()
                     self._stream(runner.rows)
@@ -227,7 +239,7 @@ class Scheduler:
                 runner.stats["busy_s"] += time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine or its batch
                 # Every row the step touched, once each (a failed prefill may or may not have merged `admit`).
-                batch = list({id(r): r for r in runner.rows + admit}.values())
+                batch = list({id(r): r for r in runner.rows + runner.chunking + admit}.values())
                 self._isolate(batch, exc, aborts)
                 for _, done in control:
                     done.set()
@@ -253,7 +265,7 @@ class Scheduler:
         empty batch, while a failed step is being isolated; else waiting rows up to max_batch_size."""
         if self._waiting and self._waiting[0].isolation == "suspect":
             # Between two runs alone the batch is empty; otherwise let what runs finish first.
-            return [self._waiting.popleft()] if not self.runner.rows else []
+            return [self._waiting.popleft()] if not (self.runner.rows or self.runner.chunking) else []
         if self._isolation is not None:
             self._end_isolation()
         room = self.config.max_batch_size - self.runner.num_running
@@ -262,11 +274,18 @@ class Scheduler:
             return admit
         # Rows are padded to the longest, so the batch's KV is (rows x the longest reservation) tokens.
         longest = max((self._reserve(r) for r in self.runner.rows if r.finish is None), default=0)
+        prefill_budget, prefill_tokens = self.config.max_prefill_tokens, 0
         while self._waiting and len(admit) < room:
             need = max(longest, self._reserve(self._waiting[0]))
             if (self.runner.num_running + len(admit) + 1) * need > self.runner.kv_budget and \
                     (self.runner.num_running or admit):
                 break  # waits for room; an empty batch always takes one (its context fits, checked at start)
+            # Prompts beyond this step's prefill budget wait for the next step: the running rows decode a
+            # token between two prefills rather than waiting for a whole burst of long prompts.
+            prompt = len(self._waiting[0].prefill_ids())
+            if prefill_budget and admit and prefill_tokens + prompt > prefill_budget:
+                break
+            prefill_tokens += prompt
             longest = need
             admit.append(self._waiting.popleft())
         return admit
@@ -387,7 +406,7 @@ class Scheduler:
         with self._cond:
             pending = list(self._waiting)
             self._waiting.clear()
-        for row in self.runner.rows:
+        for row in self.runner.rows + self.runner.chunking:
             if not row.future.done():
                 row.future.set_result(self.runner.result(row, FinishReason("abort", message="engine stopped")))
         for row in pending:

@@ -21,6 +21,8 @@ import asyncio
 import json
 import logging
 import sys
+import threading
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -32,6 +34,9 @@ from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RouterConfig, check_url
 from miles.rollout.router.policy import Router
 from miles.versions import to_wire
+
+log = logging.getLogger(__name__)
+
 
 def _streamed(body: bytes) -> bool:
     """Whether a request body asks for a streamed answer (a JSON object with "stream": true)."""
@@ -274,10 +279,35 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     config, urls = cfg.router, cfg.worker_urls
     logging.basicConfig(level=cfg.log_level.upper())
-    exit_with_parent()  # a router process of a run ends with the driver that started it, even a SIGKILLed one
+    # A RouterProcess (a child that a test or tool started) ends with the process that started it, even a
+    # SIGKILLed one; a run's router (orchestration/router_supervisor.py) is started without that, to outlive it.
+    exit_with_parent()
     sock = bind(config.host, config.port)
     print(f"miles router serving {len(urls)} engines at {url_of(sock, config.host)}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(Router(config, urls, cfg.health)), log_level=cfg.log_level,
-                                           lifespan="on"))
+    router = Router(config, urls, cfg.health)
+    server = uvicorn.Server(uvicorn.Config(build_app(router), log_level=cfg.log_level, lifespan="on"))
+    if config.exit_without_engines_s:
+        threading.Thread(target=_exit_without_engines, args=(router, server, config.exit_without_engines_s),
+                         name="miles-router-idle-exit", daemon=True).start()
     server.run(sockets=[sock])
     return 0
+
+
+def _exit_without_engines(router: Router, server, limit_s: float, check_every_s: float = 1.0) -> None:
+    """Stop `server` once no engine of `router` has been serving for limit_s: a router left behind by a
+    driver whose engines died with it would otherwise hold its port for good."""
+    since = None
+    while not server.should_exit:
+        time.sleep(check_every_s)
+        try:
+            serving = any(not w.quarantined for w in list(router.workers.values()))
+        except RuntimeError:  # the set changed while it was read (the serving thread); read it next time
+            continue
+        now = time.monotonic()
+        if serving:
+            since = None
+        elif since is None:
+            since = now
+        elif now - since >= limit_s:
+            log.warning("no engine has served for %.0fs (router.exit_without_engines_s): exiting", now - since)
+            server.should_exit = True

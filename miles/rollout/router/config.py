@@ -32,15 +32,17 @@ class RouterConfig:
     admin_token: str | None = None
     """When set, /add_worker, /remove_worker, /flush_cache and aborting every request need
     `Authorization: Bearer <token>`; the router forwards it to the engines only on such authorized
-    calls. `miles train` always sets a fresh random one."""
+    calls. `miles train` sets a fresh random one (`--resume`: the one of the run's router it adopts)."""
     insecure_admin: bool = False
     """Allow binding a non-loopback host without admin_token, leaving every admin route open to the
     network; only for a network whose every user is trusted."""
     max_request_mb: float = DEFAULT_MAX_BODY_MB
     """Largest request body the router reads; larger ones are answered 413."""
     own_process: bool = False
-    """`miles train`: serve the router from a child process of the driver, restarted on its port if it
-    dies (false: a thread of the driver, which shares the driver's fate)."""
+    """`miles train` only (its default is true there)."""
+    exit_without_engines_s: float = 0.0
+    """A router process with no engine serving for this long exits (one whose driver and engines
+    died and that no `--resume` adopted); 0: never."""
 
     def validate(self) -> None:
         if self.kind not in ROUTER_KINDS:
@@ -51,6 +53,9 @@ class RouterConfig:
             raise ConfigError(f"router.request_timeout_s = {self.request_timeout_s}: set it > 0 (seconds)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router.port = {self.port}: set it in 0..65535 (0 picks a free port)")
+        if self.exit_without_engines_s < 0:
+            raise ConfigError(f"router.exit_without_engines_s = {self.exit_without_engines_s}: set it >= 0 "
+                              "(seconds; 0 never exits)")
         if self.max_request_mb <= 0:
             raise ConfigError(f"router.max_request_mb = {self.max_request_mb}: set it > 0 (64 is the default)")
 
@@ -76,8 +81,15 @@ def check_url(url: str) -> str:
 
 @dataclass
 class RunRouterConfig(RouterConfig):
-    """RouterConfig as a section of the run config: the router `miles train` starts in its driver."""
+    """RouterConfig as a section of the run config: the router `miles train` starts."""
 
     host: str = ""
     """Interface the router binds to and advertises; empty: the address of the driver's Ray node
     (loopback in a local run)."""
+    own_process: bool = True
+    """Serve the router from a process of its own, in its own session, restarted on its port if it
+    dies; it outlives a killed driver, and `miles train --resume` adopts it (false: a thread of the
+    driver, which shares the driver's fate)."""
+    exit_without_engines_s: float = 3600.0
+    """The router process (own_process) exits after this long with no engine serving: a run's driver and
+    engines died and no `miles train --resume` adopted it within the hour; 0: never."""

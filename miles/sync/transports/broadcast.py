@@ -17,16 +17,15 @@ blocks in its receive until the broadcast arrives. If an engine refuses before j
 (bad token, unsizeable metadata) the broadcast cannot complete: the error is raised at once and the
 transport is marked out of step, so the next call says to reconnect instead of hanging.
 
-The group is built directly on a TCPStore this process hosts (ProcessGroupGloo over a PrefixStore),
-never through init_process_group, so a trainer's default (FSDP) group is neither used nor disturbed.
-The engine's end (Receiver, SGLang's `update_weights_from_distributed` plus miles' staging):
-  * /init_weights_update_group joins a stand-alone gloo group whose rank 0 (the trainer's source)
-    hosts the TCPStore. The default process group is never created or touched, so an engine can share
-    a process with other torch.distributed users.
-  * /update_weights_from_distributed first completes the broadcast(s) - always, even when the
-    metadata is wrong, so every member of the collective stays in step - then validates names/shapes
-    against the model and stages the tensors (commit=true then applies the version).
-Non-goals: NCCL/CUDA IPC (a GPU variant would swap the backend), multi-source fan-out (p2p.py).
+The group runs on gloo or NCCL (sync.backend; broadcast_group.py chooses, builds the group on a
+TCPStore this process hosts, never through init_process_group, and says why NCCL cannot run when it
+cannot). On NCCL the trainer hands over tensors on its GPU (`takes_device_tensors`), the sender
+flattens them into a buffer on that GPU and every engine receives into a buffer on its own: no host
+round trip; verification then checksums on the GPUs (sum64), as for a CUDA IPC push. The engine's
+end is BroadcastReceiver (broadcast_receiver.py).
+An SGLang server with tensor parallelism joins with one rank per TP rank (its /get_server_info's
+tp_size sets the rank offsets); the built-in engine with one.
+Non-goals: CUDA IPC (colocated.py), multi-source fan-out (p2p.py).
 """
 
 from __future__ import annotations
@@ -38,12 +37,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles.engine_api import bodies
+from miles.config.loader import ConfigError
+from miles.devices import gpu_uuid
+from miles.engine_api import routes
+from miles.engine_api.extensions import common
 from miles.net import LOOPBACK
 from miles.sync import screen
-from miles.sync.transports import broadcast_wire as wire
 from miles.sync.prepare import SyncConfig
-from miles.sync.transports.base import TransportError, TransportReceiver, WeightUpdateError, reconnect
+from miles.sync.transports import broadcast_group
+from miles.sync.transports import broadcast_wire as wire
+from miles.sync.transports.base import TransportError, reconnect
+from miles.sync.transports.broadcast_receiver import BroadcastReceiver
 from miles.versions import to_wire
 
 if TYPE_CHECKING:
@@ -69,21 +73,51 @@ def _spawn(fn, *args) -> cf.Future:
 _GRACE_S = 2.0
 
 
+@dataclass
+class BroadcastConfig(SyncConfig):
+    """The `sync` table when sync.transport = 'broadcast'."""
+
+    transport: str = "broadcast"
+    """How buckets reach the engines (see SyncConfig)."""
+    backend: str = "auto"
+    """The weight-update group's backend: auto (nccl when the trainer and every engine compute on GPUs
+    of their own, else gloo), gloo (through host memory; any devices), or nccl (GPU to GPU)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.backend not in broadcast_group.BACKENDS:
+            raise ConfigError(f"sync.backend = {self.backend!r}: choose auto (nccl when the trainer and every "
+                              "engine compute on GPUs of their own, else gloo), gloo or nccl")
+
+
+def _process_device() -> str:
+    """Where this process sends from by default: its current GPU when torch sees one, else the host."""
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
 class BroadcastTransport:
     """The sender: rank 0 of the group, the trainer's source of every bucket."""
 
-    Config = SyncConfig  # no settings of its own
+    Config = BroadcastConfig
     supports_colocation = supports_lora = supports_pd_disaggregation = True
 
     def __init__(self, master_address: str = LOOPBACK, master_port: int = 0, backend: str = "gloo",
                  admin_token: str | None = None, timeout_s: float = 120.0,
                  group_name: str = "weight_update_group", load_format: str = "flattened_small",
-                 keep_send_buffer: bool = True):
-        if backend != "gloo":
-            raise ValueError(f"backend {backend!r}: the broadcast transport runs on CPU tensors; use 'gloo'")
+                 keep_send_buffer: bool = True, device: str | None = None):
+        """backend: auto, gloo or nccl (broadcast_group.choose decides at connect). device: where the
+        trainer's tensors are (None: this process's GPU when it sees one, else cpu); on nccl buckets
+        are sent from there, on gloo from host memory unless device names a GPU."""
+        if backend not in broadcast_group.BACKENDS:
+            raise ValueError(f"backend {backend!r}: use 'auto', 'gloo' or 'nccl'")
         self.master_address = master_address
         self.master_port = master_port
-        self.backend = backend
+        self.backend = backend  # as asked; `group_backend` is what connect chose
+        self.group_backend: str | None = None
+        self.device_name = device
+        self.device = None  # torch.device the sender's buffers live on, set by connect
         self.admin_token = admin_token
         self.timeout_s = timeout_s
         self.group_name = group_name
@@ -104,7 +138,13 @@ class BroadcastTransport:
 
     @classmethod
     def from_config(cls, cfg: SyncConfig, admin_token: str | None, base_path: str = "") -> BroadcastTransport:
-        return cls(master_address=cfg.master_address or LOOPBACK, admin_token=admin_token, timeout_s=cfg.timeout_s)
+        return cls(master_address=cfg.master_address or LOOPBACK, admin_token=admin_token, timeout_s=cfg.timeout_s,
+                   backend=getattr(cfg, "backend", "auto"))  # a fallback from another transport's table: auto
+
+    @property
+    def takes_device_tensors(self) -> bool:
+        """Whether the trainer should hand over tensors on its GPU (an NCCL group sends from there)."""
+        return self.device is not None and self.device.type == "cuda"
 
     # ---- Transport ----------------------------------------------------------------------
 
@@ -112,11 +152,13 @@ class BroadcastTransport:
         import torch.distributed as dist
 
         self._http = reconnect(self, engine_urls, self.timeout_s + 30)
-        extensions = self._http.extensions(self.engine_urls)
+        infos = self._http.post_all(self.engine_urls, routes.GET_SERVER_INFO, None, method="GET")
+        extensions = common(infos)
         self.staged = "staged_commit" in extensions  # else SGLang's apply-as-you-go form
         self.wire_format = self.load_format if self.load_format in extensions | {"flattened_bucket"} \
             else "flattened_bucket"
-        world = 1 + len(self.engine_urls)
+        self.group_backend, self.device = self._choose_backend(infos)
+        offsets, world = broadcast_group.engine_ranks(infos)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         # wait_for_workers=False: engines connect only after our POSTs reach them.
         self._store = dist.TCPStore(self.master_address, self.master_port, world, is_master=True,
@@ -124,11 +166,11 @@ class BroadcastTransport:
         port = self._store.port
         replies = [_spawn(self._post, url, "/init_weights_update_group", {
             "master_address": self.master_address, "master_port": port, "rank_offset": rank,
-            "world_size": world, "group_name": self.group_name, "backend": self.backend,
-        }) for rank, url in enumerate(self.engine_urls, start=1)]
+            "world_size": world, "group_name": self.group_name, "backend": self.group_backend,
+        }) for rank, url in zip(offsets, self.engine_urls)]
 
         def join():
-            return dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, self._store), 0, world, timeout)
+            return broadcast_group.build(self._store, self.group_name, 0, world, self.group_backend, timeout)
 
         pg_future = _spawn(join)
         try:
@@ -140,6 +182,21 @@ class BroadcastTransport:
         self._broken = None
         self._fresh, self._version_failed = True, False
 
+    def _choose_backend(self, infos: list[dict]) -> tuple[str, "torch.device"]:
+        """The group's backend (broadcast_group.choose, from where this process and every engine compute,
+        as their server infos say) and the device the sender's buffers live on."""
+        import torch
+
+        device = torch.device(self.device_name or _process_device())
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        on_gpu = device.type == "cuda"
+        source = broadcast_group.Member("the trainer", device.type, gpu_uuid(device) if on_gpu else None)
+        engines = [broadcast_group.engine_member(u, i) for u, i in zip(self.engine_urls, infos)]
+        chosen = broadcast_group.choose(self.backend, source, engines)
+        # gloo sends from host memory unless told otherwise: a GPU tensor would cost gloo a copy per bucket.
+        return chosen, device if chosen == "nccl" or self.device_name else torch.device("cpu")
+
     def send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         import torch
         import torch.distributed as dist
@@ -147,7 +204,7 @@ class BroadcastTransport:
         self._check_usable()
         if not bucket:
             return
-        tensors = [t.detach().to("cpu").contiguous() for _, t in bucket]
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
         meta = {
             "names": [n for n, _ in bucket],
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
@@ -189,11 +246,13 @@ class BroadcastTransport:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-            # Each message is queued as soon as it is flattened: gloo sends it while the next one is
-            # copied, and runs them in order, so none waits for the one before it to be acknowledged.
-            works = [self._pg.broadcast([m], opts) for m in messages() if m.numel()]
-            for w in works:
-                w.wait()
+            with broadcast_group.current(self.device), broadcast_group.explained(self.group_backend):
+                # Each message is queued as soon as it is flattened: the group sends it while the next one
+                # is copied, and runs them in order, so none waits for the one before it to be acknowledged.
+                works = [self._pg.broadcast([m], opts) for m in messages() if m.numel()]
+                for w in works:
+                    w.wait()
+                broadcast_group.finish(self.device)  # the send buffer is free for the next bucket
 
         self._fresh = False
         what = f"sending a bucket of {len(bucket)} tensors ({total} bytes, first {bucket[0][0]!r})"
@@ -214,9 +273,10 @@ class BroadcastTransport:
         import torch
 
         if not self.keep_send_buffer:
-            return torch.empty(nbytes, dtype=torch.uint8)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self._flat is None or self._flat.numel() < nbytes:
-            self._flat = torch.zeros(nbytes, dtype=torch.uint8)
+            self._flat = None  # the smaller one is freed before the larger is taken (GPU memory)
+            self._flat = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         return self._flat
 
     def commit(self, weight_version: int) -> None:
@@ -307,155 +367,4 @@ class BroadcastTransport:
             raise TransportError(f"weight sync failed while {what}: " + "; ".join(errors))
 
 
-# ---- engine side ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _Group:
-    pg: object  # torch.distributed.ProcessGroupGloo
-    store: object  # keeps the TCPStore client alive as long as the group
-    rank: int
-    world_size: int
-
-
-class BroadcastReceiver(TransportReceiver):
-    """The engine's end: join the trainer's group, receive each bucket's broadcast into staging."""
-
-    def __init__(self, weights):
-        super().__init__(weights)
-        self._groups: dict[str, _Group] = {}
-        self._groups_lock = threading.Lock()  # guards _groups only; never held across a network wait
-        self._api = None  # the engine's weight routes, set by mount
-
-    def mount(self, api) -> None:
-        # SGLang's routes: their bodies are checked by bodies.parse_*, unauthorized as the server's.
-        self._api = api
-        api.post("/init_weights_update_group", self._init_route, sglang=True)
-        api.post("/destroy_weights_update_group", self._destroy_route, sglang=True)
-        api.post("/update_weights_from_distributed", self._update_route, sglang=True, stages=True)
-
-    def _init_route(self, body: dict) -> dict:
-        # Joining blocks until every member arrives (the caller runs this off the event loop).
-        req = bodies.parse_body(bodies.InitWeightsUpdateGroup, body)
-        message = self.init_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
-                                  req.group_name, req.backend)
-        return {"success": True, "message": message}
-
-    def _destroy_route(self, body: dict) -> dict:
-        self.destroy_group(bodies.parse_body(bodies.DestroyWeightsUpdateGroup, body).group_name)
-        return {"success": True, "message": "group destroyed"}
-
-    def _update_route(self, body: dict) -> dict:
-        req = self._api.parse(bodies.UpdateWeightsFromDistributed, bodies.MilesUpdateWeightsFromDistributed,
-                              body)
-        commit = getattr(req, "commit", True)  # SGLang's form: every request applies what it carries
-        if getattr(req, "reset_staging", False):
-            self.weights.reset_staging()
-        if req.load_format == "flattened_small" and self._api.sglang_only:
-            raise WeightUpdateError("load_format: 'flattened_small' is a miles extension, not served in SGLang-only "
-                                    "mode; use 'flattened_bucket' or null")
-        try:
-            self.receive(req.names, req.dtypes, req.shapes, req.group_name, req.load_format,
-                         screened=getattr(req, "screened", False))
-        except WeightUpdateError:
-            if commit:  # this request closed its version (SGLang single-shot); it failed as a whole
-                self.weights.reset_staging()
-            raise
-        if not commit:
-            return {"success": True, "message": f"staged {len(req.names)} tensors"}
-        if req.abort_all_requests:
-            self.weights.engine.abort()
-        version = self.weights.commit(req.weight_version, flush_cache=req.flush_cache)
-        reply = {"success": True, "message": f"Succeeded to update parameter online (version {version})."}
-        return reply if self._api.sglang_only else {**reply, "weight_version": version}
-
-    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str = "weight_update_group", backend: str = "gloo") -> str:
-        import torch.distributed as dist
-
-        if backend != "gloo":
-            raise WeightUpdateError(f"backend: the built-in engine runs on CPU and only supports 'gloo', "
-                                    f"got {backend!r}")
-        if not 1 <= rank_offset < world_size:
-            raise WeightUpdateError(f"rank_offset: {rank_offset} must be in [1, world_size={world_size}); "
-                                    "rank 0 is the trainer's source")
-        w = self.weights
-        # The rendezvous runs under no lock: a trainer that never shows up (a closed port, a dead peer)
-        # costs this request its deadline and nothing else; /destroy_weights_update_group, /health and
-        # the other weight routes answer meanwhile. One deadline covers the store and the group.
-        limit = w.timeout.total_seconds()
-        deadline = time.monotonic() + limit
-        try:
-            store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=w.timeout)
-            left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-            # The prefix keeps several groups (or a re-initialised one) from colliding in one store.
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank_offset, world_size, left)
-        except Exception as exc:  # noqa: BLE001 - torch's store and gloo errors: the rendezvous failed
-            raise WeightUpdateError(f"master_address/master_port: joining weight-update group {group_name!r} at "
-                                    f"{master_address}:{master_port} failed within the {limit:g}s deadline "
-                                    f"(engine weight_update_timeout_s): {type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-        with w.lock:
-            with self._groups_lock:
-                self._groups[group_name] = _Group(pg, store, rank_offset, world_size)
-            w.clear()
-        return f"joined {group_name!r} as rank {rank_offset} of {world_size}"
-
-    def destroy_group(self, group_name: str) -> None:
-        # Not the weight lock: a receive in progress keeps its own reference to the group and ends
-        # at its deadline, while this answers at once.
-        with self._groups_lock:
-            self._groups.pop(group_name, None)
-
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                group_name: str = "weight_update_group", load_format: str | None = None,
-                screened: bool = False) -> None:
-        """Receive one bucket into staging; raises WeightUpdateError (staging discarded) on bad data.
-        screened: the sender screened a flattened_small bucket for NaN/Inf, so it is staged unread."""
-        if not names:
-            return
-        w = self.weights
-        with w.lock:
-            with self._groups_lock:
-                group = self._groups.get(group_name)
-            if group is None:
-                raise WeightUpdateError(f"group_name: no weight-update group {group_name!r}; call "
-                                        "/init_weights_update_group first")
-            # Without dtypes and shapes the receive cannot be sized, so the sender's broadcast will
-            # time out: nothing better can be done than refusing at once.
-            if not len(names) == len(dtypes) == len(shapes):
-                raise w.fail(f"names, dtypes and shapes must have equal lengths, got "
-                             f"{len(names)}, {len(dtypes)}, {len(shapes)}")
-            specs = w.specs(names, dtypes, shapes)
-            try:
-                received, nonfinite = self._broadcast(group, specs, load_format, screened)
-            except WeightUpdateError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a dead or late peer; the group is unusable now
-                with self._groups_lock:
-                    if self._groups.get(group_name) is group:
-                        self._groups.pop(group_name)
-                raise w.fail(f"receiving from group {group_name!r} failed ({exc}); re-initialise the "
-                             "group with /init_weights_update_group") from None
-            err = w.validate(received, nonfinite)
-            if err is not None:
-                raise w.fail(err)
-            w.stage(received, owned=True)
-
-    def _broadcast(self, group: _Group, specs, load_format: str | None, screened: bool = False
-                   ) -> tuple[dict[str, "torch.Tensor"], set[str] | None]:
-        """The received tensors, and the names among them holding NaN/Inf when the format screens
-        them on arrival or the sender did (flattened_small; None otherwise)."""
-        import torch.distributed as dist
-
-        w = self.weights
-        if load_format not in wire.FORMATS:
-            raise w.fail(f"load_format: {load_format!r} is not supported; use 'flattened_bucket', "
-                         "'flattened_small' or null")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.timeout = w.timeout
-        return wire.receive(group.pg, opts, specs, load_format, screened, w.buffer)
-
-
-BroadcastTransport.Receiver = BroadcastReceiver  # the engine's end, defined after the sender it answers
+BroadcastTransport.Receiver = BroadcastReceiver  # the engine's end (broadcast_receiver.py)

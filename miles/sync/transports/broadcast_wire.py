@@ -1,4 +1,4 @@
-"""The broadcast transport's wire formats: how a bucket's tensors travel as gloo broadcasts, the same
+"""The broadcast transport's wire formats: how a bucket's tensors travel as broadcasts (gloo or NCCL), the same
 on the sender (broadcast.py's BroadcastTransport) and on every engine (its BroadcastReceiver).
 
     "flattened_small" (miles', the default)  tensors under SPLIT_BYTES are flattened together into
@@ -61,19 +61,19 @@ def span(message: list[int], offsets: list[int], sizes: list[int]) -> tuple[int,
     return offsets[message[0]], offsets[message[-1]] + sizes[message[-1]]
 
 
-def receive(pg, opts, specs, load_format: str | None, screened: bool, buffer: Callable[[int], "torch.Tensor"]
-            ) -> tuple[dict[str, "torch.Tensor"], set[str] | None]:
+def receive(pg, opts, specs, load_format: str | None, screened: bool, buffer: Callable[[int], "torch.Tensor"],
+            device=None) -> tuple[dict[str, "torch.Tensor"], set[str] | None]:
     """An engine's receive of one bucket in `load_format` (one of FORMATS) over `pg` (broadcasts from
     rank 0 with `opts`): the tensors of `specs` ((name, dtype, shape) each), and the names among them
     holding NaN/Inf when the format screens them on arrival or the sender did (flattened_small; None
-    otherwise). `buffer(nbytes)` hands out receive memory (uint8)."""
+    otherwise). `buffer(nbytes)` hands out receive memory (uint8) on `device` (default: the host)."""
     import torch
 
     out: dict = {}
     nonfinite: set[str] | None = None  # screened names holding NaN/Inf; None: not screened yet
     if load_format == "flattened_bucket":
         nbytes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for _, dt, s in specs]
-        flat = torch.empty(sum(nbytes), dtype=torch.uint8)
+        flat = torch.empty(sum(nbytes), dtype=torch.uint8, device=device)
         if flat.numel():
             pg.broadcast([flat], opts).wait()
         offset = 0

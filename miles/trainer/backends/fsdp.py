@@ -1,9 +1,10 @@
 """FSDP2 backend: one instance per rank, all ranks in one torch.distributed group.
 
-Each decoder layer and the root module are sharded with `fully_shard` (with more than one rank or a
-mixed-precision policy; a single float32 rank trains the plain module); the optimizer steps on the
-local shards. With `trainer.param_dtype = "bfloat16"` FSDP2's MixedPrecisionPolicy casts the float32
-shards to bfloat16 for the forward and backward and reduces gradients in float32. Tensor/expert
+Each decoder layer and the root module are sharded with `fully_shard` when there is more than one
+rank; the optimizer steps on the local shards. With `trainer.param_dtype = "bfloat16"` FSDP2's
+MixedPrecisionPolicy casts the float32 shards to bfloat16 for the forward and backward and reduces
+gradients in float32. A single rank trains the plain module: in float32 as it is, in bfloat16 through
+compute copies of its float32 master weights (compute_copy.py: FSDP2's numerics without its cost). Tensor/expert
 parallel layouts come from transformers' distributed config (trainer/parallel.py), as DTensors, with
 FSDP over the data-parallel replicas. Full weights leave as DTensors gathered with `full_tensor`.
 
@@ -24,10 +25,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from miles.trainer.backends.compute_copy import ComputeCopy
 from miles.trainer.backends.loading import load_critic, load_policy
 from miles.trainer.checkpoint import CheckpointWriter, load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
-from miles.trainer.device import HOST, collective_backend, compute_device, mixed_precision
+from miles.trainer.device import HOST, collective_backend, compute_device, mixed_precision, param_dtype
 from miles.trainer.offload import OptimizerSet
 from miles.trainer.parallel import load_parallel_model
 
@@ -43,6 +45,7 @@ class FSDPBackend:
             dist.init_process_group(collective_backend(cfg.device, cfg.collective_backend), rank=rank,
                                     world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
+        self.compute_copy: ComputeCopy | None = None  # one rank in bfloat16 (see the module docstring)
         self.model, self.dp_size = self._build_policy()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim = OptimizerSet(params, cfg, lr_lambda(cfg), rank)
@@ -56,7 +59,10 @@ class FSDPBackend:
             model.train()
             return model, dp
         model = load_policy(cfg, self.model_path, self.device)
-        _shard(model, self.world_size, self.device, mixed_precision(cfg.param_dtype))
+        if self.world_size == 1 and cfg.param_dtype != "float32":
+            self.compute_copy = ComputeCopy(model, param_dtype(cfg.param_dtype))
+        else:
+            _shard(model, self.world_size, self.device, mixed_precision(cfg.param_dtype))
         model.train()
         return model, self.world_size
 
@@ -73,6 +79,8 @@ class FSDPBackend:
         return self.optim.last_lr
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
+        if self.compute_copy is not None:
+            self.compute_copy.to_compute()
         # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
         with images.spliced_into(self.model) if images is not None else contextlib.nullcontext():
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -84,8 +92,16 @@ class FSDPBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+        if self.compute_copy is not None:
+            self.compute_copy.accumulate()
+
+    def _master_weights(self) -> None:
+        """The parameters hold the float32 master weights (and their gradients) from here on."""
+        if self.compute_copy is not None:
+            self.compute_copy.to_master()
 
     def optimizer_step(self) -> float:
+        self._master_weights()
         norm = clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], self.cfg.grad_clip)
         self.optim.step()
         self.optim.zero_grad()
@@ -97,6 +113,7 @@ class FSDPBackend:
 
     def named_tensors(self, all_ranks: bool = False,
                       on_device: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
+        self._master_weights()
         seen: dict[int, str] = {}
         for name, value in self.model.state_dict().items():
             local = value.to_local() if hasattr(value, "to_local") else value
@@ -111,9 +128,11 @@ class FSDPBackend:
                          else None)
 
     def save_state(self, path: str, writer: CheckpointWriter, local: dict) -> None:
+        self._master_weights()
         save_trainer_state(self, path, writer, local)
 
     def load_state(self, path: str) -> dict:
+        self._master_weights()
         return load_trainer_state(self, path)
 
 
@@ -146,8 +165,8 @@ def clip_grad_norm(params, max_norm: float) -> float:
 
 
 def _shard(model, world_size: int, device: torch.device, mp_policy=None) -> None:
-    """FSDP2 over all ranks: each decoder layer, then the root module. A mixed-precision policy
-    shards even one rank: FSDP2 is what casts the float32 shards to the compute dtype."""
+    """FSDP2 over all ranks: each decoder layer, then the root module (one rank in float32: nothing to do;
+    the policy's single bfloat16 rank uses compute copies instead, a critic's is sharded for the cast)."""
     if world_size <= 1 and mp_policy is None:
         return  # one rank has nothing to shard: FSDP's hooks and DTensor dispatch would be pure cost
     mesh = init_device_mesh(device.type, (world_size,))

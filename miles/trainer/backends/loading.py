@@ -2,7 +2,8 @@
 
 The policy: float32 master weights whatever the compute dtype, its Linear layers computing in
 `trainer.quantization`'s format when set (quantization-aware training, precision/linear.py; applied
-before any sharding), LoRA adapters when `trainer.lora.rank` > 0. The value model (PPO): the same
+before any sharding), LoRA adapters when `trainer.lora.rank` > 0, activation checkpointing per decoder
+layer when `trainer.activation_checkpointing`. The value model (PPO): the same
 checkpoint as a one-label token classifier whose head starts at zero, so V = 0 rather than random.
 Both end on the backend's device. Non-goal: sharding, parallel layouts, optimizers (the backend's).
 """
@@ -33,6 +34,9 @@ def load_policy(cfg: TrainerConfig, model_path: str, device: torch.device) -> to
                      embeddings=cfg.quantize_embeddings)
     if cfg.lora.rank:
         model = apply_lora(model, cfg.lora)
+    if cfg.activation_checkpointing:
+        # Non-reentrant: it needs no input that requires grad (LoRA freezes the embeddings) and works under FSDP2.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.to(device)
     return model
 

@@ -52,6 +52,8 @@ def refusal(overrides: dict[str, str], path=None) -> str:
     ("trainer.grad_clip", "-1", "or 0 to turn clipping off"),
     ("trainer.collective_timeout_s", "-1", "> 0"),
     ("ray.num_cpus", "0", "set it >= 1"),
+    ("ray.detached_engines", "true", "needs a cluster that outlives the driver: set ray.address"),
+    ("ray.engine_lease_s", "0", "set it > 0"),
     ("router.request_timeout_s", "0", "set it > 0"),
     ("sft.batch_size", "0", "sft.batch_size >= 1"),
     ("loop.collect_timeout_s", "-3", "> 0"),
@@ -193,7 +195,7 @@ def test_miles_train_answers_bad_configs_with_a_message_not_a_traceback(tmp_path
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"fault.kill_router_at_steps": "3"}, "needs router.own_process = true"),
+    ({"fault.kill_router_at_steps": "3", "router.own_process": "false"}, "needs router.own_process = true"),
     ({"fault.drop_response_prob": "0.1", "router.own_process": "true"}, "set router.own_process = false"),
     ({"fault.kill_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),
     ({"fault.stall_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),

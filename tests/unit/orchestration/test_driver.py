@@ -43,3 +43,13 @@ def test_a_run_always_locks_the_engines_and_router_it_starts_with_a_fresh_token(
     monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", "theirs")
     assert run_admin_token(external=True) == "theirs"
     assert run_admin_token(external=False) != "theirs"
+
+
+def test_a_resumed_run_takes_the_token_of_the_router_its_killed_driver_left(tmp_path):
+    """So that it can adopt that router, and the router speaks for the new engines with it."""
+    from miles.orchestration.router_supervisor import RECORD, RouterRecord
+
+    assert len(run_admin_token(external=False, run_dir=tmp_path)) == 32  # no router left: a fresh one
+    RouterRecord("http://127.0.0.2:1", 1, "here", "left-behind", "", 0.0).save(tmp_path / RECORD)
+    assert run_admin_token(external=False, run_dir=tmp_path) == "left-behind"
+    assert run_admin_token(external=False) != "left-behind"  # a new run (no run_dir to resume)

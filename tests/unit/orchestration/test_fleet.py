@@ -245,6 +245,25 @@ def test_an_engine_stalled_between_readiness_and_commit_is_fenced_and_no_answer_
                 assert done >= first.released_at, (done, first, versions)
 
 
+def test_engines_fenced_in_a_trainer_rank_are_named_through_rays_and_the_trainer_groups_wrapping():
+    """A run's push fails in a trainer rank: FencedEngines arrives inside Ray's error inside the trainer
+    group's TrainerFailure, and the fleet must still fence exactly those engines (sync/fenced_engines)."""
+    from ray.exceptions import RayTaskError
+
+    from miles.orchestration.fleet.fleet import _fenced_by
+    from miles.orchestration.trainer_group import TrainerFailure
+    from miles.sync.commit import FencedEngines
+
+    inner = FencedEngines("weight version 3 was committed on [] but not acknowledged in time")
+    inner.version, inner.fenced = 3, ("http://127.0.0.1:5",)
+    try:
+        raise TrainerFailure("trainer rank 0 failed in sync_weights") from RayTaskError(
+            "sync_weights", "traceback", inner).as_instanceof_cause()
+    except TrainerFailure as exc:
+        assert _fenced_by(exc) == ("http://127.0.0.1:5",)
+    assert _fenced_by(RuntimeError("an engine is not answering")) == ()
+
+
 @pytest.mark.slow
 def test_an_engine_started_outside_the_run_is_routed_around_and_readmitted_after_its_restart(tiny_model_dir):
     """rollout.engine_urls engines: miles cannot restart a dead one, so it routes around it, keeps probing,

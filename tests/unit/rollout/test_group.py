@@ -69,3 +69,32 @@ def test_reward_seconds_are_wall_time_while_any_group_is_scored():
     # per-group latencies would give 1.8 s).
     reward_s = stats.metrics(elapsed=1.0)["perf/reward_s"]
     assert 0.38 <= reward_s <= wall and reward_s < 1.0
+
+
+def test_a_sample_from_an_engine_behind_the_version_the_fleet_was_known_to_hold_is_off_fleet():
+    """rollout/off_fleet_samples counts these: the fleet was known to hold `known` (committed by every
+    engine) when the request went out, and the engine answered at an older version (3)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tests.helpers.scripted_engine import ScriptedEngine
+
+    engine = ScriptedEngine()  # answers at weight version 3
+    prompt = SimpleNamespace(index=0, label=None, metadata={})
+    try:
+        for known, off in ((2, False), (3, False), (4, True)):
+            engine.replies = [[5, 6], [7, 8]]
+            gen = GroupGenerator(RolloutConfig(n_samples_per_prompt=2, batch_requests=False, max_new_tokens=2),
+                                 seed=3, tokenizer=None, rewards=None, generate_fn=None,
+                                 buffer=SimpleNamespace(weight_version=known), admin=EngineClient([engine.url]),
+                                 stopping=threading.Event())
+
+            async def generate():
+                async with EngineClient.async_http(30.0) as client:
+                    return await gen._generate_samples(client, engine.url, [1, 2], prompt, [])
+
+            samples = asyncio.run(generate())
+            assert [s.off_fleet for s in samples] == [off, off], known
+            assert [s.weight_versions for s in samples] == [[min(known, 3)]] * 2
+    finally:
+        engine.http.stop()

@@ -77,13 +77,13 @@ def test_bfloat16_compute_keeps_float32_master_weights(tiny_model_dir, gloo):
     layer = trainer.backend.model.model.layers[0].mlp.down_proj
     hook = layer.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
     name = "model.layers.0.self_attn.q_proj.weight"
-    before = dict(trainer.backend.model.named_parameters())[name].full_tensor().clone()
+    before = dict(trainer.backend.model.named_parameters())[name].detach().clone()
     metrics = trainer.train_step(_seqs(), BatchTotals.of(_seqs()))
     hook.remove()
     assert seen and all(d == (torch.bfloat16, torch.bfloat16) for d in seen)  # the forward computes in bf16
     assert metrics["train/grad_norm"] > 0
     after = dict(trainer.backend.model.named_parameters())[name]
-    assert after.dtype == torch.float32 and not torch.equal(after.full_tensor(), before)  # fp32 master moved
+    assert after.dtype == torch.float32 and not torch.equal(after.detach(), before)  # fp32 master moved
     moments = [v for opt in trainer.backend.optim.optimizers for st in opt.state.values() for v in st.values() if v.dim()]
     assert moments and all(v.dtype == torch.float32 for v in moments)  # Adam's state is float32 too
     out = dict(trainer.full_named_tensors())

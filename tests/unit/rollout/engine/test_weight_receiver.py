@@ -1,8 +1,8 @@
-"""The engine's end of update_weights_from_distributed, driven by a raw gloo group (as SGLang clients do)."""
+"""The engine's end of update_weights_from_distributed, driven by a raw gloo group built as SGLang's
+clients build theirs (torch's own group helper: the store's keys are torch's, not miles')."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,23 +12,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from miles.net import free_port
 from miles.versions import from_wire
-
-TIMEOUT = datetime.timedelta(seconds=60)
-
+from tests.helpers.sglang_group import join_as_sglang
 
 class RawTrainer:
-    """Rank 0 of a fresh weight-update group, speaking the wire protocol by hand."""
+    """Rank 0 of a fresh weight-update group, speaking the wire protocol by hand, its group built as
+    a trainer written for SGLang builds it (tests/helpers/sglang_group.py)."""
 
     def __init__(self, url: str, token: str, group_name: str):
         self.url, self.group_name = url, group_name
         self.headers = {"Authorization": f"Bearer {token}"}
         self.pool = ThreadPoolExecutor(2)
-        self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        port = free_port()
         reply = self.pool.submit(self.post, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": self.store.port, "rank_offset": 1, "world_size": 2,
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": group_name, "backend": "gloo"})
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(group_name, self.store), 0, 2, TIMEOUT)
+        self.pg = join_as_sglang("127.0.0.1", port, 0, 2, group_name)
         assert reply.result().status_code == 200, reply.result().text
 
     def post(self, path: str, body: dict) -> httpx.Response:
