@@ -49,8 +49,7 @@ import torch
 
 from miles.devices import exact_float32, resolve
 from miles.engine_api.types import FinishReason, GenerateResult
-from miles.models.loading import eos_token_ids, load_model, load_tokenizer, read_model_config
-from miles.models.vision import is_vision_language
+from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.rollout.engine import kv_cache
@@ -74,14 +73,9 @@ class ModelRunner:
         if self.device.type == "cuda":  # indexed, so it compares equal to the devices of its tensors
             self.device = torch.device("cuda", torch.cuda.current_device())
             exact_float32()  # float32 serves as on cpu (rollout.engine.dtype bfloat16 is the faster path)
-        vision_language = is_vision_language(read_model_config(config.model_path))
-        if vision_language and config.quantization != "none":
-            raise ValueError(f"rollout.engine.quantization = {config.quantization!r} is not supported for a "
-                             "vision-language model (its vision tower and image splice are served as loaded): "
-                             "set it to 'none'")
         self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
         # Images of a vision-language model's requests (multimodal.py); None for a text model.
-        self.images = ImageTable(config.model_path, self.model) if vision_language else None
+        self.images = ImageTable.serving(config, self.model)
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
         quantize_linears(self.model, config.quantization, "serve", key="engine quantization",
                          embeddings=config.quantize_embeddings)

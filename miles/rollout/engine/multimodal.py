@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from miles.engine_api.errors import InvalidRequest
-from miles.models.vision import ImageInputs, VisionProcessor, image_layout
+from miles.models.loading import read_model_config
+from miles.models.vision import ImageInputs, VisionProcessor, image_layout, is_vision_language
 
 _INDEX_BITS = 20  # tokens of one image: up to about a million
 MAX_SERIALS = 1 << 16  # distinct images remembered for prefix-cache keys (oldest forgotten first)
@@ -72,6 +73,18 @@ class ImageTable:
         self._next = 0
         self._live: weakref.WeakValueDictionary[int, ServedImage] = weakref.WeakValueDictionary()
         self._embeds: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # serial -> (epoch, (n, H))
+
+    @classmethod
+    def serving(cls, config, model) -> "ImageTable | None":
+        """The table of an engine (EngineConfig `config`) serving `model`; None for a text model.
+        Refuses what cannot serve a vision-language model, naming the setting."""
+        if not is_vision_language(read_model_config(config.model_path)):
+            return None
+        if config.quantization != "none":
+            raise ValueError(f"rollout.engine.quantization = {config.quantization!r} is not supported for a "
+                             "vision-language model (its vision tower and image splice are served as loaded): "
+                             "set it to 'none'")
+        return cls(config.model_path, model)
 
     # ---- admission (any thread) -------------------------------------------------------------
 
