@@ -26,7 +26,7 @@ from miles.rollout.group import GroupGenerator
 
 def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = None, step: int = 0) -> dict:
     """Evaluate cfg.model.path with cfg.eval; return the metrics (also written where asked)."""
-    from miles.models.loading import load_tokenizer  # transformers: only when an evaluation runs
+    from miles.models.loading import load_tokenizer, load_vision  # transformers: only when an evaluation runs
     from miles.rollout.engine.server import start_server_thread
 
     rollout = cfg.rollout
@@ -40,7 +40,8 @@ def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = N
     try:
         generate_fn = None if rollout.generate_fn == "single_turn" else get_generate_fn(rollout.generate_fn)
         groups = GroupGenerator(rollout, cfg.run.seed, load_tokenizer(cfg.model.path), RewardRunner(rollout.reward, rollout.reward_config),
-                                generate_fn, None, EngineClient(urls), threading.Event())
+                                generate_fn, None, EngineClient(urls), threading.Event(),
+                                vision=load_vision(cfg.model.path))
         metrics = clean(Evaluator(cfg.eval, groups, cfg.run.seed).evaluate())
     finally:
         if server is not None:

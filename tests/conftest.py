@@ -35,6 +35,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model_dir(tmp_path_factory) -> str:
+    """The tiny-qwen-vl preset (Qwen2.5-VL), with weights large enough that images change the outputs."""
+    from miles.models.presets import build_tiny_model
+
+    return str(build_tiny_model("tiny-qwen-vl", tmp_path_factory.mktemp("tiny-qwen-vl"), init_std=0.05))
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A local cluster of this session's own (as `miles train` starts one), whatever else runs on the machine."""
     import ray

@@ -2,13 +2,39 @@
 
 A Sample is one trajectory: prompt token ids, response token ids and what the trainer needs about
 each response token. A Group is the n samples of one prompt; advantages are computed within it.
-Token ids are kept end to end (TITO): nothing here is ever re-tokenized.
+Token ids are kept end to end (TITO): nothing here is ever re-tokenized. A multimodal sample's
+prompt ids hold each image's tokens already expanded (models/vision.py), and the images ride with it
+as their encoded bytes, so engine and trainer compute the same pixel values from the same bytes.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
+import hashlib
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt: its encoded file (PNG, JPEG, ...) as base64 text, and the sha256 of
+    the bytes. Text, so samples stay JSON (checkpoints) and the image goes on the wire as it is
+    (SGLang's `image_data` takes base64)."""
+
+    data: str
+    digest: str
+
+    @staticmethod
+    def of(raw: bytes) -> "PromptImage":
+        return PromptImage(base64.b64encode(raw).decode("ascii"), hashlib.sha256(raw).hexdigest())
+
+    def bytes(self) -> bytes:
+        return base64.b64decode(self.data)
+
+
+def as_images(values) -> tuple[PromptImage, ...]:
+    """Images as a tuple of PromptImage, also from their JSON form (dicts, as a checkpoint holds them)."""
+    return tuple(v if isinstance(v, PromptImage) else PromptImage(**v) for v in values or ())
 
 
 class SampleStatus(str, enum.Enum):
@@ -42,8 +68,11 @@ class Sample:
     # to hold when the segment's request went out (an engine left behind by a commit round): never
     # expected; counted as rollout/off_fleet_samples.
     off_fleet: bool = False
+    # A vision-language prompt's images, in the order of their tokens in prompt_ids.
+    images: tuple[PromptImage, ...] = ()
 
     def __post_init__(self):
+        self.images = as_images(self.images)
         n = len(self.response_ids)
         if len(self.rollout_logprobs) != n or len(self.loss_mask) != n:
             raise ValueError(f"sample has {n} response tokens but {len(self.rollout_logprobs)} logprobs "

@@ -3,7 +3,9 @@
 - a prompt becomes token ids once (`encode_prompt`), through the template when it is a list of
   messages (or when rollout.task.apply_chat_template wraps text as a user turn); an optional system
   prompt goes first (unless the messages bring their own), and template kwargs (enable_thinking, ...)
-  pass through to `apply_chat_template(add_generation_prompt=True)`;
+  pass through to `apply_chat_template(add_generation_prompt=True)`; the template renders each image
+  part as one placeholder, which the model's processor expands to the image's tokens (those ids are
+  the ones recorded and trained on);
 - a multi-turn conversation grows by appended ids (`ChatFormat`): the token ids of the pieces the
   template puts between turns are cut out of its own rendering, so the history is never re-rendered
   or re-tokenized. The agent episode loop (rollout/agent/episode.py) and the session server
@@ -26,8 +28,13 @@ def chat_messages(task_cfg, text: str, messages: list[dict] | None) -> list[dict
     return out
 
 
-def encode_prompt(tokenizer, task_cfg, text: str, messages: list[dict] | None = None) -> list[int]:
-    """Token ids of a prompt: its text, or its messages through the chat template."""
+def encode_prompt(tokenizer, task_cfg, text: str, messages: list[dict] | None = None, images=(),
+                  vision=None) -> list[int]:
+    """Token ids of a prompt: its text, or its messages through the chat template; with `images`
+    (PromptImages), each image placeholder expanded by `vision` (models/vision.VisionProcessor)."""
+    if images and vision is None:
+        raise ValueError("the prompt has images but the model has no vision tower: use a vision-language "
+                         "checkpoint (e.g. `miles init-model --preset tiny-qwen-vl`) or drop the images")
     chat = chat_messages(task_cfg, text, messages)
     if chat is None:
         return tokenizer(text, add_special_tokens=False).input_ids
@@ -37,7 +44,10 @@ def encode_prompt(tokenizer, task_cfg, text: str, messages: list[dict] | None = 
                          "whose tokenizer_config.json has a chat_template, or give plain-text prompts")
     rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
                                              **task_cfg.chat_template_kwargs)
-    return tokenizer(rendered, add_special_tokens=False).input_ids
+    ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    if images:
+        ids = vision.expand(ids, [vision.process(img.bytes()) for img in images])
+    return ids
 
 
 class ChatFormat:

@@ -36,6 +36,11 @@ class DataConfig:
     the layout's; "none" = rows have no label."""
     metadata_keys: list[str] = field(default_factory=list)
     """Fields copied into each prompt's (and sample's) metadata; empty = the layout's; ["*"] = all other fields."""
+    images_key: str = ""
+    """Field with a row's images (one, or a list: paths, bytes, datasets Image features); empty = the
+    layout's ("images", and "image" for trl)."""
+    max_image_pixels: int = 4096 * 4096
+    """Largest image accepted (width x height); a row with a larger one is refused before the run starts."""
     shuffle: bool = True
     """Shuffle the train rows anew each epoch, from run.seed and the epoch number."""
     num_epochs: int = 0
@@ -46,7 +51,8 @@ class DataConfig:
         base = LAYOUTS[self.layout]
         label = self.label_key or base.label_key
         return Layout(self.prompt_key or base.prompt_key, "" if label == "none" else label,
-                      tuple(self.metadata_keys) or base.metadata_keys)
+                      tuple(self.metadata_keys) or base.metadata_keys,
+                      (self.images_key,) if self.images_key else base.images_keys)
 
     def require_path(self) -> None:
         """Raise unless path names the rows (rollout.task.name = "dataset" needs them)."""
@@ -59,5 +65,7 @@ class DataConfig:
             raise ConfigError(f"rollout.task.data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError("rollout.task.data.eval_fraction must be in [0, 1)")
+        if self.max_image_pixels < 1:
+            raise ConfigError("rollout.task.data.max_image_pixels must be >= 1 (width x height of the largest image)")
         if self.num_epochs < 0:
             raise ConfigError("rollout.task.data.num_epochs must be >= 0 (0 = unlimited)")

@@ -1,6 +1,7 @@
 """The run's check of a dataset before anything starts: every row of both splits loads and is well
-formed (rows.py), and every prompt, as the engines will see it (chat template included), fits the
-engine's context with room for at least one new token.
+formed (rows.py; images decoded and within the pixel limit, images.py), and every prompt, as the
+engines will see it (chat template and image tokens included), fits the engine's context with room
+for at least one new token.
 
 The context is rollout.engine.context_length if set, else the model config's max_position_embeddings.
 Non-goal: checking rows while the run goes (a run that passed this check never meets a bad row).
@@ -23,12 +24,16 @@ def context_length(model_path: str, configured: int | None) -> int | None:
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return None
-    return json.loads(config.read_text()).get("max_position_embeddings")
+    model = json.loads(config.read_text())
+    # A vision-language config keeps the language model's length in its text_config.
+    return model.get("max_position_embeddings") or (model.get("text_config") or {}).get("max_position_embeddings")
 
 
-def check_dataset(task_cfg, tokenizer, model_path: str, configured_context: int | None) -> dict[str, int]:
+def check_dataset(task_cfg, tokenizer, model_path: str, configured_context: int | None,
+                  vision=None) -> dict[str, int]:
     """Raise DataError naming the file, row and field of the first bad row; else the row counts.
-    `tokenizer` is the model's (the caller loads it: data/ does not load models)."""
+    `tokenizer` is the model's and `vision` its VisionProcessor for a vision-language model (the
+    caller loads them: data/ does not load models)."""
     limit = context_length(model_path, configured_context)
     counts = {}
     for split in ("train", "eval"):
@@ -36,7 +41,7 @@ def check_dataset(task_cfg, tokenizer, model_path: str, configured_context: int 
         counts[split] = len(records)
         for r in records if limit else ():
             try:
-                n = len(encode_prompt(tokenizer, task_cfg, r.prompt, r.messages))
+                n = len(encode_prompt(tokenizer, task_cfg, r.prompt, r.messages, r.images, vision))
             except ValueError as exc:
                 raise DataError(f"{r.where}: {exc}") from None
             if n >= limit:

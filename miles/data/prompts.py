@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.buffer.types import PromptImage, as_images
 from miles.config import ConfigError
 from miles.data.config import DataConfig
 from miles.registry import RegistryError
@@ -66,6 +67,10 @@ class Prompt:
     label: str | None                   # the reference answer, for verifiable rewards
     messages: list[dict] | None = field(default=None, compare=False)  # a chat prompt's messages
     metadata: dict = field(default_factory=dict, compare=False)       # the row's other fields
+    images: tuple[PromptImage, ...] = field(default=(), compare=False)  # in the order of the image parts
+
+    def __post_init__(self):
+        object.__setattr__(self, "images", as_images(self.images))  # also from a checkpoint's JSON
 
 
 class PromptSource:
@@ -79,7 +84,8 @@ class PromptSource:
         out = []
         for p in self.task.take(n):
             out.append(Prompt(index=self.position, text=p.prompt, label=p.answer,
-                              messages=getattr(p, "messages", None), metadata=dict(getattr(p, "metadata", None) or {})))
+                              messages=getattr(p, "messages", None), metadata=dict(getattr(p, "metadata", None) or {}),
+                              images=getattr(p, "images", ())))
             self.position += 1
         return out
 

@@ -9,6 +9,7 @@ same rows. Non-goals: tokenizing and chat templates (chat.py), prompt lengths (p
 
 from __future__ import annotations
 
+import os
 import random
 
 from miles.data.config import DataConfig
@@ -37,7 +38,8 @@ def split_records(cfg: DataConfig, split: str) -> list[Record]:
             raise DataError(f"{path}: {len(rows)} rows leave none for training after holding out "
                             f"rollout.task.data.eval_fraction = {cfg.eval_fraction}; lower it or set eval_path")
         indices = sorted(indices[:n_eval] if split == "eval" else indices[n_eval:])
-    return [to_record(rows[i], layout, f"{path} row {i}") for i in indices]
+    base_dir = os.path.dirname(path) if os.path.isfile(path) else path if os.path.isdir(path) else "."
+    return [to_record(rows[i], layout, f"{path} row {i}", base_dir, cfg.max_image_pixels) for i in indices]
 
 
 class DatasetSource:

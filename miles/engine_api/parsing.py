@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles.engine_api.errors import InvalidRequest
 from miles.engine_api.sampling import SamplingParams
@@ -38,13 +38,13 @@ _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "s
                   "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim", "n"}
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "return_routed_experts",
-                  "lora_path"}
+                  "lora_path", "image_data"}
 
 
 # SGLang request fields that clients (sglang-router among them) send with their defaults. They are
 # accepted at exactly those defaults; any other value would change the result and is refused.
 _INERT_AT_DEFAULT = {"model": None, "return_hidden_states": False, "background": False, "return_bytes": False,
-                     "return_entropy": False, "image_data": None, "audio_data": None,
+                     "return_entropy": False, "audio_data": None,
                      "video_data": None, "custom_logit_processor": None, "data_parallel_rank": None}
 # Logging switches with no effect on the output.
 _BOOKKEEPING = {"log_metrics", "no_logs"}
@@ -108,6 +108,7 @@ class GenerateItem:
     lora_path: str | None = None  # the name of a loaded LoRA adapter (SGLang's field); None: the default
     # SGLang's logprob_start_len: -1 = output tokens only; k >= 0 = also the prompt's tokens from position k.
     logprob_start_len: int = -1
+    image_data: list = field(default_factory=list)  # SGLang's: the prompt's images (base64 or data: URLs), in order
 
 
 def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
@@ -156,6 +157,7 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
     rids = _per_item(body.get("rid"), n, batched, "rid")
     loras = _per_item(body.get("lora_path"), n, batched, "lora_path")
     starts = _per_item(body.get("logprob_start_len"), n, batched, "logprob_start_len")
+    images = _images(body.get("image_data"), n, batched)
     items = []
     for i in range(n):
         where = f"sampling_params{_at(i, batched and isinstance(body.get('sampling_params'), list))}"
@@ -178,8 +180,29 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
             raise InvalidRequest(f"logprob_start_len{_at(i, batched and isinstance(body.get('logprob_start_len'), list))}"
                                  f": {start} is past the prompt's {len(prompts[i])} tokens; send -1 (output tokens "
                                  "only) or a position in the prompt")
-        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed, lora, start if lp else -1))
+        items.append(GenerateItem(list(prompts[i]), sp, lp, rid, routed, lora, start if lp else -1, images[i]))
     return items, batched
+
+
+def _images(value, n: int, batched: bool) -> list[list]:
+    """Each prompt's images from SGLang's image_data: for one prompt an image or a list of them; for a
+    batch one entry per prompt (an image, a list, or null). The images themselves are checked where
+    they are decoded (the engine)."""
+    if value is None:
+        return [[] for _ in range(n)]
+    if not batched:
+        items = value if isinstance(value, list) else [value]
+        _check_len(items, "image_data")
+        return [items]
+    if not isinstance(value, list) or len(value) != n:
+        raise InvalidRequest(f"image_data: a batch of {n} prompts takes a list of {n} entries (each an image, "
+                             f"a list of images or null), got {_kind(value)}")
+    out = []
+    for v in value:
+        items = [] if v is None else v if isinstance(v, list) else [v]
+        _check_len(items, "image_data")
+        out.append(items)
+    return out
 
 
 def parse_sampling_params(d, default_max_new_tokens: int, where: str = "sampling_params") -> SamplingParams:

@@ -28,6 +28,9 @@ class GenerateRequest:
     # The LoRA adapter the request named (SGLang's lora_path), a lora.Adapter; None: the engine's
     # default. Typed loosely: adapters are the built-in engine's (rollout/engine/lora.py), above this contract.
     adapter: object | None = field(default=None, compare=False)
+    # A vision-language request's images (the built-in engine's multimodal.ServedImage), in the order
+    # of their keys in input_ids; holding them keeps their pixels until the request is done.
+    images: tuple = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,8 @@ class Evaluator:
                     jobs.append(lambda c, url=url, p=p, sp=sp, j=j: g.generate_fn(
                         self._context(c, url, reward_fn), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
                 else:
-                    jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(c, url, ids, sp, label=p.label,
-                                                                                 prompt_index=p.index))
+                    jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(
+                        c, url, ids, sp, label=p.label, prompt_index=p.index, images=p.images, vision=g.vision))
         return run_jobs([self._across_router_restarts(j) for j in jobs], g.cfg.request_timeout_s)
 
     def _across_router_restarts(self, job):
@@ -125,8 +125,9 @@ class Evaluator:
         return ctx if reward_fn is None else dataclasses.replace(ctx, reward_fn=reward_fn)
 
     def _encode(self, p: Prompt, task: TaskConfig) -> list[int]:
-        """The prompt's ids under its set's task settings (messages through the chat template)."""
-        return encode_prompt(self.groups.tokenizer, task, p.text, p.messages)
+        """The prompt's ids under its set's task settings (messages through the chat template, image
+        placeholders expanded by a vision-language model's processor)."""
+        return encode_prompt(self.groups.tokenizer, task, p.text, p.messages, p.images, self.groups.vision)
 
     def _scores(self, samples: list, reward_fn) -> list[float]:
         """Each sample's score: a plugged-in generate function's own reward (unless it leaves scoring to

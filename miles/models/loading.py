@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from miles.models.vision import VisionProcessor, check_supported, is_vision_language
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
@@ -74,12 +76,22 @@ def _is_hub_id(path: str) -> bool:
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
-    """AutoModelForCausalLM.from_pretrained with eager-friendly defaults for CPU."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM.from_pretrained with eager-friendly defaults for CPU; a vision-language
+    checkpoint (models/vision.py) loads whole, vision tower included (AutoModelForImageTextToText)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    check_model_path(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    config = read_model_config(path)
+    auto = AutoModelForCausalLM
+    if is_vision_language(config):
+        check_supported(config)
+        auto = AutoModelForImageTextToText
+    model = auto.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
     return model.to(device)
+
+
+def text_config(model_config):
+    """The language model's part of an HF config (itself for a text-only model)."""
+    return model_config.get_text_config()
 
 
 def load_tokenizer(path: str):
@@ -90,6 +102,11 @@ def load_tokenizer(path: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def load_vision(path: str) -> VisionProcessor | None:
+    """A vision-language checkpoint's VisionProcessor; None for a text-only model."""
+    return VisionProcessor(path) if is_vision_language(read_model_config(path)) else None
 
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:

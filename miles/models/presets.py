@@ -1,6 +1,6 @@
-"""Tiny real models built locally: an HF Qwen3 (dense) or Qwen3-MoE config with small dimensions and
-a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary checkpoint
-directory.
+"""Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE or Qwen2.5-VL config with small
+dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
+checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
 They stand in for large checkpoints in demos and tests and travel the same loading code.
 Non-goal: quality. A preset is the smallest architecture that still exercises every code path.
@@ -12,11 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles.data.tasks.arithmetic import ArithmeticTask, demonstration
+from miles.models.vision import VISION_TOKENS
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen-VL's: a message's content is text or a list of parts; an image part renders as one placeholder
+# between vision markers, which the processor then expands to the image's tokens.
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' or p['type'] == 'image_url' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -43,6 +54,20 @@ class Preset:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     model_vocab_size: int = 0  # > 0: the embedding has this many rows, more than the tokenizer's (as Qwen3 pads)
+    vision: VisionPreset | None = None  # set: a Qwen2.5-VL model with this vision tower
+
+
+@dataclass(frozen=True)
+class VisionPreset:
+    depth: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    patch_size: int = 8      # pixels per patch side; with merge 2 one image token covers 16x16 pixels
+    max_pixels: int = 64 * 64  # the image processor resizes larger images down to this (16 tokens)
+    # Weight matrices of the tower drawn from N(0, init_std): at transformers' 0.02 a tower this small
+    # passes images on so faintly that a tiny model does not learn to tell them apart within minutes.
+    init_std: float = 0.1
 
 
 PRESETS: dict[str, Preset] = {
@@ -60,6 +85,11 @@ PRESETS: dict[str, Preset] = {
     "qwen3-0.6b-shape": Preset(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                max_position_embeddings=40960, model_vocab_size=151936),
+    # Qwen2.5-VL: tiny-qwen3's decoder with a 2-block vision tower; a 32x32 image is 4 image tokens,
+    # images are resized to at most 64x64 (16 tokens). About 1M parameters.
+    "tiny-qwen-vl": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=400,
+                           vision=VisionPreset()),
 }
 
 
@@ -68,7 +98,7 @@ def _corpus(seed: int) -> list[str]:
     return [demonstration(p) for p in task.take(2000)] + _GENERAL_TEXT * 20
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0):
+def train_tokenizer(vocab_size: int, seed: int = 0, extra_special: tuple[str, ...] = ()):
     """Byte-level BPE with single-digit pre-tokenization (as Qwen does), trained here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,7 +109,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
@@ -102,6 +132,8 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
     p = PRESETS[preset]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if p.vision is not None:
+        return _build_vlm(p, out, seed, init_std)
     tokenizer = train_tokenizer(p.vocab_size, seed=seed)
     moe = {}
     if p.num_experts:
@@ -124,4 +156,48 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
                     param.normal_(0.0, init_std)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def _build_vlm(p: Preset, out: Path, seed: int, init_std: float) -> Path:
+    """A Qwen2.5-VL checkpoint: config, weights, tokenizer (with the vision tokens) and image processor."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    v = p.vision
+    tokenizer = train_tokenizer(p.vocab_size, seed=seed, extra_special=tuple(VISION_TOKENS))
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    eos = tokenizer.eos_token_id
+    half = p.head_dim // 2  # mrope splits each head's rotary frequencies over (t, h, w)
+    text = dict(vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+                num_key_value_heads=p.num_key_value_heads, max_position_embeddings=p.max_position_embeddings,
+                rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half * 3 // 8),
+                                                                                    half * 3 // 8, half * 3 // 8]},
+                tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_heads=v.num_heads, out_hidden_size=p.hidden_size, patch_size=v.patch_size,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=4 * v.patch_size,
+                  fullatt_block_indexes=[v.depth - 1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+                              bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    with torch.no_grad():
+        for param in model.model.visual.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, v.init_std)
+    if init_std > 0:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.normal_(0.0, init_std)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=v.patch_size, merge_size=2, temporal_patch_size=2,
+                             min_pixels=(2 * v.patch_size) ** 2, max_pixels=v.max_pixels).save_pretrained(out)
     return out

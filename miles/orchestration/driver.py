@@ -27,7 +27,7 @@ from miles.eval.evaluator import Evaluator
 from miles.metrics.dashboard import Dashboard
 from miles.metrics.progress import Progress
 from miles.metrics.sink import open_sinks
-from miles.models.loading import load_tokenizer
+from miles.models.loading import load_tokenizer, load_vision
 from miles.orchestration.context import TrainContext, log
 from miles.orchestration.actors import remote
 from miles.orchestration.faults import FaultInjector
@@ -125,7 +125,7 @@ def check_data(cfg: RunConfig) -> None:
         return
     try:
         counts = check_dataset(cfg.rollout.task, load_tokenizer(cfg.model.path), cfg.model.path,
-                               cfg.rollout.engine.context_length)
+                               cfg.rollout.engine.context_length, load_vision(cfg.model.path))
     except DataError as exc:
         raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
     log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
@@ -276,11 +276,11 @@ def run_sft(cfg: RunConfig) -> dict:
     With sft.target_accuracy set it stops as soon as held-out greedy accuracy reaches the target."""
     t0 = time.perf_counter()
     sft = cfg.sft
-    tok = load_tokenizer(cfg.model.path)
+    tok, vision = load_tokenizer(cfg.model.path), load_vision(cfg.model.path)
     prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(sft.num_examples)
 
-    def encode(prompt):  # as rollouts encode it: chat messages and templates included
-        return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages)
+    def encode(prompt):  # as rollouts encode it: chat messages, templates and image tokens included
+        return encode_prompt(tok, cfg.rollout.task, prompt.text, prompt.messages, prompt.images, vision)
 
     data = demonstration_sequences(prompts, tok, encode)
     held_out = []

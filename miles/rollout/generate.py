@@ -8,6 +8,8 @@
 
 Talks to any server speaking the engine HTTP API (the built-in engine, SGLang, or a router in front
 of them). Token ids are sent and received as ids (TITO); the text is only used for the reward.
+A prompt with images sends them as SGLang's `image_data` (base64) with one placeholder token per
+image in `input_ids` (the wire form, models/vision.py); its Sample keeps the expanded ids and the images.
 Non-goals: multi-turn episodes (agent/), scoring (the reward runner, or the generate function itself).
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from miles.buffer.types import Sample, SampleStatus
+from miles.buffer.types import PromptImage, Sample, SampleStatus
 from miles.engine_api.sampling import SamplingParams
 from miles.registry import Registry
 from miles.rollout.config import AgentConfig
@@ -40,6 +42,7 @@ class GenerateContext:
     reward_fn: Callable[[str, str | None], float]
     agent: AgentConfig
     return_routed_experts: bool = False  # ask the engine for routed experts and keep them on the Sample
+    vision: object = None              # a vision-language model's VisionProcessor (models/vision.py), else None
 
 
 class GenerateFn(Protocol):
@@ -51,7 +54,8 @@ class GenerateFn(Protocol):
 async def single_turn(ctx: GenerateContext, prompt, params, rid: str) -> Sample:
     """One /generate call on the encoded prompt; the reward runner scores it (scores_itself = False)."""
     s = await generate(ctx.client, ctx.url, ctx.encode(prompt), params, rid=rid, label=prompt.label,
-                       prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts)
+                       prompt_index=prompt.index, return_routed_experts=ctx.return_routed_experts,
+                       images=prompt.images, vision=ctx.vision)
     s.metadata = dict(prompt.metadata)
     return s
 
@@ -74,28 +78,38 @@ def get_generate_fn(spec: str) -> GenerateFn:
 
 
 async def generate(client, url: str, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                   label: str | None = None, prompt_index: int = -1, return_routed_experts: bool = False) -> Sample:
-    """POST /generate once and turn the reply into a Sample (reward filled in later)."""
-    body = {"input_ids": prompt_ids, "sampling_params": params.to_json(), "return_logprob": True}
+                   label: str | None = None, prompt_index: int = -1, return_routed_experts: bool = False,
+                   images: tuple[PromptImage, ...] = (), vision=None) -> Sample:
+    """POST /generate once and turn the reply into a Sample (reward filled in later). `images`:
+    the prompt's, in the order of its image tokens; `vision` then gives their wire form."""
+    body = {"input_ids": _wire_ids(prompt_ids, images, vision), "sampling_params": params.to_json(),
+            "return_logprob": True}
+    if images:
+        body["image_data"] = [img.data for img in images]
     if return_routed_experts:
         body["return_routed_experts"] = True
     if rid is not None:
         body["rid"] = rid
     out = await _post(client, url, body)
-    return _sample(out, url, prompt_ids, label, prompt_index, return_routed_experts)
+    s = _sample(out, url, prompt_ids, label, prompt_index, return_routed_experts)
+    s.images = tuple(images)
+    return s
 
 
 async def generate_many(client, url: str, prompts: list[list[int]], params: list[SamplingParams],
                         rids: list[str] | None = None, label: str | None = None, prompt_index: int = -1,
-                        return_routed_experts: bool = False) -> list[Sample]:
+                        return_routed_experts: bool = False, images: tuple[PromptImage, ...] = (),
+                        vision=None) -> list[Sample]:
     """Several samples in one batched POST /generate (SGLang's list form of input_ids, sampling_params
     and rid); the reply is a list in the same order. One request per group instead of one per sample
     keeps the HTTP work of client, router and engine from competing with decoding for the CPU."""
     if len(params) != len(prompts) or (rids is not None and len(rids) != len(prompts)):
         raise ValueError(f"generate_many: {len(prompts)} prompts but {len(params)} sampling params"
                          + (f" and {len(rids)} rids" if rids is not None else ""))
-    body = {"input_ids": [list(p) for p in prompts], "sampling_params": [p.to_json() for p in params],
-            "return_logprob": True}
+    body = {"input_ids": [_wire_ids(p, images, vision) for p in prompts],
+            "sampling_params": [p.to_json() for p in params], "return_logprob": True}
+    if images:  # SGLang's batch form: one list of images per request
+        body["image_data"] = [[img.data for img in images] for _ in prompts]
     if return_routed_experts:
         body["return_routed_experts"] = True
     if rids is not None:
@@ -104,7 +118,19 @@ async def generate_many(client, url: str, prompts: list[list[int]], params: list
     if not isinstance(out, list) or len(out) != len(prompts):
         raise GenerationError(f"{url} answered a batch of {len(prompts)} with "
                               f"{len(out) if isinstance(out, list) else type(out).__name__} items")
-    return [_sample(o, url, p, label, prompt_index, return_routed_experts) for o, p in zip(out, prompts)]
+    samples = [_sample(o, url, p, label, prompt_index, return_routed_experts) for o, p in zip(out, prompts)]
+    for s in samples:
+        s.images = tuple(images)
+    return samples
+
+
+def _wire_ids(prompt_ids: list[int], images, vision) -> list[int]:
+    if not images:
+        return list(prompt_ids)
+    if vision is None:
+        raise GenerationError("the prompt has images but the model has no vision tower: use a vision-language "
+                              "checkpoint or drop the images")
+    return vision.collapse(prompt_ids)
 
 
 async def _post(client, url: str, body: dict):

@@ -48,8 +48,10 @@ class GroupGenerator:
     waits for the router."""
 
     def __init__(self, cfg: RolloutConfig, seed: int, tokenizer, rewards: RewardRunner | None, generate_fn, buffer,
-                 admin: EngineClient, stopping: threading.Event, teacher: TeacherScorer | None = None):
+                 admin: EngineClient, stopping: threading.Event, teacher: TeacherScorer | None = None,
+                 vision=None):
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
+        self.vision = vision  # a vision-language model's VisionProcessor (models/vision.py), else None
         self.rewards = rewards
         # The `(response, label) -> float` view of the runner: evaluation and ctx.reward_fn use it.
         self.reward_fn = rewards.score_text if rewards is not None else None
@@ -69,7 +71,7 @@ class GroupGenerator:
         """Token ids of a prompt (a Prompt, or its text): messages go through the chat template."""
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, self.cfg.task, prompt)
-        return encode_prompt(self.tokenizer, self.cfg.task, prompt.text, prompt.messages)
+        return encode_prompt(self.tokenizer, self.cfg.task, prompt.text, prompt.messages, prompt.images, self.vision)
 
     def take_stats(self, elapsed: float | None) -> dict[str, float]:
         stats, self.stats = self.stats, SampleStats()
@@ -84,7 +86,7 @@ class GroupGenerator:
 
     def context(self, client, url: str) -> GenerateContext:
         return GenerateContext(client, url, self.tokenizer, self.encode, self.reward_fn, self.cfg.agent,
-                               self.cfg.return_routed_experts)
+                               self.cfg.return_routed_experts, self.vision)
 
     def sampling_params(self, prompt_index: int, k: int) -> SamplingParams:
         cfg = self.cfg
@@ -194,7 +196,7 @@ class GroupGenerator:
                                   loss_mask=[1] * len(response[k]), status=status, weight_versions=versions[k],
                                   response_text=text, label=prompt.label, prompt_index=prompt.index,
                                   routed_experts=s.routed_experts, metadata=dict(prompt.metadata),
-                                  off_fleet=off_fleet[k]))
+                                  off_fleet=off_fleet[k], images=prompt.images))
         return samples
 
     async def _request(self, client, url, prompts, params, rids, prompt) -> list[Sample]:
@@ -203,10 +205,12 @@ class GroupGenerator:
         if not self.cfg.batch_requests:
             return await asyncio.gather(*(
                 generate(client, url, ids, sp, rid=rid, label=prompt.label, prompt_index=prompt.index,
-                         return_routed_experts=routed) for ids, sp, rid in zip(prompts, params, rids)))
+                         return_routed_experts=routed, images=prompt.images, vision=self.vision)
+                for ids, sp, rid in zip(prompts, params, rids)))
         try:
             return await generate_many(client, url, prompts, params, rids=rids, label=prompt.label,
-                                       prompt_index=prompt.index, return_routed_experts=routed)
+                                       prompt_index=prompt.index, return_routed_experts=routed,
+                                       images=prompt.images, vision=self.vision)
         except GenerationError as exc:
             if " 422:" not in str(exc):
                 raise

@@ -29,7 +29,7 @@ from miles.data.prompts import Prompt, PromptSource
 from miles.engine_api import routes
 from miles.engine_api.aio import run_coroutine
 from miles.engine_api.client import EngineClient
-from miles.models.loading import load_tokenizer
+from miles.models.loading import load_tokenizer, load_vision
 from miles.rollout.config import RolloutConfig
 from miles.rollout.generate import get_generate_fn
 from miles.rollout.group import GroupGenerator
@@ -63,7 +63,8 @@ class RolloutManager:
         self.groups = GroupGenerator(cfg, seed, load_tokenizer(model_path), RewardRunner(cfg.reward, cfg.reward_config),
                                      generate_fn,
                                      self.buffer, self.admin, threading.Event(),
-                                     TeacherScorer(teacher_urls) if teacher_urls else None)
+                                     TeacherScorer(teacher_urls) if teacher_urls else None,
+                                     vision=load_vision(model_path))
         self.producer = Producer(self.groups)
         self.evaluator = evaluator(self.groups, seed) if evaluator is not None else None
 

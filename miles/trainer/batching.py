@@ -26,6 +26,8 @@ from miles.trainer.types import BatchTotals, StepBatch, TrainSequence
 if TYPE_CHECKING:
     import torch
 
+    from miles.trainer.vision import ImageBatch, TrainerVision
+
 
 def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[TrainSequence]:
     """One sequence per sample, with the algorithm's advantages within its group.
@@ -40,7 +42,8 @@ def sequences_from_groups(groups: list[Group], algorithm: Algorithm) -> list[Tra
             mask = [0] * len(s.loss_mask) if mask_truncated and s.status is SampleStatus.TRUNCATED else s.loss_mask
             seqs.append(TrainSequence(tokens=s.prompt_ids + s.response_ids, prompt_len=len(s.prompt_ids),
                                       loss_mask=mask, old_logprobs=s.rollout_logprobs, advantage=adv,
-                                      routed_experts=s.routed_experts, teacher_logprobs=s.teacher_logprobs))
+                                      routed_experts=s.routed_experts, teacher_logprobs=s.teacher_logprobs,
+                                      images=s.images))
     return seqs
 
 
@@ -141,7 +144,7 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, pack:
 class MicroBatch:
     input_ids: "torch.Tensor"                # (B, T)
     attention_mask: "torch.Tensor | None"    # (B, T); None when packed
-    position_ids: "torch.Tensor | None"      # (1, T) when packed
+    position_ids: "torch.Tensor | None"      # (1, T) when packed; with images (3, B, T), packed (4, 1, T)
     mask: "torch.Tensor"                     # (B, T-1) 1 on loss tokens
     weights: "torch.Tensor"                  # (B, T-1) aggregation weight of each loss token
     old_logprobs: "torch.Tensor"             # (B, T-1)
@@ -151,21 +154,23 @@ class MicroBatch:
     routed: "torch.Tensor | None" = None     # (B, T, MoE layers, top_k) engine expert ids, -1 = none (R3)
     teacher_logprobs: "torch.Tensor | None" = None  # (B, T-1) a teacher engine's, when every sequence has them
     prox_logprobs: "torch.Tensor | None" = None     # (B, T-1) the proximal policy's, when every sequence has them
+    images: "ImageBatch | None" = None               # pixel values and grids of the sequences' images, in order
 
     def to(self, device) -> "MicroBatch":
         """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
         if device == self.input_ids.device:
             return self
-        moved = {f.name: (v.to(device) if hasattr(v, "to") and f.name != "seqs" else v)
+        moved = {f.name: (v.to(device) if hasattr(v, "to") and f.name != "seqs" else v)  # ImageBatch too
                  for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
         return MicroBatch(**moved)
 
 
 def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: bool, pad_id: int,
-                      moe_shape: tuple[int, int] | None = None) -> MicroBatch:
+                      moe_shape: tuple[int, int] | None = None, vision: "TrainerVision | None" = None) -> MicroBatch:
     """Tensors of one micro-batch. Response token j of a sequence starting at offset o sits at
     o + prompt_len + j and is predicted at the position before it. With `moe_shape` (MoE layers,
-    top_k) the sequences' routed experts are laid out the same way."""
+    top_k) the sequences' routed experts are laid out the same way; with `vision` (a vision-language
+    policy) the sequences' images and 3-D positions come with them (trainer/vision.py)."""
     import torch
 
     if pack:
@@ -218,7 +223,9 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
         from miles.trainer.r3 import routed_tensor  # r3 imports torch; the orchestrator imports this module
 
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
+    images, mm_pos = vision.batch(seqs, offsets, B, width, pack) if vision is not None else (None, None)
     if pack:
         # Padding to the right would be read as one more packed sequence; there is none here.
-        return MicroBatch(ids, None, pos, mask, w, old, adv, sid, seqs, routed, teacher, prox)
-    return MicroBatch(ids, attn, None, mask, w, old, adv, sid, seqs, routed, teacher, prox)
+        return MicroBatch(ids, None, pos if mm_pos is None else mm_pos, mask, w, old, adv, sid, seqs, routed, teacher,
+                          prox, images)
+    return MicroBatch(ids, attn, mm_pos, mask, w, old, adv, sid, seqs, routed, teacher, prox, images)

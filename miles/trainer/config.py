@@ -102,6 +102,9 @@ class TrainerConfig:
     """The RL algorithm and its knobs."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (rank 0 = full fine-tuning)."""
+    train_vision_tower: bool = False
+    """Vision-language policies: train the vision tower (and its merger) too; false keeps it frozen
+    (no gradient, no optimizer state). Weight sync sends it either way."""
 
     def validate(self) -> None:
         if self.num_ranks < 1:

@@ -6,6 +6,8 @@ log_softmax(logits) for greedy (T == 0), before any top-p/top-k truncation.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miles.trainer.chunked_logprobs import token_logprobs_chunked
@@ -23,12 +25,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, temperature: float = 1.0,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, images=None):
     """Next-token logprobs (B, T-1) and, if asked, the per-token entropy (B, T-1) of the same
     tempered distribution. Packed rows pass position_ids and no attention_mask; the model then
-    keeps each packed sequence's attention to itself."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False).logits  # (B, T, V)
+    keeps each packed sequence's attention to itself. `images`: a vision-language micro-batch's
+    ImageBatch (trainer/vision.py)."""
+    with images.spliced_into(model) if images is not None else contextlib.nullcontext():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits  # (B, T, V)
     return logprobs_from_logits(logits, input_ids, temperature, with_entropy)
 
 

@@ -21,14 +21,16 @@ class ReferenceModel:
             p.requires_grad_(False)
         self.version = 0  # the policy step whose weights this holds
 
-    def logprobs(self, input_ids, attention_mask, position_ids, temperature: float):
-        """Next-token logprobs (B, T-1) on the inputs' device; no gradient."""
+    def logprobs(self, input_ids, attention_mask, position_ids, temperature: float, images=None):
+        """Next-token logprobs (B, T-1) on the inputs' device; no gradient. `images`: a vision-language
+        micro-batch's ImageBatch (trainer/vision.py)."""
         device = input_ids.device
         with torch.no_grad():
             if device.type != "cpu":
                 self.model.to(device)
             try:
-                logp, _ = forward_logprobs(self.model, input_ids, attention_mask, position_ids, temperature)
+                logp, _ = forward_logprobs(self.model, input_ids, attention_mask, position_ids, temperature,
+                                           images=images)
             finally:
                 if device.type != "cpu":
                     self.model.to("cpu")

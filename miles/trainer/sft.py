@@ -39,11 +39,12 @@ class SFTConfig:
 
 
 def demonstration_sequences(prompts, tokenizer, encode):
-    """One TrainSequence per prompt: prompt ids (`encode(prompt)`) + answer ids + EOS, loss on answer and EOS."""
+    """One TrainSequence per prompt: prompt ids (`encode(prompt)`) + answer ids + EOS, loss on answer and EOS
+    (with the prompt's images, for a vision-language model)."""
     seqs = []
     for p in prompts:
         prompt_ids = encode(p)
         answer_ids = tokenizer(p.label, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         seqs.append(TrainSequence(tokens=prompt_ids + answer_ids, prompt_len=len(prompt_ids),
-                                  loss_mask=[1] * len(answer_ids), old_logprobs=[]))
+                                  loss_mask=[1] * len(answer_ids), old_logprobs=[], images=getattr(p, "images", ())))
     return seqs

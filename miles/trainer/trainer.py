@@ -29,7 +29,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from miles.models.loading import load_tokenizer
+from miles.models.loading import load_tokenizer, read_model_config
+from miles.models.vision import is_vision_language
 from miles.models.moe import moe_shape, routers
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.backends.base import BACKENDS
@@ -43,6 +44,7 @@ from miles.trainer.loss import ForwardOutputs, micro_batch_loss, sequence_weight
 from miles.trainer.r3 import check_sequences, routing_replay
 from miles.trainer.reference import ReferenceModel
 from miles.trainer.types import BatchTotals, TrainSequence
+from miles.trainer.vision import TrainerVision
 
 
 class Trainer:
@@ -59,6 +61,8 @@ class Trainer:
         self.backend = BACKENDS.get(cfg.backend)(cfg, model_path, rank, world_size, master_addr, master_port)
         self.routers = routers(self.backend.model)  # empty for dense models
         self.moe_shape = moe_shape(self.backend.model.config) if self.routers else None
+        # A vision-language policy's image inputs for micro-batches (trainer/vision.py); None for text.
+        self.vision = TrainerVision(model_path) if is_vision_language(read_model_config(model_path)) else None
         self._algorithms = {None: self.algorithm}
         self.reference = None
         if self.algorithm.needs_reference:
@@ -127,7 +131,7 @@ class Trainer:
         for members in plan:
             chunk = [seqs[i] for i in members] or [_placeholder(self.pad_id)]
             mb = build_micro_batch(chunk, [0.0] * len(chunk), cfg.pack_sequences, self.pad_id,
-                                   self.moe_shape).to(self.backend.device)
+                                   self.moe_shape, self.vision).to(self.backend.device)
             with routing_replay(self.routers, mb.routed, cfg.routing_replay, {}):
                 logp, _ = self._policy_logprobs(mb, temperature)  # (B, T-1)
             logp, sid = logp.float().cpu(), mb.seq_ids.cpu()
@@ -158,7 +162,8 @@ class Trainer:
             else:
                 # A rank with nothing left still joins the collectives, with zero weight.
                 chunk, w = [_placeholder(self.pad_id)], [0.0]
-            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape).to(self.backend.device)
+            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape,
+                                   self.vision).to(self.backend.device)
             self._micro_step(mb, algo, sums, bool(members))
         keys = sorted(sums)
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.backend.device)
@@ -188,7 +193,7 @@ class Trainer:
         return self._algorithms[name]
 
     def _policy_logprobs(self, mb, temperature: float, with_entropy: bool = False):
-        logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids)  # (B, T, V)
+        logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids, mb.images)  # (B, T, V)
         return logprobs_from_logits(logits, mb.input_ids, temperature, with_entropy)  # (B, T-1)
 
     def _micro_step(self, mb, algorithm, sums: dict, real: bool) -> None:
@@ -201,10 +206,10 @@ class Trainer:
         out = ForwardOutputs(logp, entropy)
         if algorithm.needs_reference and self.reference is not None:
             out.ref_logprobs = self.reference.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
-                                                       temperature)
+                                                       temperature, mb.images)
         if algorithm.needs_teacher and self.teacher is not None:
             out.teacher_logprobs = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
-                                                         temperature)
+                                                         temperature, mb.images)
         elif algorithm.needs_teacher:
             # Teacher engines scored the samples during the rollout (rollout/teacher.py).
             out.teacher_logprobs = mb.teacher_logprobs
@@ -234,8 +239,10 @@ class Trainer:
         try:
             for start in range(0, len(seqs), self.cfg.micro_batch_size):
                 chunk = seqs[start:start + self.cfg.micro_batch_size]
-                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id).to(self.backend.device)
-                logits = self.backend.forward(mb.input_ids, mb.attention_mask)[:, :-1]  # (B, T-1, V)
+                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id,
+                                       vision=self.vision).to(self.backend.device)
+                logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids,
+                                              mb.images)[:, :-1]  # (B, T-1, V)
                 hit = (logits.argmax(-1) == mb.input_ids[:, 1:]) | (mb.mask == 0)  # (B, T-1)
                 out.extend(bool(x) for x in hit.all(-1))
         finally:

@@ -18,6 +18,7 @@ class TrainSequence:
     teacher_logprobs: list[float] | None = None  # per response token; a teacher engine's (Sample.teacher_logprobs)
     prox_logprobs: list[float] | None = None  # per response token; the proximal policy's (the weights at the
     # start of a step of several minibatches), recorded by the trainer before its first update
+    images: tuple = ()  # a vision-language prompt's PromptImages (Sample.images), in the order of its image tokens
 
     @property
     def num_loss_tokens(self) -> int:

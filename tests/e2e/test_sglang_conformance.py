@@ -10,6 +10,9 @@ by tests/helpers/sglang_protocol.py; nothing of SGLang is imported).
    protocol is part of an extension the engine advertised (broadcast, p2p, disk_delta runs).
 2. The built-in engine answers SGLang's request shapes with the status codes SGLang's handlers use,
    on success and on a failed update.
+3. A vision-language run sends its images as SGLang's `image_data` (one base64 string per image,
+   one placeholder token per image in input_ids, which SGLang expands), and the engine's
+   /v1/chat/completions takes image parts of the shape SGLang's OpenAI models declare.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ def sglang():
     return read_protocol(fetch_wheel())
 
 
-def _violations(proto, recorded) -> list[tuple[str, str | None, str]]:
-    """(path, field or None for the route itself, what is wrong) for every departure from SGLang's protocol."""
+def _violations(proto, recorded, names=None) -> list[tuple[str, str | None, str]]:
+    """(path, field or None for the route itself, what is wrong) for every departure from SGLang's protocol;
+    with `names` (Protocol.names) type aliases and request models are followed."""
     bad = []
     for r in recorded:
         where = f"{r.method} {r.path}"
@@ -51,8 +55,8 @@ def _violations(proto, recorded) -> list[tuple[str, str | None, str]]:
         for key, value in r.body.items():
             if key not in declared:
                 bad.append((r.path, key, f"{where}: field {key!r} is not declared by {route.body_type}"))
-            elif not matches(value, declared[key]):
-                bad.append((r.path, key, f"{where}: field {key!r} = {value!r} is not of SGLang's type"))
+            elif not matches(value, declared[key], names):
+                bad.append((r.path, key, f"{where}: field {key!r} = {value!r:.200} is not of SGLang's type"))
         if r.path == "/generate":
             params = r.body.get("sampling_params") or {}
             for p in params if isinstance(params, list) else [params]:
@@ -240,3 +244,51 @@ def test_lora_adapter_sync_and_lora_routes_follow_sglangs_protocol(sglang, base_
         assert call("/unload_lora_adapter", {"lora_name": "a"}).status_code == 400
     finally:
         plain.stop()
+
+
+def test_vision_language_requests_follow_sglangs_protocol(sglang, tiny_vl_model_dir, tmp_path, ray_cluster,
+                                                          monkeypatch):
+    import base64
+    import json
+
+    import datasets
+
+    from miles.rollout.engine.config import EngineConfig
+    from miles.rollout.engine.server import start_server_thread
+    from tests.helpers.images import png
+
+    colours = ["red", "blue", "green", "white"] * 3
+    rows = [{"data_source": "colours", "reward_model": {"style": "rule", "ground_truth": c},
+             "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+             "images": [{"bytes": png(c), "path": None}]} for c in colours]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    recorded, _, _ = _train_through_proxy(tiny_vl_model_dir, tmp_path, monkeypatch, sglang_only=True, **{
+        "rollout.task.name": "dataset", "rollout.task.data.layout": "verl", "buffer.filter": "none",
+        "rollout.task.data.path": str(tmp_path / "train.parquet"), "rollout.task.data.eval_fraction": "0.2"})
+    violations = [why for _, _, why in _violations(sglang, recorded, sglang.names)]
+    assert not violations, "\n".join(violations[:20])
+    with open(f"{tiny_vl_model_dir}/config.json") as f:
+        image_token = json.load(f)["image_token_id"]
+    sent = [r.body for r in recorded if r.path == "/generate" and r.body.get("image_data")]
+    assert sent
+    for body in sent:
+        batched = isinstance(body["input_ids"][0], list)
+        prompts = body["input_ids"] if batched else [body["input_ids"]]
+        images = body["image_data"] if batched else [body["image_data"]]
+        for ids, imgs in zip(prompts, images):
+            # One placeholder per image (SGLang's build_input_ids expands each), images as base64 PNGs.
+            assert ids.count(image_token) == len(imgs) == 1
+            assert base64.b64decode(imgs[0])[:8] == b"\x89PNG\r\n\x1a\n"
+
+    server = start_server_thread(EngineConfig(model_path=tiny_vl_model_dir, sglang_only=True))
+    try:
+        url = "data:image/png;base64," + base64.b64encode(png("red")).decode()
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": "Colour?"}]}],
+                "max_tokens": 4, "temperature": 0}
+        declared = sglang.names["ChatCompletionRequest"]
+        assert all(k in declared and matches(v, declared[k], sglang.names) for k, v in body.items())
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()

@@ -8,6 +8,7 @@ name once registered in BACKENDS.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -46,9 +47,10 @@ class PlainBackend:
         self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lr,
                                               betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).logits
+    def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
+        with images.spliced_into(self.model) if images is not None else contextlib.nullcontext():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).logits
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

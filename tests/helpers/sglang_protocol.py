@@ -24,6 +24,7 @@ SGLANG_VERSION = "0.5.23"
 _SERVER = "sglang/srt/entrypoints/http_server.py"
 _STRUCTS = "sglang/srt/managers/io_struct.py"
 _SAMPLING = "sglang/srt/sampling/sampling_params.py"
+_OPENAI = "sglang/srt/entrypoints/openai/protocol.py"
 _HTTP_STATUS = {"OK": 200, "BAD_REQUEST": 400, "NOT_FOUND": 404, "SERVICE_UNAVAILABLE": 503,
                 "INTERNAL_SERVER_ERROR": 500, "UNAUTHORIZED": 401}
 
@@ -68,6 +69,9 @@ class Protocol:
     routes: dict[str, Route]
     structs: dict[str, dict[str, ast.expr]]  # struct -> field -> annotation (inherited fields included)
     sampling: dict[str, ast.expr]  # /generate's sampling_params: field -> annotation
+    # Names a field's annotation may use: type aliases (MultimodalDataInputFormat = Union[...]) and the
+    # OpenAI-compatible request models (ChatCompletionMessageContentImagePart, ...), for `matches`.
+    names: dict[str, ast.expr | dict[str, ast.expr]] = field(default_factory=dict)
 
     def fields(self, path: str) -> dict[str, ast.expr]:
         route = self.routes[path]
@@ -79,7 +83,16 @@ def read_protocol(wheel: Path) -> Protocol:
         server = ast.parse(z.read(_SERVER).decode())
         structs = ast.parse(z.read(_STRUCTS).decode())
         sampling = ast.parse(z.read(_SAMPLING).decode())
-    return Protocol(_routes(server), _structs(structs), _structs(sampling)["SamplingParams"])
+        openai = ast.parse(z.read(_OPENAI).decode())
+    names: dict = {**_aliases(structs), **_aliases(openai), **_structs(openai)}
+    return Protocol(_routes(server), _structs(structs), _structs(sampling)["SamplingParams"], names)
+
+
+def _aliases(tree: ast.Module) -> dict[str, ast.expr]:
+    """Module-level type aliases: `Name = Union[...]` / `List[...]`."""
+    return {node.targets[0].id: node.value for node in tree.body
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Subscript)}
 
 
 def _literal_path(node: ast.expr) -> str | None:
@@ -169,29 +182,37 @@ def _structs(tree: ast.Module) -> dict[str, dict[str, ast.expr]]:
 
 # ---- JSON type matching ---------------------------------------------------------------------------
 
-def matches(value, ann: ast.expr) -> bool:
-    """Whether a JSON value has the type SGLang's annotation declares (unknown names match anything)."""
+def matches(value, ann: ast.expr, names: dict | None = None) -> bool:
+    """Whether a JSON value has the type SGLang's annotation declares (unknown names match anything).
+    With `names` (Protocol.names), aliases are followed and a model's JSON object must hold only its
+    declared fields, each of its declared type."""
+    names = names or {}
     if isinstance(ann, ast.Constant) and ann.value is None:
         return value is None
     if isinstance(ann, ast.Constant) and isinstance(ann.value, str):  # a string annotation
-        return matches(value, ast.parse(ann.value, mode="eval").body)
+        return matches(value, ast.parse(ann.value, mode="eval").body, names)
     if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
-        return matches(value, ann.left) or matches(value, ann.right)
+        return matches(value, ann.left, names) or matches(value, ann.right, names)
     if isinstance(ann, ast.Name):
+        known = names.get(ann.id)
+        if isinstance(known, dict):  # a request model: a JSON object of its fields
+            return isinstance(value, dict) and all(k in known and matches(v, known[k], names) for k, v in value.items())
+        if known is not None:
+            return matches(value, known, names)
         return _scalar(value, ann.id)
     if isinstance(ann, ast.Subscript):
         head = ast.unparse(ann.value).split(".")[-1]
         args = list(ann.slice.elts) if isinstance(ann.slice, ast.Tuple) else [ann.slice]
         if head == "Optional":
-            return value is None or matches(value, args[0])
+            return value is None or matches(value, args[0], names)
         if head == "Union":
-            return any(matches(value, a) for a in args)
+            return any(matches(value, a, names) for a in args)
         if head == "Annotated":
-            return matches(value, args[0])
+            return matches(value, args[0], names)
         if head in ("List", "list", "Sequence", "Set", "set"):
-            return isinstance(value, list) and all(matches(v, args[0]) for v in value)
+            return isinstance(value, list) and all(matches(v, args[0], names) for v in value)
         if head in ("Dict", "dict"):
-            return isinstance(value, dict) and all(matches(v, args[-1]) for v in value.values())
+            return isinstance(value, dict) and all(matches(v, args[-1], names) for v in value.values())
         if head == "Literal":
             return value in [a.value for a in args if isinstance(a, ast.Constant)]
     return True

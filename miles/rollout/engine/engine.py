@@ -76,8 +76,10 @@ class Engine:
 
     def make_request(self, input_ids, params: SamplingParams | None = None, return_logprob: bool = False,
                      rid: str | None = None, return_routed_experts: bool = False,
-                     lora_path: str | None = None, logprob_start_len: int = -1) -> GenerateRequest:
-        """Build a request and check it against this model; raises InvalidRequest naming the field."""
+                     lora_path: str | None = None, logprob_start_len: int = -1,
+                     image_data: list[str] | None = None) -> GenerateRequest:
+        """Build a request and check it against this model; raises InvalidRequest naming the field.
+        `image_data`: SGLang's, one base64 image per image placeholder in `input_ids` (multimodal.py)."""
         params = params or SamplingParams(max_new_tokens=self.config.default_max_new_tokens)
         ids = tuple(input_ids)
         if not ids:
@@ -85,6 +87,13 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"input_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        images = ()
+        if image_data:
+            if self.runner.images is None:
+                raise InvalidRequest("image_data: this model has no vision tower; send text only, or serve a "
+                                     "vision-language model")
+            # Decoding and the image processor run here, on the request's thread, not the scheduler's.
+            ids, images = self.runner.images.admit(list(ids), list(image_data))
         if len(ids) >= self.context_length:
             raise InvalidRequest(f"input_ids: the prompt has {len(ids)} tokens but the context length is "
                                  f"{self.context_length}; shorten the prompt")
@@ -106,7 +115,8 @@ class Engine:
                 adapter = self.runner.adapters.get(lora_path)
         return GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=ids, params=params,
                                return_logprob=return_logprob, return_routed_experts=return_routed_experts,
-                               logprob_start_len=logprob_start_len if return_logprob else -1, adapter=adapter)
+                               logprob_start_len=logprob_start_len if return_logprob else -1, adapter=adapter,
+                               images=images)
 
     def submit(self, req: GenerateRequest, listener=None) -> Future:
         """Queue a request; the future resolves to a GenerateResult. `listener(ids, logprobs)` gets the
@@ -165,6 +175,9 @@ class Engine:
         """Load the PEFT adapter at `path` as `name`; returns {name: path} of every loaded adapter.
         InvalidRequest (nothing changed) for a taken name, a full engine or an adapter that does not fit."""
         with self.model_lock:
+            if self.runner.images is not None:
+                raise InvalidRequest(f"load_lora_adapter {name!r}: LoRA adapters are not supported on a "
+                                     "vision-language model in the built-in engine; train it without LoRA")
             self.runner.adapters.check_new(name)  # before reading the files: a refusal costs nothing
         adapter = read_adapter(name, path, self.model, pinned)  # file reads outside the lock: decoding goes on
         with self.model_lock:

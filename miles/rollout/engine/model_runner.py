@@ -31,6 +31,10 @@ prefix cache read and write it as before; decode() is then fast_decode.py's step
 sampling on the device, the host one step behind), and long prompts are prefilled a chunk per step
 (chunked_prefill.py).
 
+A vision-language model's requests carry image keys in their ids where image tokens go
+(multimodal.py): a prefill holding any computes its input embeddings and 3-D rotary positions there,
+and each row's next position is offset by what its images took.
+
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
 (kv_cache.py), releasing memory (memory.py).
 """
@@ -55,6 +59,7 @@ from miles.rollout.engine.fast_decode import FastDecoder
 from miles.rollout.engine.graphs import DecodeGraphs
 from miles.rollout.engine.kv_cache import BatchKV
 from miles.rollout.engine.lora import Adapter, AdapterSet
+from miles.rollout.engine.multimodal import ImageTable
 from miles.rollout.engine.prefix_cache import PrefixCache
 from miles.rollout.engine.row import Row
 from miles.rollout.engine.sampler import sample
@@ -69,13 +74,15 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
             exact_float32()  # float32 serves as on cpu (rollout.engine.dtype bfloat16 is the faster path)
         self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
+        # Images of a vision-language model's requests (multimodal.py); None for a text model.
+        self.images = ImageTable.serving(config, self.model)
         # Linear weights are then served as the format stores them, re-quantized whenever they change.
         quantize_linears(self.model, config.quantization, "serve", key="engine quantization",
                          embeddings=config.quantize_embeddings)
         self.quantized = served_weights(self.model)  # name -> (format, per_matrix): what may arrive quantized
         self.tokenizer = load_tokenizer(config.model_path)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.context_length = config.context_length or self.model.config.max_position_embeddings
+        self.context_length = config.context_length or self.model.config.get_text_config().max_position_embeddings
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Names and shapes are fixed for the engine's life; weight updates are validated against them.
@@ -210,7 +217,9 @@ class ModelRunner:
                 r.weight_version = version
                 if r.req.params.max_new_tokens == 0:  # scoring only: nothing to generate
                     r.finish = FinishReason("length", length=0)
-        lens = torch.tensor([len(uniq[j]) for j in lead], device=self.device)  # (R,)
+        # (R,) each row's next position: its length, less what its images saved (multimodal.py).
+        lens = torch.tensor([len(uniq[j]) + (self.images.offset(uniq[j]) if self.images else 0) for j in lead],
+                            device=self.device)
         self.kv.merge(cache, mask, lens, tokens)
         self.rows = self.rows + rows
         self._record(rows, tokens.tolist(), logprobs.tolist(), version)
@@ -331,7 +340,11 @@ class ModelRunner:
             weight_version=row.weight_version if row.weight_version is not None else self.weight_version,
             cached_tokens=row.cached_tokens or 0, weight_versions=tuple(tuple(s) for s in row.weight_versions),
             routed_experts=row.routed_experts_wire() if row.req.return_routed_experts else None,
-            input_logprobs=row.input_logprob_pairs() if row.req.return_logprob else None)
+            input_logprobs=_real_pairs(self, row.input_logprob_pairs()) if row.req.return_logprob else None)
+
+    def _model_ids(self, ids):
+        """Token ids as the model knows them (image keys as the image token, multimodal.py)."""
+        return ids if self.images is None else self.images.real_ids(ids)
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -389,11 +402,14 @@ class ModelRunner:
             self.prefix_cache.clear()
 
     def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False,
-                 adapters: list[Adapter | None] | None = None, last_only: bool = True):
+                 adapters: list[Adapter | None] | None = None, last_only: bool = True, embeds=None):
         """Last-position logits (B, V) (not `last_only`: the last `logits_to_keep` positions' (B, K, V)),
         and with `capture` the routed expert ids (B, S, MoE layers, top_k).
-        `adapters`: each row's LoRA adapter (None for all: the default adapter on every row)."""
+        `adapters`: each row's LoRA adapter (None for all: the default adapter on every row).
+        `embeds`: input embeddings (B, S, hidden) to use instead of `input_ids`' (images spliced in)."""
         kwargs = {self._cache_kwarg: cache}
+        if embeds is not None:
+            kwargs["inputs_embeds"], input_ids = embeds, None
         ids: list[torch.Tensor] = []
         if adapters is None:
             adapters = [self.adapters.default] * input_ids.shape[0]
@@ -466,15 +482,18 @@ class ModelRunner:
             mask[i, M - c:M] = 1
             mask[i, M + S - n:] = 1
         ids_t, pos, mask = (t.to(self.device, non_blocking=True) for t in (ids_t, pos, mask))
+        embeds = None
+        if self.images is not None and any(t < 0 for p in prompts for t in p):
+            embeds, pos, _ = self.images.inputs(prompts, cached, S, self.weights_epoch, self.device)
         cache = kv_cache.new_cache(self.model.config)
         if M:
             kv_cache.load_prefixes(cache, hits, cached, M)
         # Suffixes are right-aligned, so the last `keep` columns hold every position a score needs.
         keep = max([len(prompts[i]) - k for i, k in starts.items()], default=1)
         kept, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=keep, capture=bool(full),
-                                     adapters=adapters, last_only=False)  # (R, keep, V)
+                                     adapters=adapters, last_only=False, embeds=embeds)  # (R, keep, V)
         logits = kept[:, -1, :]
-        scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1], prompts[i][k + 1:])
+        scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1], self._model_ids(prompts[i][k + 1:]))
                   for i, k in starts.items()}
         self.stats["prefill_forwards"] += 1
         for i, ids in enumerate(prompts):
@@ -541,6 +560,10 @@ def _token_logprobs(logits: torch.Tensor, tokens) -> list[float]:
     """log softmax(logits[t])[tokens[t]] for each t; logits (T, V). Untempered, as SGLang's input logprobs."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     return lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+
+
+def _real_pairs(runner: ModelRunner, pairs):
+    return pairs if runner.images is None else (runner._model_ids(pairs[0]), pairs[1])
 
 
 def _common_prefix_len(a, b) -> int:

@@ -2,7 +2,8 @@
 
     GET  /v1/models               the served model (id = served_model_name, max_model_len)
     GET  /v1/models/{model}       one model card, or 404 naming the model
-    POST /v1/chat/completions     one stateless chat turn
+    POST /v1/chat/completions     one stateless chat turn (image parts, as SGLang takes them, for a
+                                  vision-language model: inline base64 or data: URLs)
 
 A chat turn renders the request's messages (and tools) through the model's chat template once,
 generates exactly as /generate would on those ids (same scheduler, sampling and stop handling, so
@@ -93,7 +94,8 @@ def add_openai_routes(app: FastAPI, engine, served_model_name: str) -> None:
               "sampling_seed": req.seed}
         params = parsing.parse_sampling_params({k: v for k, v in sp.items() if v is not None},
                                                 engine.config.default_max_new_tokens)
-        return req, ids, engine.make_request(ids, params)
+        images = [url for m in req.messages for url in m.images()]  # SGLang's image parts, in prompt order
+        return req, ids, engine.make_request(ids, params, image_data=images)
 
     @app.post("/v1/chat/completions", openapi_extra=bodies.openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):

@@ -127,7 +127,7 @@ def build_app(engine) -> FastAPI:
                                                  engine.context_length)
         # Check the whole batch before queueing any of it, so a bad item rejects the call cleanly.
         return [engine.make_request(it.input_ids, it.params, it.return_logprob, it.rid, it.return_routed_experts,
-                                    it.lora_path, it.logprob_start_len) for it in items], batched, \
+                                    it.lora_path, it.logprob_start_len, it.image_data) for it in items], batched, \
             body.get("stream", False)
 
     # Parsing and tokenizing cost in proportion to the body: on a thread, so /health keeps answering.

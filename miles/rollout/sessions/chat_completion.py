@@ -71,6 +71,9 @@ def arguments(raw: str) -> dict:
 def template_message(m: ChatMessage) -> dict:
     """A message as HF chat templates read it (tool-call arguments as objects, as Qwen's expect)."""
     d: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.images():  # a vision-language template renders one placeholder per image part
+        d["content"] = [{"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text}
+                        for p in m.content]
     if m.tool_calls:
         d["tool_calls"] = [{"id": c.id, "type": "function",
                             "function": {"name": c.function.name, "arguments": arguments(c.function.arguments)}}

@@ -9,7 +9,9 @@ The /v1/responses body (ResponsesRequest) is mapped onto the same chat messages:
 `function_call` items joining the assistant turn before them, `function_call_output` items as
 `role: "tool"` messages.
 Non-goals: the legacy /v1/completions body, streamed or stored-server-side responses beyond a
-session's latest one, built-in (non-function) tools, audio and image content parts.
+session's latest one, built-in (non-function) tools, audio parts. Image parts (OpenAI's and SGLang's
+`{"type": "image_url", "image_url": {"url": ...}}`) are typed here; the engine's /v1/chat/completions
+serves them to a vision-language model, the session server refuses them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ class _Model(BaseModel):
 class TextPart(_Model):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Model):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = "auto"
+
+
+class ImagePart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
 
 
 class FunctionCall(_Model):
@@ -53,15 +65,20 @@ class ToolCall(_Model):
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content or ""
+
+    def images(self) -> list[str]:
+        """The URLs (data: URLs or base64) of its image parts, in order."""
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)] \
+            if isinstance(self.content, list) else []
 
     @model_validator(mode="after")
     def _roles(self) -> ChatMessage:

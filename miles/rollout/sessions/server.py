@@ -88,6 +88,9 @@ def build_session_router(store: SessionStore) -> APIRouter:
     @router.post("/sessions/{sid}/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(sid: str, request: Request):
         req = parse_request(await _json_body(request))
+        if any(m.images() for m in req.messages):
+            raise RequestRefused("messages: image parts are not supported by the session server (its turns are "
+                                 "recorded as token ids only); send text", param="messages")
         auth = request.headers.get("authorization")
         if not req.stream:
             return completion_body(await store.complete(sid, req, auth), store.model_name)

@@ -54,8 +54,9 @@ class Backend(Protocol):
         """Build, lay out and give an optimizer (AdamW at `lr`) to a value model (PPO)."""
 
     def forward(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None" = None,
-                position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
-        """The policy's logits (B, T, V) in the compute dtype, with gradient. Collective."""
+                position_ids: "torch.Tensor | None" = None, images=None) -> "torch.Tensor":
+        """The policy's logits (B, T, V) in the compute dtype, with gradient. Collective. `images`: a
+        vision-language micro-batch's ImageBatch (pixel values and grids, trainer/vision.py), or None."""
 
     def critic_values(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None") -> "torch.Tensor":
         """(B, T-1) float32: the critic's value of the state before each next token. Collective."""

@@ -14,6 +14,7 @@ models (backends/loading.py): it holds only what is FSDP's. The contract is back
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -77,11 +78,13 @@ class FSDPBackend:
     def last_lr(self) -> float:
         return self.optim.last_lr
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
         if self.compute_copy is not None:
             self.compute_copy.to_compute()
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).logits  # (B, T, V)
+        # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
+        with images.spliced_into(self.model) if images is not None else contextlib.nullcontext():
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).logits  # (B, T, V)
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -20,8 +20,16 @@ from miles.trainer.lora import apply_lora
 
 
 def load_policy(cfg: TrainerConfig, model_path: str, device: torch.device) -> torch.nn.Module:
-    """The policy to train, whole, on `device`."""
+    """The policy to train, whole, on `device`. A vision-language policy's vision tower is frozen
+    unless trainer.train_vision_tower."""
     model = load_model(model_path, "float32")
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    if visual is not None:
+        if cfg.quantization != "none" or cfg.lora.rank:
+            raise ValueError("trainer: quantization-aware training and LoRA are not supported for a "
+                             "vision-language policy: set trainer.quantization = 'none' and trainer.lora.rank = 0")
+        for p in visual.parameters():
+            p.requires_grad_(cfg.train_vision_tower)
     quantize_linears(model, cfg.quantization, "train", key="trainer.quantization",  # before sharding
                      embeddings=cfg.quantize_embeddings)
     if cfg.lora.rank:

@@ -223,3 +223,25 @@ def test_the_ledger_records_the_step_that_trained_each_prompt_and_keeps_it_acros
     restored.load_state_dict(buf.state_dict(), Prompt)
     restored.get()
     assert restored.ledger.trained_at == {first.index: 1, second.index: 2}
+
+
+def test_images_of_samples_and_prompts_survive_a_checkpoint_as_json():
+    import dataclasses
+    import json
+
+    from miles.buffer.types import PromptImage
+
+    image = PromptImage.of(b"\x89PNG pretend bytes")
+    buf = make_buffer()
+    ready, _ = buf.draw(2)
+    group = group_for(ready)
+    for s in group.samples:
+        s.images = (image,)
+    buf.put(group)
+    state = json.loads(json.dumps(buf.state_dict()))  # a checkpoint's rollout.json holds it as JSON
+    restored = make_buffer()
+    restored.load_state_dict(state, Prompt)
+    (g,) = restored.get()
+    assert [s.images for s in g.samples] == [(image,), (image,)] and g.samples[0].images[0].bytes() == image.bytes()
+    prompt = Prompt(index=3, text="How many dots?", label="2", images=(image,))
+    assert Prompt(**json.loads(json.dumps(dataclasses.asdict(prompt)))).images == (image,)

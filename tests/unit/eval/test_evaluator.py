@@ -96,7 +96,7 @@ def test_eval_prompts_made_of_messages_go_through_the_chat_template(tiny_model_d
     task = TaskConfig(name="dataset", system_prompt="Answer briefly.")
     messages = [{"role": "user", "content": "What is 2+3?"}]
     evaluator = Evaluator.__new__(Evaluator)  # only the encoding is under test
-    evaluator.groups = SimpleNamespace(tokenizer=tok)
+    evaluator.groups = SimpleNamespace(tokenizer=tok, vision=None)  # a text model
     ids = evaluator._encode(Prompt(index=0, text="What is 2+3?", label="5", messages=messages), task)
     rendered = tok.apply_chat_template([{"role": "system", "content": "Answer briefly."}, *messages],
                                        add_generation_prompt=True, tokenize=False)

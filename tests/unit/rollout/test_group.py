@@ -80,7 +80,7 @@ def test_a_sample_from_an_engine_behind_the_version_the_fleet_was_known_to_hold_
     from tests.helpers.scripted_engine import ScriptedEngine
 
     engine = ScriptedEngine()  # answers at weight version 3
-    prompt = SimpleNamespace(index=0, label=None, metadata={})
+    prompt = SimpleNamespace(index=0, label=None, metadata={}, images=())
     try:
         for known, off in ((2, False), (3, False), (4, True)):
             engine.replies = [[5, 6], [7, 8]]

@@ -115,6 +115,9 @@ def test_rewriting_history_is_refused_with_a_reason(sessions):
             {"role": "assistant", "content": reply}, {"role": "assistant", "content": "forged"}])
     with pytest.raises(openai.BadRequestError, match=r"^Error code: 400 - n: .*start one session per sample"):
         client.chat.completions.create(model="miles", messages=first, n=2)
+    with pytest.raises(openai.BadRequestError, match="image parts are not supported by the session server"):
+        client.chat.completions.create(model="miles", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "hi"}]}])
     # The refused calls left the session untouched: the honest continuation still works.
     ok = client.chat.completions.create(model="miles", max_tokens=4, messages=first + [
         {"role": "assistant", "content": reply}, {"role": "tool", "content": "x"}])

@@ -1,0 +1,97 @@
+"""Images in the trainer's forward (vision-language policies, models/vision.py).
+
+A micro-batch whose sequences carry images gets, beside its token ids, the pixel values of every
+image (computed from the sample's bytes by the checkpoint's image processor, as the engine computed
+them), the images' grids, where their tokens are, and Qwen-VL's 3-D rotary positions of each
+sequence from its first token: the same positions and image embeddings the engine used, so logprobs
+agree. Packed rows also carry each sequence's 1-D positions first (4, 1, T), from which the model
+keeps packed sequences from attending to each other.
+
+Only the prompt's image tokens are images. A model may sample the image token itself; the engine
+feeds such a token back as text (its own embedding, one position), so here too: the vision tower's
+output is spliced in at the prompt's image tokens only, by a hook on the language model's input
+(`spliced_into`) rather than by the model's own forward, which would take every image token for an
+image. The hook runs inside the policy's forward, where a sharded policy's weights are gathered.
+
+Non-goal: freezing the vision tower (trainer.train_vision_tower, applied where the policy is loaded).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from miles.models.vision import ImageInputs, VisionProcessor, mrope_positions
+
+CACHE = 256  # processed images kept, by digest of their bytes
+
+
+@dataclass
+class ImageBatch:
+    pixel_values: torch.Tensor    # (patches of every image, D)
+    image_grid_thw: torch.Tensor  # (images, 3)
+    mask: torch.Tensor            # (B, T) bool: the prompts' image tokens, in the images' order row-major
+
+    def to(self, device) -> "ImageBatch":
+        return ImageBatch(self.pixel_values.to(device), self.image_grid_thw.to(device), self.mask.to(device))
+
+    @contextmanager
+    def spliced_into(self, model):
+        """For forwards of `model` (a Qwen-VL causal LM) within: the vision tower's output of these
+        images in place of the input embeddings at `mask`."""
+        visual, language = model.model.visual, model.model.language_model
+
+        def splice(_module, args, kwargs):
+            embeds = kwargs["inputs_embeds"]  # (B, T, H)
+            feats = visual(self.pixel_values.to(embeds.dtype), grid_thw=self.image_grid_thw).pooler_output
+            kwargs["inputs_embeds"] = embeds.masked_scatter(self.mask[..., None], feats.to(embeds.dtype))
+            return args, kwargs
+
+        handle = language.register_forward_pre_hook(splice, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+class TrainerVision:
+    """Pixel values and positions for micro-batches of one vision-language checkpoint."""
+
+    def __init__(self, model_path: str):
+        self.processor = VisionProcessor(model_path)
+        self._cache: OrderedDict[str, ImageInputs] = OrderedDict()
+
+    def _inputs(self, image) -> ImageInputs:
+        hit = self._cache.get(image.digest)
+        if hit is None:
+            hit = self._cache[image.digest] = self.processor.process(image.bytes())
+            if len(self._cache) > CACHE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(image.digest)
+        return hit
+
+    def batch(self, seqs, offsets: list[tuple[int, int]], B: int, width: int, pack: bool):
+        """(ImageBatch or None when no sequence has images, position ids: (3, B, width) padded,
+        (4, 1, width) packed, or None). `offsets[i]` = (row, column) where sequence i starts."""
+        if not any(s.images for s in seqs):
+            return None, None
+        pos = torch.zeros((4 if pack else 3, B, width), dtype=torch.long)
+        mask = torch.zeros((B, width), dtype=torch.bool)
+        image_token = self.processor.image_token_id
+        pixels, grids = [], []
+        for s, (r, off) in zip(seqs, offsets):
+            inputs = [self._inputs(img) for img in s.images]
+            pixels += [i.pixel_values for i in inputs]
+            grids += [i.grid for i in inputs]
+            P, L = s.prompt_len, len(s.tokens)
+            prompt, delta = mrope_positions(s.tokens[:P], [i.grid for i in inputs], image_token, self.processor.merge)
+            pos[-3:, r, off:off + P] = prompt
+            pos[-3:, r, off + P:off + L] = torch.arange(P + delta, L + delta)  # the response: text, as decoded
+            mask[r, off:off + P] = torch.tensor(s.tokens[:P]) == image_token
+            if pack:
+                pos[0, r, off:off + L] = torch.arange(L)
+        return ImageBatch(torch.cat(pixels), torch.tensor(grids, dtype=torch.long), mask), pos
