@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from miles.config.loader import ConfigError
 from miles.models.loading import context_limit, read_model_config
+from miles.models.vision import is_vision_language
 from miles.registry import RegistryError
 from miles.rollout.environments import check_environment
 from miles.rollout.generate import get_generate_fn
@@ -23,7 +24,7 @@ from miles.trainer.teacher import tokenizer_mismatch
 def check_run(run) -> None:
     """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
     for check in (check_generate, check_schedule, check_group_size, check_context, check_sync, check_routing_replay,
-                  check_fleet, check_teacher):
+                  check_fleet, check_teacher, check_vision):
         check(run)
 
 
@@ -219,3 +220,20 @@ def check_teacher(run) -> None:
         raise ConfigError(f"trainer.algorithm.opd.teacher_path {opd.teacher_path!r} has another tokenizer than "
                           f"model.path ({why}); the teacher scores the student's token ids, so pick a teacher "
                           "trained with the student's tokenizer")
+
+
+def check_vision(run) -> None:
+    """What a vision-language policy is not served with, refused before anything starts: images reach
+    the engine only through single-turn generation (agent and harness episodes would drop them), and
+    the critic is loaded as a text token classifier, which a vision-language checkpoint is not."""
+    model = read_model_config(run.model.path) if run.model.path else None
+    if not model or not is_vision_language(model):
+        return
+    if run.rollout.generate_fn != "single_turn":
+        raise ConfigError(f"rollout.generate_fn = {run.rollout.generate_fn!r} with the vision-language model at "
+                          f"{run.model.path}: multi-turn episodes do not carry images; set rollout.generate_fn = "
+                          "\"single_turn\" or train a text-only model")
+    if get_algorithm(run.trainer.algorithm).needs_critic:
+        raise ConfigError(f"trainer.algorithm.name = {run.trainer.algorithm.name!r} needs a critic, which a "
+                          "vision-language policy does not have here: choose an algorithm without one "
+                          "(grpo, dr_grpo, rloo, ...)")
