@@ -15,7 +15,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,8 +24,9 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from miles.orchestration.router_supervisor import RECORD, RouterRecord
-from tests.e2e.test_driver_kill import alive, check_nothing_lost_or_trained_twice, train_args, wait_for_checkpoint
+from miles.orchestration.router_supervisor import RECORD
+from tests.e2e.test_driver_kill import (check_nothing_lost_or_trained_twice, kill_at_checkpoint, resume,
+                                       stopped_by_the_run, train_args)
 from tests.helpers.ray_nodes import LocalCluster
 
 pytestmark = pytest.mark.e2e
@@ -161,18 +161,8 @@ def test_a_killed_driver_on_a_joined_cluster_takes_its_engines_along_and_resume_
     args = train_args(tiny_model_dir, tmp_path, **{
         "ray.num_cpus": None, "ray.address": cluster.address, "ray.node_ip_address": HEAD,
         "placement.trainer_nodes": "miles_trainer", "placement.engine_nodes": "miles_engines"})
-    with (tmp_path / "first.log").open("w") as log:
-        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
-            router = RouterRecord.load(run_dir / RECORD)
-            old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        finally:
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
-    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    router, killed_at = kill_at_checkpoint(args, env, run_dir, tmp_path / "first.log")
+    old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]  # its engines when the driver died
     try:
         assert [_host(u) for u in old] == [NODE2]
         deadline = time.monotonic() + 60
@@ -182,13 +172,9 @@ def test_a_killed_driver_on_a_joined_cluster_takes_its_engines_along_and_resume_
         while httpx.get(router.url + "/health", timeout=10).status_code != 503:  # up, and sees no engine left
             assert time.monotonic() < deadline + 30, "the router did not see its engines gone within 30 s"
             time.sleep(0.5)
-        resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
-                                 env=env, capture_output=True, text=True, timeout=900)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        resumed = resume(run_dir, env)
     finally:
-        ended = not alive(router.pid)
-        if not ended:
-            os.kill(router.pid, signal.SIGKILL)
+        ended = stopped_by_the_run(router)
     assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
     assert ended and not (run_dir / RECORD).exists()
     summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
@@ -209,30 +195,16 @@ def test_detached_engines_outlive_a_killed_driver_and_resume_adopts_them(cluster
         "ray.num_cpus": None, "ray.address": cluster.address, "ray.node_ip_address": HEAD,
         "ray.detached_engines": "true", "placement.trainer_nodes": "miles_trainer",
         "placement.engine_nodes": "miles_engines"})
-    with (tmp_path / "first.log").open("w") as log:
-        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
-            router = RouterRecord.load(run_dir / RECORD)
-            old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-        finally:
-            if driver.poll() is None:
-                os.killpg(driver.pid, signal.SIGKILL)
-    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    router, killed_at = kill_at_checkpoint(args, env, run_dir, tmp_path / "first.log")
+    old = httpx.get(router.url + "/list_workers", timeout=10).json()["urls"]  # its engines when the driver died
     try:
         time.sleep(3.0)  # past a few of the router's health rounds without the driver
         assert [_host(u) for u in old] == [NODE2] and all(_answers(u) for u in old)
         health = httpx.get(router.url + "/health", timeout=10)
         assert health.status_code == 200 and health.json()["active_workers"] == 1, health.text
-        resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
-                                 env=env, capture_output=True, text=True, timeout=900)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        resumed = resume(run_dir, env)
     finally:
-        ended = not alive(router.pid)
-        if not ended:
-            os.kill(router.pid, signal.SIGKILL)
+        ended = stopped_by_the_run(router)
     assert f"adopted 1 detached engines left serving by the previous driver: {old[0]}" in resumed.stderr, \
         resumed.stderr[-3000:]
     assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr

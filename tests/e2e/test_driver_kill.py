@@ -87,6 +87,38 @@ def wait_for_checkpoint(run_dir: Path, step: int, driver: subprocess.Popen, log:
         time.sleep(0.2)
 
 
+def kill_at_checkpoint(args: list[str], env: dict, run_dir: Path, log: Path, step: int = 2):
+    """Run `miles train` (args) in a session of its own and SIGKILL its whole process group once the
+    step-`step` checkpoint is written: the router's record and the step of the checkpoint left behind."""
+    with log.open("w") as out:
+        driver = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            wait_for_checkpoint(run_dir, step, driver, log)
+            router = RouterRecord.load(run_dir / RECORD)
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+    return router, int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+
+
+def resume(run_dir: Path, env: dict) -> subprocess.CompletedProcess:
+    resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
+def stopped_by_the_run(router) -> bool:
+    """Whether the run ended its router (one still alive is killed, so no test leaves it running)."""
+    if alive(router.pid):
+        os.kill(router.pid, signal.SIGKILL)
+        return False
+    return True
+
+
 def check_nothing_lost_or_trained_twice(run_dir: Path, killed_at: int) -> dict:
     """The resumed run's records and ledger: each step once, every trained sample at the fleet's
     version, what the checkpoint had trained not trained again, every drawn prompt accounted for."""
@@ -182,30 +214,16 @@ def test_engines_started_outside_the_run_keep_their_router_through_a_killed_driv
         run_dir = tmp_path / "killed"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MILES_ENGINE_ADMIN_TOKEN": token}
         env.pop("RAY_ADDRESS", None)
-        with (tmp_path / "first.log").open("w") as log:
-            driver = subprocess.Popen(train_args(tiny_model_dir, tmp_path, **{"rollout.engine_urls": ",".join(urls)}),
-                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                wait_for_checkpoint(run_dir, 2, driver, tmp_path / "first.log")
-                router = RouterRecord.load(run_dir / RECORD)
-                os.killpg(driver.pid, signal.SIGKILL)
-                driver.wait()
-            finally:
-                if driver.poll() is None:
-                    os.killpg(driver.pid, signal.SIGKILL)
-        killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+        args = train_args(tiny_model_dir, tmp_path, **{"rollout.engine_urls": ",".join(urls)})
+        router, killed_at = kill_at_checkpoint(args, env, run_dir, tmp_path / "first.log")
         try:
             # The engines' front door stays open: the router answers /health with both engines serving.
             time.sleep(1.0)
             health = httpx.get(router.url + "/health", timeout=10)
             assert health.status_code == 200 and health.json()["active_workers"] == 2, health.text
-            resumed = subprocess.run([sys.executable, "-m", "miles.cli", "train", "--resume", str(run_dir)],
-                                     cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            resumed = resume(run_dir, env)
         finally:
-            ended = not alive(router.pid)
-            if not ended:
-                os.kill(router.pid, signal.SIGKILL)
+            ended = stopped_by_the_run(router)
         assert f"router at {router.url} (adopted: pid {router.pid}" in resumed.stderr, resumed.stderr[-3000:]
         assert ended and not (run_dir / RECORD).exists()
         summary = check_nothing_lost_or_trained_twice(run_dir, killed_at)
