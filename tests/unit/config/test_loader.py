@@ -113,6 +113,7 @@ def test_loading_a_run_config_imports_no_server_or_tensor_library(tmp_path, mode
 @pytest.mark.parametrize("overrides, needle", [
     ({"rollout.generate_fn": "agent"}, "multi-turn episodes do not carry images"),
     ({"trainer.algorithm.name": "ppo", "trainer.pack_sequences": "false"}, "needs a critic"),
+    ({"rollout.return_routed_experts": "true", "trainer.routing_replay": "true"}, "dense 'qwen2_5_vl' model"),
 ])
 def test_what_a_vision_language_policy_is_not_served_with_is_refused_at_load(tiny_vl_model_dir, overrides, needle):
     with pytest.raises(ConfigError, match=needle):
