@@ -10,7 +10,8 @@ Talks to any server speaking the engine HTTP API (the built-in engine, SGLang, o
 of them). Token ids are sent and received as ids (TITO); the text is only used for the reward.
 A prompt with images sends them as SGLang's `image_data` (base64) with one placeholder token per
 image in `input_ids` (the wire form, models/vision.py); its Sample keeps the expanded ids and the images.
-Non-goals: multi-turn episodes (agent/, which sends its images the same way), scoring (the reward runner, or the generate function itself).
+Non-goals: multi-turn episodes (agent/, which sends its images the same way), scoring (the reward
+runner, or the generate function itself).
 """
 
 from __future__ import annotations
