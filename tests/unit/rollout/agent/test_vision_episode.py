@@ -119,3 +119,20 @@ def test_a_picture_for_a_model_without_a_vision_tower_is_refused(vl_engine_url, 
     with pytest.raises(GenerationError, match="no vision tower"):
         _play(vl_engine_url, tiny_vl_model_dir, env, (), vision=False)
     assert env.closed
+
+
+def test_an_episode_ends_after_the_model_samples_the_image_token(tiny_vl_model_dir):
+    """Sent back, a sampled image token would read as one more image placeholder than there are images."""
+    from tests.helpers.scripted_engine import ScriptedEngine
+
+    vision, fmt = load_vision(tiny_vl_model_dir), ChatFormat(load_tokenizer(tiny_vl_model_dir))
+    engine = ScriptedEngine()
+    engine.replies = [[5, vision.image_token_id, fmt.end_id], [6, fmt.end_id]]
+    env = PictureEnv(turns=3)
+    try:
+        sample, _ = _play(engine.url, tiny_vl_model_dir, env, (PromptImage.of(png("red", (48, 40))),))
+    finally:
+        engine.stop()
+    assert len(engine.requests) == 1 and len(env.actions) == 1 and env.closed
+    assert sample.status is SampleStatus.TRUNCATED
+    assert sample.response_ids == [5, vision.image_token_id, fmt.end_id] and len(sample.images) == 1
