@@ -224,15 +224,16 @@ def check_teacher(run) -> None:
 
 def check_vision(run) -> None:
     """What a vision-language policy is not served with, refused before anything starts: images reach
-    the engine only through single-turn generation (agent and harness episodes would drop them), and
-    the critic is loaded as a text token classifier, which a vision-language checkpoint is not."""
+    the engine only through single-turn generation and agent episodes (harness episodes and other
+    generate functions would drop them), and the critic is loaded as a text token classifier, which a
+    vision-language checkpoint is not."""
     model = read_model_config(run.model.path) if run.model.path else None
     if not model or not is_vision_language(model):
         return
-    if run.rollout.generate_fn != "single_turn":
+    if run.rollout.generate_fn not in ("single_turn", "agent"):
         raise ConfigError(f"rollout.generate_fn = {run.rollout.generate_fn!r} with the vision-language model at "
-                          f"{run.model.path}: multi-turn episodes do not carry images; set rollout.generate_fn = "
-                          "\"single_turn\" or train a text-only model")
+                          f"{run.model.path}: only single-turn generation and agent episodes carry images; set "
+                          "rollout.generate_fn = \"single_turn\" or \"agent\", or train a text-only model")
     if get_algorithm(run.trainer.algorithm).needs_critic:
         raise ConfigError(f"trainer.algorithm.name = {run.trainer.algorithm.name!r} needs a critic, which a "
                           "vision-language policy does not have here: choose an algorithm without one "

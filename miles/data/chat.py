@@ -81,8 +81,9 @@ class ChatFormat:
         self._ends_before = rendered.count(turn_end_token)  # turn ends up to and including the stand-in reply's
         self.closer = after[len(turn_end_token):]  # e.g. "\n" after <|im_end|>
 
-    def prompt_ids(self, text: str) -> list[int]:
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+    def prompt_ids(self, text: str, images: int = 0) -> list[int]:
+        """The first user turn and the model's header; `images` image placeholders before the text."""
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": _content(text, images)}],
                                                       add_generation_prompt=True, tokenize=False)
         return self.tokenizer(rendered, add_special_tokens=False).input_ids
 
@@ -104,8 +105,14 @@ class ChatFormat:
         # A turn cut off by its token budget has no end token yet; the appended messages close it.
         return ids if closed else [self.end_id] + ids
 
-    def observation_ids(self, text: str, closed: bool) -> list[int]:
-        return self.suffix_ids([{"role": self.role, "content": text}], closed)
+    def observation_ids(self, text: str, closed: bool, images: int = 0) -> list[int]:
+        """An environment turn after a model turn; `images` image placeholders before the text."""
+        return self.suffix_ids([{"role": self.role, "content": _content(text, images)}], closed)
 
     def action_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _content(text: str, images: int):
+    """A message's content: the text, or with images one image part each and then the text."""
+    return text if not images else [{"type": "image"}] * images + [{"type": "text", "text": text}]

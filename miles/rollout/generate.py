@@ -10,7 +10,8 @@ Talks to any server speaking the engine HTTP API (the built-in engine, SGLang, o
 of them). Token ids are sent and received as ids (TITO); the text is only used for the reward.
 A prompt with images sends them as SGLang's `image_data` (base64) with one placeholder token per
 image in `input_ids` (the wire form, models/vision.py); its Sample keeps the expanded ids and the images.
-Non-goals: multi-turn episodes (agent/), scoring (the reward runner, or the generate function itself).
+Non-goals: multi-turn episodes (agent/, which sends its images the same way), scoring (the reward
+runner, or the generate function itself).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ async def generate(client, url: str, prompt_ids: list[int], params: SamplingPara
                    images: tuple[PromptImage, ...] = (), vision=None) -> Sample:
     """POST /generate once and turn the reply into a Sample (reward filled in later). `images`:
     the prompt's, in the order of its image tokens; `vision` then gives their wire form."""
-    body = {"input_ids": _wire_ids(prompt_ids, images, vision), "sampling_params": params.to_json(),
+    body = {"input_ids": wire_ids(prompt_ids, images, vision), "sampling_params": params.to_json(),
             "return_logprob": True}
     if images:
         body["image_data"] = [img.data for img in images]
@@ -106,7 +107,7 @@ async def generate_many(client, url: str, prompts: list[list[int]], params: list
     if len(params) != len(prompts) or (rids is not None and len(rids) != len(prompts)):
         raise ValueError(f"generate_many: {len(prompts)} prompts but {len(params)} sampling params"
                          + (f" and {len(rids)} rids" if rids is not None else ""))
-    body = {"input_ids": [_wire_ids(p, images, vision) for p in prompts],
+    body = {"input_ids": [wire_ids(p, images, vision) for p in prompts],
             "sampling_params": [p.to_json() for p in params], "return_logprob": True}
     if images:  # SGLang's batch form: one list of images per request
         body["image_data"] = [[img.data for img in images] for _ in prompts]
@@ -124,7 +125,8 @@ async def generate_many(client, url: str, prompts: list[list[int]], params: list
     return samples
 
 
-def _wire_ids(prompt_ids: list[int], images, vision) -> list[int]:
+def wire_ids(prompt_ids: list[int], images, vision) -> list[int]:
+    """The ids a request sends: with images, each image's run of tokens as one placeholder."""
     if not images:
         return list(prompt_ids)
     if vision is None:

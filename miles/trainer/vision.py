@@ -7,9 +7,12 @@ sequence from its first token: the same positions and image embeddings the engin
 agree. Packed rows also carry each sequence's 1-D positions first (4, 1, T), from which the model
 keeps packed sequences from attending to each other.
 
-Only the prompt's image tokens are images. A model may sample the image token itself; the engine
+A sequence's images are the first runs of image tokens, one per image (Sample.images, in order):
+the prompt's, then those of environment replies in an agent episode (rollout/agent/episode.py),
+which all come before any image token the model sampled, because an episode ends before a sampled
+image token would be sent back to the engine. A model may sample the image token itself; the engine
 feeds such a token back as text (its own embedding, one position), so here too: the vision tower's
-output is spliced in at the prompt's image tokens only, by a hook on the language model's input
+output is spliced in at the images' tokens only, by a hook on the language model's input
 (`spliced_into`) rather than by the model's own forward, which would take every image token for an
 image. The hook runs inside the policy's forward, where a sharded policy's weights are gathered.
 
@@ -33,7 +36,7 @@ CACHE = 256  # processed images kept, by digest of their bytes
 class ImageBatch:
     pixel_values: torch.Tensor    # (patches of every image, D)
     image_grid_thw: torch.Tensor  # (images, 3)
-    mask: torch.Tensor            # (B, T) bool: the prompts' image tokens, in the images' order row-major
+    mask: torch.Tensor            # (B, T) bool: the images' tokens, in the images' order row-major
 
     def to(self, device) -> "ImageBatch":
         return ImageBatch(self.pixel_values.to(device), self.image_grid_thw.to(device), self.mask.to(device))
@@ -87,11 +90,28 @@ class TrainerVision:
             inputs = [self._inputs(img) for img in s.images]
             pixels += [i.pixel_values for i in inputs]
             grids += [i.grid for i in inputs]
-            P, L = s.prompt_len, len(s.tokens)
-            prompt, delta = mrope_positions(s.tokens[:P], [i.grid for i in inputs], image_token, self.processor.merge)
-            pos[-3:, r, off:off + P] = prompt
-            pos[-3:, r, off + P:off + L] = torch.arange(P + delta, L + delta)  # the response: text, as decoded
-            mask[r, off:off + P] = torch.tensor(s.tokens[:P]) == image_token
+            ids = self._as_laid_out(s.tokens, inputs)
+            L = len(ids)
+            full, _ = mrope_positions(ids, [i.grid for i in inputs], image_token, self.processor.merge)
+            pos[-3:, r, off:off + L] = full
+            mask[r, off:off + L] = torch.tensor(ids) == image_token
             if pack:
                 pos[0, r, off:off + L] = torch.arange(L)
         return ImageBatch(torch.cat(pixels), torch.tensor(grids, dtype=torch.long), mask), pos
+
+    def _as_laid_out(self, tokens: list[int], inputs: list[ImageInputs]) -> list[int]:
+        """`tokens` with every image token after the images' runs as -1: text the model sampled, which
+        neither the vision tower nor the 3-D layout touches. ValueError when the runs do not fit the images."""
+        runs = self.processor.runs(tokens)
+        if len(runs) < len(inputs):
+            raise ValueError(f"a sequence has {len(inputs)} images but {len(runs)} runs of image tokens: its "
+                             "sample's images must match its image tokens, in order")
+        for (a, b), image in zip(runs, inputs):
+            if b - a != image.num_tokens(self.processor.merge):
+                raise ValueError(f"a run of {b - a} image tokens stands for an image of "
+                                 f"{image.num_tokens(self.processor.merge)} tokens (grid {image.grid}): its "
+                                 "sample's images must match its image tokens, in order")
+        ids = list(tokens)
+        for a, b in runs[len(inputs):]:
+            ids[a:b] = [-1] * (b - a)
+        return ids

@@ -1,6 +1,7 @@
 """Short RL runs of a vision-language model (tiny-qwen-vl) on rows with images in each layout users
 bring, over a real local Ray cluster: the images reach the engines and the trainer, weights (vision
-tower included) sync and verify, and the final checkpoint is a loadable vision-language directory."""
+tower included) sync and verify, and the final checkpoint is a loadable vision-language directory;
+and agent episodes whose environment answers with pictures."""
 
 import json
 
@@ -62,3 +63,23 @@ def test_two_steps_on_rows_with_images(tiny_vl_model_dir, tmp_path, ray_cluster,
     assert trained[0]["sync/verified_tensors"] == n_tensors
     final = summary["final_checkpoint"]
     assert load_vision(final) is not None and type(load_model(final)).__name__.startswith("Qwen2_5_VL")
+
+
+def test_two_agent_steps_with_an_environment_that_answers_with_pictures(tiny_vl_model_dir, tmp_path, ray_cluster):
+    from miles.data.chat import ChatFormat
+    from miles.models.loading import load_tokenizer
+    from miles.orchestration.driver import run_train
+
+    summary = run_train(small_config(tiny_vl_model_dir, tmp_path, **{
+        "loop.num_steps": "2", "eval.every_steps": "2", "eval.num_prompts": "2", "rollout.task.name": "dataset",
+        "rollout.task.data.eval_fraction": "0.2", "buffer.filter": "none", **_verl(tmp_path),
+        "rollout.generate_fn": "agent", "rollout.agent.environment": "tests.helpers.image_env:picture_env",
+        "rollout.agent.max_turns": "2", "rollout.agent.max_response_tokens": "120", "rollout.max_new_tokens": "4"}))
+    assert summary["steps"] == 2
+    records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["step"] > 0]
+    assert all(r["buffer/samples_trained"] > 0 and r["train/loss_tokens"] > 0 for r in trained)
+    # Without its picture a response is at most 2 x 4 model tokens and the reply's text (closing the turn).
+    fmt = ChatFormat(load_tokenizer(tiny_vl_model_dir))
+    without_picture = 2 * 4 + len(fmt.observation_ids("Picture 1: which colour?", closed=False))
+    assert all(r["rollout/response_len_mean"] > without_picture for r in trained)

@@ -1,6 +1,6 @@
 """Environments for multi-turn rollouts: the contract, the registry, the built-ins and the sandbox.
 
-    contract.py   Environment (reset / step / close) and StepResult
+    contract.py   Environment (reset / step / close), StepResult and Observation (text with images)
     tool_calc.py  a calculator tool for arithmetic problems
     terminal.py   shell tasks checked by a verifier, each episode in its own sandbox, with the tasks
     sandbox.py    namespaces, a throwaway uid and limits for the commands of terminal episodes (root backend)
@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 from miles.registry import Registry, RegistryError, protocol_methods
 from miles.rollout.config import SandboxConfig
-from miles.rollout.environments.contract import Environment, StepResult
+from miles.rollout.environments.contract import Environment, Observation, StepResult
 
-__all__ = ["ENVIRONMENTS", "Environment", "StepResult", "build_environment", "check_environment",
+__all__ = ["ENVIRONMENTS", "Environment", "Observation", "StepResult", "build_environment", "check_environment",
            "get_environment"]
 
 ENVIRONMENTS: Registry[Callable[[], Environment]] = Registry(

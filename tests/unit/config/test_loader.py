@@ -111,7 +111,8 @@ def test_loading_a_run_config_imports_no_server_or_tensor_library(tmp_path, mode
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    ({"rollout.generate_fn": "agent"}, "multi-turn episodes do not carry images"),
+    ({"rollout.generate_fn": "harness", "rollout.agent.harness.command": "python my_agent.py"},
+     "only single-turn generation and agent episodes carry images"),
     ({"trainer.algorithm.name": "ppo", "trainer.pack_sequences": "false"}, "needs a critic"),
     ({"rollout.return_routed_experts": "true", "trainer.routing_replay": "true"}, "dense 'qwen2_5_vl' model"),
 ])
@@ -119,3 +120,4 @@ def test_what_a_vision_language_policy_is_not_served_with_is_refused_at_load(tin
     with pytest.raises(ConfigError, match=needle):
         load_config(RunConfig, None, {"model.path": tiny_vl_model_dir, **overrides})
     load_config(RunConfig, None, {"model.path": tiny_vl_model_dir})  # single-turn GRPO is served
+    load_config(RunConfig, None, {"model.path": tiny_vl_model_dir, "rollout.generate_fn": "agent"})  # and agents

@@ -1,0 +1,138 @@
+"""Agent episodes of a vision-language model (tiny-qwen-vl) whose environment answers with a picture:
+the sequence holds every image's tokens as the processor lays them out (TITO), every request sends
+the images so far, and the trainer's logprobs of the episode equal the engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import torch
+
+from miles.buffer.types import PromptImage, SampleStatus
+from miles.config.loader import build
+from miles.data.chat import ChatFormat
+from miles.data.prompts import Prompt
+from miles.models.loading import load_tokenizer, load_vision
+from miles.net import free_port
+from miles.rollout.agent.episode import run_episode
+from miles.rollout.config import AgentConfig
+from miles.rollout.generate import GenerationError, SamplingParams
+from miles.trainer.config import TrainerConfig
+from miles.trainer.trainer import Trainer
+from miles.trainer.types import TrainSequence
+from tests.helpers.image_env import PictureEnv
+from tests.helpers.images import png
+
+TASK = "What do you see?"
+
+
+@pytest.fixture(scope="module")
+def vl_engine_url(tiny_vl_model_dir):
+    from miles.rollout.engine.process import EngineProcess
+
+    with EngineProcess(tiny_vl_model_dir) as proc:
+        yield proc.url
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _play(url, model_dir, env, prompt_images, seed=5, vision=True):
+    exchanges = []
+
+    async def main():
+        async def record(response):
+            await response.aread()
+            if response.request.url.path == "/generate":
+                exchanges.append((json.loads(response.request.content), response.json()))
+
+        async with httpx.AsyncClient(timeout=120, event_hooks={"response": [record]}) as client:
+            return await run_episode(client, url, load_tokenizer(model_dir), env,
+                                     Prompt(index=0, text=TASK, label="blue", images=prompt_images),
+                                     SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed),
+                                     AgentConfig(max_turns=4, max_response_tokens=400), rid="vl",
+                                     vision=load_vision(model_dir) if vision else None)
+
+    return asyncio.run(main()), exchanges
+
+
+@pytest.fixture(scope="module")
+def episode(vl_engine_url, tiny_vl_model_dir):
+    env = PictureEnv(turns=2)
+    prompt_image = PromptImage.of(png("red", (48, 40), dot=(10, 10)))
+    sample, exchanges = _play(vl_engine_url, tiny_vl_model_dir, env, (prompt_image,))
+    return sample, exchanges, env, prompt_image
+
+
+def test_an_episode_holds_and_sends_the_images_of_the_prompt_and_of_the_environments_reply(episode, tiny_vl_model_dir):
+    sample, exchanges, env, prompt_image = episode
+    vision, fmt = load_vision(tiny_vl_model_dir), ChatFormat(load_tokenizer(tiny_vl_model_dir))
+    assert len(exchanges) == 2 and len(env.actions) == 2 and env.closed
+    assert sample.status is SampleStatus.COMPLETED
+    (_, first), (_, second) = exchanges
+    shown = sample.images[1]
+    assert sample.images == (prompt_image, shown) and shown != prompt_image
+
+    # The prompt and the reply hold each image's tokens as the processor expands them (TITO).
+    assert sample.prompt_ids == vision.expand(fmt.prompt_ids(TASK, 1), [vision.process(prompt_image.bytes())])
+    turn1 = first["output_ids"]
+    closed = turn1[-1] == fmt.end_id
+    obs = vision.expand(fmt.observation_ids("Picture 1: which colour?", closed, 1), [vision.process(shown.bytes())])
+    assert sample.response_ids == turn1 + obs + second["output_ids"]
+    assert sample.loss_mask == [1] * len(turn1) + [0] * len(obs) + [1] * len(second["output_ids"])
+    assert obs.count(vision.image_token_id) == vision.process(shown.bytes()).num_tokens(vision.merge) > 1
+
+    # Every request sends the images so far, in order, with one placeholder each (SGLang's wire form).
+    for (request, _), n in zip(exchanges, (1, 2)):
+        sent = sample.prompt_ids + (sample.response_ids[:len(turn1) + len(obs)] if n == 2 else [])
+        assert request["image_data"] == [img.data for img in sample.images[:n]]
+        assert request["input_ids"] == vision.collapse(sent)
+        assert request["input_ids"].count(vision.image_token_id) == n
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_trainer_logprobs_of_an_episode_with_a_picture_in_a_reply_equal_the_engines(
+        episode, tiny_vl_model_dir, gloo, pack):
+    sample = episode[0]
+    text_only = TrainSequence(tokens=[1, 2, 3, 4, 5], prompt_len=3, loss_mask=[1, 1], old_logprobs=[0.0, 0.0])
+    seq = TrainSequence(tokens=sample.prompt_ids + sample.response_ids, prompt_len=len(sample.prompt_ids),
+                        loss_mask=sample.loss_mask, old_logprobs=sample.rollout_logprobs, images=sample.images)
+    trainer = Trainer(build(TrainerConfig, {"micro_batch_size": 4, "pack_sequences": pack}), tiny_vl_model_dir, 0, 1,
+                      "127.0.0.1", free_port())
+    got, _ = trainer.proximal_logprobs([seq, text_only])
+    trained = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    torch.testing.assert_close(torch.tensor(got)[trained], torch.tensor(sample.rollout_logprobs)[trained],
+                               atol=1e-4, rtol=0)
+
+
+def test_a_picture_for_a_model_without_a_vision_tower_is_refused(vl_engine_url, tiny_vl_model_dir):
+    env = PictureEnv(turns=2)
+    with pytest.raises(GenerationError, match="no vision tower"):
+        _play(vl_engine_url, tiny_vl_model_dir, env, (), vision=False)
+    assert env.closed
+
+
+def test_an_episode_ends_after_the_model_samples_the_image_token(tiny_vl_model_dir):
+    """Sent back, a sampled image token would read as one more image placeholder than there are images."""
+    from tests.helpers.scripted_engine import ScriptedEngine
+
+    vision, fmt = load_vision(tiny_vl_model_dir), ChatFormat(load_tokenizer(tiny_vl_model_dir))
+    engine = ScriptedEngine()
+    engine.replies = [[5, vision.image_token_id, fmt.end_id], [6, fmt.end_id]]
+    env = PictureEnv(turns=3)
+    try:
+        sample, _ = _play(engine.url, tiny_vl_model_dir, env, (PromptImage.of(png("red", (48, 40))),))
+    finally:
+        engine.stop()
+    assert len(engine.requests) == 1 and len(env.actions) == 1 and env.closed
+    assert sample.status is SampleStatus.TRUNCATED
+    assert sample.response_ids == [5, vision.image_token_id, fmt.end_id] and len(sample.images) == 1
