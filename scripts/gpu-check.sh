@@ -8,7 +8,8 @@
 #   3. `miles bench gpu` on the Qwen3-0.6B shape: engine decode (fast path) against transformers.generate()
 #      at batch 64 and 256 x 256 new tokens, each step against the memory floor and taken apart
 #      (attention, matmuls, sampling, launch gaps), and miles' trainer step against a plain bf16 loop;
-#   4. the main job unchanged (examples/arithmetic/run.sh: device auto = cuda): wall time, eval before/after;
+#   4. the main job unchanged (examples/arithmetic/run.sh: device auto = cuda): wall time, eval before/after,
+#      the warm start's steps and held-out accuracy along the way, the RL steps done and their median times;
 #   5. a Qwen3-0.6B-shaped RL run (64 prompts x 8 samples x 128 new tokens, 3 steps, engine and trainer
 #      colocated on the GPU), each step's rollout/train/push seconds and the share of it the GPU was busy.
 # Each part has a time limit, cut to what is left of the budget, and its log in $OUT; a part that fails

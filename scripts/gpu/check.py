@@ -194,12 +194,44 @@ def _evals(run_dir: Path) -> dict:
             "gain_points": round(100 * (acc[-1][key] - acc[0][key]), 1)}
 
 
+def _sft(log: Path) -> dict:
+    """The warm start of the main job, from its part's log: `miles sft`'s summary (steps, held-out
+    accuracy, seconds) and its held-out accuracy along the way (every 100th step and the last check),
+    so a part cut short still says where SFT was."""
+    import re
+
+    text = log.read_text() if log.exists() else ""
+    summary = {}
+    for line in text.splitlines():
+        if line.startswith("{") and '"reached_target"' in line:
+            rec = json.loads(line)
+            summary = {"steps": rec.get("steps"), "held_out_accuracy": rec.get("held_out_accuracy"),
+                       "reached_target": rec.get("reached_target"), "s": round(rec.get("wall_time_s", 0.0), 1)}
+    checks = [(int(n), float(a)) for n, a in re.findall(r"^\[sft\] (\d+)/\d+ .*?accuracy=([0-9.]+)", text, re.M)]
+    kept = [c for c in checks if c[0] % 100 == 0] + checks[-1:]
+    return {**summary, "accuracy_by_step": sorted(set(kept))} if summary or checks else {}
+
+
+def _grpo(run_dir: Path) -> dict:
+    """The RL phase of the main job: steps done and the median seconds of a step and its parts."""
+    import statistics
+
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    steps = [r for r in recs if r.get("step", 0) > 0 and "perf/step_s" in r]
+    med = {k.split("/")[1]: round(statistics.median(r[k] for r in steps if k in r), 3)
+           for k in ("perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/eval_s")
+           if any(k in r for r in steps)}
+    return {"steps_done": len(steps), "median_s": med} if steps else {}
+
+
 def report(root: str) -> None:
     d = Path(root)
     out = {"check": "gpu", "device": _read(d / "device.json"), "cuda_tests": _pytest(d / "pytest-cuda.log")}
     arith = _read(d / "arithmetic-time.json") or {}
     run_dirs = sorted((d / "arithmetic").glob("grpo*")) if (d / "arithmetic").exists() else []
-    out["arithmetic"] = {**arith, **(_evals(run_dirs[-1]) if run_dirs else {})}
+    out["arithmetic"] = {**arith, **(_evals(run_dirs[-1]) if run_dirs else {}), "sft": _sft(d / "arithmetic.log"),
+                         "grpo": _grpo(run_dirs[-1]) if run_dirs else {}}
     rl = _read(d / "rl-watch.json") or {}
     steps = rl.get("steps", [])
     later = steps[1:] or steps  # the first step pays for warm-up (allocator, kernels)
