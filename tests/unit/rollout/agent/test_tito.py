@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -16,6 +15,7 @@ from miles.data.chat import ChatFormat
 from miles.data.prompts import Prompt
 from miles.rollout.environments.contract import StepResult
 from miles.rollout.generate import SamplingParams
+from tests.helpers.episodes import play_recorded
 
 # Observations chosen to merge with neighbouring text when re-tokenized ("lo"+"w", digits, spaces).
 OBSERVATIONS = ["low  ok", "er 12 34 ", "the output"]
@@ -45,20 +45,9 @@ def scripted_env():
 
 
 def _play(url, tokenizer, env, cfg, seed=11, max_new_tokens=12):
-    exchanges = []
-
-    async def main():
-        async def record(response):
-            await response.aread()
-            if response.request.url.path == "/generate":
-                exchanges.append((json.loads(response.request.content), response.json()))
-
-        async with httpx.AsyncClient(timeout=60, event_hooks={"response": [record]}) as client:
-            return await run_episode(client, url, tokenizer, env, Prompt(index=4, text="hello there", label="x"),
-                                     SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed),
-                                     cfg, rid="tito")
-
-    return asyncio.run(main()), exchanges
+    return play_recorded(lambda client: run_episode(
+        client, url, tokenizer, env, Prompt(index=4, text="hello there", label="x"),
+        SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed), cfg, rid="tito"), timeout=60)
 
 
 def test_trajectory_is_engine_output_plus_observation_tokens(agent_engine_url, agent_tokenizer):

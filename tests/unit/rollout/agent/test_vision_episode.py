@@ -4,10 +4,6 @@ the images so far, and the trainer's logprobs of the episode equal the engine's.
 
 from __future__ import annotations
 
-import asyncio
-import json
-
-import httpx
 import pytest
 import torch
 
@@ -23,6 +19,7 @@ from miles.rollout.generate import GenerationError, SamplingParams
 from miles.trainer.config import TrainerConfig
 from miles.trainer.trainer import Trainer
 from miles.trainer.types import TrainSequence
+from tests.helpers.episodes import play_recorded
 from tests.helpers.image_env import PictureEnv
 from tests.helpers.images import png
 
@@ -47,22 +44,10 @@ def gloo():
 
 
 def _play(url, model_dir, env, prompt_images, seed=5, vision=True):
-    exchanges = []
-
-    async def main():
-        async def record(response):
-            await response.aread()
-            if response.request.url.path == "/generate":
-                exchanges.append((json.loads(response.request.content), response.json()))
-
-        async with httpx.AsyncClient(timeout=120, event_hooks={"response": [record]}) as client:
-            return await run_episode(client, url, load_tokenizer(model_dir), env,
-                                     Prompt(index=0, text=TASK, label="blue", images=prompt_images),
-                                     SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed),
-                                     AgentConfig(max_turns=4, max_response_tokens=400), rid="vl",
-                                     vision=load_vision(model_dir) if vision else None)
-
-    return asyncio.run(main()), exchanges
+    return play_recorded(lambda client: run_episode(
+        client, url, load_tokenizer(model_dir), env, Prompt(index=0, text=TASK, label="blue", images=prompt_images),
+        SamplingParams(temperature=1.0, max_new_tokens=6, seed=seed), AgentConfig(max_turns=4, max_response_tokens=400),
+        rid="vl", vision=load_vision(model_dir) if vision else None))
 
 
 @pytest.fixture(scope="module")
