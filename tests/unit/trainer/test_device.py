@@ -104,3 +104,50 @@ def test_a_cuda_trainer_steps_on_nccl_and_hands_weights_out_through_host_memory(
         assert all(t.device == HOST and t.dtype == torch.float32 for t in out.values())
     finally:
         dist.destroy_process_group()
+
+
+def _sft_trajectory(model_dir: str, device: str, threads: int, steps: int) -> tuple[list[float], list[float], list[bool]]:
+    """The main job's warm start for `steps` steps on `device` (its recipe's optimizer settings, float32):
+    each step's nll and gradient norm, then which held-out demonstrations greedy decoding reproduces."""
+    import random
+
+    import torch.distributed as dist
+
+    from miles.data.prompts import PromptSource, TaskConfig
+    from miles.models.loading import load_tokenizer
+    from miles.trainer.sft import demonstration_sequences
+
+    tok = load_tokenizer(model_dir)
+    task = TaskConfig(digits=2, ops="+-", fixed_width=True)
+
+    def demos(split, n):
+        return demonstration_sequences(PromptSource(task, split, 1).take(n), tok,
+                                       lambda p: tok(p.text, add_special_tokens=False).input_ids)
+
+    data, held_out, rng = demos("train", 512), demos("eval", 64), random.Random(0)
+    trainer = Trainer(build(TrainerConfig, {"device": device, "lr": 3e-3, "weight_decay": 0.01, "num_threads": threads}),
+                      model_dir, 0, 1, "127.0.0.1", free_port())
+    try:
+        nll, norms = [], []
+        for _ in range(steps):
+            batch = rng.sample(data, 64)
+            m = trainer.train_step(batch, BatchTotals.of(batch), algorithm="sft")
+            nll.append(m["sft/nll"])
+            norms.append(m["sft/grad_norm"])
+        return nll, norms, trainer.greedy_matches(held_out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("other", [pytest.param("cuda", marks=pytest.mark.cuda), "cpu"])
+def test_the_main_jobs_warm_start_follows_the_same_trajectory_on_another_device(tiny_model_dir, other):
+    """SFT's first steps in float32 on cuda (or on two CPU threads) against one CPU thread: the same
+    loss and gradient norm at the first step up to rounding, and after 30 steps a trajectory that has
+    parted from the CPU's by rounding only. A wrong mask, dtype or loss on the device shows at once."""
+    steps = 30
+    ref_nll, ref_norm, ref_hits = _sft_trajectory(tiny_model_dir, "cpu", 1, steps)
+    nll, norm, hits = _sft_trajectory(tiny_model_dir, other, 2 if other == "cpu" else 1, steps)
+    assert nll[0] == pytest.approx(ref_nll[0], rel=1e-5) and norm[0] == pytest.approx(ref_norm[0], rel=1e-4)
+    assert ref_nll[-1] < 0.8 * ref_nll[0]  # it learns, so the comparison is of a moving trajectory
+    assert max(abs(a - b) / b for a, b in zip(nll, ref_nll)) < 0.02, (nll, ref_nll)
+    assert sum(a != b for a, b in zip(hits, ref_hits)) <= 3, (hits, ref_hits)
