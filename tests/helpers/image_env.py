@@ -5,6 +5,10 @@ line of text, and the episode ends after `turns` model turns with reward 1 when 
 
 from __future__ import annotations
 
+import io
+
+from PIL import Image
+
 from miles.buffer.types import PromptImage
 from miles.rollout.environments.contract import Observation, StepResult
 from tests.helpers.images import png
@@ -13,8 +17,11 @@ COLOURS = ["blue", "green", "yellow"]
 
 
 class PictureEnv:
-    def __init__(self, turns: int = 2):
-        self.turns, self.actions, self.closed = turns, [], False
+    """`form`: how a reply's picture is given: "prompt_image" (a PromptImage), "bytes" (the PNG file's
+    bytes, alone), "pil" (a PIL image in a list) or "broken" (bytes that are no image)."""
+
+    def __init__(self, turns: int = 2, form: str = "prompt_image"):
+        self.turns, self.form, self.actions, self.closed = turns, form, [], False
 
     def reset(self, task) -> str:
         return task.text
@@ -24,8 +31,10 @@ class PictureEnv:
         n = len(self.actions)
         if n >= self.turns:
             return StepResult(observation="", reward=float("blue" in action.lower()), done=True)
-        image = PromptImage.of(png(COLOURS[(n - 1) % 3], (40 + 16 * n, 48), dot=(12, 20)))
-        return StepResult(observation=Observation(f"Picture {n}: which colour?", (image,)))
+        raw = png(COLOURS[(n - 1) % 3], (40 + 16 * n, 48), dot=(12, 20))
+        images = {"prompt_image": lambda: (PromptImage.of(raw),), "bytes": lambda: raw,
+                  "pil": lambda: [Image.open(io.BytesIO(raw))], "broken": lambda: (b"not an image",)}[self.form]()
+        return StepResult(observation=Observation(f"Picture {n}: which colour?", images))
 
     def close(self) -> None:
         self.closed = True

@@ -26,12 +26,15 @@ Non-goals: parallel tool calls within a turn, streaming, environment-side tokeni
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 
 import httpx
 
-from miles.buffer.types import PromptImage, Sample, SampleStatus, as_images
+from miles.buffer.types import PromptImage, Sample, SampleStatus
 from miles.data.chat import ChatFormat
+from miles.data.errors import DataError
+from miles.data.images import row_images
 from miles.rollout.config import AgentConfig
 from miles.rollout.environments import build_environment
 from miles.rollout.environments.contract import Observation
@@ -76,11 +79,24 @@ async def run_episode(client, url: str, tokenizer, env, prompt, params, cfg: Age
 def _shown(observation, where: str, default_images=()) -> tuple[str, tuple[PromptImage, ...]]:
     """An observation's text and images; plain text shows `default_images` (the prompt's, on reset)."""
     if isinstance(observation, Observation):
-        return observation.text, as_images(observation.images)
+        return observation.text, _checked(observation.images, where)
     if isinstance(observation, str):
         return observation, tuple(default_images)
     raise TypeError(f"the environment's {where} returned {type(observation).__name__}: return a str, or an "
                     "Observation(text, images) (rollout/environments/contract.py)")
+
+
+def _checked(images, where: str) -> tuple[PromptImage, ...]:
+    """An Observation's images as PromptImages, each read and decoded once: PromptImages, encoded bytes,
+    file paths or PIL images, one or a list. GenerationError (the group fails, naming the image) for
+    one that cannot be used."""
+    items = () if images is None else images if isinstance(images, (list, tuple)) else [images]
+    what = f"the environment's {where} observation"
+    try:
+        return tuple(img for item in items for img in row_images(
+            item.bytes() if isinstance(item, PromptImage) else item, "images", what, os.getcwd(), max_pixels=0))
+    except DataError as e:
+        raise GenerationError(str(e)) from None
 
 
 def _laid_out(ids: list[int], images: tuple[PromptImage, ...], vision) -> list[int]:

@@ -24,7 +24,8 @@ class Observation:
     """What the model is shown, with images: `Observation(text, (PromptImage.of(png_bytes),))`."""
 
     text: str
-    images: tuple = ()  # PromptImages, shown before the text in this order (a vision-language model only)
+    images: tuple = ()  # shown before the text in this order (a vision-language model only): PromptImages,
+                        # encoded image bytes, file paths or PIL images; one may stand alone
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,11 @@ the images so far, and the trainer's logprobs of the episode equal the engine's.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+from PIL import Image
 
 from miles.buffer.types import PromptImage, SampleStatus
 from miles.config.loader import build
@@ -121,3 +124,38 @@ def test_an_episode_ends_after_the_model_samples_the_image_token(tiny_vl_model_d
     assert len(engine.requests) == 1 and len(env.actions) == 1 and env.closed
     assert sample.status is SampleStatus.TRUNCATED
     assert sample.response_ids == [5, vision.image_token_id, fmt.end_id] and len(sample.images) == 1
+
+
+@pytest.mark.parametrize("form", ["bytes", "pil"])
+def test_an_environment_may_give_its_pictures_as_bytes_or_pil_images(tiny_vl_model_dir, form):
+    from tests.helpers.scripted_engine import ScriptedEngine
+
+    end = ChatFormat(load_tokenizer(tiny_vl_model_dir)).end_id
+    samples = {}
+    for f in ("prompt_image", form):
+        engine = ScriptedEngine()
+        engine.replies = [[40, end], [41, end]]  # plain text tokens
+        try:
+            samples[f], _ = _play(engine.url, tiny_vl_model_dir, PictureEnv(turns=2, form=f), ())
+        finally:
+            engine.stop()
+    given, reference = samples[form], samples["prompt_image"]
+    assert len(given.images) == 1 and given.response_ids == reference.response_ids  # the same image tokens
+    if form == "bytes":
+        assert given.images == reference.images
+    else:  # re-encoded as PNG: the same pixels
+        pixels = [Image.open(io.BytesIO(s.images[0].bytes())).convert("RGB").tobytes() for s in (given, reference)]
+        assert pixels[0] == pixels[1]
+
+
+def test_an_environments_picture_that_is_no_image_fails_the_episode_naming_it(tiny_vl_model_dir):
+    from tests.helpers.scripted_engine import ScriptedEngine
+
+    engine, env = ScriptedEngine(), PictureEnv(turns=2, form="broken")
+    engine.replies = [[40, ChatFormat(load_tokenizer(tiny_vl_model_dir)).end_id]]
+    try:
+        with pytest.raises(GenerationError, match="the environment's step observation.*cannot be read as an image"):
+            _play(engine.url, tiny_vl_model_dir, env, ())
+    finally:
+        engine.stop()
+    assert env.closed and len(engine.requests) == 1
