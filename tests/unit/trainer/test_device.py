@@ -1,18 +1,24 @@
 """Trainer device, compute dtype and collective backend come from config, with CPU defaults.
 
-CPU tests run everywhere; the test marked `cuda` runs only where torch sees a CUDA device
+CPU tests run everywhere; the tests marked `cuda` run only where torch sees a CUDA device
 (scripts/gpu-check.sh runs it)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from miles.config.loader import ConfigError, build
+from miles.data.prompts import PromptSource, TaskConfig
 from miles.devices import resolve
+from miles.models.loading import load_tokenizer
 from miles.net import free_port
 from miles.trainer.config import TrainerConfig
 from miles.trainer.device import HOST, collective_backend, compute_device
+from miles.trainer.sft import demonstration_sequences
 from miles.trainer.trainer import Trainer
 from miles.trainer.types import BatchTotals, TrainSequence
 
@@ -24,8 +30,6 @@ def _seqs():
 
 @pytest.fixture
 def gloo():
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -92,8 +96,6 @@ def test_bfloat16_compute_keeps_float32_master_weights(tiny_model_dir, gloo):
 
 @pytest.mark.cuda
 def test_a_cuda_trainer_steps_on_nccl_and_hands_weights_out_through_host_memory(tiny_model_dir):
-    import torch.distributed as dist
-
     trainer = Trainer(build(TrainerConfig, {"device": "cuda", "param_dtype": "bfloat16", "lr": 1e-2}),
                           tiny_model_dir, 0, 1, "127.0.0.1", free_port())
     try:
@@ -109,14 +111,6 @@ def test_a_cuda_trainer_steps_on_nccl_and_hands_weights_out_through_host_memory(
 def _sft_trajectory(model_dir: str, device: str, threads: int, steps: int) -> tuple[list[float], list[float], list[bool]]:
     """The main job's warm start for `steps` steps on `device` (its recipe's optimizer settings, float32):
     each step's nll and gradient norm, then which held-out demonstrations greedy decoding reproduces."""
-    import random
-
-    import torch.distributed as dist
-
-    from miles.data.prompts import PromptSource, TaskConfig
-    from miles.models.loading import load_tokenizer
-    from miles.trainer.sft import demonstration_sequences
-
     tok = load_tokenizer(model_dir)
     task = TaskConfig(digits=2, ops="+-", fixed_width=True)
 
