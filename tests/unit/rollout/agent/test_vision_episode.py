@@ -18,6 +18,7 @@ from miles.models.loading import load_tokenizer, load_vision
 from miles.net import free_port
 from miles.rollout.agent.episode import run_episode
 from miles.rollout.config import AgentConfig
+from miles.rollout.engine.process import EngineProcess
 from miles.rollout.generate import GenerationError, SamplingParams
 from miles.trainer.config import TrainerConfig
 from miles.trainer.trainer import Trainer
@@ -25,14 +26,13 @@ from miles.trainer.types import TrainSequence
 from tests.helpers.episodes import play_recorded
 from tests.helpers.image_env import PictureEnv
 from tests.helpers.images import png
+from tests.helpers.scripted_engine import ScriptedEngine
 
 TASK = "What do you see?"
 
 
 @pytest.fixture(scope="module")
 def vl_engine_url(tiny_vl_model_dir):
-    from miles.rollout.engine.process import EngineProcess
-
     with EngineProcess(tiny_vl_model_dir) as proc:
         yield proc.url
 
@@ -111,8 +111,6 @@ def test_a_picture_for_a_model_without_a_vision_tower_is_refused(vl_engine_url, 
 
 def test_an_episode_ends_after_the_model_samples_the_image_token(tiny_vl_model_dir):
     """Sent back, a sampled image token would read as one more image placeholder than there are images."""
-    from tests.helpers.scripted_engine import ScriptedEngine
-
     vision, fmt = load_vision(tiny_vl_model_dir), ChatFormat(load_tokenizer(tiny_vl_model_dir))
     engine = ScriptedEngine()
     engine.replies = [[5, vision.image_token_id, fmt.end_id], [6, fmt.end_id]]
@@ -128,8 +126,6 @@ def test_an_episode_ends_after_the_model_samples_the_image_token(tiny_vl_model_d
 
 @pytest.mark.parametrize("form", ["bytes", "pil"])
 def test_an_environment_may_give_its_pictures_as_bytes_or_pil_images(tiny_vl_model_dir, form):
-    from tests.helpers.scripted_engine import ScriptedEngine
-
     end = ChatFormat(load_tokenizer(tiny_vl_model_dir)).end_id
     samples = {}
     for f in ("prompt_image", form):
@@ -149,8 +145,6 @@ def test_an_environment_may_give_its_pictures_as_bytes_or_pil_images(tiny_vl_mod
 
 
 def test_an_environments_picture_that_is_no_image_fails_the_episode_naming_it(tiny_vl_model_dir):
-    from tests.helpers.scripted_engine import ScriptedEngine
-
     engine, env = ScriptedEngine(), PictureEnv(turns=2, form="broken")
     engine.replies = [[40, ChatFormat(load_tokenizer(tiny_vl_model_dir)).end_id]]
     try:
