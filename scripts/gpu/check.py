@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -175,8 +177,6 @@ def _read(path: Path):
 
 
 def _pytest(log: Path) -> dict:
-    import re
-
     text = log.read_text() if log.exists() else ""
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)\b", text)}
     return {**counts, "failures": re.findall(r"^FAILED (\S+)", text, re.M)[:10]}
@@ -198,8 +198,6 @@ def _sft(log: Path) -> dict:
     """The warm start of the main job, from its part's log: `miles sft`'s summary (steps, held-out
     accuracy, seconds) and its held-out accuracy along the way (every 100th step and the last check),
     so a part cut short still says where SFT was."""
-    import re
-
     text = log.read_text() if log.exists() else ""
     summary = {}
     for line in text.splitlines():
@@ -214,8 +212,6 @@ def _sft(log: Path) -> dict:
 
 def _grpo(run_dir: Path) -> dict:
     """The RL phase of the main job: steps done and the median seconds of a step and its parts."""
-    import statistics
-
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []
     steps = [r for r in recs if r.get("step", 0) > 0 and "perf/step_s" in r]
