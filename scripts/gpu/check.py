@@ -182,10 +182,15 @@ def _pytest(log: Path) -> dict:
     return {**counts, "failures": re.findall(r"^FAILED (\S+)", text, re.M)[:10]}
 
 
-def _evals(run_dir: Path) -> dict:
-    """Eval accuracy before and after RL from the run's metrics.jsonl (the first and last eval records)."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+def _records(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per complete line: a part killed by its time limit may leave a
+    last line half written, which is left out."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line] if path.exists() else []
+
+
+def _evals(recs: list[dict]) -> dict:
+    """Eval accuracy before and after RL from a run's records (the first and last eval records)."""
     acc = [r for r in recs if any(k.startswith("eval/") and k.endswith("accuracy") for k in r)]
     key = next((k for k in (acc[0] if acc else {}) if k.startswith("eval/") and k.endswith("accuracy")), None)
     if not key:
@@ -210,10 +215,9 @@ def _sft(log: Path) -> dict:
     return {**summary, "accuracy_by_step": sorted(set(kept))} if summary or checks else {}
 
 
-def _grpo(run_dir: Path) -> dict:
-    """The RL phase of the main job: steps done and the median seconds of a step and its parts."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+def _grpo(recs: list[dict]) -> dict:
+    """The RL phase of the main job, from its records: steps done and the median seconds of a step and
+    its parts."""
     steps = [r for r in recs if r.get("step", 0) > 0 and "perf/step_s" in r]
     med = {k.split("/")[1]: round(statistics.median(r[k] for r in steps if k in r), 3)
            for k in ("perf/step_s", "perf/rollout_s", "perf/train_s", "perf/sync_s", "perf/eval_s")
@@ -226,8 +230,8 @@ def report(root: str) -> None:
     out = {"check": "gpu", "device": _read(d / "device.json"), "cuda_tests": _pytest(d / "pytest-cuda.log")}
     arith = _read(d / "arithmetic-time.json") or {}
     run_dirs = sorted((d / "arithmetic").glob("grpo*")) if (d / "arithmetic").exists() else []
-    out["arithmetic"] = {**arith, **(_evals(run_dirs[-1]) if run_dirs else {}), "sft": _sft(d / "arithmetic.log"),
-                         "grpo": _grpo(run_dirs[-1]) if run_dirs else {}}
+    recs = _records(run_dirs[-1]) if run_dirs else []
+    out["arithmetic"] = {**arith, **_evals(recs), "sft": _sft(d / "arithmetic.log"), "grpo": _grpo(recs)}
     rl = _read(d / "rl-watch.json") or {}
     steps = rl.get("steps", [])
     later = steps[1:] or steps  # the first step pays for warm-up (allocator, kernels)

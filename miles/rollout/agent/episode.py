@@ -91,10 +91,9 @@ def _checked(images, where: str) -> tuple[PromptImage, ...]:
     file paths or PIL images, one or a list. GenerationError (the group fails, naming the image) for
     one that cannot be used."""
     items = () if images is None else images if isinstance(images, (list, tuple)) else [images]
-    what = f"the environment's {where} observation"
+    raw = [item.bytes() if isinstance(item, PromptImage) else item for item in items]
     try:
-        return tuple(img for item in items for img in row_images(
-            item.bytes() if isinstance(item, PromptImage) else item, "images", what, os.getcwd(), max_pixels=0))
+        return row_images(raw, "images", f"the environment's {where} observation", os.getcwd(), max_pixels=0)
     except DataError as e:
         raise GenerationError(str(e)) from None
 

@@ -28,7 +28,8 @@ def test_a_main_job_cut_short_in_rl_reports_its_warm_start_and_its_rl_steps(tmp_
     recs = [{"step": 0, "eval/accuracy": 0.5}] + [
         {"step": s, "perf/step_s": t, "perf/rollout_s": t / 2, "perf/train_s": t / 4, "perf/sync_s": 0.1}
         for s, t in [(1, 2.0), (2, 0.4), (3, 0.6)]] + [{"step": 3, "eval/accuracy": 0.625}]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    # The part's time limit killed the run while it wrote its next line.
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "perf/st')
     (tmp_path / "arithmetic-time.json").write_text('{"wall_s": 180}')
 
     arith = _report(tmp_path)["arithmetic"]
