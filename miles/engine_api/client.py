@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import threading
 import time
 from collections.abc import Iterable
@@ -299,7 +300,7 @@ class EngineClient:
 
             with self._lock:
                 if self._http is None:
-                    self._http = httpx.Client(headers=self.headers,
+                    self._http = httpx.Client(headers=self.headers, verify=_tls_context(),
                                               timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s))
         return self._http
 
@@ -316,3 +317,12 @@ class EngineClient:
 
             self._session = aio.aiohttp_session()
         return self._session
+
+
+@functools.cache
+def _tls_context():
+    """httpx's default TLS settings, made once per process: building them (the CA bundle) takes 20-35 ms,
+    which every short-lived client (a weight commit makes several) would otherwise pay again."""
+    import httpx
+
+    return httpx.create_ssl_context()

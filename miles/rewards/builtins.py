@@ -10,14 +10,16 @@ from __future__ import annotations
 import logging
 import re
 
-from miles.rewards.contract import Configured, RewardInput
+from miles.rewards.contract import Configured, RewardInput, reward
 
 
+@reward(inline=True)
 def exact_match(response: str, label: str | None) -> float:
     """1.0 when the stripped response equals the label exactly, else 0.0."""
     return float(label is not None and response.strip() == str(label).strip())
 
 
+@reward(inline=True)
 def text_parity(response: str, label: str | None) -> float:
     """1.0 when the response has an odd number of characters: a synthetic reward that even an
     untrained model earns about half the time, so every group carries signal (throughput benchmarks)."""
@@ -56,6 +58,7 @@ def math_reward(response: str, label: str | None) -> float:
     return float(verify(gold, answer, timeout_seconds=None))
 
 
+@reward(inline=True)
 def boxed_format(response: str, label: str | None) -> float:
     """1.0 when the response puts an answer in `\\boxed{}`, else 0.0 (a format reward)."""
     return float(bool(last_boxed(response)))

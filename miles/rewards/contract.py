@@ -11,7 +11,10 @@ A reward is named in `rollout.reward` by registry name (REWARDS), `module:functi
 It returns a float, or a dict with `score` (the float) and any other numbers, each logged as the
 step mean `reward/<key>`. It may be `async def`. A function with `batched = True` (attribute, or the
 `reward(batched=True)` decorator) takes lists instead (`(responses, labels)` or `(samples)`), one
-group per call, and returns a list. Non-goals: running it (runner.py), the built-ins (builtins.py).
+group per call, and returns a list. One with `inline = True` (`reward(inline=True)`) is a plain `def`
+that takes microseconds and cannot block (a string comparison): the runner calls it on the rollout's
+event loop instead of handing each call to a thread. Non-goals: running it (runner.py), the built-ins
+(builtins.py).
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ class RewardInput:
     group: list["RewardInput"] = field(default_factory=list, repr=False)  # every sample of its group, itself included
 
 
-def reward(*, batched: bool = False):
-    """Decorator declaring how a reward is called: `@reward(batched=True)` takes one group's lists."""
+def reward(*, batched: bool = False, inline: bool = False):
+    """Decorator declaring how a reward is called: `@reward(batched=True)` takes one group's lists;
+    `@reward(inline=True)` is called on the event loop (only for a cheap `def` that cannot block:
+    no thread hop, and no timeout can interrupt it)."""
     def deco(fn):
-        fn.batched = batched
+        fn.batched, fn.inline = batched, inline
         return fn
     return deco
 
@@ -60,6 +65,7 @@ class Reward:
     takes_sample: bool   # (sample) rather than (response, label)
     batched: bool
     is_async: bool
+    inline: bool = False  # a cheap `def` called on the event loop (see `reward`)
 
 
 class Configured:
@@ -110,7 +116,12 @@ def check_reward(name: str, fn: Any) -> Reward:
         raise RegistryError(f"reward {name!r} takes {n} required positional arguments; it must take "
                             f"(response, label) or (sample){_HINT}")
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-    return Reward(name, fn, takes_sample=n == 1, batched=bool(getattr(fn, "batched", False)), is_async=is_async)
+    inline = bool(getattr(fn, "inline", False))
+    if inline and is_async:
+        raise RegistryError(f"reward {name!r} is declared inline but is `async def`: an async reward already "
+                            "runs on the event loop; drop inline = True")
+    return Reward(name, fn, takes_sample=n == 1, batched=bool(getattr(fn, "batched", False)), is_async=is_async,
+                  inline=inline)
 
 
 def load_reward(spec: str, cfg=None) -> Reward:

@@ -1,8 +1,8 @@
 """The reward runner: the one place generated samples are scored.
 
 It scores a group's samples with the run's reward (or each component of `weighted`): `async def`
-rewards on the event loop, sync ones in a thread, or in a process pool with
-`reward_config.num_workers`. Every call has a timeout. A call that raises or times out is counted
+rewards and those declared inline (cheap, cannot block) on the event loop, other sync ones in a
+thread, or every sync one in a process pool with `reward_config.num_workers`. Every call has a timeout. A call that raises or times out is counted
 (`reward/errors`, `reward/timeouts`) and its samples get the fallback score, or their group is
 dropped; once the share of failed calls passes `max_error_rate` the run stops with the reward's own
 traceback and the offending sample (RewardError). Per step it reports `reward/calls`,
@@ -175,6 +175,8 @@ class RewardRunner:
                     raise _Failure("errors", out[0], out[1])
             elif reward.is_async:
                 out = await asyncio.wait_for(reward.fn(*args), self.cfg.timeout_s)
+            elif reward.inline:
+                out = reward.fn(*args)
             else:
                 out = await asyncio.wait_for(loop.run_in_executor(self._threads, reward.fn, *args), self.cfg.timeout_s)
             values = list(out) if reward.batched else [out]

@@ -136,3 +136,24 @@ def test_async_calls_return_bytes_and_tell_a_timeout_from_an_unreachable_engine(
     status, body, ctype, err = asyncio.run(run())
     assert (status, body, ctype) == (200, b'{"ok":true}', "application/json")
     assert err.unreachable and not err.timed_out and err.status is None
+
+
+def test_short_lived_clients_share_one_tls_context_and_still_reach_the_engine(engines, monkeypatch):
+    # A weight commit opens several clients; building httpx's TLS settings (the CA bundle) for each
+    # one cost 20-35 ms a client. They are built once per process now.
+    import httpx
+
+    from miles.engine_api import client as client_module
+
+    built = []
+    real = httpx.create_ssl_context
+    monkeypatch.setattr(httpx, "create_ssl_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    client_module._tls_context.cache_clear()
+    try:
+        for _ in range(3):
+            c = EngineClient(admin_token="tok", timeout_s=5)
+            assert c.get(engines[0].url, "/health") == {"ok": True}
+            c.close()
+        assert len(built) == 1
+    finally:
+        client_module._tls_context.cache_clear()

@@ -152,3 +152,56 @@ def test_a_killed_pool_worker_is_replaced_and_its_call_made_again(flaky_file):
     m = runner.take_metrics()
     assert (m["reward/calls"], m["reward/errors"], m["reward/worker_restarts"]) == (2, 0, 1)
     runner.close()
+
+
+def test_an_inline_reward_runs_on_the_event_loop_and_its_errors_are_counted_like_any_other():
+    import threading
+
+    from miles.rewards.contract import check_reward, reward
+
+    where: list[str] = []
+
+    @reward(inline=True)
+    def cheap(response, label):
+        where.append(threading.current_thread().name)
+        if response == "boom":
+            raise ValueError("bad")
+        return float(response == label)
+
+    def threaded(response, label):
+        where.append(threading.current_thread().name)
+        return 1.0
+
+    runner = RewardRunner("exact_match", RewardConfig(fallback_score=-1.0, max_error_rate=1.0))
+    runner.components = [(check_reward("cheap", cheap), 1.0)]
+
+    async def score(samples):
+        loop_thread = threading.current_thread().name
+        return loop_thread, await runner.score_group(samples)
+
+    samples = _samples(["x", "y", "boom"])
+    loop_thread, kept = asyncio.run(score(samples))
+    assert kept and [s.reward for s in samples] == [1.0, 0.0, -1.0]
+    assert where == [loop_thread] * 3
+    m = runner.take_metrics()
+    assert (m["reward/calls"], m["reward/errors"]) == (3, 1)
+    where.clear()
+    runner.components = [(check_reward("threaded", threaded), 1.0)]
+    asyncio.run(score(_samples(["x"])))
+    assert where[0].startswith("reward")  # a plain def without inline still gets a thread
+    runner.close()
+
+
+def test_the_cheap_builtins_are_inline_and_an_async_reward_cannot_be():
+    from miles.registry import RegistryError
+    from miles.rewards.contract import check_reward, load_reward, reward
+
+    assert load_reward("exact_match").inline and load_reward("boxed_format").inline
+    assert not load_reward("math").inline  # math-verify may take long: a thread, under the timeout
+
+    @reward(inline=True)
+    async def bad(response, label):
+        return 1.0
+
+    with pytest.raises(RegistryError, match="inline but is `async def`"):
+        check_reward("bad", bad)
