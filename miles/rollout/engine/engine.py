@@ -29,8 +29,9 @@ Non-goals: paged attention, tensor parallelism, speculative decoding.
 
 from __future__ import annotations
 
+import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 
 import torch
 
@@ -122,6 +123,12 @@ class Engine:
         """Queue a request; the future resolves to a GenerateResult. `listener(ids, logprobs)` gets the
         new tokens after every step (Scheduler.submit; streaming.py wraps it for an event loop)."""
         return self.scheduler.submit(req, listener)
+
+    def submit_all(self, reqs: list[GenerateRequest]) -> Future:
+        """Queue requests together (one prefill can take them all); the future resolves to their
+        GenerateResults in order once every one has, or to the first failure. One future for a batched
+        /generate, so its waiter wakes once rather than once per request."""
+        return _all_of(self.scheduler.submit_many(reqs))
 
     def generate(self, input_ids, params: SamplingParams | None = None, return_logprob: bool = False,
                  rid: str | None = None, timeout: float | None = None) -> GenerateResult:
@@ -229,3 +236,30 @@ class Engine:
     def points_into(self, buf: torch.Tensor) -> bool:
         """Whether any parameter or buffer of the model lives in `buf`'s memory."""
         return self.runner.points_into(buf)
+
+
+def _all_of(futures: list[Future]) -> Future:
+    """A future of every result of `futures`, in order, or of the first exception among them."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(f: Future) -> None:
+        with lock:
+            if out.done():  # failed already, or cancelled by its waiter
+                return
+            try:
+                if f.cancelled() or f.exception() is not None:
+                    out.set_exception(CancelledError() if f.cancelled() else f.exception())
+                    return
+                left[0] -= 1
+                if left[0] == 0:
+                    out.set_result([g.result() for g in futures])
+            except InvalidStateError:  # its waiter cancelled it meanwhile
+                pass
+
+    if not futures:
+        out.set_result([])
+    for f in futures:
+        f.add_done_callback(done)
+    return out

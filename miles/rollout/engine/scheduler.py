@@ -91,18 +91,28 @@ class Scheduler:
         """Queue a request; the future resolves to a GenerateResult. `listener(ids, logprobs)`, when
         given, is called on the scheduler's thread with each run of new output tokens as they are
         sampled, before the future resolves; it must be quick (hand the tokens to another thread)."""
-        fut: Future = Future()
-        row = Row.of(req, fut, listener)
-        if req.params.max_new_tokens == 0 and row.input_logprob_start() is None:  # nothing to compute
-            fut.set_result(self.runner.result(row, FinishReason("length", length=0)))
-            return fut
+        return self.submit_many([req], listener)[0]
+
+    def submit_many(self, reqs: list[GenerateRequest], listener=None) -> list[Future]:
+        """Queue requests in one go (a batched /generate): the loop finds all of them waiting or none,
+        so one prefill can take the whole group. One future per request, as `submit`."""
+        futures, rows = [], []
+        for req in reqs:
+            fut: Future = Future()
+            futures.append(fut)
+            row = Row.of(req, fut, listener)
+            if req.params.max_new_tokens == 0 and row.input_logprob_start() is None:  # nothing to compute
+                fut.set_result(self.runner.result(row, FinishReason("length", length=0)))
+            else:
+                rows.append(row)
         with self._cond:
-            if self._stopping:
-                fut.set_result(self.runner.result(row, FinishReason("abort", message="engine stopped")))
-                return fut
-            self._waiting.append(row)
+            for row in rows:
+                if self._stopping:
+                    row.future.set_result(self.runner.result(row, FinishReason("abort", message="engine stopped")))
+                else:
+                    self._waiting.append(row)
             self._cond.notify()
-        return fut
+        return futures
 
     def abort(self, rid: str | None = None) -> None:
         """Abort one request by id, or every request when rid is None; they finish with type abort and
@@ -382,15 +392,18 @@ class Scheduler:
             row.future.set_result(result)
 
     def _evict_finished(self, compact: bool = False) -> None:
-        """Answer rows that finished and free their slots; the runner drops them from the batch tensors
-        lazily (at once with `compact`)."""
-        newly = self.runner.retire_finished()
+        """Answer rows that finished and free their slots, then offer their KV to the prefix cache (the
+        answers go out while it copies; the loop admits nothing in between, so a next turn sent at once
+        still finds it cached); the runner drops them from the batch tensors lazily (at once with
+        `compact`)."""
+        newly = self.runner.retire_finished(cache=False)
         if newly:
             with self._cond:
                 self._inflight.difference_update(row.req.rid for row in newly)
             for row in newly:
                 if not row.future.done():
                     row.future.set_result(self.runner.result(row, row.finish))
+            self.runner.cache_retired(newly)
         self.runner.compact(force=compact)
 
     def _retract_all(self) -> None:

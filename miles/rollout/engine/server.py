@@ -145,9 +145,8 @@ def build_app(engine) -> FastAPI:
             reqs, batched, streamed = await asyncio.to_thread(checked_generate, raw)
         if streamed:
             return StreamingResponse(_generate_chunks(engine, reqs[0]), media_type="text/event-stream")
-        futures = [engine.submit(r) for r in reqs]
         try:
-            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            results = await asyncio.wrap_future(engine.submit_all(reqs))
         except (asyncio.CancelledError, RequestFailed, EngineStepFailed):
             for r in reqs:  # the client went away, or one item failed the call: free the others' slots
                 engine.abort(r.rid)
