@@ -15,7 +15,8 @@ from miles.config import ConfigError
 @dataclass
 class RewardConfig:
     num_workers: int = 0
-    """Processes that run a synchronous reward (CPU-heavy rewards); 0 runs it in a thread of the rollout process."""
+    """Processes that run a synchronous reward (CPU-heavy rewards); 0 runs it in a thread of the rollout
+    process (a reward declared inline, such as `exact_match`, on its event loop)."""
     timeout_s: float = 30.0
     """Seconds one reward call may take; a call past it is counted in reward/timeouts and gets the fallback."""
     on_error: Literal["score", "drop_group"] = "score"

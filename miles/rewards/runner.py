@@ -2,12 +2,13 @@
 
 It scores a group's samples with the run's reward (or each component of `weighted`): `async def`
 rewards and those declared inline (cheap, cannot block) on the event loop, other sync ones in a
-thread, or every sync one in a process pool with `reward_config.num_workers`. Every call has a timeout. A call that raises or times out is counted
-(`reward/errors`, `reward/timeouts`) and its samples get the fallback score, or their group is
-dropped; once the share of failed calls passes `max_error_rate` the run stops with the reward's own
-traceback and the offending sample (RewardError). Per step it reports `reward/calls`,
-`reward/errors`, `reward/timeouts`, the mean of every extra number a dict-valued reward returns
-(`reward/<key>`) and, for `weighted`, each component's mean score (`reward/<component>`).
+thread, or every sync one in a process pool with `reward_config.num_workers`. Every call but an
+inline one has a timeout. A call that raises or times out is counted (`reward/errors`,
+`reward/timeouts`) and its samples get the fallback score, or their group is dropped; once the
+share of failed calls passes `max_error_rate` the run stops with the reward's own traceback and the
+offending sample (RewardError). Per step it reports `reward/calls`, `reward/errors`,
+`reward/timeouts`, the mean of every extra number a dict-valued reward returns (`reward/<key>`) and,
+for `weighted`, each component's mean score (`reward/<component>`).
 
 Non-goals: which samples are generated (group.py); a hung sync reward in a thread is abandoned, not
 killed (threads cannot be): a reward that may hang belongs in the process pool, whose workers are
