@@ -271,24 +271,21 @@ class ModelRunner:
         if self.chunked is not None:
             self.chunked.abort(rids)
 
-    def retire_finished(self, cache: bool = True) -> list[Row]:
-        """Rows that finished since the last call, marked answered (the caller answers them); their KV
-        goes to the prefix cache now, or with `cache=False` when the caller hands them to
-        `cache_retired` (before `compact`). They stay in the batch tensors until `compact` drops them."""
+    def retire_finished(self) -> list[Row]:
+        """Rows that finished since the last call, marked answered (the caller answers them, then hands
+        them to `cache_retired`). They stay in the batch tensors until `compact` drops them."""
         gone = self.chunked.finished() if self.chunked is not None else []  # aborted before their last chunk
         newly = [i for i, r in enumerate(self.rows) if r.finish is not None and not r.answered]
         if not newly:
             return gone
-        if cache:
-            self._cache_rows([i for i in newly if self.rows[i].output_ids])
         for i in newly:
             self.rows[i].answered = True
         self.dead += len(newly)
         return [self.rows[i] for i in newly] + gone
 
     def cache_retired(self, rows: list[Row]) -> None:
-        """Offer the KV of rows `retire_finished(cache=False)` returned to the prefix cache; call it
-        before `compact`, which drops them from the batch."""
+        """Offer the KV of rows `retire_finished` returned to the prefix cache; call it before `compact`,
+        which drops them from the batch."""
         ids = {id(r) for r in rows}
         self._cache_rows([i for i, r in enumerate(self.rows) if id(r) in ids and r.output_ids])
 

@@ -396,7 +396,7 @@ class Scheduler:
         answers go out while it copies; the loop admits nothing in between, so a next turn sent at once
         still finds it cached); the runner drops them from the batch tensors lazily (at once with
         `compact`)."""
-        newly = self.runner.retire_finished(cache=False)
+        newly = self.runner.retire_finished()
         if newly:
             with self._cond:
                 self._inflight.difference_update(row.req.rid for row in newly)
