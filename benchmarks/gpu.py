@@ -68,9 +68,9 @@ def decode(model_dir: str, device: str, batches: list[int], new_tokens: int, ban
     import torch
 
     from miles.models.loading import load_model
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.engine import Engine
-    from miles.rollout.engine.kv_cache import bytes_per_token
+    from miles.engine.config import EngineConfig
+    from miles.engine.engine import Engine
+    from miles.engine.kv_cache import bytes_per_token
     from miles.engine_api.sampling import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -138,7 +138,7 @@ def decode(model_dir: str, device: str, batches: list[int], new_tokens: int, ban
 
 
 def _engine_config(model_dir: str, device: str, dtype: str, batch: int, tokens: int, engine_mode: str):
-    from miles.rollout.engine.config import EngineConfig
+    from miles.engine.config import EngineConfig
 
     # A context just long enough for the run, so the static KV cache gives every row all of it.
     return EngineConfig(model_path=model_dir, device=device, dtype=dtype, max_batch_size=batch, prefix_cache=False,
@@ -188,10 +188,10 @@ def breakdown(model_dir: str, device: str, dtype: str, batch: int, prompt_len: i
 
     from miles.engine_api.sampling import SamplingParams
     from miles.engine_api.types import GenerateRequest
-    from miles.rollout.engine.graphs import length_bucket
-    from miles.rollout.engine.kv_cache import bytes_per_token
-    from miles.rollout.engine.model_runner import ModelRunner
-    from miles.rollout.engine.row import Row
+    from miles.engine.graphs import length_bucket
+    from miles.engine.kv_cache import bytes_per_token
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.row import Row
 
     runner = ModelRunner(_engine_config(model_dir, device, dtype, batch, prompt_len + new_tokens, "fast"))
     g = torch.Generator().manual_seed(1)

@@ -289,7 +289,7 @@ def main(argv=None) -> int:
         return 0
 
     from miles.models.presets import build_tiny_model
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
     from miles.rollout.router import RouterProcess
 
     load_before = os.getloadavg()[0]

@@ -100,8 +100,8 @@ def eval_accuracy(model_dir: str, engine_dtype: str, fmt: str, problems, max_new
     `max_new_tokens`, default two more than the answer's characters), stripped, is exactly the answer."""
     import httpx
 
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=model_dir, dtype=engine_dtype, quantization=fmt,
                                               quantize_embeddings=embeddings, seed=0))
@@ -149,8 +149,8 @@ def run(model_dir: str, engine_dtype: str, engine_format: str, trainer_format: s
     from miles.buffer.types import Group
     from miles.config.loader import build
     from miles.net import free_port
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
     from miles.trainer.trainer import Trainer
     from miles.trainer.batching import prepare_global_batch, sequences_from_groups

@@ -65,8 +65,8 @@ def run_arm(model_dir: str, replay: bool, args) -> dict:
     from miles.config.loader import build
     from miles.net import free_port
     from miles.buffer.filters import nonzero_std
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
     from miles.trainer.backends import fsdp
     from miles.trainer.trainer import Trainer

@@ -79,7 +79,7 @@ def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[flo
     and the sampling."""
     import torch
 
-    from miles.rollout.engine.kv_cache import new_cache
+    from miles.engine.kv_cache import new_cache
 
     # The cache's keyword in this transformers release, as the engine picks it.
     kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
 
     from miles.models.loading import load_model, load_tokenizer
     from miles.models.presets import build_tiny_model
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
     from miles.rollout.router import RouterProcess
 
     torch.set_num_threads(1)

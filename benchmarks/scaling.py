@@ -57,7 +57,7 @@ from miles.models.loading import load_tokenizer
 from miles.models.presets import build_tiny_model, train_tokenizer
 from miles.net import free_port
 from miles.data.prompts import PromptSource, TaskConfig
-from miles.rollout.engine.process import EngineProcess
+from miles.engine.process import EngineProcess
 from miles.sync.transports import get_transport
 from miles.trainer.config import TrainerConfig
 from miles.trainer.types import BatchTotals

@@ -179,7 +179,7 @@ class Fleet:
     """One model served by two engines, with the transports, the raw gloo baseline, and every timing."""
 
     def __init__(self, layers: int, root: str, token: str, bucket_bytes: int, load_format: str):
-        from miles.rollout.engine.process import EngineProcess
+        from miles.engine.process import EngineProcess
         from miles.sync.transports import get_transport
 
         self.base = os.path.join(root, f"base-{layers}")

@@ -84,7 +84,7 @@ def cmd_eval(args, extra) -> int:
 
 
 def cmd_serve(args, extra) -> int:
-    from miles.rollout.engine.server import main as serve_main
+    from miles.engine.server import main as serve_main
 
     return serve_main(extra) or 0
 

@@ -27,7 +27,7 @@ from miles.rollout.group import GroupGenerator
 def run_eval(cfg: RunConfig, out: str | None = None, metrics_dir: str | None = None, step: int = 0) -> dict:
     """Evaluate cfg.model.path with cfg.eval; return the metrics (also written where asked)."""
     from miles.models.loading import load_tokenizer, load_vision  # transformers: only when an evaluation runs
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.server import start_server_thread
 
     rollout = cfg.rollout
     server = None

@@ -59,7 +59,7 @@ cat "$OUT/device.json" >&2; echo >&2
 
 if [ "$SMALL" = 1 ]; then
   part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/unit/trainer/test_device.py \
-      tests/unit/rollout/engine/test_decode_graphs.py
+      tests/unit/engine/test_decode_graphs.py
 else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack),
   # among them tests/unit/sync/test_broadcast_backend.py (the broadcast transport from and into GPU memory)
   part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)

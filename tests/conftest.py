@@ -78,7 +78,7 @@ def base_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def engine_proc(base_model_dir, admin_token):
     """An engine in its own process, as in a real deployment."""
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     with EngineProcess(base_model_dir, admin_token=admin_token) as proc:
         yield proc
@@ -87,8 +87,8 @@ def engine_proc(base_model_dir, admin_token):
 @pytest.fixture(scope="module")
 def engine_thread(base_model_dir, admin_token):
     """An engine served from a thread of the test process (start_server_thread)."""
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=admin_token))
     yield server

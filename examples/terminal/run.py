@@ -93,7 +93,7 @@ async def _episodes(url: str, model_dir: str, samples: int):
 
 
 def model_rewards(model_dir: str, samples: int) -> dict[str, float]:
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     with EngineProcess(model_dir) as engine:
         episodes = asyncio.run(_episodes(engine.url, model_dir, samples))

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     import httpx
 
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     per_turn: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # prompt tokens, cached tokens
     with EngineProcess(a.model, extra_args=["--prefix-block-size", str(a.block_size)]) as engine:

@@ -20,7 +20,7 @@ SERVER_INFO_KEY = "miles_extensions"
 # The miles extensions every built-in engine in miles mode has, besides its transports' (their
 # Receivers' `extension`).
 # lora_default: a /generate request that names no adapter (lora_path) uses the most recently loaded
-# one, where SGLang uses the base model (rollout/engine/lora.py); it adds no route or field.
+# one, where SGLang uses the base model (engine/lora.py); it adds no route or field.
 # device_digest: checksums of weights on a GPU computed there (sync/verify.py's sum64), not on the host.
 BASE_EXTENSIONS = ("staged_commit", "flattened_small", "checked_weights", "engine_load", "lora_default",
                    "device_digest")

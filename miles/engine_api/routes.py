@@ -4,7 +4,7 @@ An engine speaking the contract serves SGLang's HTTP API (the built-in engine, a
 a router in front of either); miles' extensions add routes and fields (extensions.py). These are the
 paths the rest of miles calls through EngineClient; the weight routes each transport uses are in its
 own module (sync/transports/), the routes a router adds for its workers at the end.
-Non-goal: serving them (rollout/engine/server.py, rollout/router/app.py).
+Non-goal: serving them (engine/server.py, rollout/router/app.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One frozen dataclass on both ends of /generate: a client builds it and sends `to_json()` (SGLang's
 `sampling_params` object), the engine parses that body back into one (parsing.parse_sampling_params).
-Non-goal: the sampling itself (the built-in engine's rollout/engine/sampler.py).
+Non-goal: the sampling itself (the built-in engine's engine/sampler.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class GenerateRequest:
     # prompt's tokens from position k on (input_token_logprobs).
     logprob_start_len: int = -1
     # The LoRA adapter the request named (SGLang's lora_path), a lora.Adapter; None: the engine's
-    # default. Typed loosely: adapters are the built-in engine's (rollout/engine/lora.py), above this contract.
+    # default. Typed loosely: adapters are the built-in engine's (engine/lora.py), above this contract.
     adapter: object | None = field(default=None, compare=False)
     # A vision-language request's images (the built-in engine's multimodal.ServedImage), in the order
     # of their keys in input_ids; holding them keeps their pixels until the request is done.

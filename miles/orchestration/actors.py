@@ -18,7 +18,7 @@ from miles.orchestration.faults import damage_delta
 from miles.orchestration.lease import Lease
 from miles.orchestration.placement import pin_current_process
 from miles.orchestration.ray_cluster import node_address
-from miles.rollout.engine.server import start_server_thread
+from miles.engine.server import start_server_thread
 from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
 

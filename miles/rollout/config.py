@@ -26,7 +26,7 @@ from miles.data.prompts import TaskConfig
 from miles.registry import RegistryError, load_attr
 from miles.rewards.config import RewardConfig
 from miles.rewards.contract import load_components
-from miles.rollout.engine.config import EngineConfig
+from miles.engine.config import EngineConfig
 from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")

@@ -7,7 +7,7 @@ casts each layer's float32 shards to bfloat16 for the forward and backward and r
 float32 (MixedPrecisionPolicy). Weights leave the trainer through host memory (HOST), which every
 transport reads; on a CPU trainer that costs nothing.
 
-Non-goals: device placement of engines (rollout/engine); docs/scaling.md says what has run where.
+Non-goals: device placement of engines (engine/); docs/scaling.md says what has run where.
 """
 
 from __future__ import annotations

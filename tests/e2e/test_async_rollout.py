@@ -19,8 +19,8 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=tiny_model_dir, num_threads=1, admin_token=TOKEN))
     yield server

@@ -204,7 +204,7 @@ def test_engines_started_outside_the_run_keep_their_router_through_a_killed_driv
     """rollout.engine_urls: the engines and the router outlive the driver's process group, so the
     router keeps serving them (/health 200, both active); `--resume` adopts both, continues the engines
     the dead driver may have left paused, pushes them the checkpoint's weights, and the run completes."""
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     token = "outside-token"
     with contextlib.ExitStack() as stack:

@@ -74,7 +74,7 @@ def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, en
     """A short `miles train` on one engine the run did not start, through a recording proxy; returns
     (what miles sent, the engine's /get_server_info, its weight version at the end)."""
     from miles.orchestration.driver import run_train
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     flag = ["--sglang-only", "true" if sglang_only else "false", *engine_args]
     with EngineProcess(model_dir, admin_token=TOKEN, extra_args=flag) as engine:
@@ -152,8 +152,8 @@ def test_in_miles_mode_every_departure_from_sglang_is_an_advertised_extension(sg
 
 
 def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sglang, base_model_dir, tmp_path):
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=TOKEN, sglang_only=True))
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -191,8 +191,8 @@ def test_lora_adapter_sync_and_lora_routes_follow_sglangs_protocol(sglang, base_
     """What lora.sync = "adapter" sends (two pushes, through a recording proxy) departs from SGLang's
     protocol only by advertised extensions; a /generate naming the adapter (lora_path) is SGLang's
     request; SGLang-only engines answer the LoRA routes with SGLang's status codes."""
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.engine_api.extensions import EXTENSION_SURFACE
     from miles.sync.adapter import AdapterSync
     from miles.trainer.lora import LoraConfig, adapter_tensors, apply_lora
@@ -253,8 +253,8 @@ def test_vision_language_requests_follow_sglangs_protocol(sglang, tiny_vl_model_
 
     import datasets
 
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from tests.helpers.images import png
 
     colours = ["red", "blue", "green", "white"] * 3

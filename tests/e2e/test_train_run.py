@@ -46,7 +46,7 @@ def test_run_on_engines_started_outside_the_run(tiny_model_dir, tmp_path, ray_cl
     import httpx
 
     from miles.orchestration.driver import run_train
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     with EngineProcess(tiny_model_dir, admin_token="outside-token") as engine:
         monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", "outside-token")
@@ -73,7 +73,7 @@ def test_a_run_routes_around_a_killed_external_engine_and_readmits_it_after_its_
 
     from miles.orchestration import sync_loop
     from miles.orchestration.driver import run_train
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     def engine(port: int = 0) -> EngineProcess:
         return EngineProcess(tiny_model_dir, port=port, admin_token="outside-token",

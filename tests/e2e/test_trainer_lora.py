@@ -41,7 +41,7 @@ def test_lora_merged_sync_leaves_the_trainers_merged_weights_on_the_engine(tiny_
     from miles.models.loading import load_model
     from miles.orchestration.actors import EngineShell, remote
     from miles.orchestration.trainer_group import TrainerGroup
-    from miles.rollout.engine.config import EngineConfig
+    from miles.engine.config import EngineConfig
     from miles.sync.prepare import SyncConfig
     from miles.sync.verify import dtype_name, tensor_checksum, unique_tensors
     from miles.trainer.config import TrainerConfig
@@ -93,7 +93,7 @@ def test_lora_adapter_sync_serves_the_adapter_version_the_trainer_pushed(tiny_mo
     from miles.models.loading import load_model
     from miles.orchestration.actors import EngineShell, remote
     from miles.orchestration.trainer_group import TrainerGroup
-    from miles.rollout.engine.config import EngineConfig
+    from miles.engine.config import EngineConfig
     from miles.sync.prepare import SyncConfig
     from miles.trainer.config import TrainerConfig
     from miles.trainer.types import TrainSequence

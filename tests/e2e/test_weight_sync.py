@@ -13,7 +13,7 @@ def test_engine_matches_trainer_after_update(tiny_model_dir, tmp_path, ray_clust
 
     from miles.orchestration.actors import EngineShell, remote
     from miles.orchestration.trainer_group import TrainerGroup
-    from miles.rollout.engine.config import EngineConfig
+    from miles.engine.config import EngineConfig
     from miles.sync.prepare import SyncConfig
     from miles.trainer.config import TrainerConfig
     from miles.trainer.forward import token_logprobs

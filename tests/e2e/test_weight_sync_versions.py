@@ -24,8 +24,8 @@ def _generate(url: str, n: int) -> dict:
 
 def test_generation_across_an_update_reports_both_versions(tiny_model_dir):
     from miles.models.loading import load_model
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.sync.prepare import SyncConfig
     from miles.sync.updater import WeightUpdater
     from miles.sync.verify import unique_tensors

@@ -14,7 +14,7 @@ import pytest
 import miles
 from miles.net import LOOPBACK, ServerProcess, ServerThread, bind, is_loopback, url_of
 from miles.orchestration.ray_cluster import LOCAL_NODE_ADDRESS
-from miles.rollout.engine.server import parse_args as serve_args
+from miles.engine.server import parse_args as serve_args
 from miles.rollout.router.app import parse_args as router_args
 
 

@@ -3,7 +3,7 @@
 A transport is one class, registered in TRANSPORTS (transports/__init__.py), whose instances are the
 trainer's Sender. The class also carries its `Config` (a SyncConfig subclass with the transport's own
 settings, chosen by `sync.transport`) and its `Receiver` (the engine's end: the routes and state this
-transport adds to the engine's shared staging and commit, rollout/engine/weight_receiver.py). Every
+transport adds to the engine's shared staging and commit, engine/weight_receiver.py). Every
 built-in engine mounts the Receivers of the transports registered in TRANSPORTS; a user's transport
 given as `module:Class` either rides on those routes (Receiver = None) or is registered in the
 engine's process too. Adding a built-in transport is one file plus one TRANSPORTS line.

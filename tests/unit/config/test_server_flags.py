@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout.engine.server import parse_args as serve_args
+from miles.engine.server import parse_args as serve_args
 from miles.rollout.router.app import parse_args as router_args
 
 

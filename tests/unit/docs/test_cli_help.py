@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("torch", "transformers", "ray", "matplotlib", "wandb", "tensorboard", "safetensors")
 # Subcommands that hand their options to a module of their own (see miles/cli.py).
-DELEGATES = {"router": "miles.rollout.router", "report": "miles.metrics.report", "serve": "miles.rollout.engine.server",
+DELEGATES = {"router": "miles.rollout.router", "report": "miles.metrics.report", "serve": "miles.engine.server",
              "sessions": "miles.rollout.sessions.server"}
 HELP = """
 import json, sys

@@ -51,8 +51,8 @@ def test_generate_example_runs_against_a_real_engine(examples, tiny_model_dir):
     from miles.rollout.config import AgentConfig
     from miles.rollout.generate import GenerateContext, get_generate_fn
     from miles.data.prompts import Prompt
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams
     from miles.models.loading import load_tokenizer
 

@@ -15,8 +15,8 @@ from miles.rollout.config import RolloutConfig
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=tiny_model_dir))
     yield server

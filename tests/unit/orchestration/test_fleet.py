@@ -68,7 +68,7 @@ def _running_fleet(model_dir, engines, start, sync_cfg=None):
 
 
 def _engine_process(model_dir, port: int = 0):
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     return EngineProcess(model_dir, port=port, admin_token=TOKEN, extra_args=["--num-threads", "1"])
 
@@ -344,7 +344,7 @@ def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_m
 
     from miles.orchestration.faults import FaultConfig, FaultInjector
     from miles.orchestration.fleet import EngineFleet, EngineHandle
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
     from miles.rollout.liveness import HealthConfig
     from miles.rollout.router import RouterConfig, start_router_thread
     from miles.sync import verify

@@ -46,7 +46,7 @@ def test_an_engine_actor_whose_lease_nobody_renews_stops_serving(tiny_model_dir,
     import ray
 
     from miles.orchestration.actors import EngineShell, remote
-    from miles.rollout.engine.config import EngineConfig
+    from miles.engine.config import EngineConfig
 
     engine = remote(EngineShell).remote(EngineConfig(model_path=tiny_model_dir), None, 3.0)
     url = ray.get(engine.url.remote())

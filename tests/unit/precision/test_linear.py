@@ -9,7 +9,7 @@ from miles.models.loading import load_model
 from miles.precision import linear
 from miles.precision.formats import dequantize, quantize
 from miles.precision.linear import QuantizedLinear, drop_stored, quantize_linears
-from miles.rollout.engine.config import EngineConfig
+from miles.engine.config import EngineConfig
 from miles.trainer.config import TrainerConfig
 
 

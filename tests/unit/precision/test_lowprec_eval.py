@@ -8,8 +8,8 @@ import json
 import httpx
 
 from benchmarks import lowprec
-from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.server import start_server_thread
+from miles.engine.config import EngineConfig
+from miles.engine.server import start_server_thread
 from miles.data.tasks.contract import Problem
 
 PROMPTS = ["07+38=", "91-45=", "33+33="]

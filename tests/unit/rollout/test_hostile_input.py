@@ -30,7 +30,7 @@ SURROGATE = b'{"text": "\\ud800 hi"}'
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
     """(engine url, router url, session server url), all on loopback, engine and router with a token."""
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
     from miles.rollout.sessions.server import start_session_server
     from miles.rollout.router import RouterConfig, start_router_thread
 

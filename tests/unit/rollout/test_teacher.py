@@ -15,8 +15,8 @@ from miles.buffer.types import Sample
 from miles.config import ConfigError, load_config
 from miles.engine_api.client import EngineClient
 from miles.run_config import RunConfig
-from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.server import start_server_thread
+from miles.engine.config import EngineConfig
+from miles.engine.server import start_server_thread
 from miles.rollout.teacher import TeacherScorer, check_served_teacher
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.server import start_server_thread
+from miles.engine.config import EngineConfig
+from miles.engine.server import start_server_thread
 from miles.sync.adapter import AdapterSync
 from miles.sync.transports.base import TransportError
 from miles.trainer.lora import LoraConfig, adapter_tensors, apply_lora, save_adapter

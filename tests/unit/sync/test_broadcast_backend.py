@@ -30,8 +30,8 @@ TRAINER = Member("the trainer", "cuda", GPU0)
 @pytest.fixture(scope="module")
 def cpu_engine(base_model_dir, admin_token):
     """An engine that computes on the CPU whatever the machine has."""
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=admin_token, device="cpu"))
     yield server
@@ -165,7 +165,7 @@ def test_on_cpu_auto_runs_on_gloo_from_host_memory_verified(cpu_engine, base_mod
 
 def test_the_senders_group_is_keyed_as_sglangs_so_a_member_built_by_sglangs_helper_receives():
     """The other half of the key layout (the built-in engine receiving from a trainer that builds its
-    group with the same helper) is tests/unit/rollout/engine/test_weight_receiver.py's RawTrainer."""
+    group with the same helper) is tests/unit/engine/test_weight_receiver.py's RawTrainer."""
     import datetime
     import threading
 
@@ -248,7 +248,7 @@ def test_cuda_one_gpu_buckets_go_from_a_device_buffer_into_the_engines_device_ve
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cuda_two_gpus_a_real_nccl_push_from_the_trainers_gpu_into_an_engine_on_another(base_model_dir, admin_token):
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}  # the engine's own GPU; this process sends from GPU 0
     torch.cuda.set_device(0)

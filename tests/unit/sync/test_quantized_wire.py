@@ -17,8 +17,8 @@ import torch
 from miles.precision import linear, wire
 from miles.precision.formats import get_format, quantize
 from miles.precision.linear import InFormat
-from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.server import start_server_thread
+from miles.engine.config import EngineConfig
+from miles.engine.server import start_server_thread
 from miles.sync.prepare import SyncConfig
 from miles.sync.transports.disk_delta import DiskDeltaConfig
 from miles.sync.updater import WeightUpdater

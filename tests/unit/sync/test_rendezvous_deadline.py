@@ -18,8 +18,8 @@ DEADLINE_S = 4.0
 
 @pytest.fixture(scope="module")
 def quick_engine(base_model_dir, admin_token):
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=base_model_dir, admin_token=admin_token,
                                               weight_update_timeout_s=DEADLINE_S))

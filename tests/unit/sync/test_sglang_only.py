@@ -13,8 +13,8 @@ import torch
 from miles.config.loader import load_config
 from miles.engine_api.errors import InvalidRequest
 from miles.run_config import RunConfig
-from miles.rollout.engine.config import EngineConfig
-from miles.rollout.engine.server import start_server_thread
+from miles.engine.config import EngineConfig
+from miles.engine.server import start_server_thread
 from miles.sync.transports import TransportError
 from miles.sync.updater import MixedVersions, WeightUpdater
 from miles.sync.verify import VerificationError

@@ -39,7 +39,7 @@ def _owner() -> tuple[subprocess.Popen, str]:
 
 def test_the_fleet_leaves_dev_shm_clean_after_sigkilling_an_engine(tiny_model_dir):
     from miles.orchestration.fleet import EngineHandle
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     proc = EngineProcess(tiny_model_dir, admin_token=TOKEN, extra_args=["--num-threads", "1"])
     engine = EngineHandle(proc.url, proc.proc.pid, proc.stop)

@@ -22,8 +22,8 @@ def gloo():
 def greedy_samples(model_dir: str, n: int = 6) -> list:
     import httpx
 
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
 
     server = start_server_thread(EngineConfig(model_path=model_dir, dtype="float32"))

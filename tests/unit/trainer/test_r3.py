@@ -29,8 +29,8 @@ def rollout(model_dir: str, dtype: str, n: int = 12, routed: bool = False) -> li
     """Samples from an engine of `dtype` via the rollout's generate function."""
     import httpx
 
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.rollout.generate import SamplingParams, generate
 
     server = start_server_thread(EngineConfig(model_path=model_dir, dtype=dtype))
@@ -192,8 +192,8 @@ def test_a_reply_without_the_asked_for_routed_experts_fails_the_sample():
 def test_rollout_manager_keeps_routed_experts_through_the_buffer_to_train_sequences(tiny_moe_model_dir):
     from miles.buffer.data_buffer import BufferConfig
     from miles.models.moe import decode_routed_experts
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
     from miles.rollout.config import RolloutConfig
     from miles.rollout.manager import RolloutManager
     from miles.trainer.algorithms import AlgorithmConfig, get_algorithm

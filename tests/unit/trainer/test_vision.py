@@ -30,8 +30,8 @@ def gloo():
 @pytest.fixture(scope="module")
 def rollouts(tiny_vl_model_dir) -> list[TrainSequence]:
     """Sequences sampled by the built-in engine: one image, two images of different sizes, text only."""
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.engine import Engine
+    from miles.engine.config import EngineConfig
+    from miles.engine.engine import Engine
 
     engine = Engine(EngineConfig(model_path=tiny_vl_model_dir))
     tok, vision = load_tokenizer(tiny_vl_model_dir), load_vision(tiny_vl_model_dir)
@@ -79,8 +79,8 @@ def test_the_vision_tower_trains_only_when_asked(tiny_vl_model_dir, gloo, rollou
 def test_a_sampled_image_token_is_text_in_training_as_in_the_engine(tiny_vl_model_dir, gloo, rollouts):
     """A response may hold the image token itself; the engine feeds it back as text, so must the
     trainer (it is no image: the model's own forward would take it for one and fail)."""
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.engine import Engine
+    from miles.engine.config import EngineConfig
+    from miles.engine.engine import Engine
 
     vision = load_vision(tiny_vl_model_dir)
     seq = rollouts[0]

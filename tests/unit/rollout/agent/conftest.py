@@ -21,7 +21,7 @@ def agent_tokenizer(agent_model_dir):
 
 @pytest.fixture(scope="session")
 def agent_engine_url(agent_model_dir):
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     with EngineProcess(agent_model_dir) as proc:
         yield proc.url

@@ -114,8 +114,8 @@ def test_episode_keeps_the_routed_experts_of_its_whole_history(tiny_moe_model_di
     cover every token of the episode the engine was fed."""
     from miles.models.loading import load_tokenizer
     from miles.models.moe import decode_routed_experts
-    from miles.rollout.engine.config import EngineConfig
-    from miles.rollout.engine.server import start_server_thread
+    from miles.engine.config import EngineConfig
+    from miles.engine.server import start_server_thread
 
     server = start_server_thread(EngineConfig(model_path=tiny_moe_model_dir))
     tok = load_tokenizer(tiny_moe_model_dir)

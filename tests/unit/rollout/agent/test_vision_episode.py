@@ -18,7 +18,7 @@ from miles.models.loading import load_tokenizer, load_vision
 from miles.net import free_port
 from miles.rollout.agent.episode import run_episode
 from miles.rollout.config import AgentConfig
-from miles.rollout.engine.process import EngineProcess
+from miles.engine.process import EngineProcess
 from miles.rollout.generate import GenerationError, SamplingParams
 from miles.trainer.config import TrainerConfig
 from miles.trainer.trainer import Trainer

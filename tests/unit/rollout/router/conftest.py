@@ -9,7 +9,7 @@ import pytest
 def engines(tiny_model_dir):
     from concurrent.futures import ThreadPoolExecutor
 
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
 
     with ThreadPoolExecutor(2) as pool:  # start both at once: each spends seconds importing torch
         futures = [pool.submit(EngineProcess, tiny_model_dir) for _ in range(2)]

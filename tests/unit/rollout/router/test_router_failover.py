@@ -22,7 +22,7 @@ def _wait(pred, timeout=30):
 
 
 def test_killed_engine_is_quarantined_and_readmitted(tiny_model_dir, engines):
-    from miles.rollout.engine.process import EngineProcess
+    from miles.engine.process import EngineProcess
     from miles.rollout.router import RouterProcess
 
     victim = EngineProcess(tiny_model_dir)

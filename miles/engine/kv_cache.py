@@ -1,0 +1,225 @@
+"""The running batch's KV cache: one dense key/value pair per layer, every row aligned on the right.
+
+Layout. Each layer holds keys and values of shape (B, H, L, D). Row b's real tokens are the columns
+where `mask[b]` is 1; rows are right-aligned, so a decode step writes every row's new token into the
+same new column L. Shorter rows are padded on the left with zero columns the mask hides.
+  * growth: a decode step appends one column. Layers write it into spare capacity (GrowingLayer)
+    rather than re-concatenating the whole batch's KV at every step.
+  * merging: freshly prefilled rows join the batch, left-padding whichever side is shorter.
+  * compaction: dropping rows selects the rest and cuts leading columns that are padding for every
+    remaining row, so L does not keep the length of the longest prompt that ever passed through.
+  * prefix cache (prefix_cache.py): `row_kv` reads one row's real KV out for an insert;
+    `load_prefixes` writes cached prefixes into a fresh cache before a prefill computes the rest.
+BatchKV keeps the per-row tensors of the running batch aligned with each other; which row is which
+request is the model runner's business.
+
+Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
+many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
+rows x the longest reservation).
+Non-goals: paged attention (block tables), sliding-window or linear-attention layers (refused by
+`check_layout`), moving KV between devices.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from miles.config.loader import ConfigError
+from miles.devices import total_memory
+from miles.engine.prefix_cache import Match, PrefixCache
+
+
+class GrowingLayer(DynamicLayer):
+    """DynamicLayer appends by torch.cat, copying the whole batch's KV at every decode step; this one
+    writes the new columns into spare capacity and hands attention a view. Assigning `keys`/`values`
+    (as merging and compacting do) replaces the buffer."""
+
+    def __init__(self, **kwargs):
+        self._k = self._v = None  # (B, H, capacity, D); columns [0, _len) are in use
+        self._len = 0
+        super().__init__(**kwargs)
+
+    @property
+    def keys(self):
+        return None if self._k is None else self._k[:, :, :self._len]
+
+    @keys.setter
+    def keys(self, t):
+        self._k = t
+        self._len = 0 if t is None else t.shape[-2]
+
+    @property
+    def values(self):
+        return None if self._v is None else self._v[:, :, :self._len]
+
+    @values.setter
+    def values(self, t):
+        self._v = t
+        self._len = 0 if t is None else t.shape[-2]
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        B, H, _, D = key_states.shape
+        self.keys = key_states.new_zeros((B, H, 0, D))
+        self.values = value_states.new_zeros((B, H, 0, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` columns in all, so appends up to it copy nothing already held."""
+        L = self._len
+        if capacity <= self._k.shape[-2]:
+            return
+        k, v = self._k, self._v
+        self._k = k.new_empty(k.shape[:2] + (capacity, k.shape[3]))
+        self._v = v.new_empty(v.shape[:2] + (capacity, v.shape[3]))
+        self._k[:, :, :L] = k[:, :, :L]
+        self._v[:, :, :L] = v[:, :, :L]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        L, n = self._len, key_states.shape[-2]
+        if L + n > self._k.shape[-2]:
+            # Half again as much headroom: a long decode reallocates O(log L) times, not every step.
+            self.reserve(L + n + max(64, L // 2))
+        self._k[:, :, L:L + n] = key_states
+        self._v[:, :, L:L + n] = value_states
+        self._len = L + n
+        return self.keys, self.values
+
+
+def new_cache(model_config) -> DynamicCache:
+    """An empty HF DynamicCache whose layers append in place into buffers with headroom."""
+    cache = DynamicCache(config=model_config)
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
+
+
+def check_layout(model_config) -> None:
+    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers only."""
+    for layer in DynamicCache(config=model_config).layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(
+                f"the built-in engine batches with plain full-attention KV caches, but this model uses "
+                f"{type(layer).__name__} (sliding-window or linear attention); serve it with SGLang instead")
+
+
+def bytes_per_token(model) -> int:
+    """Bytes of keys and values one token takes across all layers."""
+    c = model.config
+    c = getattr(c, "get_text_config", lambda: c)()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize
+
+
+def tokens_in(megabytes: float, model) -> int:
+    """How many tokens of this model's KV fit in `megabytes`."""
+    return int(megabytes * 2**20) // bytes_per_token(model)
+
+
+def budget_tokens(model, device, fraction: float, prefix_cache_mb: float, context_length: int) -> int:
+    """Tokens of running-batch KV an engine may hold within `fraction` of `device`'s memory, after its
+    weights and its prefix cache. Refuses (ConfigError) an engine that could not hold its weights and one
+    full-context sequence: it would fail mid-run rather than at start."""
+    total = total_memory(device)
+    budget = fraction * total
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    gib = 2**30
+    fix = ("raise rollout.engine.memory_fraction, serve in a smaller dtype (rollout.engine.dtype = 'bfloat16'), "
+           "lower prefix_cache_mb or context_length, or use a device with more memory")
+    if weights > budget:
+        raise ConfigError(f"engine: the model's weights take {weights / gib:.2f} GiB, more than memory_fraction = "
+                          f"{fraction:g} of the {device} device's {total / gib:.2f} GiB ({budget / gib:.2f} GiB): {fix}")
+    per_token = bytes_per_token(model)
+    tokens = int(budget - weights - prefix_cache_mb * 2**20) // per_token
+    if tokens < context_length:
+        raise ConfigError(f"engine: after its weights ({weights / gib:.2f} GiB) and prefix cache ({prefix_cache_mb:g} MiB), "
+                          f"memory_fraction = {fraction:g} of the {device} device's {total / gib:.2f} GiB leaves KV for "
+                          f"{max(tokens, 0)} tokens, fewer than one sequence of context_length = {context_length}: {fix}")
+    return tokens
+
+
+def row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of row i's real tokens [a, b), each (layers, H, b - a, D); mask is (B, L)."""
+    cols = mask[i].nonzero().squeeze(1)[a:b]
+    return (torch.stack([layer.keys[i][:, cols] for layer in cache.layers]),
+            torch.stack([layer.values[i][:, cols] for layer in cache.layers]))
+
+
+def load_prefixes(cache, hits: list[Match], cached: list[int], M: int) -> None:
+    """Fill an empty `cache` with each row's cached prefix (cached[i] tokens of hits[i]), right-aligned
+    at column M; rows with nothing cached get zero columns there."""
+    K = V = None
+    for i, (h, c) in enumerate(zip(hits, cached)):
+        if not c:
+            continue
+        k, v = PrefixCache.gather(h)  # (layers, H, c, D)
+        if K is None:
+            shape = (k.shape[0], len(hits), k.shape[1], M, k.shape[3])
+            K, V = k.new_zeros(shape), v.new_zeros(shape)  # (layers, R, H, M, D)
+        K[:, i, :, M - c:] = k
+        V[:, i, :, M - c:] = v
+    for layer_idx in range(K.shape[0]):
+        cache.update(K[layer_idx], V[layer_idx], layer_idx)
+
+
+class BatchKV:
+    """The running batch's per-row tensors, kept aligned row for row: its KV, its attention mask, each
+    row's next position and next input token. Empty (all None) when no row is running."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = None  # DynamicCache of GrowingLayers, each (B, H, L, D)
+        self.mask: torch.Tensor | None = None  # (B, L) 1 = real token
+        self.next_pos: torch.Tensor | None = None  # (B,) position of the next input token
+        self.last_tokens: torch.Tensor | None = None  # (B,) next input token
+
+    def merge(self, cache, mask: torch.Tensor, lens: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Append rows (a prefill's cache, mask (R, L'), prompt lengths (R,), first tokens (R,)) below
+        the running ones, left-padding whichever side is shorter."""
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
+            self.next_pos, self.last_tokens = lens.clone(), tokens
+            return
+        L_old, L_new = self.mask.shape[1], mask.shape[1]
+        L = max(L_old, L_new)
+        for old, new in zip(self.cache.layers, cache.layers):
+            # One assignment: setting keys alone would change the length the values view is cut to.
+            old.keys, old.values = (
+                torch.cat([_left_pad(old.keys, L - L_old), _left_pad(new.keys, L - L_new)], dim=0),
+                torch.cat([_left_pad(old.values, L - L_old), _left_pad(new.values, L - L_new)], dim=0))
+        self.mask = torch.cat([_left_pad(self.mask, L - L_old), _left_pad(mask, L - L_new)], dim=0)
+        self.next_pos = torch.cat([self.next_pos, lens])
+        self.last_tokens = torch.cat([self.last_tokens, tokens])
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (non-empty, in order). Copies the whole batch's KV."""
+        idx = torch.tensor(keep, device=self.mask.device)
+        mask = self.mask[idx]
+        # Drop leading columns that are padding for every remaining row, so the cache does not grow
+        # with the longest prompt that ever passed through.
+        start = int(mask.any(dim=0).nonzero()[0])
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+        self.mask = mask[:, start:]
+        self.next_pos = self.next_pos[idx]
+        self.last_tokens = self.last_tokens[idx]
+
+    def row_kv(self, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return row_kv(self.cache, self.mask, i, a, b)
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Pad `n` zeros in front of the sequence dim: -2 for (B, H, L, D) caches, -1 for (B, L) masks."""
+    if n == 0:
+        return t
+    dim = -2 if t.dim() == 4 else -1
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
