@@ -11,7 +11,7 @@ from miles.config.loader import ConfigError
 from miles.devices import check_name
 from miles.net import DEFAULT_MAX_BODY_MB, LOOPBACK, check_admin_exposure
 from miles.precision.types import FORMATS
-from miles.rollout.sessions.tool_calls import TOOL_PARSERS
+from miles.engine_api.tool_calls import TOOL_PARSERS
 
 FAST_DECODE = ("auto", "on", "off")
 

@@ -26,13 +26,13 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from miles.rollout.sessions.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
+from miles.engine_api.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, completion_body, \
     parse_request, render_prompt, sse_event, tools_of
 from miles.engine_api import bodies, parsing
 from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.engine.streaming import TokenDelta, stream
-from miles.rollout.sessions.schema import ChatCompletionRequest
-from miles.rollout.sessions.tool_calls import ParsedTurn, get_tool_parser
+from miles.engine_api.chat_schema import ChatCompletionRequest
+from miles.engine_api.tool_calls import ParsedTurn, get_tool_parser
 
 # What a refused field means here (pydantic's own words say what it expected).
 HINTS = {

@@ -27,7 +27,7 @@ from miles.registry import RegistryError, load_attr
 from miles.rewards.config import RewardConfig
 from miles.rewards.contract import load_components
 from miles.engine.config import EngineConfig
-from miles.rollout.sessions.tool_calls import TOOL_PARSERS
+from miles.engine_api.tool_calls import TOOL_PARSERS
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 SANDBOX_BACKENDS = ("auto", "root", "rootless")

@@ -11,7 +11,7 @@ chat messages, with tools if it likes:
     the engine's output ids are kept as returned. Nothing is ever re-rendered, so a template that
     rewrites history (Qwen3 drops earlier <think> blocks) cannot make the recorded ids drift.
 A request that rewrites history is refused with 400 rather than silently re-tokenized. The model's
-text is split into `content` and `tool_calls` by a parser chosen per model family (tool_calls.py);
+text is split into `content` and `tool_calls` by a parser chosen per model family (engine_api/tool_calls.py);
 `finish_reason` is "tool_calls" when it wrote any. The session's trajectory
 (`GET /sessions/<id>/trajectory`, or `Session.to_sample()`) has loss mask 1 on model tokens, 0 on
 the rest, one logprob per model token and one weight version per model turn. A session made for a
@@ -21,11 +21,10 @@ trainer's logprobs assume them.
 
     server.py           the HTTP routes, start_session_server, `miles sessions`
     store.py            Session, SessionStore: the exact-token bookkeeping of each conversation
-    chat_completion.py  one chat turn, whatever serves it: request parsing, the first rendering, the
-                        OpenAI bodies and stream chunks (shared with the engine's stateless
-                        /v1/chat/completions, engine/openai_routes.py)
-    schema.py           the request bodies as typed pydantic models
-    tool_calls.py       TOOL_PARSERS: how each model family writes tool calls
+
+One chat turn as the engine API defines it (request parsing, the first rendering, OpenAI bodies and
+stream chunks, the request schema, the tool-call parsers) lives in engine_api/ (chat_completion.py,
+chat_schema.py, tool_calls.py), shared with the built-in engine's stateless /v1/chat/completions.
 
 This package's modules import FastAPI and httpx; nothing is imported here, so reading the tool-parser
 registry (run config checks) stays light. Non-goals: n > 1 (refused: one session is one trajectory),

@@ -33,9 +33,9 @@ from miles.registry import RegistryError
 from miles.engine_api.bodies import openapi_body
 from miles.engine_api.parsing import parse_json
 from miles.engine_api.errors import InvalidRequest
-from miles.rollout.sessions.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, \
+from miles.engine_api.chat_completion import SSE_DONE, Completion, RequestRefused, TurnStream, \
     completion_body, parse_request, sse_event
-from miles.rollout.sessions.schema import RESPONSES_HINTS, ChatCompletionRequest, CreateSessionRequest, \
+from miles.engine_api.chat_schema import RESPONSES_HINTS, ChatCompletionRequest, CreateSessionRequest, \
     ResponsesRequest
 from miles.rollout.sessions.store import Session, SessionError, SessionStore, call_id, completion_id
 

@@ -6,7 +6,7 @@ send the conversation back unchanged and may append tool or user turns, of which
 suffix is rendered (ChatFormat.suffix_ids) and tokenized. A reply is committed only after the engine
 answered, so a failed call leaves the session as it was; a session made for a training run enforces
 its budget (SessionLimits) and samples under the run's settings.
-Non-goals: HTTP (server.py), parsing request bodies (chat_completion.py), n > 1.
+Non-goals: HTTP (server.py), parsing request bodies (engine_api/chat_completion.py), n > 1.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from miles.buffer.types import Sample, SampleStatus
 from miles.data.chat import ChatFormat
 from miles.engine_api.client import EngineClient
 from miles.rollout.generate import versions_of
-from miles.rollout.sessions.chat_completion import Completion, RequestRefused, arguments, render_prompt, \
+from miles.engine_api.chat_completion import Completion, RequestRefused, arguments, render_prompt, \
     template_message, tools_of
-from miles.rollout.sessions.schema import ChatCompletionRequest, ChatMessage
-from miles.rollout.sessions.tool_calls import ParsedTurn, get_tool_parser
+from miles.engine_api.chat_schema import ChatCompletionRequest, ChatMessage
+from miles.engine_api.tool_calls import ParsedTurn, get_tool_parser
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 

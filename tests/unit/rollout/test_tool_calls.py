@@ -7,7 +7,7 @@ import json
 import pytest
 
 from miles.registry import RegistryError
-from miles.rollout.sessions.tool_calls import TOOL_PARSERS, ParsedTurn, get_tool_parser
+from miles.engine_api.tool_calls import TOOL_PARSERS, ParsedTurn, get_tool_parser
 
 
 def test_hermes_parser_takes_calls_out_and_keeps_the_rest_as_content():
@@ -28,8 +28,8 @@ def test_parser_registry_names_the_choices_and_takes_user_parsers():
     with pytest.raises(RegistryError, match="hermes"):
         get_tool_parser("mistral-ish")
     with pytest.raises(RegistryError, match="lacks \\['parse'\\]"):
-        TOOL_PARSERS.get("miles.rollout.sessions.tool_calls:ParsedCall")
-    assert get_tool_parser("miles.rollout.sessions.tool_calls:NoParser").parse("<tool_call>{}</tool_call>").calls == ()
+        TOOL_PARSERS.get("miles.engine_api.tool_calls:ParsedCall")
+    assert get_tool_parser("miles.engine_api.tool_calls:NoParser").parse("<tool_call>{}</tool_call>").calls == ()
 
 
 def test_llama3_json_parser_reads_a_bare_call_object():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from miles.rollout.sessions.schema import FIELD_HINTS, ChatCompletionRequest, ChatMessage
+from miles.engine_api.chat_schema import FIELD_HINTS, ChatCompletionRequest, ChatMessage
 
 
 class RequestRefused(ValueError):
