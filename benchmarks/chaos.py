@@ -13,10 +13,11 @@ the same points):
   reward_worker   SIGKILL a reward pool worker; the pool is replaced and its calls made again
                   (fault.kill_reward_worker_at_steps)
   router          SIGKILL the router process; it is restarted on its port (fault.kill_router_at_steps)
-  driver          this program SIGKILLs the driver's process group (`miles train`, and with it its Ray
-                  cluster) once a given step's checkpoint exists; the router (a process of its own
-                  session) must keep answering /health; then `miles train --resume RUN_DIR`, which
-                  must adopt that router
+  driver          the driver SIGKILLs its own process group (`miles train`, and with it its Ray
+                  cluster) once a given step's checkpoint is committed (fault.kill_driver_at_step: its
+                  own progress, so no later step's fault fires in it); the router (a process of its
+                  own session) must keep answering /health; then `miles train --resume RUN_DIR`,
+                  which must adopt that router
   stall           SIGSTOP a serving engine as the step's weight push starts (fault.stall_engine_at_steps);
                   every other one is sent SIGCONT --stall-resume-s later (past the push's per-call
                   deadline, so the attempt is rolled back and retried), the others never: the failed
@@ -101,7 +102,7 @@ KEYS = {"engine": "fault.kill_engine_at_steps", "reward_worker": "fault.kill_rew
         "trainer": "fault.kill_trainer_at_steps", "router": "fault.kill_router_at_steps"}
 NAMES = {"kill_engine": "engine", "kill_trainer": "trainer", "kill_reward_worker": "reward_worker",
          "kill_router": "router", "stall_engine": "stall", "corrupt_delta": "corrupt_delta",
-         "stall_engine_at_commit": "stall_commit"}
+         "stall_engine_at_commit": "stall_commit", "kill_driver": "driver"}
 KILLS = ("engine", "trainer", "reward_worker", "router", "driver")
 
 
@@ -178,9 +179,9 @@ def run_overrides(model: Path, out: Path, name: str, steps: int, seed: int, quic
     return over
 
 
-def chaos_overrides(kills: dict[str, list[int]], pushes: dict) -> dict[str, str]:
+def chaos_overrides(kills: dict[str, list[int]], pushes: dict, driver_at: int = 0) -> dict[str, str]:
     over = {"fault.restart_trainer": "true", "fault.max_trainer_restarts": str(max(1, len(kills["trainer"]))),
-            "health.standby_engines": "1", "router.own_process": "true"}
+            "fault.kill_driver_at_step": str(driver_at), "health.standby_engines": "1", "router.own_process": "true"}
     for kind, steps in kills.items():
         if steps:
             over[KEYS[kind]] = ",".join(map(str, steps))
@@ -212,13 +213,6 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _checkpoint_step(run_dir: Path) -> int:
-    try:
-        return int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
 def router_answers(run_dir: Path) -> bool:
     """Whether the run's router (RUN_DIR/router.json) answers /health, with any status."""
     record = RouterRecord.load(run_dir / RECORD)
@@ -247,14 +241,14 @@ def end_router(run_dir: Path) -> int:
     return 1
 
 
-def run(args: list[str], log: Path, timeout_s: float, kill_at: int = 0, run_dir: Path | None = None) -> dict:
-    """Run `miles train`; with kill_at, SIGKILL its process group once step kill_at's checkpoint exists.
-    Returns what happened (`router_answered`: the router answered /health after the kill)."""
+def run(args: list[str], log: Path, timeout_s: float, run_dir: Path | None = None) -> dict:
+    """Run `miles train` in a process group of its own; a driver that SIGKILLed its group
+    (fault.kill_driver_at_step, once that step's checkpoint is committed) is `killed`. Returns what
+    happened (`router_answered`: the router answered /health after the kill)."""
     t0 = time.monotonic()
     with log.open("a") as out:
         proc = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        killed = False
         try:
             while proc.poll() is None:
                 if time.monotonic() - t0 > timeout_s:
@@ -262,14 +256,12 @@ def run(args: list[str], log: Path, timeout_s: float, kill_at: int = 0, run_dir:
                     proc.wait()
                     return {"rc": None, "timed_out": True, "killed": False, "wall_s": time.monotonic() - t0,
                             "router_answered": None}
-                if kill_at and not killed and _checkpoint_step(run_dir) >= kill_at:
-                    # The driver and its process group; Ray takes down what it owned, not the router.
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    killed = True
                 time.sleep(0.2)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+    # The driver and its process group; Ray takes down what it owned, not the router.
+    killed = proc.returncode == -signal.SIGKILL and run_dir is not None and "driver" in injected(run_dir)
     answered = None
     if killed:
         time.sleep(2.0)  # past the router's first health round without the dead driver's engines
@@ -429,8 +421,8 @@ def main(argv=None) -> int:
     # The run under faults first: its figures matter most if the machine's time runs out.
     chaos_dir = out / "runs" / "chaos"
     t0 = time.monotonic()
-    first = run(_command({**overrides("chaos", args.seed), **chaos_overrides(kills, pushes)}), out / "chaos.log",
-                args.timeout, kill_at=driver_at, run_dir=chaos_dir)
+    first = run(_command({**overrides("chaos", args.seed), **chaos_overrides(kills, pushes, driver_at)}),
+                out / "chaos.log", args.timeout, run_dir=chaos_dir)
     resumed = None
     if first["killed"]:
         resumed = run(_miles("train", "--resume", str(chaos_dir)), out / "chaos.log", args.timeout)
@@ -438,8 +430,6 @@ def main(argv=None) -> int:
     left = end_router(chaos_dir)
     faults = figures.pop("faults", None) or {}
     by_kind = injected(chaos_dir)
-    if first["killed"]:
-        by_kind["driver"] = 1
     line.update({"kills": sum(n for k, n in by_kind.items() if k in KILLS), "by_kind": by_kind, **figures,
                  **push_figures([r for r in records(chaos_dir) if r["step"] > 0], pushes),
                  "engines_recovered": faults.get("recovered"), "mean_engine_recovery_s": faults.get("mean_recovery_s"),

@@ -162,6 +162,11 @@ def check_fleet(run) -> None:
     if run.fault.drop_response_prob and run.router.own_process:
         raise ConfigError("fault.drop_response_prob acts on a router in the driver's process: set "
                           "router.own_process = false, or drop_response_prob = 0")
+    at, every = run.fault.kill_driver_at_step, run.loop.save_every
+    if at and not (every and at % every == 0 and at < run.loop.num_steps):
+        raise ConfigError(f"fault.kill_driver_at_step = {at} fires once that step's checkpoint is written, and with "
+                          f"loop.save_every = {every} and loop.num_steps = {run.loop.num_steps} none is: pick a "
+                          f"step below num_steps that save_every divides")
     if run.fault.corrupt_delta_at_steps and run.sync.transport != "disk_delta":
         raise ConfigError(f"fault.corrupt_delta_at_steps damages the disk delta of a push, and sync.transport = "
                           f"{run.sync.transport!r} writes none: set sync.transport = 'disk_delta', or drop the fault")

@@ -15,6 +15,8 @@
     --fault.corrupt_delta_at_steps 9           damage the disk delta of this step's push once it is written
     --fault.stall_engine_at_commit 5           SIGSTOP a serving engine in this step's push, between the commit
                                                round's readiness check and its commit (never resumed)
+    --fault.kill_driver_at_step 2              SIGKILL the driver's process group once step 2's resumable
+                                               checkpoint is committed; `miles train --resume RUN_DIR` goes on
 
 Timed engine faults pick a serving engine at random (seeded) and are spaced by their interval; the
 health monitor (fleet.py) must find and replace each. Step-scheduled kills fire as the step's
@@ -96,6 +98,11 @@ class FaultConfig:
     """SIGSTOP a serving engine (picked by seed, on the driver's machine) in each of these steps' weight
     pushes, after every engine acknowledged the commit round's readiness and right before the commit is
     sent; never resumed. The engine is fenced: the others commit, it serves nothing and is replaced."""
+    kill_driver_at_step: int = 0
+    """SIGKILL the driver and its process group once this step's resumable checkpoint is committed
+    (0 = never; loop.save_every must save that step); `miles train --resume RUN_DIR` goes on from it. The
+    driver's own progress schedules it, so no later step starts first, and the resumed driver, which
+    starts after that checkpoint, never fires it again. The router, a process of its own, outlives it."""
     max_trainer_restarts: int = 3
     """With restart_trainer: the most restarts in one run; the failure after that ends the run."""
     seed: int = 0
@@ -104,7 +111,7 @@ class FaultConfig:
     def validate(self) -> None:
         if min(self.kill_engine_every_s, self.stall_engine_every_s, self.first_fault_after_s,
                self.delay_weight_sync_s) < 0 or self.max_engine_faults < 0 or self.kill_trainer_at_step < 0 \
-                or self.max_trainer_restarts < 0:
+                or self.kill_driver_at_step < 0 or self.max_trainer_restarts < 0:
             raise ConfigError("fault.* intervals, delays and counts must be >= 0")
         if not 0 <= self.drop_response_prob < 1:
             raise ConfigError("fault.drop_response_prob must be in [0, 1)")
@@ -120,7 +127,7 @@ class FaultConfig:
     @property
     def active(self) -> bool:
         return bool(self.kill_engine_every_s or self.stall_engine_every_s or self.drop_response_prob
-                    or self.delay_weight_sync_s or self.kill_trainer_at_step
+                    or self.delay_weight_sync_s or self.kill_trainer_at_step or self.kill_driver_at_step
                     or any(getattr(self, key) for key in (*STEP_FAULTS.values(), *PUSH_FAULTS.values())))
 
     def steps_of(self, kind: str) -> set[int]:
@@ -321,6 +328,18 @@ class FaultInjector:
                 os.kill(fault.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def after_save(self, step: int, wait_for_saves: Callable[[], None]) -> None:
+        """fault.kill_driver_at_step: once this step's checkpoint is committed (`wait_for_saves`), the
+        driver's whole process group is SIGKILLed, as an operator's kill -9 of the job would; recorded
+        first, so the resumed driver's report counts it and never fires it again."""
+        if step != self.cfg.kill_driver_at_step or any(f.kind == "kill_driver" for f in self.faults):
+            return
+        wait_for_saves()
+        fault = InjectedFault("kill_driver", "driver", os.getpid(), time.time(), step)
+        self._record(fault)
+        log.warning("fault injection: kill_driver (process group %d) after step %d's checkpoint", os.getpgrp(), step)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
     # ---- report -------------------------------------------------------------------------------------
 

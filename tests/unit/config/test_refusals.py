@@ -200,6 +200,8 @@ def test_miles_train_answers_bad_configs_with_a_message_not_a_traceback(tmp_path
     ({"fault.kill_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),
     ({"fault.stall_engine_at_steps": "2", "health.restart": "false"}, "need health.enabled = true"),
     ({"fault.corrupt_delta_at_steps": "2"}, "writes none: set sync.transport = 'disk_delta'"),
+    ({"fault.kill_driver_at_step": "3", "loop.save_every": "2", "loop.num_steps": "6"},
+     "fault.kill_driver_at_step = 3 fires once that step's checkpoint is written"),
 ])
 def test_faults_the_run_could_not_survive_or_inject_are_refused(model_dir, overrides, needle):
     assert needle in refusal({"model.path": model_dir, **overrides})

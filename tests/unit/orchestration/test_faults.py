@@ -132,3 +132,31 @@ def test_push_faults_stall_an_engine_until_resumed_or_for_good_and_damage_a_delt
 def test_stall_resume_times_that_match_no_stall_are_refused_by_name():
     with pytest.raises(ConfigError, match="fault.stall_resume_after_s"):
         FaultConfig(stall_engine_at_steps=[2, 4, 6], stall_resume_after_s=[1, 2]).validate()
+
+
+_DRIVER = """
+import sys, time
+from miles.orchestration.faults import FaultConfig, FaultInjector
+injector = FaultInjector(FaultConfig(kill_driver_at_step=2), log_path=sys.argv[1])
+for step in (1, 2, 3):
+    print("step", step, flush=True)
+    injector.after_save(step, lambda: print("saved", step, flush=True))
+print("past the kill", flush=True)
+"""
+
+
+def test_the_driver_kill_fires_after_its_steps_checkpoint_before_the_next_step_and_never_in_a_resumed_driver(tmp_path):
+    # A stand-in driver in a process group of its own (as `miles bench chaos` starts `miles train`),
+    # with a child in the same group: the kill takes the group once step 2's save has been waited for.
+    log = tmp_path / "faults.jsonl"
+    child = "import subprocess, sys; subprocess.Popen(['sleep', '60']); exec(sys.stdin.read())"
+    done = subprocess.run([sys.executable, "-c", child, str(log)], input=_DRIVER, capture_output=True, text=True,
+                          timeout=60, start_new_session=True)
+    assert done.returncode == -9
+    assert done.stdout.split("\n")[:4] == ["step 1", "step 2", "saved 2", ""]
+    (fault,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert fault["kind"] == "kill_driver" and fault["step"] == 2
+    # The resumed driver reads the record back: step 2 again (or any step) fires nothing.
+    resumed = subprocess.run([sys.executable, "-c", _DRIVER, str(log)], capture_output=True, text=True, timeout=60)
+    assert resumed.returncode == 0 and "past the kill" in resumed.stdout
+    assert len(log.read_text().splitlines()) == 1
