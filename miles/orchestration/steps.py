@@ -72,7 +72,8 @@ def end_step(ctx: TrainContext, step: int, metrics: dict, timer: StepTimer) -> N
     if cfg.loop.save_every and step % cfg.loop.save_every == 0:
         progress.phase("save")
         ctx.save(step)
-        ctx.faults.after_save(step, ctx.wait_for_saves)
+        if ctx.faults is not None:
+            ctx.faults.after_save(step, ctx.wait_for_saves)
     shown = {"reward": metrics.get("rollout/reward_mean", float("nan"))}
     if "eval/accuracy" in metrics:
         shown["eval_acc"] = metrics["eval/accuracy"]
