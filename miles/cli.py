@@ -1,8 +1,11 @@
 """`miles` command line.
 
-Loading a run config is light (no torch, Ray or FastAPI), so it is imported here; each command's
-own machinery (the driver, the engine server, model presets) imports torch or Ray and is imported
-inside the command that runs it, so `--help` stays instant.
+Loading a run config is light (no torch, Ray or FastAPI), so it is imported here, and so are the
+registries of every variant a run names (loading a config already loads them) and the model
+presets' table: every list of choices in help is printed from the registry it names, so a variant
+registered anywhere appears in help without this file changing. Each command's own machinery (the
+driver, the engine server, building a preset) imports torch or Ray and is imported inside the
+command that runs it, so `--help` stays instant.
 """
 
 from __future__ import annotations
@@ -12,10 +15,54 @@ import importlib
 import importlib.util
 import json
 import sys
+import textwrap
 from pathlib import Path
 
+from miles.buffer.filters import FILTERS
 from miles.config import ConfigError, load_config, parse_overrides
+from miles.data.tasks import TASKS
+from miles.eval.metrics import ANSWER_EXTRACTORS
+from miles.models.presets import PRESETS
+from miles.orchestration.loop import SCHEDULES
+from miles.registry import Registry
+from miles.rewards.contract import REWARDS
+from miles.rollout.environments import ENVIRONMENTS
+from miles.rollout.generate import GENERATE_FNS
+from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 from miles.run_config import RunConfig
+from miles.sync.convert import CONVERTERS
+from miles.sync.transports import TRANSPORTS
+from miles.trainer.algorithms import ALGORITHMS
+from miles.trainer.backends.base import BACKENDS
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+# The run config's settings that choose a variant by name, each with the registry of its names.
+NAMED_SETTINGS: dict[str, Registry] = {
+    "trainer.algorithm.name": ALGORITHMS,
+    "trainer.backend": BACKENDS,
+    "sync.transport": TRANSPORTS,
+    "sync.converter": CONVERTERS,
+    "loop.schedule": SCHEDULES,
+    "rollout.reward": REWARDS,
+    "rollout.generate_fn": GENERATE_FNS,
+    "rollout.task.name": TASKS,
+    "rollout.agent.environment": ENVIRONMENTS,
+    "rollout.agent.harness.tool_parser": TOOL_PARSERS,
+    "buffer.filter": FILTERS,
+    "eval.sets[].answer": ANSWER_EXTRACTORS,
+}
+
+
+def named_settings_help() -> str:
+    """The epilog of train, sft and eval: each setting chosen by name and its registry's names."""
+    lines = [f"  {key}: {', '.join(registry.names())}" for key, registry in NAMED_SETTINGS.items()]
+    return "settings chosen by name (or given as module:attr):\n" + "\n".join(lines)
+
+
+def benchmarks() -> list[str]:
+    """The benchmarks `miles bench` runs: benchmarks/<name>.py at the repository root."""
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if not p.stem.startswith("_")) if BENCHMARKS.is_dir() else []
 
 
 def _load(path: str | None, extra: list[str]):
@@ -36,7 +83,7 @@ def _without_config(config: str | None, extra: list[str]) -> tuple[str | None, l
 
 
 def cmd_init_model(args, extra) -> int:
-    from miles.models.presets import PRESETS, build_tiny_model
+    from miles.models.presets import build_tiny_model  # torch and transformers: only when a model is built
 
     if extra:
         sys.exit(f"miles init-model: unexpected arguments {' '.join(extra)}")
@@ -98,14 +145,12 @@ def _delegate(module: str, attr: str = "main"):
 
 def cmd_bench(args, extra) -> int:
     """Benchmarks live in benchmarks/<name>.py at the repository root, each with main(argv)."""
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    names = sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_")) if root.is_dir() else []
-    path = root / f"{args.name}.py"
+    path = BENCHMARKS / f"{args.name}.py"
     if not path.is_file():
-        sys.exit(f"miles bench: unknown benchmark {args.name!r}; available: {', '.join(names) or 'none'}")
+        sys.exit(f"miles bench: unknown benchmark {args.name!r}; available: {', '.join(benchmarks()) or 'none'}")
     # Benchmarks share pieces as `benchmarks.<name>` (the example's warm start, one RL run of it).
-    if str(root.parent) not in sys.path:
-        sys.path.insert(0, str(root.parent))
+    if str(BENCHMARKS.parent) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS.parent))
     spec = importlib.util.spec_from_file_location(f"miles_bench_{args.name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -117,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("init-model", help="build a tiny HF model + locally trained tokenizer")
-    s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe)")
+    s.add_argument("--preset", default="tiny-qwen3", help=f"model preset: {', '.join(sorted(PRESETS))}")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--init-std", type=float, default=0.0,
@@ -126,17 +171,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, fn, text in (("train", cmd_train, "run RL training from a TOML config"),
                            ("sft", cmd_sft, "supervised warm start from a TOML config")):
-        s = sub.add_parser(name, help=text, description=f"{text}. Any setting can be overridden with "
-                           "dotted keys, e.g. --rollout.n_samples_per_prompt 8 --loop.num_steps 10.")
+        s = sub.add_parser(name, help=text, description=textwrap.fill(
+                           f"{text}. Any setting can be overridden with dotted keys, e.g. "
+                           "--rollout.n_samples_per_prompt 8 --loop.num_steps 10.", 100),
+                           epilog=named_settings_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
         s.add_argument("config", nargs="?", help="TOML config file")
         if name == "train":
             s.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
         s.set_defaults(fn=fn)
 
     s = sub.add_parser("eval", help="evaluate a checkpoint alone: eval/accuracy and every [[eval.sets]]",
-                       description="Evaluate a Hugging Face checkpoint with a run config's [eval] section "
-                       "(eval/accuracy and every [[eval.sets]]: pass@k, avg@k, maj@k, accuracy) on one built-in "
-                       "engine; prints one JSON object. Overrides as for train, e.g. --model.path DIR.")
+                       description=textwrap.fill(
+                           "Evaluate a Hugging Face checkpoint with a run config's [eval] section (eval/accuracy "
+                           "and every [[eval.sets]]: pass@k, avg@k, maj@k, accuracy) on one built-in engine; "
+                           "prints one JSON object. Overrides as for train, e.g. --model.path DIR.", 100),
+                       epilog=named_settings_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("config", nargs="?", help="TOML config file")
     s.add_argument("--out", metavar="FILE", help="also write the metrics to FILE as one JSON object")
     s.add_argument("--metrics-dir", metavar="DIR", help="also append them to DIR/metrics.jsonl as step --step")
@@ -159,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("report", help="plots and a summary of one or two run directories", add_help=False)
     s.set_defaults(fn=_delegate("miles.metrics.report"))
     s = sub.add_parser("bench", help="run a benchmark (miles vs its baseline, one JSON line)")
-    s.add_argument("name", help="benchmark name, e.g. rollout, sync, train, async, r3, faults")
+    s.add_argument("name", help=f"benchmark: {', '.join(benchmarks())}")
     s.set_defaults(fn=cmd_bench)
     return p
 

@@ -11,6 +11,7 @@ was asked for. Every refusal names the keys to change.
 from __future__ import annotations
 
 from miles.config.loader import ConfigError
+from miles.data.preflight import LabelBudget
 from miles.models.loading import context_limit, read_model_config
 from miles.models.vision import is_vision_language
 from miles.registry import RegistryError
@@ -101,6 +102,31 @@ def check_context(run) -> None:
         if n >= limit:
             raise ConfigError(f"{key} = {n} leaves no room for a prompt in {where} ({limit} tokens): set "
                               f"{key} <= {limit - 1}, minus your longest prompt")
+
+
+# A generated task's train prompts measured against rollout.max_new_tokens (its eval prompts: as many
+# as eval draws): enough to meet its longest labels, cheap to tokenize.
+_TRAIN_DRAWS = 1024
+
+
+def label_budgets(run) -> list[LabelBudget]:
+    """Each split's labels with the response budget they are generated under, for the preflight's
+    label check (data/preflight.long_labels): train prompts under rollout.max_new_tokens, eval's under
+    eval.max_new_tokens, each eval set's under its own. Only single-turn generation answers a prompt
+    with one response that must hold the label; an agent's label is no response (a task name, a test),
+    so other generate functions have none to check."""
+    if run.rollout.generate_fn != "single_turn":
+        return []
+    task = run.rollout.task
+    budgets = [LabelBudget(task, "train", "rollout.max_new_tokens", run.rollout.max_new_tokens,
+                           "rollout.task.allow_long_labels", _TRAIN_DRAWS),
+               LabelBudget(task, "eval", "eval.max_new_tokens", run.eval.max_new_tokens,
+                           "rollout.task.allow_long_labels", run.eval.num_prompts)]
+    for i, s in enumerate(run.eval.sets):
+        allow = f"eval.sets[{i}].task.allow_long_labels" if s.task else "rollout.task.allow_long_labels"
+        budgets.append(LabelBudget(s.task or task, s.split, f"eval.sets[{i}].max_new_tokens", s.max_new_tokens,
+                                   allow, s.num_prompts))
+    return budgets
 
 
 def check_sync(run) -> None:

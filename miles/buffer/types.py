@@ -50,6 +50,9 @@ class Sample:
     rollout_logprobs: list[float]       # one per response token, from the engine
     loss_mask: list[int]                # one per response token; 0 = not trained on (e.g. tool output)
     reward: float = 0.0
+    # Whether the reward says the response is right (rewards/contract.py); None when it does not say,
+    # and evaluation then counts a score > 0 as right.
+    correct: bool | None = None
     status: SampleStatus = SampleStatus.COMPLETED
     weight_versions: list[int] = field(default_factory=list)  # one per generated segment/turn
     response_text: str = ""

@@ -20,7 +20,7 @@ import json
 import sys
 
 from miles.capacity import calibration, projection, weight_sync
-from miles.capacity.fleet import GB, DeviceSpec, Layout, device_spec
+from miles.capacity.fleet import DEVICES, GB, DeviceSpec, Layout, device_spec
 from miles.capacity.shapes import PRESETS, ModelShape, model_shape, parse_size
 from miles.config.loader import ConfigError, load_config, parse_overrides
 from miles.run_config import RunConfig
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.usage = "miles simulate [CONFIG.toml] [options] [--section.key VALUE ...]"
     p.add_argument("--model-size", help="a size (744B, 1T, 235B) or a preset: " + ", ".join(sorted(PRESETS)))
     p.add_argument("--gpus", type=int, default=64, help="devices in the run (default 64)")
-    p.add_argument("--device", default="h100", help="h100, h200, b200, gb300, or cpu (needs a calibration)")
+    p.add_argument("--device", default="h100", help=f"{', '.join(DEVICES)}, or cpu (needs a calibration)")
     p.add_argument("--trainer-gpus", type=int, help="devices that train (default: half; all when colocated)")
     p.add_argument("--engine-gpus", type=int, help="devices per engine (default: fewest that hold the weights)")
     p.add_argument("--engines", type=int, help="engines (default: as many as the engine devices hold)")

@@ -41,6 +41,9 @@ class TaskConfig:
     """Extra arguments to the tokenizer's apply_chat_template, e.g. {enable_thinking = false}."""
     data: DataConfig = field(default_factory=DataConfig)
     """dataset: the rows, their layout and field mapping, splits and epochs."""
+    allow_long_labels: bool = False
+    """Run even when labels take more tokens than the max_new_tokens they are generated under (a
+    reward that credits part of an answer); otherwise the run refuses them before it starts."""
 
     def validate(self) -> None:
         try:

@@ -31,7 +31,11 @@ class EvalSetConfig:
     num_prompts: int = 64
     """Prompts to evaluate (the first ones of the split, fixed by run.seed)."""
     reward: str = ""
-    """Reward function by name or module:function; empty = rollout.reward. A score > 0 counts as correct."""
+    """Reward function by name or module:function; empty = rollout.reward. A sample is correct as the
+    reward says (its `correct`, or its declared threshold), else when its score is > 0."""
+    correct_threshold: float | None = None
+    """Count a sample correct when its score is >= this, whatever the reward says (unset: the reward's
+    verdict, else score > 0); for a shaped reward that does not return `correct`."""
     n: int = 4
     """Samples per prompt for pass@k, avg@k and maj@k (0 = none: greedy accuracy only)."""
     k: list[int] = field(default_factory=list)
@@ -110,6 +114,9 @@ class EvalConfig:
     """Held-out prompts per evaluation (greedy decoding)."""
     max_new_tokens: int = 16
     """Longest eval response in tokens."""
+    correct_threshold: float | None = None
+    """eval/accuracy counts a sample correct when its score is >= this, whatever the reward says
+    (unset: the reward's verdict, else score > 0); eval sets have their own."""
     sets: list[EvalSetConfig] = field(default_factory=list)
     """Further eval sets ([[eval.sets]] tables), each evaluated with eval/accuracy; see docs/eval.md."""
 

@@ -4,7 +4,8 @@ which scores its own samples) on the engines the run already has.
 
 Per eval set it draws the set's prompts once, then at each evaluation decodes each prompt greedily
 (`eval/<set>/accuracy`) and samples it n times with seeded requests (`eval/<set>/pass@k`, `avg@k`,
-`maj@k`; formulas in metrics.py). Non-goals: starting engines (standalone.py does that for
+`maj@k`; formulas in metrics.py). A sample is correct as the reward says (metrics.is_correct: the
+eval config's correct_threshold, else the reward's verdict, else score > 0). Non-goals: starting engines (standalone.py does that for
 `miles eval`), training-time statistics (rollout/stats.py).
 """
 
@@ -19,11 +20,12 @@ import httpx
 from miles.data.chat import encode_prompt
 from miles.engine_api.aio import run_jobs
 from miles.eval.config import EvalConfig, EvalSetConfig
-from miles.eval.metrics import accuracy, get_answer_fn, prompt_metrics
+from miles.eval.metrics import accuracy, get_answer_fn, is_correct, prompt_metrics
 from miles.data.prompts import Prompt, PromptSource, TaskConfig
+from miles.rewards.contract import Scored
+from miles.rewards.runner import RewardRunner
 from miles.rollout.generate import SamplingParams, generate
 from miles.rollout.group import GroupGenerator
-from miles.rollout.reward import get_reward_fn
 
 
 _EVAL_ATTEMPTS = 3  # an eval request whose router dies under it this many times fails the evaluation
@@ -36,17 +38,18 @@ class Evaluator:
         self.set_prompts = {s.name: PromptSource(s.task or groups.cfg.task, s.split, seed).take(s.num_prompts)
                             for s in cfg.sets}
         # Loaded once: a reward runner holds threads (and a process pool with reward_config.num_workers).
-        self.set_rewards = {s.name: get_reward_fn(s.reward) for s in cfg.sets if s.reward}
+        self.set_rewards = {s.name: RewardRunner(s.reward) for s in cfg.sets if s.reward}
         # The run's reward, on a runner of its own: eval calls stay out of the training steps' reward/* metrics.
-        self.reward_fn = get_reward_fn(groups.cfg.reward, groups.cfg.reward_config) if groups.rewards else None
+        self.rewards = RewardRunner(groups.cfg.reward, groups.cfg.reward_config) if groups.rewards else None
 
     def evaluate(self) -> dict[str, float]:
         """eval/accuracy (greedy, the task's eval split) and each eval set's eval/<set>/... figures."""
         params = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.max_new_tokens)
         t0 = time.perf_counter()
         samples = self._run(self.prompts, [params], self.groups.cfg.task, None)
-        scores = self._scores(samples, None)
-        out = {"eval/accuracy": accuracy(scores), "eval/num_prompts": len(samples),
+        scored = self._scored(samples, None)
+        out = {"eval/accuracy": accuracy(self._correct(scored, self.cfg.correct_threshold)),
+               "eval/num_prompts": len(samples),
                "eval/time_s": time.perf_counter() - t0}
         for s in self.cfg.sets:
             out.update({f"eval/{s.name}/{k}": v for k, v in self.evaluate_set(s).items()})
@@ -55,12 +58,13 @@ class Evaluator:
     def evaluate_set(self, s: EvalSetConfig) -> dict[str, float]:
         """One set's figures, keyed without the eval/<set>/ prefix."""
         prompts, task = self.set_prompts[s.name], s.task or self.groups.cfg.task
-        reward_fn = self.set_rewards.get(s.name)
+        rewards = self.set_rewards.get(s.name)
         t0 = time.perf_counter()
         out: dict[str, float] = {"num_prompts": len(prompts)}
         if s.greedy:
             greedy = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens)
-            out["accuracy"] = accuracy(self._scores(self._run(prompts, [greedy], task, reward_fn), reward_fn))
+            scored = self._scored(self._run(prompts, [greedy], task, rewards), rewards)
+            out["accuracy"] = accuracy(self._correct(scored, s.correct_threshold))
         if s.n >= 1:
             # Seeds fixed by run seed, set name (crc32: str hashes are salted per process) and sample
             # number; _run adds the prompt.
@@ -68,24 +72,27 @@ class Evaluator:
             params = [SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens, seed=(base + j) & 0x7FFFFFFF)
                       for j in range(s.n)]
-            samples = self._run(prompts, params, task, reward_fn)
-            flat = self._scores(samples, reward_fn)
-            scores = [flat[i * s.n:(i + 1) * s.n] for i in range(len(prompts))]
+            samples = self._run(prompts, params, task, rewards)
+            flat = self._scored(samples, rewards)
+            flat_correct = self._correct(flat, s.correct_threshold)
+            scores = [[x.score for x in flat[i * s.n:(i + 1) * s.n]] for i in range(len(prompts))]
+            correct = [flat_correct[i * s.n:(i + 1) * s.n] for i in range(len(prompts))]
             answers = None
             if "maj" in s.metrics:
                 answer_fn = get_answer_fn(s.answer)
                 texts = [x.response_text for x in samples]
                 answers = [[answer_fn(t) for t in texts[i * s.n:(i + 1) * s.n]] for i in range(len(prompts))]
-            out.update(prompt_metrics(scores, answers, s.ks, s.metrics))
+            out.update(prompt_metrics(scores, correct, answers, s.ks, s.metrics))
         out["time_s"] = time.perf_counter() - t0
         return out
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], task: TaskConfig, reward_fn) -> list:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], task: TaskConfig,
+             rewards: RewardRunner | None) -> list:
         """Every prompt once per entry of `params` (prompt-major order), all requests concurrently.
 
         A request's seed is made per prompt so that a prompt's samples differ from each other and from
         another prompt's, yet are the same at every evaluation. A plugged-in generate function scores
-        with `reward_fn` (the set's own reward) when one is given."""
+        with `rewards` (the set's own reward) when one is given."""
         g, admin = self.groups, self.groups.admin
         jobs = []
         for i, p in enumerate(prompts):
@@ -96,7 +103,7 @@ class Evaluator:
                     sp = dataclasses.replace(sp, seed=(sp.seed + 7919 * p.index) & 0x7FFFFFFF)
                 if g.generate_fn is not None:
                     jobs.append(lambda c, url=url, p=p, sp=sp, j=j: g.generate_fn(
-                        self._context(c, url, reward_fn), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
+                        self._context(c, url, rewards), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
                 else:
                     jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(
                         c, url, ids, sp, label=p.label, prompt_index=p.index, images=p.images, vision=g.vision))
@@ -119,20 +126,25 @@ class Evaluator:
 
         return run
 
-    def _context(self, client, url: str, reward_fn):
+    def _context(self, client, url: str, rewards: RewardRunner | None):
         ctx = self.groups.context(client, url)
-        reward_fn = reward_fn or self.reward_fn
-        return ctx if reward_fn is None else dataclasses.replace(ctx, reward_fn=reward_fn)
+        rewards = rewards or self.rewards
+        return ctx if rewards is None else dataclasses.replace(ctx, reward_fn=rewards.score_text)
 
     def _encode(self, p: Prompt, task: TaskConfig) -> list[int]:
         """The prompt's ids under its set's task settings (messages through the chat template, image
         placeholders expanded by a vision-language model's processor)."""
         return encode_prompt(self.groups.tokenizer, task, p.text, p.messages, p.images, self.groups.vision)
 
-    def _scores(self, samples: list, reward_fn) -> list[float]:
-        """Each sample's score: a plugged-in generate function's own reward (unless it leaves scoring to
-        the run, `scores_itself = False`), else the reward function's (the set's own, or rollout.reward)."""
+    def _scored(self, samples: list, rewards: RewardRunner | None) -> list[Scored]:
+        """Each sample's score and the reward's verdict: a plugged-in generate function's own reward
+        (unless it leaves scoring to the run, `scores_itself = False`), else the reward's (the set's own,
+        or rollout.reward)."""
         if self.groups.generate_fn is not None and getattr(self.groups.generate_fn, "scores_itself", True):
-            return [float(s.reward) for s in samples]
-        fn = reward_fn or self.reward_fn or self.groups.reward_fn
-        return [float(fn(s.response_text, s.label)) for s in samples]
+            return [Scored(float(s.reward), s.correct) for s in samples]
+        runner = rewards or self.rewards or self.groups.rewards
+        return [runner.judge_text(s.response_text, s.label) for s in samples]
+
+    @staticmethod
+    def _correct(scored: list[Scored], threshold: float | None) -> list[bool]:
+        return [is_correct(x.score, x.correct, threshold) for x in scored]

@@ -1,14 +1,17 @@
 """Eval metrics over n scored samples per prompt: pass@k (the unbiased estimator), avg@k, maj@k, and
 greedy accuracy; plus the answer extractors maj@k votes with.
 
-A sample is *correct* when its score is > 0 (the rule `eval/accuracy` has always used). For one
-prompt with n samples of which c are correct:
+Whether a sample is *correct* is the reward's to say (`is_correct`): an eval config's
+`correct_threshold` when set (score >= it), else the reward's own verdict (a dict's `correct`, or a
+reward's declared threshold: rewards/contract.py), else score > 0 (the rule `eval/accuracy` has
+always used, which counts any partial credit as correct). For one prompt with n samples of which c
+are correct:
 
 - pass@k = 1 - C(n-c, k) / C(n, k), the chance that at least one of k samples drawn without
   replacement from the n is correct (Chen et al. 2021), computed as a product so it never overflows;
 - avg@k  = the mean score of the prompt's first k samples;
-- maj@k  = 1 when the answer most of the prompt's first k samples give is correct (the score of the
-  first sample giving it); answers come from an extractor, samples without one do not vote, and a
+- maj@k  = 1 when the answer most of the prompt's first k samples give is correct (as the first
+  sample giving it is judged); answers come from an extractor, samples without one do not vote, and a
   tie goes to the answer given first; 0 when no sample has an answer;
 - accuracy = the share of greedy samples that are correct.
 
@@ -27,7 +30,13 @@ ANSWER_EXTRACTORS: Registry[AnswerFn] = Registry(
     "answer extractor", arity=1, hint=" (a function (response_text) -> answer str or None)")
 
 
-def is_correct(score: float) -> bool:
+def is_correct(score: float, correct: bool | None = None, threshold: float | None = None) -> bool:
+    """Whether one sample counts as correct: score >= `threshold` when the eval config sets one (it
+    decides, whatever the reward says); else the reward's verdict `correct`; else score > 0."""
+    if threshold is not None:
+        return score >= threshold
+    if correct is not None:
+        return correct
     return score > 0
 
 
@@ -66,32 +75,34 @@ def majority(answers: Sequence[str | None]) -> int | None:
     return first[best]
 
 
-def maj_at_k(answers: Sequence[str | None], scores: Sequence[float], k: int) -> float:
-    """1.0 when the majority answer of the first k samples is correct (see `majority`), else 0.0."""
-    if len(answers) != len(scores) or not 1 <= k <= len(scores):
-        raise ValueError(f"maj@k needs one answer per score and 1 <= k <= {len(scores)}, got k={k}")
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
+    """1.0 when the majority answer of the first k samples is correct (see `majority`), else 0.0;
+    `correct[i]` is whether sample i is (`is_correct`)."""
+    if len(answers) != len(correct) or not 1 <= k <= len(correct):
+        raise ValueError(f"maj@k needs one answer per sample and 1 <= k <= {len(correct)}, got k={k}")
     i = majority(answers[:k])
-    return float(i is not None and is_correct(scores[i]))
+    return float(i is not None and correct[i])
 
 
-def accuracy(scores: Sequence[float]) -> float:
-    """Share of (greedy) samples that are correct."""
-    return sum(is_correct(s) for s in scores) / len(scores) if scores else 0.0
+def accuracy(correct: Sequence[bool]) -> float:
+    """Share of (greedy) samples that are correct (`correct[i]` from `is_correct`)."""
+    return sum(map(bool, correct)) / len(correct) if correct else 0.0
 
 
-def prompt_metrics(scores: list[list[float]], answers: list[list[str | None]] | None, ks: Sequence[int],
-                   which: Sequence[str]) -> dict[str, float]:
+def prompt_metrics(scores: list[list[float]], correct: list[list[bool]], answers: list[list[str | None]] | None,
+                   ks: Sequence[int], which: Sequence[str]) -> dict[str, float]:
     """Per-set figures `pass@k`, `avg@k`, `maj@k` (for each k and each metric in `which`), averaged over
-    prompts; `scores[p]` are prompt p's n sample scores, `answers[p]` their extracted answers."""
+    prompts; `scores[p]` are prompt p's n sample scores, `correct[p]` whether each is correct
+    (`is_correct`), `answers[p]` their extracted answers."""
     out: dict[str, float] = {}
     n_prompts = len(scores)
     for k in ks:
         if "pass" in which:
-            out[f"pass@{k}"] = sum(pass_at_k(len(s), sum(map(is_correct, s)), k) for s in scores) / n_prompts
+            out[f"pass@{k}"] = sum(pass_at_k(len(c), sum(c), k) for c in correct) / n_prompts
         if "avg" in which:
             out[f"avg@{k}"] = sum(avg_at_k(s, k) for s in scores) / n_prompts
         if "maj" in which and answers is not None:
-            out[f"maj@{k}"] = sum(maj_at_k(a, s, k) for a, s in zip(answers, scores)) / n_prompts
+            out[f"maj@{k}"] = sum(maj_at_k(a, c, k) for a, c in zip(answers, correct)) / n_prompts
     return out
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Callable
 
 from miles.config.loader import save_config, to_dict
+from miles.run_checks import label_budgets
 from miles.run_config import RunConfig
 from miles.data.chat import encode_prompt
-from miles.data.preflight import check_dataset
+from miles.data.preflight import check_dataset, check_labels
 from miles.data.rows import DataError
 from miles.eval.evaluator import Evaluator
 from miles.metrics.dashboard import Dashboard
@@ -120,15 +121,19 @@ def _start_faults(ctx: TrainContext, router: RunningRouter | SupervisedRouter | 
 
 
 def check_data(cfg: RunConfig) -> None:
-    """A dataset task's rows, all checked before the run directory, Ray or any engine exists."""
-    if cfg.rollout.task.name != "dataset":
-        return
+    """A dataset task's rows, and every label against the max_new_tokens it is generated under, all
+    checked before the run directory, Ray or any engine exists (`miles train` and `miles sft`)."""
+    tokenizer = load_tokenizer(cfg.model.path)
     try:
-        counts = check_dataset(cfg.rollout.task, load_tokenizer(cfg.model.path), cfg.model.path,
-                               cfg.rollout.engine.context_length, load_vision(cfg.model.path))
+        if cfg.rollout.task.name == "dataset":
+            counts = check_dataset(cfg.rollout.task, tokenizer, cfg.model.path, cfg.rollout.engine.context_length,
+                                   load_vision(cfg.model.path))
+            log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
+        allowed = check_labels(label_budgets(cfg), tokenizer, cfg.run.seed)
     except DataError as exc:
         raise SystemExit(f"miles: bad data, nothing started: {exc}") from None
-    log(f"data: {counts['train']} train rows, {counts['eval']} eval rows checked")
+    for found in allowed:
+        log(f"warning: {found.numbers()}; their answers will be cut short ({found.budget.allow_key} = true)")
 
 
 def rewind_run_dir(run_dir: Path) -> int:
@@ -275,6 +280,7 @@ def run_sft(cfg: RunConfig) -> dict:
     """Supervised warm start on the task's demonstrations; writes an HF checkpoint to cfg.sft.out.
     With sft.target_accuracy set it stops as soon as held-out greedy accuracy reaches the target."""
     t0 = time.perf_counter()
+    check_data(cfg)  # SFT's demonstrations are the labels RL and eval must then generate in full
     sft = cfg.sft
     tok, vision = load_tokenizer(cfg.model.path), load_vision(cfg.model.path)
     prompts = PromptSource(cfg.rollout.task, "train", cfg.run.seed + 1).take(sft.num_examples)

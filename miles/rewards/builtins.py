@@ -2,6 +2,11 @@
 `\\boxed{}` format reward, a regex reward configured from the run config, and a synthetic one for
 benchmarks. The weighted combination is the runner's (a sum over rollout.reward_config.weights).
 
+Each says whether a sample is right the same way: `exact_match`, `math` and `text_parity` score 1.0
+exactly when it is, and declare so (`correct_threshold = 1.0`); `boxed_format` and `regex` judge
+the form of a response, not its answer, so they declare nothing and, inside `weighted`, leave the
+verdict to the components that judge answers.
+
 Non-goals: the contract (contract.py), running them (runner.py).
 """
 
@@ -13,13 +18,13 @@ import re
 from miles.rewards.contract import Configured, RewardInput, reward
 
 
-@reward(inline=True)
+@reward(inline=True, correct_threshold=1.0)
 def exact_match(response: str, label: str | None) -> float:
     """1.0 when the stripped response equals the label exactly, else 0.0."""
     return float(label is not None and response.strip() == str(label).strip())
 
 
-@reward(inline=True)
+@reward(inline=True, correct_threshold=1.0)
 def text_parity(response: str, label: str | None) -> float:
     """1.0 when the response has an odd number of characters: a synthetic reward that even an
     untrained model earns about half the time, so every group carries signal (throughput benchmarks)."""
@@ -39,6 +44,7 @@ def last_boxed(text: str) -> str | None:
     return text[i:j - 1] if depth == 0 else None
 
 
+@reward(correct_threshold=1.0)
 def math_reward(response: str, label: str | None) -> float:
     """1.0 when the response's answer equals the label mathematically (math-verify: `\\boxed{1/2}`
     matches 0.5, `\\frac{1}{2}`), else 0.0. The last `\\boxed{}` answer is used when there is one,
@@ -60,7 +66,8 @@ def math_reward(response: str, label: str | None) -> float:
 
 @reward(inline=True)
 def boxed_format(response: str, label: str | None) -> float:
-    """1.0 when the response puts an answer in `\\boxed{}`, else 0.0 (a format reward)."""
+    """1.0 when the response puts an answer in `\\boxed{}`, else 0.0 (a format reward: it does not say
+    whether the answer is right)."""
     return float(bool(last_boxed(response)))
 
 
@@ -71,7 +78,8 @@ def _build_regex(cfg):
     full = cfg.regex_full_match
 
     def regex(response: str, label: str | None) -> float:
-        """1.0 when the response matches rollout.reward_config.regex_pattern, else 0.0."""
+        """1.0 when the response matches rollout.reward_config.regex_pattern, else 0.0 (a format reward:
+        it does not say whether the answer is right)."""
         text = response.strip()
         return float(bool(pattern.fullmatch(text) if full else pattern.search(text)))
     return regex

@@ -9,7 +9,11 @@ A reward is named in `rollout.reward` by registry name (REWARDS), `module:functi
   group's RewardInputs (`group`) for rewards that judge a sample against its siblings.
 
 It returns a float, or a dict with `score` (the float) and any other numbers, each logged as the
-step mean `reward/<key>`. It may be `async def`. A function with `batched = True` (attribute, or the
+step mean `reward/<key>`. A dict may say whether the sample is right with `correct` (True/False, or
+1/0), which eval's accuracy, pass@k and maj@k count instead of `score > 0`, so a shaped reward (a
+format bonus, partial credit) keeps its score for training and its verdict for evaluation; a reward
+whose score is its verdict declares `reward(correct_threshold=...)` instead (the built-ins do).
+It may be `async def`. A function with `batched = True` (attribute, or the
 `reward(batched=True)` decorator) takes lists instead (`(responses, labels)` or `(samples)`), one
 group per call, and returns a list. One with `inline = True` (`reward(inline=True)`) is a plain `def`
 that takes microseconds and cannot block (a string comparison): the runner calls it on the rollout's
@@ -46,12 +50,21 @@ class RewardInput:
     group: list["RewardInput"] = field(default_factory=list, repr=False)  # every sample of its group, itself included
 
 
-def reward(*, batched: bool = False, inline: bool = False):
+@dataclass(frozen=True)
+class Scored:
+    """One sample's score and whether the reward says it is right (None: the reward does not say)."""
+
+    score: float
+    correct: bool | None = None
+
+
+def reward(*, batched: bool = False, inline: bool = False, correct_threshold: float | None = None):
     """Decorator declaring how a reward is called: `@reward(batched=True)` takes one group's lists;
     `@reward(inline=True)` is called on the event loop (only for a cheap `def` that cannot block:
-    no thread hop, and no timeout can interrupt it)."""
+    no thread hop, and no timeout can interrupt it). `correct_threshold` declares that a score at
+    or above it means the sample is right (a dict's own `correct` still wins)."""
     def deco(fn):
-        fn.batched, fn.inline = batched, inline
+        fn.batched, fn.inline, fn.correct_threshold = batched, inline, correct_threshold
         return fn
     return deco
 
@@ -66,6 +79,7 @@ class Reward:
     batched: bool
     is_async: bool
     inline: bool = False  # a cheap `def` called on the event loop (see `reward`)
+    correct_threshold: float | None = None  # a score >= this is right, unless the call returns `correct`
 
 
 class Configured:
@@ -120,8 +134,12 @@ def check_reward(name: str, fn: Any) -> Reward:
     if inline and is_async:
         raise RegistryError(f"reward {name!r} is declared inline but is `async def`: an async reward already "
                             "runs on the event loop; drop inline = True")
+    threshold = getattr(fn, "correct_threshold", None)
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+        raise RegistryError(f"reward {name!r} declares correct_threshold = {threshold!r}; give a number (the "
+                            "score at or above which a sample is right) or leave it unset")
     return Reward(name, fn, takes_sample=n == 1, batched=bool(getattr(fn, "batched", False)), is_async=is_async,
-                  inline=inline)
+                  inline=inline, correct_threshold=None if threshold is None else float(threshold))
 
 
 def load_reward(spec: str, cfg=None) -> Reward:

@@ -6,7 +6,10 @@ thread, or every sync one in a process pool with `reward_config.num_workers`. Ev
 inline one has a timeout. A call that raises or times out is counted (`reward/errors`,
 `reward/timeouts`) and its samples get the fallback score, or their group is dropped; once the
 share of failed calls passes `max_error_rate` the run stops with the reward's own traceback and the
-offending sample (RewardError). Per step it reports `reward/calls`, `reward/errors`,
+offending sample (RewardError). Each sample gets its score and, when the reward says it, whether it
+is right (Sample.correct: a dict's `correct`, else the reward's declared correct_threshold; for
+`weighted`, right when every component that says so says right; a failed call never says right).
+Per step it reports `reward/calls`, `reward/errors`,
 `reward/timeouts`, the mean of every extra number a dict-valued reward returns (`reward/<key>`) and,
 for `weighted`, each component's mean score (`reward/<component>`).
 
@@ -31,19 +34,33 @@ from collections import defaultdict
 
 from miles.buffer.types import Sample
 from miles.rewards.config import RewardConfig
-from miles.rewards.contract import Reward, RewardInput, load_components, load_reward
+from miles.rewards.contract import Reward, RewardInput, Scored, load_components, load_reward
 
 
 class RewardError(RuntimeError):
     """The reward failed on more than reward_config.max_error_rate of its calls."""
 
 
-def _score_of(value, name: str) -> tuple[float, dict[str, float]]:
-    """A reward's return value as (score, extra metrics); TypeError naming the contract otherwise."""
+def _correct_of(value, name: str) -> bool:
+    """A dict's `correct` as a bool: True/False or 1/0 (numpy and torch scalars too); TypeError otherwise."""
+    try:
+        number = None if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number not in (0.0, 1.0):
+        raise TypeError(f"reward {name!r} returned correct = {value!r}; return True or False (or 1 or 0)")
+    return number == 1.0
+
+
+def _score_of(value, reward: Reward) -> tuple[Scored, dict[str, float]]:
+    """A reward's return value as (score and verdict, extra metrics); TypeError naming the contract otherwise."""
+    name, correct = reward.name, None
     if isinstance(value, dict):
         if "score" not in value:
             raise TypeError(f"reward {name!r} returned a dict without 'score' ({sorted(value)}); return "
                             "{'score': float, ...other numbers}")
+        if "correct" in value:
+            correct = _correct_of(value["correct"], name)
         extras = {k: float(v) for k, v in value.items() if k != "score"}
         value = value["score"]
     else:
@@ -57,7 +74,9 @@ def _score_of(value, name: str) -> tuple[float, dict[str, float]]:
     score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"reward {name!r} returned {score}; return a finite float")
-    return score, extras
+    if correct is None and reward.correct_threshold is not None:
+        correct = score >= reward.correct_threshold
+    return Scored(score, correct), extras
 
 
 def _arguments(reward: Reward, inputs: list[RewardInput]) -> tuple:
@@ -131,42 +150,47 @@ class RewardRunner:
                               metadata={**(metadata or {}), **s.metadata}) for s in samples]
         for i in inputs:
             i.group = inputs
-        scores, keep = await self.score_inputs(inputs)
-        for s, score in zip(samples, scores):
-            s.reward = score
+        scored, keep = await self.score_inputs(inputs)
+        for s, x in zip(samples, scored):
+            s.reward, s.correct = x.score, x.correct
         return keep
 
-    async def score_inputs(self, inputs: list[RewardInput]) -> tuple[list[float], bool]:
-        """The weighted sum of the components' scores for each input, and whether the group stays."""
+    async def score_inputs(self, inputs: list[RewardInput]) -> tuple[list[Scored], bool]:
+        """Each input's weighted sum of the components' scores and their verdict, and whether the group
+        stays. A sample is right when every component that says so says right; None when none says."""
         total = [0.0] * len(inputs)
+        verdicts: list[list[bool]] = [[] for _ in inputs]
         keep = True
         for reward, weight in self.components:
-            scores, ok = await self._score_component(reward, inputs)
+            scored, ok = await self._score_component(reward, inputs)
             keep = keep and ok
-            for k, s in enumerate(scores):
-                total[k] += weight * s
+            for k, x in enumerate(scored):
+                total[k] += weight * x.score
+                if x.correct is not None:
+                    verdicts[k].append(x.correct)
             if len(self.components) > 1:
-                self._add_means({reward.name: scores})
-        return total, keep
+                self._add_means({reward.name: [x.score for x in scored]})
+        return [Scored(t, all(v) if v else None) for t, v in zip(total, verdicts)], keep
 
-    async def _score_component(self, reward: Reward, inputs: list[RewardInput]) -> tuple[list[float], bool]:
+    async def _score_component(self, reward: Reward, inputs: list[RewardInput]) -> tuple[list[Scored], bool]:
         batches = [inputs] if reward.batched else [[i] for i in inputs]
         results = await asyncio.gather(*(self._call(reward, b) for b in batches))
-        scores, keep, extras = [], True, defaultdict(list)
+        scored, keep, extras = [], True, defaultdict(list)
         for batch, result in zip(batches, results):
             if isinstance(result, _Failure):
                 keep = keep and self.cfg.on_error != "drop_group"
-                scores += [self.cfg.fallback_score] * len(batch)
+                # A call that failed cannot vouch for its samples: the fallback score, never right.
+                scored += [Scored(self.cfg.fallback_score, False)] * len(batch)
                 continue
-            for score, more in result:
-                scores.append(score)
+            for x, more in result:
+                scored.append(x)
                 for k, v in more.items():
                     extras[k].append(v)
         self._add_means(extras)
-        return scores, keep
+        return scored, keep
 
     async def _call(self, reward: Reward, batch: list[RewardInput]):
-        """One reward call: its (score, extras) per input, or a counted _Failure."""
+        """One reward call: its (Scored, extras) per input, or a counted _Failure."""
         args = _arguments(reward, batch)
         loop = asyncio.get_running_loop()
         try:
@@ -184,7 +208,7 @@ class RewardRunner:
             if len(values) != len(batch):
                 raise ValueError(f"batched reward {reward.name!r} returned {len(values)} values for "
                                  f"{len(batch)} samples; return one per sample")
-            result = [_score_of(v, reward.name) for v in values]
+            result = [_score_of(v, reward) for v in values]
         except (asyncio.TimeoutError, TimeoutError):
             if self.cfg.num_workers > 0 and not reward.is_async:
                 self._kill_pool()
@@ -250,7 +274,12 @@ class RewardRunner:
 
     def score_text(self, response: str, label=None) -> float:
         """The `(response, label) -> float` view of the runner, callable from any thread (also one
-        running an event loop): what evaluation and generate functions' `ctx.reward_fn` call."""
+        running an event loop): what generate functions' `ctx.reward_fn` call."""
+        return self.judge_text(response, label).score
+
+    def judge_text(self, response: str, label=None) -> Scored:
+        """One response's score and verdict, callable from any thread (also one running an event
+        loop): what evaluation calls."""
         inputs = [RewardInput(prompt="", response=response, label=label)]
         inputs[0].group = inputs
         run = lambda: asyncio.run(self.score_inputs(inputs))  # noqa: E731

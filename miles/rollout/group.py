@@ -53,7 +53,7 @@ class GroupGenerator:
         self.cfg, self.seed, self.tokenizer = cfg, seed, tokenizer
         self.vision = vision  # a vision-language model's VisionProcessor (models/vision.py), else None
         self.rewards = rewards
-        # The `(response, label) -> float` view of the runner: evaluation and ctx.reward_fn use it.
+        # The `(response, label) -> float` view of the runner, for ctx.reward_fn.
         self.reward_fn = rewards.score_text if rewards is not None else None
         # None keeps the built-in path below. A plugged-in generate function fills in its samples'
         # rewards itself unless it declares `scores_itself = False`; then the runner scores them.

@@ -38,6 +38,7 @@ from miles.engine_api.chat_completion import SSE_DONE, Completion, RequestRefuse
 from miles.engine_api.chat_schema import RESPONSES_HINTS, ChatCompletionRequest, CreateSessionRequest, \
     ResponsesRequest
 from miles.rollout.sessions.store import Session, SessionError, SessionStore, call_id, completion_id
+from miles.rollout.sessions.tool_calls import TOOL_PARSERS
 
 def response_body(c: Completion, req: ResponsesRequest, response_id: str, model: str) -> dict:
     """The turn as a /v1/responses object: a message item for its text, a function_call item per call."""
@@ -233,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default=LOOPBACK, help="interface to bind (default loopback)")
     p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one and prints the URL")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens when a request gives none")
-    p.add_argument("--tool-parser", default="hermes", help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), "
-                   "llama3_json, none, or module:Class")
+    p.add_argument("--tool-parser", default="hermes", help="how the model writes tool calls: "
+                   f"{', '.join(TOOL_PARSERS.names())}, or module:Class")
     p.add_argument("--turn-end-token", default="<|im_end|>", help="the token that closes a turn in the template")
     a = p.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """The Evaluator behind RolloutManager.evaluate, on a real in-process engine with the tiny model:
 eval/accuracy is greedy accuracy computed as before eval sets existed, each set's figures are
-reproducible across evaluations, and a plugged-in generate function scores with the set's reward."""
+reproducible across evaluations, a plugged-in generate function scores with the set's reward, and a
+shaped reward's partial credit is not counted as correct once the reward (or the config) says what is."""
 
 import functools
 import textwrap
@@ -83,6 +84,40 @@ def test_a_plugged_in_generate_function_scores_with_the_sets_reward(tiny_model_d
                 generate_fn="eval_user_gen:gen")
     out = m.evaluate()
     assert out["eval/one/accuracy"] == 1.0 and out["eval/one/pass@2"] == 1.0 and out["eval/one/avg@2"] == 1.0
+
+
+SHAPED = """
+def shaped(response, label):
+    # Every answer earns 0.1 for its form; the verdict follows the label alone, so the test can count
+    # the right ones without knowing what the untrained model says.
+    right = int(label) % 2 == 0
+    return {"score": 1.0 if right else 0.1, "correct": right}
+
+def shaped_float(response, label):
+    return 1.0 if int(label) % 2 == 0 else 0.1
+"""
+
+
+def test_a_shaped_reward_that_says_correct_gets_accuracy_as_the_share_of_correct(tiny_model_dir, engine, tmp_path,
+                                                                                 monkeypatch):
+    (tmp_path / "eval_shaped.py").write_text(SHAPED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = dict(num_prompts=6, n=2, k=[2], metrics=["pass"], max_new_tokens=4)
+    sets = [EvalSetConfig(name="said", reward="eval_shaped:shaped", **common),
+            EvalSetConfig(name="threshold", reward="eval_shaped:shaped_float", correct_threshold=1.0, **common),
+            EvalSetConfig(name="plain", reward="eval_shaped:shaped_float", **common)]
+    m = manager(tiny_model_dir, engine, EvalConfig(num_prompts=6, max_new_tokens=4, sets=sets),
+                reward="eval_shaped:shaped")
+    out = m.evaluate()
+    labels = [p.label for p in PromptSource(TaskConfig(), "eval", 3).take(6)]
+    share = sum(int(label) % 2 == 0 for label in labels) / 6
+    assert 0 < share < 1  # the two rules give different figures here
+    # rollout.reward returns `correct`: eval/accuracy is the share of right answers, not of score > 0
+    assert out["eval/accuracy"] == share
+    for name in ("said", "threshold"):
+        assert out[f"eval/{name}/accuracy"] == share and out[f"eval/{name}/pass@2"] == share
+    # without either, the rule stays score > 0, which counts every 0.1 as correct
+    assert out["eval/plain/accuracy"] == 1.0 and out["eval/plain/pass@2"] == 1.0
 
 
 def test_eval_prompts_made_of_messages_go_through_the_chat_template(tiny_model_dir):

@@ -126,6 +126,8 @@ def test_weighted_combination_of_builtins_logs_each_component(tmp_path):
     samples = _samples(["so \\boxed{1/2}", "0.5", "\\boxed{3}"], label="0.5")
     asyncio.run(runner.score_group(samples))
     assert [s.reward for s in samples] == [1.0, 0.75, 0.25]
+    # math judges the answer and regex only its form: the verdict is math's (a boxed 3 is wrong).
+    assert [s.correct for s in samples] == [True, True, False]
     m = runner.take_metrics()
     assert m["reward/math"] == pytest.approx(2 / 3) and m["reward/regex"] == pytest.approx(2 / 3)
     runner.close()

@@ -38,6 +38,8 @@ def test_docs_reward_file_scores_through_a_run_config(tmp_path, model_dir):
         samples = [_sample("\\boxed{0.5}"), _sample("0.5"), _sample("\\boxed{2}")]
         asyncio.run(runner.score_group(samples))
         assert [s.reward for s in samples] == [1.1, 1.0, 0.1]
+        # its `correct` is read: the wrong but boxed answer scores 0.1 and is not correct
+        assert [s.correct for s in samples] == [True, True, False]
         m = runner.take_metrics()
         assert m["reward/correct"] == pytest.approx(2 / 3) and m["reward/boxed"] == pytest.approx(2 / 3)
 

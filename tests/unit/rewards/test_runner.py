@@ -41,6 +41,13 @@ def slow_pid(response, label):
 
 def bad_type(response, label):
     return "yes"
+
+def shaped(response, label):
+    right = response == label
+    return {"score": 1.0 if right else 0.1, "correct": right}
+
+def bad_correct(response, label):
+    return {"score": 1.0, "correct": "yes"}
 '''
 
 
@@ -205,3 +212,24 @@ def test_the_cheap_builtins_are_inline_and_an_async_reward_cannot_be():
 
     with pytest.raises(RegistryError, match="inline but is `async def`"):
         check_reward("bad", bad)
+
+
+def test_a_reward_says_which_samples_are_right(flaky_file):
+    # A shaped reward: a wrong answer earns 0.1 but is not right.
+    runner = RewardRunner(f"{flaky_file}:shaped")
+    samples = _samples(["x", "y"])
+    asyncio.run(runner.score_group(samples))
+    assert [(s.reward, s.correct) for s in samples] == [(1.0, True), (0.1, False)]
+    assert runner.take_metrics()["reward/correct"] == 0.5
+    # A built-in says it too; a reward returning a bare float does not (eval falls back to score > 0).
+    builtin, plain = RewardRunner("exact_match"), RewardRunner(f"{flaky_file}:flaky")
+    asyncio.run(builtin.score_group(samples))
+    assert [s.correct for s in samples] == [True, False]
+    asyncio.run(plain.score_group(samples))
+    assert [s.correct for s in samples] == [None, None]
+    # A verdict that is not True/False is the reward's bug, counted as one; a failed call is never right.
+    bad = RewardRunner(f"{flaky_file}:bad_correct", RewardConfig(max_error_rate=1.0))
+    asyncio.run(bad.score_group(samples))
+    assert [s.correct for s in samples] == [False, False] and bad.take_metrics()["reward/errors"] == 2
+    for r in (runner, builtin, plain, bad):
+        r.close()
