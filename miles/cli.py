@@ -28,7 +28,7 @@ from miles.registry import Registry
 from miles.rewards.contract import REWARDS
 from miles.rollout.environments import ENVIRONMENTS
 from miles.rollout.generate import GENERATE_FNS
-from miles.rollout.sessions.tool_calls import TOOL_PARSERS
+from miles.engine_api.tool_calls import TOOL_PARSERS
 from miles.run_config import RunConfig
 from miles.sync.convert import CONVERTERS
 from miles.sync.transports import TRANSPORTS

@@ -38,7 +38,7 @@ from miles.engine_api.chat_completion import SSE_DONE, Completion, RequestRefuse
 from miles.engine_api.chat_schema import RESPONSES_HINTS, ChatCompletionRequest, CreateSessionRequest, \
     ResponsesRequest
 from miles.rollout.sessions.store import Session, SessionError, SessionStore, call_id, completion_id
-from miles.rollout.sessions.tool_calls import TOOL_PARSERS
+from miles.engine_api.tool_calls import TOOL_PARSERS
 
 def response_body(c: Completion, req: ResponsesRequest, response_id: str, model: str) -> dict:
     """The turn as a /v1/responses object: a message item for its text, a function_call item per call."""

@@ -149,7 +149,7 @@ def test_bench_simulate_and_sessions_help_list_what_they_choose_from():
     from miles.capacity.fleet import DEVICES
     from miles.capacity.shapes import PRESETS as SHAPES
     from miles.cli import benchmarks
-    from miles.rollout.sessions.tool_calls import TOOL_PARSERS
+    from miles.engine_api.tool_calls import TOOL_PARSERS
 
     assert "rollout" in benchmarks() and "_answer_first" not in benchmarks()
     assert f"benchmark: {', '.join(benchmarks())}\n" in _help("bench")
