@@ -14,7 +14,7 @@ from miles.config.loader import ConfigError
 from miles.engine_api.sampling import SamplingParams
 from miles.engine.config import EngineConfig
 from miles.engine.engine import Engine
-from tests.unit.rollout.engine.test_engine_lora import _write_adapter
+from tests.unit.engine.test_engine_lora import _write_adapter
 
 PROMPTS = ["47+38=", "1+2=", "The trainer computes a policy", "ls cat echo grep python file"]
 

@@ -15,7 +15,7 @@ import torch
 
 from miles.engine.config import EngineConfig
 from miles.engine.server import start_server_thread
-from tests.unit.rollout.engine.conftest import Reference
+from tests.unit.engine.conftest import Reference
 
 TOKEN = "lora-admin-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

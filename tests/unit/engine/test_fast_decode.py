@@ -21,8 +21,8 @@ from miles.engine.config import EngineConfig
 from miles.engine.engine import Engine
 from miles.engine.lora import read_adapter
 from miles.engine.static_kv import StaticKV
-from tests.unit.rollout.engine.test_engine_lora import _write_adapter
-from tests.unit.rollout.engine.test_engine_models import _build
+from tests.unit.engine.test_engine_lora import _write_adapter
+from tests.unit.engine.test_engine_models import _build
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], list(range(20, 90)), [3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 
