@@ -112,8 +112,13 @@ def bytes_per_token(model) -> int:
     c = getattr(c, "get_text_config", lambda: c)()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    key_dim = value_dim = head_dim
+    if getattr(c, "kv_lora_rank", None):
+        # MLA (DeepSeek-V3/Kimi): transformers caches the latent expanded per head, keys of the nope
+        # and rope parts together, values of v_head_dim.
+        key_dim, value_dim = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
     itemsize = next(model.parameters()).element_size()
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize
+    return c.num_hidden_layers * kv_heads * (key_dim + value_dim) * itemsize
 
 
 def tokens_in(megabytes: float, model) -> int:
@@ -158,9 +163,9 @@ def load_prefixes(cache, hits: list[Match], cached: list[int], M: int) -> None:
         if not c:
             continue
         k, v = PrefixCache.gather(h)  # (layers, H, c, D)
-        if K is None:
-            shape = (k.shape[0], len(hits), k.shape[1], M, k.shape[3])
-            K, V = k.new_zeros(shape), v.new_zeros(shape)  # (layers, R, H, M, D)
+        if K is None:  # (layers, R, H, M, D); MLA's values are narrower than its keys
+            K = k.new_zeros((k.shape[0], len(hits), k.shape[1], M, k.shape[3]))
+            V = v.new_zeros((v.shape[0], len(hits), v.shape[1], M, v.shape[3]))
         K[:, i, :, M - c:] = k
         V[:, i, :, M - c:] = v
     for layer_idx in range(K.shape[0]):

@@ -41,6 +41,7 @@ Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -50,7 +51,7 @@ import torch
 from miles.devices import exact_float32, resolve
 from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
-from miles.models.moe import hook_routers, routers
+from miles.models.moe import hook_routers, moe_shape, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.engine import kv_cache
 from miles.engine.chunked_prefill import ChunkedPrefill
@@ -95,7 +96,7 @@ class ModelRunner:
         self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction,
                                                 config.prefix_cache_mb if config.prefix_cache else 0,
                                                 self.context_length)
-        self.routers = routers(self.model)  # empty for dense models
+        self.moe_shape = moe_shape(self.model.config)  # (MoE layers, top_k); None for a dense model
         self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,
                                         kv_cache.tokens_in(config.prefix_cache_mb, self.model)
@@ -389,6 +390,13 @@ class ModelRunner:
         lo = buf.data_ptr()
         hi = lo + buf.numel() * buf.element_size()
         return any(lo <= t.data_ptr() < hi for t in self.model.state_dict().values() if t.numel())
+
+    @functools.cached_property
+    def routers(self) -> list[torch.nn.Module]:
+        """The MoE routers whose choices are recorded, found when a request first asks for routed
+        experts (models/moe.py raises UnknownRouter for a router it cannot record exactly); serving
+        without routed experts never inspects them."""
+        return routers(self.model)
 
     # ---- inside a step ----------------------------------------------------------------------
 
