@@ -16,8 +16,8 @@ request is the model runner's business.
 Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
 many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
 rows x the longest reservation).
-Non-goals: paged attention (block tables), sliding-window or linear-attention layers (refused by
-`check_layout`), moving KV between devices.
+Non-goals: paged attention (block tables); sliding-window, linear-attention / Mamba and DSA-indexed
+layers (refused by `check_layout`, naming the layer kind); moving KV between devices.
 """
 
 from __future__ import annotations
@@ -97,13 +97,32 @@ def new_cache(model_config) -> DynamicCache:
     return cache
 
 
+# Cache layer classes of transformers the built-in engine cannot batch, and what they hold.
+_UNSUPPORTED_LAYERS = {
+    "DynamicSlidingWindowLayer": "sliding-window attention (a KV window that drops old tokens)",
+    "LinearAttentionLayer": "linear attention or Mamba (a recurrent state per sequence, not KV per token)",
+    "DynamicIndexedLayer": "DSA indexed attention (an indexer key cache beside the KV)",
+}
+
+
 def check_layout(model_config) -> None:
-    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers only."""
-    for layer in DynamicCache(config=model_config).layers:
+    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers only.
+    Refuses any other kind of layer, naming it and the layers of that kind."""
+    c = model_config.get_text_config()
+    kinds = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
+    bad: dict[str, list[int]] = {}
+    for i, layer in enumerate(DynamicCache(config=model_config).layers):
         if type(layer) is not DynamicLayer:
-            raise NotImplementedError(
-                f"the built-in engine batches with plain full-attention KV caches, but this model uses "
-                f"{type(layer).__name__} (sliding-window or linear attention); serve it with SGLang instead")
+            bad.setdefault(type(layer).__name__, []).append(i)
+    if not bad:
+        return
+    cls, layers = next(iter(bad.items()))
+    named = f" ({kinds[layers[0]]!r} in layer_types)" if kinds else ""
+    what = _UNSUPPORTED_LAYERS.get(cls, f"a {cls} cache")
+    raise NotImplementedError(
+        f"the built-in engine batches full-attention KV caches only, but layers {layers} of this {c.model_type!r} "
+        f"model are {what}{named}, which it does not support; serve this model with SGLang "
+        "and point rollout.engine_urls at it")
 
 
 def bytes_per_token(model) -> int:

@@ -1,5 +1,5 @@
 """Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
-layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE or Qwen2.5-VL config with small
+layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2 or Qwen2.5-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
@@ -96,8 +96,9 @@ PRESETS: dict[str, Preset] = {
     # DeepSeek-V3 / Kimi-K2 architecture: multi-head latent attention (KV compressed to a rank-32
     # latent plus a 16-wide rope part), the first layer dense, then 8 routed experts in 4 groups (top-2
     # groups, top-2 experts) chosen by sigmoid + correction bias, weights scaled by 2.5, one shared expert.
+    # (head_dim is the rope part's width, as DeepSeek-V3's config defines it.)
     "tiny-deepseek-v3": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-                               num_key_value_heads=4, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                               num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
                                moe_intermediate_size=64, family="deepseek_v3",
                                extra=dict(kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
                                           v_head_dim=32, n_group=4, topk_group=2, first_k_dense_replace=1,
@@ -109,6 +110,10 @@ PRESETS: dict[str, Preset] = {
                             moe_intermediate_size=64, family="glm4_moe",
                             extra=dict(n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
                                        routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # MiniMax-M2: every layer MoE, 8 experts chosen by sigmoid + a correction bias kept on the MoE block.
+    "tiny-minimax-m2": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              family="minimax_m2"),
 }
 
 # HF model type -> (config class name in transformers, the config field holding the routed expert count).
@@ -117,6 +122,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "num_experts"),
     "deepseek_v3": ("DeepseekV3Config", "n_routed_experts"),
     "glm4_moe": ("Glm4MoeConfig", "n_routed_experts"),
+    "minimax_m2": ("MiniMaxM2Config", "num_local_experts"),
 }
 
 
@@ -171,6 +177,8 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
                "moe_intermediate_size": p.moe_intermediate_size}
         if family == "qwen3_moe":
             moe.update(decoder_sparse_step=1, norm_topk_prob=True)
+        if family == "minimax_m2":  # its experts are intermediate_size wide; it has no moe_intermediate_size
+            del moe["moe_intermediate_size"]
     config = getattr(transformers, config_class)(
         vocab_size=p.model_vocab_size or len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
