@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("init-model", help="build a tiny HF model + locally trained tokenizer")
-    s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe)")
+    s.add_argument("--preset", default="tiny-qwen3", help="model preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe, tiny-deepseek-v3, "
+                   "tiny-glm4-moe, tiny-minimax-m2, ...; docs/models.md)")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--init-std", type=float, default=0.0,

@@ -16,19 +16,22 @@ request is the model runner's business.
 Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
 many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
 rows x the longest reservation).
-Non-goals: paged attention (block tables); sliding-window, linear-attention / Mamba and DSA-indexed
-layers (refused by `check_layout`, naming the layer kind); moving KV between devices.
+Sliding-window layers (GPT-OSS) keep every token's KV like full ones; the engine windows their
+attention with masks of its own (window_masks.py).
+Non-goals: paged attention (block tables); linear-attention / Mamba and DSA-indexed layers (refused
+by `check_layout`, naming the layer kind); moving KV between devices.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from miles.config.loader import ConfigError
 from miles.devices import total_memory
 from miles.engine.prefix_cache import Match, PrefixCache
+from miles.engine.window_masks import unsupported_layer_types, windowed
 
 
 class GrowingLayer(DynamicLayer):
@@ -111,7 +114,10 @@ def check_layout(model_config) -> None:
     c = model_config.get_text_config()
     kinds = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
     bad: dict[str, list[int]] = {}
+    sliding_ok = windowed(model_config) and not unsupported_layer_types(model_config)
     for i, layer in enumerate(DynamicCache(config=model_config).layers):
+        if type(layer) is DynamicSlidingWindowLayer and sliding_ok:
+            continue  # kept whole; window_masks.py windows the attention
         if type(layer) is not DynamicLayer:
             bad.setdefault(type(layer).__name__, []).append(i)
     if not bad:

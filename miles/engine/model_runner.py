@@ -65,6 +65,7 @@ from miles.engine.prefix_cache import PrefixCache
 from miles.engine.row import Row
 from miles.engine.sampler import sample
 from miles.engine.static_kv import StaticKV
+from miles.engine.window_masks import layer_masks, windowed
 
 
 class ModelRunner:
@@ -92,6 +93,7 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
+        self.windowed = windowed(self.model.config)  # sliding-window layers: the engine builds the masks
         # Running-batch KV the engine may hold (tokens), after weights and prefix cache take their share.
         self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction,
                                                 config.prefix_cache_mb if config.prefix_cache else 0,
@@ -426,6 +428,9 @@ class ModelRunner:
         ids: list[torch.Tensor] = []
         if adapters is None:
             adapters = [self.adapters.default] * input_ids.shape[0]
+        if self.windowed:
+            queries = (embeds if embeds is not None else input_ids).shape[1]
+            mask = layer_masks(self.model.config, mask, queries, next(self.model.parameters()).dtype)
         with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])), \
                 self.adapters.applied(adapters):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,

@@ -1,5 +1,5 @@
 """Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
-layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2 or Qwen2.5-VL config with small
+layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2, GPT-OSS or Qwen2.5-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
@@ -114,6 +114,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-minimax-m2": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
                               family="minimax_m2"),
+    # GPT-OSS: attention sinks, sliding-window layers (a window of 8 tokens, so short prompts cross it)
+    # alternating with full ones, 8 experts weighed by a softmax over the chosen logits.
+    "tiny-gpt-oss": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, family="gpt_oss",
+                           extra=dict(sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 # HF model type -> (config class name in transformers, the config field holding the routed expert count).
@@ -123,6 +128,7 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "n_routed_experts"),
     "glm4_moe": ("Glm4MoeConfig", "n_routed_experts"),
     "minimax_m2": ("MiniMaxM2Config", "num_local_experts"),
+    "gpt_oss": ("GptOssConfig", "num_local_experts"),
 }
 
 
@@ -177,7 +183,7 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
                "moe_intermediate_size": p.moe_intermediate_size}
         if family == "qwen3_moe":
             moe.update(decoder_sparse_step=1, norm_topk_prob=True)
-        if family == "minimax_m2":  # its experts are intermediate_size wide; it has no moe_intermediate_size
+        if family in ("minimax_m2", "gpt_oss"):  # experts intermediate_size wide; no moe_intermediate_size
             del moe["moe_intermediate_size"]
     config = getattr(transformers, config_class)(
         vocab_size=p.model_vocab_size or len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,

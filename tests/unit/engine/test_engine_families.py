@@ -1,14 +1,15 @@
 """The model families users post-train, served by the built-in engine: each tiny preset's greedy ids
 equal transformers' own full-forward greedy, with logprobs within 1e-5 (float32), batched at mixed
-lengths, and a prompt served again from the prefix cache gives identical outputs. Layer kinds the
-engine cannot hold (linear attention, Mamba, DSA indexer) are refused with the kind named."""
+lengths, and a prompt served again from the prefix cache gives identical outputs. GPT-OSS's window
+(8 tokens) is shorter than the sequences, so its sliding layers are tested, sinks included (eager
+attention, chosen per model). Layer kinds the engine cannot hold (linear attention, Mamba, DSA indexer) are refused with the kind named."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-SERVED = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2"]
+SERVED = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"]
 
 
 def full_forward_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -49,6 +50,14 @@ def test_preset_greedy_and_logprobs_match_transformers_and_the_prefix_cache(pres
         assert max(abs(a - b) for a, b in zip(again.output_logprobs, first.output_logprobs)) <= 1e-5
     finally:
         engine.stop()
+
+
+def test_attention_implementation_is_chosen_per_model(preset_dir):
+    from miles.models.loading import attention_implementation, load_model
+
+    assert attention_implementation(preset_dir("tiny-deepseek-v3")) == "sdpa"
+    assert attention_implementation(preset_dir("tiny-gpt-oss")) == "eager"  # sinks: transformers refuses sdpa
+    assert load_model(preset_dir("tiny-gpt-oss")).config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h"])

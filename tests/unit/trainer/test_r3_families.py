@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.trainer.test_r3 import gloo, rollout, sequences, trainer_for  # noqa: F401  (gloo: a fixture)
 
-FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2"]
+FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"]
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
