@@ -2,7 +2,8 @@
 engine process, Ray, FSDP2 trainer, weight sync, with routing replay on. In float32 throughout, the
 replayed trainer agrees with the engine: no routing mismatch and a rollout-vs-trainer logprob gap
 at rounding, on every family's router (DeepSeek-V3's and GLM-4.5's sigmoid + bias, group-limited,
-scaled; MiniMax-M2's sigmoid + bias)."""
+scaled; MiniMax-M2's sigmoid + bias; GPT-OSS's softmax over the chosen logits, with its sliding-window
+layers and sinks)."""
 
 import json
 
@@ -13,7 +14,7 @@ from tests.helpers.runs import small_config
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2"])
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"])
 def test_two_grpo_steps_with_routing_replay(preset, preset_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train
 
