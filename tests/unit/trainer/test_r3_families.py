@@ -82,3 +82,14 @@ def test_the_run_config_refuses_replay_of_an_unknown_router(phimoe_dir):
     with pytest.raises(ConfigError, match="router class PhimoeTopKRouter.*trainer.routing_replay = false"):
         load_config(RunConfig, None, {"model.path": phimoe_dir, "rollout.return_routed_experts": "true",
                                       "trainer.routing_replay": "true"})
+
+
+def test_a_model_whose_router_cannot_be_replayed_trains_without_replay(gloo, phimoe_dir):  # noqa: F811
+    from miles.trainer.types import TrainSequence
+
+    trainer = trainer_for(phimoe_dir)
+    seqs = [TrainSequence(tokens=[3, 4, 5, 6, 7, 8], prompt_len=3, loss_mask=[1, 1, 1], old_logprobs=[-1.0] * 3,
+                          advantage=a) for a in (1.0, -1.0)]
+    metrics = trainer.compute_gradients(seqs, sum(s.num_loss_tokens for s in seqs))
+    assert "train/r3_mismatch_rate" not in metrics
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.backend.model.parameters())
