@@ -115,7 +115,7 @@ def find_routers(model, moe_layers: int) -> list[Router]:
         cls = type(m).__name__
         if cls in ROUTER_FAMILIES:
             found.append(Router(name, m, ROUTER_FAMILIES[cls](config)))
-        elif isinstance(m, torch.nn.Module) and any(p.dim() == 2 for p in m.parameters(recurse=False)):
+        else:
             unknown.append(cls)
     if unknown or len(found) != moe_layers:
         what = (f"router class {sorted(set(unknown))[0]}" if unknown else
