@@ -166,13 +166,16 @@ def check_routing_replay(run) -> None:
     # transformers and the MoE helpers (torch) would slow every other config load.
     from transformers import AutoConfig
 
-    from miles.models.moe import moe_shape
+    from miles.models.moe import moe_shape, replay_refusal
 
     config = AutoConfig.from_pretrained(run.model.path)
     if moe_shape(config) is None:
         raise ConfigError(f"rollout.return_routed_experts / trainer.routing_replay need a mixture-of-experts model, "
                           f"but model.path {run.model.path!r} is a dense {config.model_type!r} model: set both to "
                           "false, or train an MoE checkpoint (e.g. `miles init-model --preset tiny-qwen3-moe`)")
+    refusal = replay_refusal(config)
+    if refusal is not None:
+        raise ConfigError(refusal)
     run.router.check_features(return_routed_experts=True)
 
 

@@ -64,6 +64,21 @@ def tiny_moe_model_dir(tmp_path_factory) -> str:
 
 # -- engines to push weights into (weight-sync tests, and the engine's own weight-route tests) ------------
 @pytest.fixture(scope="session")
+def preset_dir(tmp_path_factory):
+    """preset_dir(name): that tiny preset built once per session, with weights large enough (std 0.1)
+    that greedy outputs and routing vary."""
+    from miles.models.presets import build_tiny_model
+
+    built: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = str(build_tiny_model(name, tmp_path_factory.mktemp(name), init_std=0.1))
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="session")
 def admin_token() -> str:
     return "sync-admin-token"
 

@@ -38,6 +38,7 @@ import torch
 from miles.engine_api.errors import InvalidRequest
 from miles.engine_api.sampling import SamplingParams
 from miles.engine_api.types import MEMORY_TAGS, GenerateRequest, GenerateResult
+from miles.models.routers import UnknownRouter
 from miles.engine.config import EngineConfig
 from miles.engine.lora import read_adapter
 from miles.engine.memory import Memory
@@ -104,9 +105,8 @@ class Engine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"sampling_params.stop_token_ids: {bad} is outside the vocabulary")
-        if return_routed_experts and not self.runner.routers:
-            raise InvalidRequest("return_routed_experts: this model has no mixture-of-experts layers, so there are "
-                                 "no routed experts to return; send false")
+        if return_routed_experts:
+            self._check_routed_experts()
         if not -1 <= logprob_start_len <= len(ids):
             raise InvalidRequest(f"logprob_start_len: {logprob_start_len} is outside [-1, {len(ids)}] for a prompt of "
                                  f"{len(ids)} tokens; send -1 (output tokens only) or a position in the prompt")
@@ -118,6 +118,16 @@ class Engine:
                                return_logprob=return_logprob, return_routed_experts=return_routed_experts,
                                logprob_start_len=logprob_start_len if return_logprob else -1, adapter=adapter,
                                images=images)
+
+    def _check_routed_experts(self) -> None:
+        """A request for routed experts needs an MoE model whose routers miles records exactly."""
+        if self.runner.moe_shape is None:
+            raise InvalidRequest("return_routed_experts: this model has no mixture-of-experts layers, so there are "
+                                 "no routed experts to return; send false")
+        try:
+            self.runner.routers
+        except UnknownRouter as e:
+            raise InvalidRequest(f"return_routed_experts: {e}") from None
 
     def submit(self, req: GenerateRequest, listener=None) -> Future:
         """Queue a request; the future resolves to a GenerateResult. `listener(ids, logprobs)` gets the

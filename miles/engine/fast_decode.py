@@ -78,7 +78,7 @@ class FastDecoder:
         # Not captured: quantized linears (their served bytes change under them) and MoE blocks (their
         # expert dispatch reads the routing on the host).
         graphs = DecodeGraphs(fwd, runner.kv, use_graphs=on_cuda and cfg.cuda_graphs and cfg.quantization == "none"
-                              and not runner.routers)
+                              and runner.moe_shape is None)
         return cls(runner, graphs)
 
     def step(self) -> None:

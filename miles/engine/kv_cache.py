@@ -16,19 +16,22 @@ request is the model runner's business.
 Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
 many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
 rows x the longest reservation).
-Non-goals: paged attention (block tables), sliding-window or linear-attention layers (refused by
-`check_layout`), moving KV between devices.
+Sliding-window layers (GPT-OSS) keep every token's KV like full ones; the engine windows their
+attention with masks of its own (window_masks.py).
+Non-goals: paged attention (block tables); linear-attention / Mamba and DSA-indexed layers (refused
+by `check_layout`, naming the layer kind); moving KV between devices.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from miles.config.loader import ConfigError
 from miles.devices import total_memory
 from miles.engine.prefix_cache import Match, PrefixCache
+from miles.engine.window_masks import unsupported_layer_types, windowed
 
 
 class GrowingLayer(DynamicLayer):
@@ -97,13 +100,35 @@ def new_cache(model_config) -> DynamicCache:
     return cache
 
 
+# Cache layer classes of transformers the built-in engine cannot batch, and what they hold.
+_UNSUPPORTED_LAYERS = {
+    "DynamicSlidingWindowLayer": "sliding-window attention (a KV window that drops old tokens)",
+    "LinearAttentionLayer": "linear attention or Mamba (a recurrent state per sequence, not KV per token)",
+    "DynamicIndexedLayer": "DSA indexed attention (an indexer key cache beside the KV)",
+}
+
+
 def check_layout(model_config) -> None:
-    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers only."""
-    for layer in DynamicCache(config=model_config).layers:
+    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers only.
+    Refuses any other kind of layer, naming it and the layers of that kind."""
+    c = model_config.get_text_config()
+    kinds = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
+    bad: dict[str, list[int]] = {}
+    sliding_ok = windowed(model_config) and not unsupported_layer_types(model_config)
+    for i, layer in enumerate(DynamicCache(config=model_config).layers):
+        if type(layer) is DynamicSlidingWindowLayer and sliding_ok:
+            continue  # kept whole; window_masks.py windows the attention
         if type(layer) is not DynamicLayer:
-            raise NotImplementedError(
-                f"the built-in engine batches with plain full-attention KV caches, but this model uses "
-                f"{type(layer).__name__} (sliding-window or linear attention); serve it with SGLang instead")
+            bad.setdefault(type(layer).__name__, []).append(i)
+    if not bad:
+        return
+    cls, layers = next(iter(bad.items()))
+    named = f" ({kinds[layers[0]]!r} in layer_types)" if kinds else ""
+    what = _UNSUPPORTED_LAYERS.get(cls, f"a {cls} cache")
+    raise NotImplementedError(
+        f"the built-in engine batches full-attention KV caches only, but layers {layers} of this {c.model_type!r} "
+        f"model are {what}{named}, which it does not support; serve this model with SGLang "
+        "and point rollout.engine_urls at it")
 
 
 def bytes_per_token(model) -> int:
@@ -112,8 +137,13 @@ def bytes_per_token(model) -> int:
     c = getattr(c, "get_text_config", lambda: c)()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    key_dim = value_dim = head_dim
+    if getattr(c, "kv_lora_rank", None):
+        # MLA (DeepSeek-V3/Kimi): transformers caches the latent expanded per head, keys of the nope
+        # and rope parts together, values of v_head_dim.
+        key_dim, value_dim = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
     itemsize = next(model.parameters()).element_size()
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * itemsize
+    return c.num_hidden_layers * kv_heads * (key_dim + value_dim) * itemsize
 
 
 def tokens_in(megabytes: float, model) -> int:
@@ -158,9 +188,9 @@ def load_prefixes(cache, hits: list[Match], cached: list[int], M: int) -> None:
         if not c:
             continue
         k, v = PrefixCache.gather(h)  # (layers, H, c, D)
-        if K is None:
-            shape = (k.shape[0], len(hits), k.shape[1], M, k.shape[3])
-            K, V = k.new_zeros(shape), v.new_zeros(shape)  # (layers, R, H, M, D)
+        if K is None:  # (layers, R, H, M, D); MLA's values are narrower than its keys
+            K = k.new_zeros((k.shape[0], len(hits), k.shape[1], M, k.shape[3]))
+            V = v.new_zeros((v.shape[0], len(hits), v.shape[1], M, v.shape[3]))
         K[:, i, :, M - c:] = k
         V[:, i, :, M - c:] = v
     for layer_idx in range(K.shape[0]):

@@ -41,6 +41,7 @@ Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -50,7 +51,7 @@ import torch
 from miles.devices import exact_float32, resolve
 from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
-from miles.models.moe import hook_routers, routers
+from miles.models.moe import hook_routers, moe_shape, routers
 from miles.precision.linear import install, quantize_linears, served_weights
 from miles.engine import kv_cache
 from miles.engine.chunked_prefill import ChunkedPrefill
@@ -64,6 +65,7 @@ from miles.engine.prefix_cache import PrefixCache
 from miles.engine.row import Row
 from miles.engine.sampler import sample
 from miles.engine.static_kv import StaticKV
+from miles.engine.window_masks import layer_masks, windowed
 
 
 class ModelRunner:
@@ -91,11 +93,12 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
+        self.windowed = windowed(self.model.config)  # sliding-window layers: the engine builds the masks
         # Running-batch KV the engine may hold (tokens), after weights and prefix cache take their share.
         self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction,
                                                 config.prefix_cache_mb if config.prefix_cache else 0,
                                                 self.context_length)
-        self.routers = routers(self.model)  # empty for dense models
+        self.moe_shape = moe_shape(self.model.config)  # (MoE layers, top_k); None for a dense model
         self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,
                                         kv_cache.tokens_in(config.prefix_cache_mb, self.model)
@@ -390,6 +393,13 @@ class ModelRunner:
         hi = lo + buf.numel() * buf.element_size()
         return any(lo <= t.data_ptr() < hi for t in self.model.state_dict().values() if t.numel())
 
+    @functools.cached_property
+    def routers(self) -> list[torch.nn.Module]:
+        """The MoE routers whose choices are recorded, found when a request first asks for routed
+        experts (models/moe.py raises UnknownRouter for a router it cannot record exactly); serving
+        without routed experts never inspects them."""
+        return routers(self.model)
+
     # ---- inside a step ----------------------------------------------------------------------
 
     def adapter_of(self, row: Row) -> Adapter | None:
@@ -418,6 +428,9 @@ class ModelRunner:
         ids: list[torch.Tensor] = []
         if adapters is None:
             adapters = [self.adapters.default] * input_ids.shape[0]
+        if self.windowed:
+            queries = (embeds if embeds is not None else input_ids).shape[1]
+            mask = layer_masks(self.model.config, mask, queries, next(self.model.parameters()).dtype)
         with hook_routers(self.routers if capture else [], lambda _layer, out: ids.append(out[2])), \
                 self.adapters.applied(adapters):
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,

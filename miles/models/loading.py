@@ -85,8 +85,18 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     if is_vision_language(config):
         check_supported(config)
         auto = AutoModelForImageTextToText
-    model = auto.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="sdpa")
+    model = auto.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation=attention_implementation(path, auto))
     return model.to(device)
+
+
+def attention_implementation(path: str, auto=None) -> str:
+    """"sdpa" (PyTorch's fused attention) where the model's class supports it, else "eager": GPT-OSS
+    adds attention sinks to the softmax, which transformers computes only in its eager attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    auto = auto or AutoModelForCausalLM
+    model_class = auto._model_mapping.get(type(AutoConfig.from_pretrained(path)), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def text_config(model_config):

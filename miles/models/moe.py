@@ -1,12 +1,12 @@
-"""Mixture-of-experts routing seen from outside the model: which modules route, a hook on their
-decisions, and the compact encoding of routed expert ids that engines return and trainers replay.
+"""Mixture-of-experts routing seen from outside the model: which layers are MoE, their routers, a hook
+on their decisions, and the compact encoding of routed expert ids that engines return and trainers replay.
 
 The encoding is SGLang's: base64 of the int32 array (tokens, MoE layers, top_k), one row per token
 that went through the model (prompt + completion - 1: the last sampled token is never fed back).
-Routers are the `mlp.gate` modules of HF MoE blocks whose forward returns
-(router_logits, top-k weights, top-k expert ids), as Qwen3-MoE's does; hooking that output lets
-an engine record the ids and a trainer substitute them without forking the model code.
-Non-goal: routers of other shapes (shared-expert gates, grouped top-k); they are refused.
+Routers are the modules of HF MoE blocks whose forward returns (router_logits, top-k weights, top-k
+expert ids); hooking that output lets an engine record the ids and a trainer substitute them without
+forking the model code. Which router classes those are, and how each weighs its experts, is
+models/routers.py; any other router is refused, never replayed approximately.
 """
 
 from __future__ import annotations
@@ -17,32 +17,72 @@ from typing import Callable
 
 import torch
 
+from miles.models.routers import Router, UnknownRouter, find_routers
+
+
+def moe_layers(config) -> list[int]:
+    """Indices of an HF config's decoder layers whose MLP is a routed mixture of experts (empty: dense).
+
+    Read the way each family's modeling code builds its layers: per-layer type lists (`mlp_layer_types`
+    of GLM-5 and DeepSeek-V4, Nemotron-H's `layers_block_type`), dense first layers
+    (`first_k_dense_replace`: DeepSeek-V3/Kimi, GLM-4.5), else Qwen's `mlp_only_layers` and
+    `decoder_sparse_step`."""
+    c = getattr(config, "get_text_config", lambda: config)()
+    experts = (getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+               or getattr(c, "n_routed_experts", None) or 0)
+    if not experts or not getattr(c, "num_experts_per_tok", 0):
+        return []
+    n = c.num_hidden_layers
+    kinds = getattr(c, "mlp_layer_types", None)
+    if kinds:
+        return [i for i in range(n) if kinds[i] not in ("dense", "mlp")]
+    blocks = getattr(c, "layers_block_type", None)
+    if blocks and getattr(c, "model_type", "") == "nemotron_h":
+        return [i for i in range(n) if blocks[i] == "moe"]
+    first_dense = getattr(c, "first_k_dense_replace", None)
+    if first_dense is not None:
+        return list(range(first_dense, n))
+    step = getattr(c, "decoder_sparse_step", 1) or 1
+    dense_layers = set(getattr(c, "mlp_only_layers", None) or ())
+    return [i for i in range(n) if i not in dense_layers and (i + 1) % step == 0]
+
 
 def moe_shape(config) -> tuple[int, int] | None:
     """(MoE layers, experts per token) of an HF model config, or None for a dense model."""
-    c = getattr(config, "get_text_config", lambda: config)()
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0
-    top_k = getattr(c, "num_experts_per_tok", 0) or 0
-    if not experts or not top_k:
+    layers = moe_layers(config)
+    if not layers:
         return None
-    step = getattr(c, "decoder_sparse_step", 1) or 1
-    dense_layers = set(getattr(c, "mlp_only_layers", None) or ())
-    layers = [i for i in range(c.num_hidden_layers) if i not in dense_layers and (i + 1) % step == 0]
-    return (len(layers), top_k) if layers else None
+    return len(layers), getattr(config, "get_text_config", lambda: config)().num_experts_per_tok
+
+
+def model_routers(model) -> list[Router]:
+    """Every MoE layer's router with its family, in layer order (empty for a dense model). Raises
+    UnknownRouter (naming the class) for routers miles cannot record or replay exactly. Call it only
+    where routing is recorded or replayed: serving and training without R3 never inspect routers."""
+    shape = moe_shape(model.config)
+    return find_routers(model, shape[0]) if shape is not None else []
+
+
+def replay_refusal(config) -> str | None:
+    """Why the routing of `config`'s model cannot be recorded and replayed exactly, or None when it can.
+    Builds the model on the meta device (no memory, no weights) to see its router classes."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # a vision-language config: its language model holds the routers
+            model = AutoModelForImageTextToText.from_config(config)
+    try:
+        model_routers(model)
+    except UnknownRouter as e:
+        return str(e)
+    return None
 
 
 def routers(model) -> list[torch.nn.Module]:
-    """The router module of every MoE layer, in layer order (empty for a dense model)."""
-    shape = moe_shape(model.config)
-    if shape is None:
-        return []
-    found = [m for name, m in model.named_modules()
-             if name.endswith("mlp.gate") and hasattr(m, "top_k") and hasattr(m, "num_experts")]
-    if len(found) != shape[0]:
-        raise NotImplementedError(
-            f"{type(model).__name__}: found {len(found)} top-k routers for {shape[0]} MoE layers; routed-expert "
-            "capture and replay support Qwen3-MoE-style routers (mlp.gate returning logits, weights, ids)")
-    return found
+    """The router module of every MoE layer, in layer order (see model_routers)."""
+    return [r.module for r in model_routers(model)]
 
 
 @contextmanager

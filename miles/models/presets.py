@@ -1,4 +1,5 @@
-"""Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE or Qwen2.5-VL config with small
+"""Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
+layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2, GPT-OSS or Qwen2.5-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
@@ -8,7 +9,7 @@ Non-goal: quality. A preset is the smallest architecture that still exercises ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from miles.data.tasks.arithmetic import ArithmeticTask, demonstration
@@ -55,6 +56,8 @@ class Preset:
     moe_intermediate_size: int = 0
     model_vocab_size: int = 0  # > 0: the embedding has this many rows, more than the tokenizer's (as Qwen3 pads)
     vision: VisionPreset | None = None  # set: a Qwen2.5-VL model with this vision tower
+    family: str = "qwen3"  # the HF model type (FAMILIES); "qwen3" with num_experts builds Qwen3-MoE
+    extra: dict = field(default_factory=dict)  # further config fields of that family (MLA ranks, groups, ...)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,42 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen-vl": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=400,
                            vision=VisionPreset()),
+    # DeepSeek-V3 / Kimi-K2 architecture: multi-head latent attention (KV compressed to a rank-32
+    # latent plus a 16-wide rope part), the first layer dense, then 8 routed experts in 4 groups (top-2
+    # groups, top-2 experts) chosen by sigmoid + correction bias, weights scaled by 2.5, one shared expert.
+    # (head_dim is the rope part's width, as DeepSeek-V3's config defines it.)
+    "tiny-deepseek-v3": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=64, family="deepseek_v3",
+                               extra=dict(kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                          v_head_dim=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                          n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # GLM-4.5 MoE: GQA with half-rotary heads, the first layer dense, 8 experts (sigmoid + correction bias,
+    # one group), one shared expert.
+    "tiny-glm4-moe": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=64, family="glm4_moe",
+                            extra=dict(n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+                                       routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # MiniMax-M2: every layer MoE, 8 experts chosen by sigmoid + a correction bias kept on the MoE block.
+    "tiny-minimax-m2": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              family="minimax_m2"),
+    # GPT-OSS: attention sinks, sliding-window layers (a window of 8 tokens, so short prompts cross it)
+    # alternating with full ones, 8 experts weighed by a softmax over the chosen logits.
+    "tiny-gpt-oss": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, family="gpt_oss",
+                           extra=dict(sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+# HF model type -> (config class name in transformers, the config field holding the routed expert count).
+FAMILIES = {
+    "qwen3": ("Qwen3Config", None),
+    "qwen3_moe": ("Qwen3MoeConfig", "num_experts"),
+    "deepseek_v3": ("DeepseekV3Config", "n_routed_experts"),
+    "glm4_moe": ("Glm4MoeConfig", "n_routed_experts"),
+    "minimax_m2": ("MiniMaxM2Config", "num_local_experts"),
+    "gpt_oss": ("GptOssConfig", "num_local_experts"),
 }
 
 
@@ -125,7 +164,8 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
     near-uniform logits and router scores; larger weights give varied outputs and routing decisions
     that matter, for tests and benchmarks that compare outputs or routing."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
@@ -135,17 +175,23 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
     if p.vision is not None:
         return _build_vlm(p, out, seed, init_std)
     tokenizer = train_tokenizer(p.vocab_size, seed=seed)
+    family = "qwen3_moe" if p.family == "qwen3" and p.num_experts else p.family
+    config_class, experts_key = FAMILIES[family]
     moe = {}
     if p.num_experts:
-        moe = dict(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
-                   moe_intermediate_size=p.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True)
-    config = (Qwen3MoeConfig if moe else Qwen3Config)(
+        moe = {experts_key: p.num_experts, "num_experts_per_tok": p.num_experts_per_tok,
+               "moe_intermediate_size": p.moe_intermediate_size}
+        if family == "qwen3_moe":
+            moe.update(decoder_sparse_step=1, norm_topk_prob=True)
+        if family in ("minimax_m2", "gpt_oss"):  # experts intermediate_size wide; no moe_intermediate_size
+            del moe["moe_intermediate_size"]
+    config = getattr(transformers, config_class)(
         vocab_size=p.model_vocab_size or len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
         max_position_embeddings=p.max_position_embeddings, tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, dtype="float32", **moe,
+        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, dtype="float32", **moe, **p.extra,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -154,6 +200,11 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
             for param in model.parameters():
                 if param.dim() >= 2:  # projections, embeddings, stacked experts, routers; not norms
                     param.normal_(0.0, init_std)
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    # A correction bias that changes which experts are chosen (it never weighs them):
+                    # trained routers carry one, and R3 must replay choices it made.
+                    buf.normal_(0.0, 0.05)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

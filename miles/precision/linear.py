@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from miles.models.moe import routers
+from miles.models.routers import router_modules
 from miles.precision.formats import Format, QuantizedTensor, dequantize, fake_quantize, get_format, quantize
 
 Mode = Literal["train", "serve"]
@@ -184,7 +184,7 @@ def quantize_linears(model: torch.nn.Module, name: str, mode: Mode, key: str = "
     if name == "none":
         return []
     fmt = get_format(name, key)
-    keep = {id(r) for r in routers(model)} if hasattr(model, "config") else set()  # HF models only
+    keep = {id(r) for r in router_modules(model)} if hasattr(model, "config") else set()  # HF models only
     heads = _embedding_layers(model, key) if embeddings else set()
     stores: dict[int, StoredWeight] = {}  # by Parameter: a tied embedding and LM head share one stored copy
 

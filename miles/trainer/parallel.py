@@ -10,7 +10,7 @@ Non-goal: pipeline parallelism.
 
 from __future__ import annotations
 
-from miles.models.loading import check_model_path
+from miles.models.loading import attention_implementation, check_model_path
 
 
 def load_parallel_model(model_path: str, tp: int, ep: int, world_size: int):
@@ -29,6 +29,7 @@ def load_parallel_model(model_path: str, tp: int, ep: int, world_size: int):
         kwargs["ep_size"] = ep
     if dp > 1:
         kwargs["fsdp_size"] = dp
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=attention_implementation(model_path),
                                                  distributed_config=DistributedConfig(**kwargs))
     return model, dp

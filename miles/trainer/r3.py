@@ -6,8 +6,9 @@ through experts that never produced the token. The engine records its top-k ids 
 layer (Sample.routed_experts); inside `routing_replay` every router of the policy first computes its
 own top-k (counted against the engine's: the mismatch rate, measured before replay) and, with
 replay on, hands the experts the engine's ids instead. The gate weights are recomputed from the
-current router logits over the replayed experts (softmax, then renormalised over the top-k as the
-model does), so the router still gets a gradient and keeps learning.
+current router logits for the replayed experts exactly as that router family does (models/routers.py:
+softmax or sigmoid, renormalised, scaled), so a token whose routing already agreed keeps its forward
+bit for bit, and the router still gets a gradient and keeps learning.
 
 Only the policy forward is wrapped; reference and critic are separate modules and route freely.
 Tokens without recorded experts (padding, tokens after the last engine call) route freely too.
@@ -21,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from miles.models.moe import decode_routed_experts, hook_routers
+from miles.models.routers import Router
 
 
 def routed_tensor(seqs, offsets: list[tuple[int, int]], shape: tuple[int, int], rows: int, width: int):
@@ -51,7 +53,7 @@ def check_sequences(seqs) -> None:
                          "GenerateContext.return_routed_experts is set and keep meta_info.routed_experts on the Sample")
 
 
-def routing_replay(model_routers: list, routed: torch.Tensor | None, replay: bool, sums: dict):
+def routing_replay(model_routers: list[Router], routed: torch.Tensor | None, replay: bool, sums: dict):
     """Context for one policy forward over a micro-batch whose engine routing is `routed`
     (B, T, layers, top_k). Adds to `sums`: r3_pairs (token × layer pairs with recorded experts) and
     r3_mismatch (those where the trainer's own top-k set differs from the engine's)."""
@@ -75,11 +77,7 @@ def _replay(model_routers, routed, replay, sums):
         if not replay:
             return None
         ids = torch.where(known[:, None], engine, ids)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights = probs.gather(1, ids)
-        if getattr(model_routers[layer], "norm_topk_prob", True):
-            weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(logits.dtype), ids
+        return logits, model_routers[layer].family.weights(logits, ids, weights.dtype), ids
 
-    with hook_routers(model_routers, on_router):
+    with hook_routers([r.module for r in model_routers], on_router):
         yield

@@ -21,6 +21,7 @@ layout or the device (a backend's) or on Ray (orchestration/actors.py wraps this
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from miles.models.loading import load_tokenizer, read_model_config
 from miles.models.vision import is_vision_language
-from miles.models.moe import moe_shape, routers
+from miles.models.moe import model_routers, moe_shape
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.backends.base import BACKENDS
 from miles.trainer.batching import build_micro_batch, plan_micro_batches
@@ -59,8 +60,7 @@ class Trainer:
         self.pad_id = load_tokenizer(model_path).pad_token_id or 0
         self.algorithm = get_algorithm(cfg.algorithm)
         self.backend = BACKENDS.get(cfg.backend)(cfg, model_path, rank, world_size, master_addr, master_port)
-        self.routers = routers(self.backend.model)  # empty for dense models
-        self.moe_shape = moe_shape(self.backend.model.config) if self.routers else None
+        self.moe_shape = moe_shape(self.backend.model.config)  # None for dense models
         # A vision-language policy's image inputs for micro-batches (trainer/vision.py); None for text.
         self.vision = TrainerVision(model_path) if is_vision_language(read_model_config(model_path)) else None
         self._algorithms = {None: self.algorithm}
@@ -132,7 +132,7 @@ class Trainer:
             chunk = [seqs[i] for i in members] or [_placeholder(self.pad_id)]
             mb = build_micro_batch(chunk, [0.0] * len(chunk), cfg.pack_sequences, self.pad_id,
                                    self.moe_shape, self.vision).to(self.backend.device)
-            with routing_replay(self.routers, mb.routed, cfg.routing_replay, {}):
+            with routing_replay(self._routers(mb), mb.routed, cfg.routing_replay, {}):
                 logp, _ = self._policy_logprobs(mb, temperature)  # (B, T-1)
             logp, sid = logp.float().cpu(), mb.seq_ids.cpu()
             for j, i in enumerate(members):
@@ -192,6 +192,15 @@ class Trainer:
             self._algorithms[name] = get_algorithm(AlgorithmConfig(name=name))
         return self._algorithms[name]
 
+    @functools.cached_property
+    def routers(self):
+        """The policy's routers with their families (models/routers.py), found on first use: a model
+        whose routers R3 cannot replay trains as long as no batch carries routed experts."""
+        return model_routers(self.backend.model)
+
+    def _routers(self, mb):
+        return self.routers if mb.routed is not None else []
+
     def _policy_logprobs(self, mb, temperature: float, with_entropy: bool = False):
         logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids, mb.images)  # (B, T, V)
         return logprobs_from_logits(logits, mb.input_ids, temperature, with_entropy)  # (B, T-1)
@@ -201,7 +210,7 @@ class Trainer:
         t_fwd = time.perf_counter()
         temperature = self.temperature if algorithm.on_rollouts else 1.0
         # Mismatch is counted on real micro-batches only; a placeholder carries no routed experts.
-        with routing_replay(self.routers, mb.routed, self.cfg.routing_replay, sums):
+        with routing_replay(self._routers(mb), mb.routed, self.cfg.routing_replay, sums):
             logp, entropy = self._policy_logprobs(mb, temperature, algorithm.needs_entropy)  # (B, T-1)
         out = ForwardOutputs(logp, entropy)
         if algorithm.needs_reference and self.reference is not None:

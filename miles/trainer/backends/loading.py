@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForTokenClassification
 
-from miles.models.loading import load_model
+from miles.models.loading import attention_implementation, load_model
 from miles.precision.linear import quantize_linears
 from miles.trainer.config import TrainerConfig
 from miles.trainer.lora import apply_lora
@@ -44,7 +44,7 @@ def load_policy(cfg: TrainerConfig, model_path: str, device: torch.device) -> to
 def load_critic(model_path: str, device: torch.device) -> torch.nn.Module:
     """A value model from the policy's checkpoint, whole, on `device`, predicting 0 everywhere."""
     critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32,
-                                                             attn_implementation="sdpa")
+                                                             attn_implementation=attention_implementation(model_path))
     torch.nn.init.zeros_(critic.score.weight)  # start from V = 0 rather than random values
     critic.to(device)
     return critic

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("page, cited", [("security.md", 20), ("precision.md", 20), ("scaling.md", 8),
                                          ("resume.md", 15),
                                          ("cluster.md", 8), ("rewards.md", 13), ("data.md", 6),
-                                         ("eval.md", 5)])
+                                         ("eval.md", 5), ("models.md", 20)])
 def test_every_test_the_page_names_exists(page, cited):
     text = (ROOT / "docs" / page).read_text()
     refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[\w-]+\])?`", text)

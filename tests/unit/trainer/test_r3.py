@@ -70,7 +70,7 @@ def moe_bf16_samples(tiny_moe_model_dir):
 def experts_seen(trainer) -> list:
     """Records the expert ids each MoE block's experts receive: what the forward really used."""
     seen = []
-    for layer, router in enumerate(trainer.routers):
+    for layer, router in enumerate(r.module for r in trainer.routers):
         experts = next(m for name, m in trainer.backend.model.named_modules()
                        if name.endswith("mlp.experts") and name.replace("experts", "gate") in
                        {n for n, r in trainer.backend.model.named_modules() if r is router})
@@ -116,7 +116,7 @@ def test_replay_lowers_the_rollout_logprob_gap(gloo, tiny_moe_model_dir, moe_bf1
     assert free["train/r3_mismatch_rate"] > 0
     assert replayed["train/rollout_logprob_abs_diff"] < free["train/rollout_logprob_abs_diff"]
     # The router still learns under replay: its weights get a gradient through the recomputed gates.
-    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in trainer.routers)
+    assert all(r.module.weight.grad is not None and r.module.weight.grad.abs().sum() > 0 for r in trainer.routers)
 
 
 def test_the_reference_model_routes_freely_under_replay(gloo, tiny_moe_model_dir, moe_bf16_samples):

@@ -1,0 +1,81 @@
+"""The model families users post-train, served by the built-in engine: each tiny preset's greedy ids
+equal transformers' own full-forward greedy, with logprobs within 1e-5 (float32), batched at mixed
+lengths, and a prompt served again from the prefix cache gives identical outputs. GPT-OSS's window
+(8 tokens) is shorter than the sequences, so its sliding layers are tested, sinks included (eager
+attention, chosen per model). Layer kinds the engine cannot hold (linear attention, Mamba, DSA indexer) are refused with the kind named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+SERVED = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"]
+
+
+def full_forward_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy ids and their logprobs, each step one forward over the whole sequence (no KV cache)."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            lp = model(input_ids=torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+            ids.append(int(lp.argmax()))
+            logprobs.append(float(lp[ids[-1]]))
+    return ids[len(prompt):], logprobs
+
+
+@pytest.mark.parametrize("preset", SERVED)
+def test_preset_greedy_and_logprobs_match_transformers_and_the_prefix_cache(preset, preset_dir):
+    from miles.engine.config import EngineConfig
+    from miles.engine.engine import Engine
+    from miles.engine_api.sampling import SamplingParams
+    from miles.models.loading import load_model
+
+    path = preset_dir(preset)
+    hf = load_model(path).eval()
+    engine = Engine(EngineConfig(model_path=path, prefix_block_size=4))
+    try:
+        prompts = [list(range(3, 3 + n)) for n in (9, 14, 5)] + [list(range(3, 12)) + [40, 41]]
+        params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+        futures = [engine.submit(engine.make_request(p, params, return_logprob=True)) for p in prompts]
+        for p, f in zip(prompts, futures):
+            out = f.result(120)
+            ids, logprobs = full_forward_greedy(hf, p, 10)
+            assert out.output_ids == ids
+            assert max(abs(a - b) for a, b in zip(out.output_logprobs, logprobs)) <= 1e-5
+        again = engine.generate(prompts[-1], params, return_logprob=True)  # its prefix is cached now
+        first = futures[-1].result()
+        assert again.cached_tokens > 0
+        assert again.output_ids == first.output_ids
+        # The cached prefix's KV came from another forward shape: the same values to float32 rounding.
+        assert max(abs(a - b) for a, b in zip(again.output_logprobs, first.output_logprobs)) <= 1e-5
+    finally:
+        engine.stop()
+
+
+def test_attention_implementation_is_chosen_per_model(preset_dir):
+    from miles.models.loading import attention_implementation, load_model
+
+    assert attention_implementation(preset_dir("tiny-deepseek-v3")) == "sdpa"
+    assert attention_implementation(preset_dir("tiny-gpt-oss")) == "eager"  # sinks: transformers refuses sdpa
+    assert load_model(preset_dir("tiny-gpt-oss")).config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h"])
+def test_recurrent_state_layers_are_refused_with_their_kind_named(model_type):
+    from miles.engine.kv_cache import check_layout
+    from tests.helpers.moe_families import tiny_config
+
+    with pytest.raises(NotImplementedError, match=f"layers \\[0.*'{model_type}' model are linear attention or "
+                                                  "Mamba.*serve this model with SGLang"):
+        check_layout(tiny_config(model_type))
+
+
+def test_dsa_indexer_layers_are_refused_with_their_kind_named():
+    from transformers import GlmMoeDsaConfig
+
+    from miles.engine.kv_cache import check_layout
+
+    config = GlmMoeDsaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(NotImplementedError, match="'glm_moe_dsa'.*DSA indexed attention"):
+        check_layout(config)
