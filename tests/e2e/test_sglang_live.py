@@ -43,12 +43,14 @@ def test_a_grpo_run_on_an_sglang_server_miles_launched_serves_the_trainers_weigh
                                                                                   ray_cluster):
     from miles.models.loading import load_model
     from miles.orchestration.driver import run_train
+    from miles.trainer.forward import token_logprobs
     from tests.helpers.sglang_probe import NEW_TOKENS, PROMPTS
 
     _sglang_python()
     summary = run_train(small_config(tiny_model_dir, tmp_path, **{
         "rollout.engine.kind": "sglang", "rollout.engine.memory_fraction": "0.05", "rollout.num_engines": "1",
         "loop.num_steps": "2", "eval.every_steps": "0", "trainer.lr": "5e-3",
+        "rollout.reward": "tests.e2e.test_async:text_parity_reward",  # a learning signal from a random model
         "sync.transport": "broadcast", "sync.verify_first_update": "true", "sync.verify_checksums": "true",
         "loop.schedule": "tests.helpers.sglang_probe:sync_then_probe"}))
     assert summary["steps"] == 2
@@ -58,24 +60,25 @@ def test_a_grpo_run_on_an_sglang_server_miles_launched_serves_the_trainers_weigh
     # Every push was checked against the trainer's tensors on the SGLang server itself.
     verified = [m["sync/verified_tensors"] for m in metrics if "sync/verified_tensors" in m]
     assert len(verified) >= 2 and min(verified) >= 30, verified
-    model = load_model(probe["export"]).eval()
+    model, start = load_model(probe["export"]).eval(), load_model(tiny_model_dir).eval()
+    assert not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), start.state_dict().values())), \
+        "the two steps did not change the weights: the check below would prove nothing"
     (url, answers), = probe["answers"].items()
     for prompt, answer in zip(PROMPTS, answers):
         assert answer["meta_info"]["weight_version"] == "2", answer["meta_info"]
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
                                  pad_token_id=0)[0, len(prompt):].tolist()
-        assert answer["output_ids"] == ref[:len(answer["output_ids"])], (prompt, answer["output_ids"], ref)
-    # The pushed weights are not the starting ones: the starting checkpoint answers differently somewhere.
-    start = load_model(tiny_model_dir).eval()
-    with torch.no_grad():
-        before = [start.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-        after = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    logits_moved = not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                             start.state_dict().values()))
-    assert logits_moved and (before != after or logits_moved)
+        got = answer["output_ids"]
+        assert got == ref[:len(got)], (prompt, got, ref)
+        # The logprobs SGLang reports are the exported weights', not the starting ones'.
+        full = torch.tensor([prompt + got])
+        served = torch.tensor([lp for lp, *_ in answer["meta_info"]["output_token_logprobs"]])
+        with torch.no_grad():
+            exported = token_logprobs(model, full, torch.ones_like(full), temperature=0)[0, len(prompt) - 1:]
+            starting = token_logprobs(start, full, torch.ones_like(full), temperature=0)[0, len(prompt) - 1:]
+        assert torch.allclose(served, exported, atol=1e-4), (served, exported)
+        assert not torch.allclose(served, starting, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

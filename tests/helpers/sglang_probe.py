@@ -19,7 +19,8 @@ def sync_then_probe(ctx) -> None:
     answers = {}
     for url in ctx.fleet.serving_urls():
         answers[url] = [httpx.post(url + "/generate", timeout=120, json={
-            "input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS}}).json()
+            "input_ids": p, "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS}}).json()
             for p in PROMPTS]
     export = ctx.trainer.save_hf(str(ctx.run_dir / "final_hf"))
     (ctx.run_dir / "probe.json").write_text(json.dumps({"export": export, "answers": answers}))
