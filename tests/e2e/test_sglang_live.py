@@ -96,6 +96,55 @@ def sglang_server(base_model_dir):
     server.stop()
 
 
+def test_what_the_rollout_uses_answers_on_live_sglang_as_miles_reads_it(sglang_server, base_model_dir):
+    """TITO with logprobs, a batched group, streaming, abort and SGLang's /v1 (OpenAI) on the live server;
+    run before any push, so the server still holds the base checkpoint."""
+    import threading
+
+    from miles.models.loading import load_model
+
+    url, admin = sglang_server.url, {"Authorization": f"Bearer {TOKEN}"}
+    prompt = [19, 20, 15, 21, 31, 27]
+    one = _greedy(url, prompt)
+    meta = one["meta_info"]
+    assert meta["weight_version"] == "default" and meta["finish_reason"]["type"] == "length"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == one["output_ids"]
+    model = load_model(base_model_dir).eval()
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6, pad_token_id=0)
+    assert one["output_ids"] == ref[0, len(prompt):].tolist()[:len(one["output_ids"])]
+    # A group as one batched request (SGLang's list form): one answer per prompt, in order.
+    batch = httpx.post(url + "/generate", timeout=120, json={
+        "input_ids": [prompt, prompt, [1, 2, 3]], "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
+    assert len(batch) == 3 and batch[0]["output_ids"] == batch[1]["output_ids"] == one["output_ids"]
+    # Streaming: SSE chunks ending with [DONE], the last one holding every id.
+    with httpx.stream("POST", url + "/generate", timeout=120, json={
+            "input_ids": prompt, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 6}}) as r:
+        lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and len(lines) >= 3
+    assert json.loads(lines[-2])["output_ids"][-6:] == one["output_ids"][-6:]
+    # Abort: a long request ends early with finish_reason abort once /abort_request names it.
+    answer = {}
+    long_req = threading.Thread(target=lambda: answer.update(httpx.post(url + "/generate", timeout=300, json={
+        "input_ids": prompt, "rid": "long-one",
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).json()))
+    long_req.start()
+    import time
+    time.sleep(2.0)
+    assert httpx.post(url + "/abort_request", json={"rid": "long-one"}, headers=admin, timeout=30).status_code == 200
+    long_req.join(120)
+    assert answer.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", answer
+    assert len(answer["output_ids"]) < 400
+    # SGLang's OpenAI routes, which miles' sessions drive.
+    models = httpx.get(url + "/v1/models", timeout=30).json()
+    assert models["data"][0]["id"]
+    chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": models["data"][0]["id"], "messages": [{"role": "user", "content": "2+2?"}],
+        "max_tokens": 4, "temperature": 0})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
+
+
 def _state(model_dir: str, seed: int | None) -> dict[str, torch.Tensor]:
     from miles.models.loading import load_model
 
