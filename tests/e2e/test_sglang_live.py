@@ -7,8 +7,10 @@ trained through, and fed weights over SGLang's own routes.
    init_weights_update_group + update_weights_from_distributed in a begin/end weight-update session),
    verified against the trainer's tensors; then the server's greedy ids equal a transformers forward
    of the trainer's exported checkpoint.
-2. On one shared server: a broadcast push verified tensor by tensor against the trainer's checksums,
-   a push that skips a tensor caught by the noise fill, and the disk transport.
+2. On one shared server: what the rollout uses (TITO with logprobs, a batched group, streaming, abort,
+   /v1), then a broadcast push verified tensor by tensor against the trainer's checksums, and a push
+   that skips a tensor named by the verification.
+3. (slow) A server killed mid-run is replaced, and the run completes with nothing lost or trained twice.
 
 One SGLang server runs at a time (about 3.8 GB): the train run's server is stopped before the shared
 one starts.
@@ -205,3 +207,25 @@ def test_a_broadcast_push_into_live_sglang_is_verified_against_the_trainers_tens
     finally:
         updater.close()
         httpx.post(url + "/continue_generation", json={}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+
+@pytest.mark.slow  # a second server start (the replacement): about as long as the GRPO run above
+def test_an_sglang_server_killed_mid_run_is_replaced_and_nothing_is_lost_or_trained_twice(tiny_model_dir, tmp_path,
+                                                                                          ray_cluster):
+    from miles.orchestration.driver import run_train
+
+    _sglang_python()
+    summary = run_train(small_config(tiny_model_dir, tmp_path, **{
+        "rollout.engine.kind": "sglang", "rollout.engine.memory_fraction": "0.05", "rollout.num_engines": "1",
+        "loop.num_steps": "3", "eval.every_steps": "0", "fault.kill_engine_at_steps": "2",
+        "health.interval_s": "0.5", "rollout.reward": "tests.e2e.test_async:text_parity_reward"}))
+    assert summary["steps"] == 3
+    assert (summary["faults"]["kills"], summary["faults"]["recovered"]) == (1, 1), summary["faults"]
+    fleet = summary["fleet"]
+    assert (fleet["replacements"], fleet["recovered"]) == (1, 1), fleet
+    event = fleet["events"][0]
+    assert event["new_url"] != event["old_url"] and event["pushed_at"] <= event["admitted_at"]
+    ledger = summary["ledger"]
+    assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"], ledger
+    # Each prompt is trained at most once: the trainings counted equal the prompts in state "trained".
+    assert ledger["events"]["trained"] == ledger["trained"] >= 4 * 2, ledger
