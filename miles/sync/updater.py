@@ -24,7 +24,10 @@ mode; see engine_api/extensions.py) only SGLang's protocol is used:
     engines snapshot their weights, fill them with noise, receive the trainer's starting weights
     and compare with the snapshot, so a tensor the transport never writes fails by name; after each
     later update every engine's checksum must agree (SGLang's checksums cannot be recomputed by the
-    trainer, so they are compared across engines).
+    trainer, so they are compared across engines). Live SGLang servers on the CPU are the exception:
+    their checksums are SHA-256 of each parameter's bytes, which the trainer recomputes from what it
+    sent (sglang_checksums.py), so every push is compared with the trainer's own tensors, and the
+    start check noise-fills and compares those (SGLang's `compare` needs CUDA).
 Non-goals: gathering shards (the trainer backend yields full tensors), cadence (the loop decides).
 """
 
