@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The live-SGLang tests (tests/e2e/test_sglang_live.py) need SGLang's own venv; returns at once when it is there.
+./scripts/install-sglang.sh
 case "${MILES_TESTS:-default}" in
     default) select=(-m "not slow") ;;
     all) select=() ;;

@@ -7,6 +7,9 @@ Shared here (SGLang's routes, bodies as SGLang declares them, see engine_api/bod
          load_format of its own (disk_delta: "miles_delta", {model_path: <version dir>, commit: false}
          stages, {commit: true, weight_version} applies), and {reset_staging: true} discards staging.
     POST /update_weight_version       {new_version} relabels the weights in force.
+    POST /begin_weight_update {selector}, POST /end_weight_update: SGLang's weight-update session. In
+         SGLang-only mode /update_weights_from_distributed and /update_weights_from_tensor are refused
+         outside one, as SGLang 0.5.23 refuses them (miles' staged commit needs no session).
     GET|POST /weights_checker         {action: snapshot | reset_tensors | compare | checksum}; the
          `checked_weights` extension adds a noise seed, an expected checksum table, bucket checksums
          and action begin_session. reset_tensors is refused outside a verification session (opened by
@@ -33,6 +36,10 @@ from miles.engine_api.extensions import BASE_EXTENSIONS
 from miles.net import UNAUTHORIZED, bearer_ok
 
 
+# SGLang's routes that load weights only inside a weight-update session (its scheduler's weight_updater.py).
+SESSION_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+
+
 class WeightRoutes:
     """The engine's weight router, handed to each transport's Receiver to mount its routes on."""
 
@@ -46,6 +53,9 @@ class WeightRoutes:
         self.post("/update_weights_from_disk", self._from_disk, sglang=True, stages=True)
         self.post("/update_weight_version", self._relabel, sglang=True)
         self.post("/weights_checker", self._checker, sglang=True, methods=["GET", "POST"])
+        self.session_open = False  # between /begin_weight_update and /end_weight_update
+        self.post("/begin_weight_update", self._begin_session, sglang=True, thread=False)
+        self.post("/end_weight_update", self._end_session, sglang=True, thread=False)
         for part in self.weights.parts.values():
             part.mount(self)
 
@@ -76,6 +86,9 @@ class WeightRoutes:
             raw = await request.body()
             body = parsing.parse_json(raw) if raw.strip() else {}  # SGLang's GET forms send no body
             try:
+                if self.sglang_only and path in SESSION_ROUTES and not self.session_open:
+                    raise InvalidRequest(f"{path.lstrip('/')} must run between begin_weight_update() and "
+                                         "end_weight_update()")  # SGLang's own words
                 if fields is not None:
                     parsing.no_unknown(body, fields)
                 return await asyncio.to_thread(handler, body) if thread else handler(body)
@@ -146,6 +159,20 @@ class WeightRoutes:
         self.engine.set_weight_version(req.new_version)
         return {"success": True, "message": f"Weight version updated to {req.new_version}",
                 "new_version": req.new_version}
+
+    def _begin_session(self, body: dict) -> dict:
+        bodies.parse_body(bodies.BeginWeightUpdate, body)
+        if self.session_open:
+            raise InvalidRequest("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return {"success": True, "message": "Success"}
+
+    def _end_session(self, body: dict) -> dict:
+        bodies.parse_body(bodies.EndWeightUpdate, body)
+        if not self.session_open:
+            raise InvalidRequest("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return {"success": True, "message": "Success"}
 
     def _checker(self, body: dict) -> dict:
         return self.weights.check(self.parse(bodies.CheckWeights, bodies.MilesCheckWeights, body))

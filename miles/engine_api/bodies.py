@@ -152,6 +152,14 @@ class UpdateWeightVersion(Body):
     abort_all_requests: bool = True
 
 
+class BeginWeightUpdate(Body):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdate(Body):
+    pass
+
+
 class CheckWeights(Body):
     action: str = "checksum"
     allow_quant_error: bool = False

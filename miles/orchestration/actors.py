@@ -19,6 +19,7 @@ from miles.orchestration.lease import Lease
 from miles.orchestration.placement import pin_current_process
 from miles.orchestration.ray_cluster import node_address
 from miles.engine.server import start_server_thread
+from miles.sglang.server import SGLangServer
 from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
 
@@ -56,6 +57,45 @@ class EngineShell:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class SGLangShell:
+    """One live SGLang server (miles/sglang/server.py) owned by a Ray actor: the server runs as a process
+    group of its own, started by this actor's process and ended with it, on this actor's node and cores.
+    `pid` and `signal` are the server's, so a fault injected into "the engine" hits SGLang itself. With
+    `lease_s` it ends the server and its own process once no driver renewed the lease (as EngineShell)."""
+
+    def __init__(self, engine_config, sglang_config, routed_experts: bool = False, cores=None,
+                 lease_s: float | None = None):
+        if not engine_config.host:
+            engine_config = dataclasses.replace(engine_config, host=node_address())
+        # Pinned before the launch: the server's processes inherit this process's cores.
+        pin_current_process(cores)
+        self.server = SGLangServer(engine_config, sglang_config, routed_experts)
+        self.lease = Lease(lease_s, self._expire) if lease_s else None
+
+    def renew_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.renew()
+
+    def _expire(self) -> None:
+        self.server.stop()
+        os._exit(0)
+
+    def url(self) -> str:
+        return self.server.url
+
+    def node(self) -> str:
+        return node_address()
+
+    def signal(self, sig: int) -> None:
+        self.server.signal(sig)
+
+    def pid(self) -> int:
+        return self.server.pid
 
     def stop(self) -> None:
         self.server.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 from miles.engine_api import routes
 from miles.engine_api.client import EngineClient
 from miles.engine_api.errors import EngineError
-from miles.orchestration.actors import EngineShell, remote
+from miles.orchestration.actors import EngineShell, SGLangShell, remote
 from miles.orchestration.context import log
 from miles.orchestration.detached import DetachedEngines
 from miles.orchestration.fleet import EngineFleet, EngineHandle
@@ -30,15 +30,21 @@ from miles.rollout.teacher import check_served_teacher
 from miles.run_config import RunConfig
 
 
+# The engines a run can start (rollout.engine.kind): the Ray actor that owns one.
+ENGINE_SHELLS = {"builtin": EngineShell, "sglang": SGLangShell}
+
+
 def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool, detached: DetachedEngines | None = None):
-    """start(slot) -> a running engine (a Ray actor around the built-in engine) in the engine pool: on
+    """start(slot) -> a running engine (a Ray actor around a built-in engine or an SGLang server,
+    rollout.engine.kind) in the engine pool: on
     the slot's bundle's node, in the pool's cores; start_many(n, first) starts slots first..n-1
     together; adopt(size) -> up to size engines an earlier driver of the run left (detached engines only).
 
     Slot -1 is a standby engine, not yet given a slot (it takes the bundles after the slots')."""
     import ray
 
-    cls = remote(EngineShell)
+    kind = cfg.rollout.engine.kind
+    cls = remote(ENGINE_SHELLS[kind])
     standby_seeds = itertools.count(cfg.run.seed + 10_000)
     standby_bundles = itertools.count(cfg.rollout.num_engines)
     here = node_address()
@@ -47,8 +53,10 @@ def engine_starter(cfg: RunConfig, cores, admin_token: str, pool: NodePool, deta
         seed = cfg.run.seed + slot if slot >= 0 else next(standby_seeds)
         bundle = slot if slot >= 0 else next(standby_bundles)
         options = {**pool.options(bundle), **(detached.options() if detached else {})}
-        actor = cls.options(**options).remote(cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token), cores,
-                                              detached.lease_s if detached else None)
+        engine = cfg.rollout.engine.for_run(cfg.model.path, seed, admin_token)
+        # An SGLang server also gets its own table and whether to record routed experts (its flag).
+        args = (engine, cfg.rollout.engine.sglang, cfg.rollout.return_routed_experts) if kind == "sglang" else (engine,)
+        actor = cls.options(**options).remote(*args, cores, detached.lease_s if detached else None)
         if detached:
             detached.track(actor)
         return actor

@@ -28,8 +28,10 @@ from miles.rewards.config import RewardConfig
 from miles.rewards.contract import load_components
 from miles.engine.config import EngineConfig
 from miles.engine_api.tool_calls import TOOL_PARSERS
+from miles.sglang.config import SGLangConfig
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+ENGINE_KINDS = ("builtin", "sglang")  # the engines a run can start (orchestration/launch.py's ENGINE_SHELLS)
 SANDBOX_BACKENDS = ("auto", "root", "rootless")
 
 
@@ -184,22 +186,40 @@ class RolloutEngineConfig(EngineConfig):
     host: str = ""
     """Interface each engine binds to and advertises; empty: the address of the Ray node it runs on
     (loopback in a local run)."""
+    kind: str = "builtin"
+    """Which engine the run starts: builtin (miles' own, miles/engine/) or sglang (a live SGLang server
+    per engine, launched with rollout.engine.sglang's python and flags; docs/sglang.md). The settings
+    above that SGLang has a flag for (dtype, memory_fraction, max_batch_size, context_length, seed,
+    num_threads, prefix_cache, host, port) become its flags."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """With kind = "sglang": SGLang's python and the launch_server flags passed through."""
 
     def validate(self) -> None:
         super().validate()
         if self.dtype not in ENGINE_DTYPES:
             raise ConfigError(f"rollout.engine.dtype must be one of {', '.join(ENGINE_DTYPES)}")
+        if self.kind not in ENGINE_KINDS:
+            raise ConfigError(f"rollout.engine.kind = {self.kind!r}: choose one of {', '.join(ENGINE_KINDS)}")
+        if self.kind == "sglang":
+            self.sglang.validate()
+            if self.quantization != "none":
+                raise ConfigError(f"rollout.engine.quantization = {self.quantization!r} is the built-in engine's: "
+                                  "for SGLang pass its own flag, rollout.engine.sglang.args = \"--quantization fp8\"")
+            if self.sglang_only:
+                raise ConfigError("rollout.engine.sglang_only is a mode of the built-in engine; an SGLang server "
+                                  "speaks only SGLang's protocol anyway: remove it")
 
     def for_run(self, model_path: str, seed: int, admin_token: str | None) -> EngineConfig:
         """The config of one engine the run starts: these settings plus what only the run knows."""
-        return EngineConfig(**{**dataclasses.asdict(self), "model_path": model_path, "seed": seed,
-                               "admin_token": admin_token})
+        own = {f.name for f in dataclasses.fields(EngineConfig)}
+        mine = {k: v for k, v in dataclasses.asdict(self).items() if k in own}
+        return EngineConfig(**{**mine, "model_path": model_path, "seed": seed, "admin_token": admin_token})
 
 
 @dataclass
 class RolloutConfig:
     num_engines: int = 1
-    """Built-in engine processes to start (ignored when engine_urls is set)."""
+    """Engines to start, built-in or SGLang (rollout.engine.kind; ignored when engine_urls is set)."""
     engine_urls: list[str] = field(default_factory=list)
     """Engines already running (SGLang servers or `miles serve`) to generate with and push weights to,
     instead of starting built-in ones. The run neither starts nor stops them. Their admin token

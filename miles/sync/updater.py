@@ -24,7 +24,10 @@ mode; see engine_api/extensions.py) only SGLang's protocol is used:
     engines snapshot their weights, fill them with noise, receive the trainer's starting weights
     and compare with the snapshot, so a tensor the transport never writes fails by name; after each
     later update every engine's checksum must agree (SGLang's checksums cannot be recomputed by the
-    trainer, so they are compared across engines).
+    trainer, so they are compared across engines). Live SGLang servers on the CPU are the exception:
+    their checksums are SHA-256 of each parameter's bytes, which the trainer recomputes from what it
+    sent (sglang_checksums.py), so every push is compared with the trainer's own tensors, and the
+    start check noise-fills and compares those (SGLang's `compare` needs CUDA).
 Non-goals: gathering shards (the trainer backend yields full tensors), cadence (the loop decides).
 """
 
@@ -39,7 +42,7 @@ import threading
 import time
 
 from miles.precision.types import get_format
-from miles.sync import verify
+from miles.sync import sglang_checksums, verify
 from miles.sync.commit import CommitRound, CommittingTransport, FencedEngines, FleetCommit
 from miles.sync.convert import get_converter
 from miles.sync.prepare import MiB, Record, SyncConfig, push_weights
@@ -65,6 +68,8 @@ class WeightUpdater:
         self.extensions: frozenset[str] = frozenset()  # the miles extensions every engine offers
         self.started_checked = False  # check_start has verified the transport on these engines
         self._fresh_engines = False  # every engine reported SGLang's initial version at connect
+        self._sglang_cpu = False  # every engine is a live SGLang on the CPU: its checksums can be recomputed
+        self._engine_dtype = None  # their parameter dtype, what the recomputed checksums hash
         self.quantized: dict = {}  # engine name -> Format of weights sent as their format's bytes (wire.py)
         self._tamper = None  # tamper_next_version's function, until the next attempt takes it
         self.commits = FleetCommit(self)  # the fleet-wide commit rounds, and what they fenced
@@ -111,6 +116,9 @@ class WeightUpdater:
         if self.plain:
             infos = self._client.post_all(urls, "/get_model_info", None, method="GET")
             self._fresh_engines = all(i.get("weight_version") == INITIAL for i in infos)
+            servers = self._client.post_all(urls, "/get_server_info", None, method="GET")
+            self._sglang_cpu = sglang_checksums.applies(servers)
+            self._engine_dtype = sglang_checksums.engine_dtype(servers)
 
     def _quantized_weights(self, urls: list[str]) -> dict:
         """The weights to send quantized: those every engine serves in the same format (the
@@ -144,6 +152,8 @@ class WeightUpdater:
         the engines also hold): snapshot, fill with noise, push, compare with the snapshot. A tensor
         the transport never writes still holds noise, and the engine names it."""
         t0 = time.perf_counter()
+        if self._sglang_cpu:
+            return {**self._check_start_recomputed(named), "sync/start_check_s": time.perf_counter() - t0}
         paused = self._pause_plain()
         try:
             self._client.post_all(self.engine_urls, "/weights_checker", {"action": "snapshot"})
@@ -162,6 +172,28 @@ class WeightUpdater:
         log.info("verified %s over SGLang's weights_checker on %d engine(s)", self.cfg.transport,
                  len(self.engine_urls))
         return {**metrics, "sync/start_check_s": time.perf_counter() - t0}
+
+    def _check_start_recomputed(self, named) -> dict[str, float]:
+        """The start check on live SGLang servers on the CPU, whose `compare` needs CUDA: noise-fill
+        (reset_tensors), push the trainer's starting weights, and compare every engine tensor's checksum
+        with the one the trainer computes from what it sent (sglang_checksums.py); a tensor the transport
+        never wrote still holds noise and is named."""
+        record = sglang_checksums.SGLangChecksums(self._engine_dtype)
+        paused = self._pause_plain()
+        try:
+            self._client.post_all(self.engine_urls, "/weights_checker", {"action": "reset_tensors"})
+            metrics = push_weights(named, self.transport, 0, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
+                                   converter=self.converter, record=record)
+            metrics["sync/verified_tensors"] = record.compare(self._client, self.engine_urls)
+        except verify.VerificationError as exc:
+            raise verify.VerificationError(f"weight verification failed: after the noise fill and a push of the "
+                                           f"trainer's starting weights, {exc}") from None
+        finally:
+            self._continue(paused)
+        self.started_checked = True
+        log.info("verified %s on %d SGLang engine(s) against the trainer's checksums", self.cfg.transport,
+                 len(self.engine_urls))
+        return metrics
 
     def push(self, named, version: int) -> dict[str, float]:
         """Push one version. Each attempt has a deadline (sync.version_timeout_s; each bucket has
@@ -318,14 +350,19 @@ class WeightUpdater:
         """A push to engines without a staged commit: paused (retract) from the first bucket to the
         version label, so no request decodes from a partly applied version. A failure is rolled back
         or reported engine by engine (`_recover_plain`); either way it raises."""
+        recomputed = self.cfg.verify_checksums and self._sglang_cpu
+        record = sglang_checksums.SGLangChecksums(self._engine_dtype) if recomputed else None
         paused = self._pause_plain()
         try:
-            metrics = self._push(named, version, None)
+            metrics = self._push(named, version, record)
         except TransportError as exc:
             self._recover_plain(version, exc)
         t0 = time.perf_counter()
         try:
-            if self.cfg.verify_checksums:
+            if recomputed:  # against the trainer's own tensors
+                metrics["sync/verified_tensors"] = record.compare(self._client, self.engine_urls)
+                metrics["sync/verified_engines"] = len(self.engine_urls)
+            elif self.cfg.verify_checksums:
                 verify.compare_across_engines(self._client, self.engine_urls)
                 metrics["sync/verified_engines"] = len(self.engine_urls)
         finally:

@@ -10,7 +10,10 @@ barrier.
 Against engines without miles' `staged_commit` extension (plain SGLang servers) each bucket is one
 SGLang request that applies what it carries (load_format "flattened_bucket", flush_cache false), and
 commit() labels the version (/update_weight_version) and flushes the cache (/flush_cache); the
-updater pauses the engines around the whole push, since SGLang has no staging.
+updater pauses the engines around the whole push, since SGLang has no staging. SGLang 0.5.23 takes
+/update_weights_from_distributed only inside a weight-update session: the first bucket of a version
+opens one on every engine (/begin_weight_update), commit() closes it (/end_weight_update) before the
+label. A session a failed push left open is closed and opened again by the next version.
 
 Who waits on whom: connect() and send_bucket() block until every engine has replied; an engine
 blocks in its receive until the broadcast arrives. If an engine refuses before joining the collective
@@ -134,6 +137,7 @@ class BroadcastTransport:
         self._fresh = True  # no bucket sent since the last commit: the next request resets engine staging
         self._version_failed = False  # a bucket of the pending version failed: commit must refuse
         self._flat = None  # (bytes,) uint8 the small tensors are flattened into, kept (and its pages with it)
+        self._session = False  # plain engines: a weight-update session is open on every engine
         self.keep_send_buffer = keep_send_buffer  # false: a fresh one per bucket (many senders, e.g. p2p's)
 
     @classmethod
@@ -216,6 +220,7 @@ class BroadcastTransport:
             meta.update(commit=False, reset_staging=self._fresh)
         else:  # applied at once; the cache is flushed once, when the version is complete
             meta.update(flush_cache=False)
+            self._open_session()
         if self.wire_format == "flattened_small":
             meta.update(screened=True)  # the sender screens what it sends (screen.py); engines need not
         raw = [t.reshape(-1).view(torch.uint8) for t in tensors]
@@ -301,12 +306,39 @@ class BroadcastTransport:
         self._fresh = True
         self._wait(None, replies, f"committing weight version {weight_version}")
 
+    def _open_session(self) -> None:
+        """SGLang's weight-update session on every engine, once per version (see the module docstring)."""
+        if self._session:
+            return
+        replies = [_spawn(self._post, url, "/begin_weight_update", {}) for url in self.engine_urls]
+        try:
+            self._wait(None, replies, "opening a weight-update session (/begin_weight_update)")
+        except TransportError as exc:
+            if "already open" not in str(exc):
+                raise
+            # Left open by a push that failed midway: close it (its weights are replaced now) and reopen.
+            self._close_session(quiet=True)
+            replies = [_spawn(self._post, url, "/begin_weight_update", {}) for url in self.engine_urls]
+            self._wait(None, replies, "opening a weight-update session (/begin_weight_update)")
+        self._session = True
+
+    def _close_session(self, quiet: bool = False) -> None:
+        replies = [_spawn(self._post, url, "/end_weight_update", {}) for url in self.engine_urls]
+        self._session = False
+        if quiet:
+            cf.wait(replies, timeout=self.timeout_s)
+            return
+        self._wait(None, replies, "closing the weight-update session (/end_weight_update)")
+
     def _commit_plain(self, weight_version: int) -> None:
-        """SGLang has applied every bucket already: label the version and drop KV of the old one."""
+        """SGLang has applied every bucket already: close the session, label the version and drop KV
+        of the old one."""
         if self._version_failed:
             self._version_failed = False
             raise TransportError(f"weight version {weight_version} failed to reach every engine; SGLang applies "
                                  "buckets as they arrive, so engines hold part of it until the next push")
+        if self._session:
+            self._close_session()
         label = {"new_version": to_wire(weight_version), "abort_all_requests": False}
         # /flush_cache takes no body in SGLang; it succeeds while paused (the queue is ignored then).
         for path, body in (("/update_weight_version", label), ("/flush_cache", None)):

@@ -60,9 +60,16 @@ def test_an_sglang_only_engine_offers_no_extension_and_refuses_miles_fields(sgla
     for path in ("/get_load", "/get_weight_version"):
         assert httpx.get(url + path).status_code == 404
     assert httpx.post(url + "/p2p_open_buffer", json={"nbytes": 64}, headers=_admin(admin_token)).status_code == 404
-    r = httpx.post(url + "/update_weights_from_distributed", headers=_admin(admin_token),
-                   json={"names": [], "dtypes": [], "shapes": [], "commit": False})
-    assert r.status_code == 400 and r.json()["error"].startswith("commit: unknown field"), r.text
+    plain = {"names": [], "dtypes": [], "shapes": []}
+    r = httpx.post(url + "/update_weights_from_distributed", headers=_admin(admin_token), json=plain)
+    assert r.status_code == 400 and "between begin_weight_update() and end_weight_update()" in r.json()["message"]
+    assert httpx.post(url + "/begin_weight_update", headers=_admin(admin_token), json={}).status_code == 200
+    try:
+        r = httpx.post(url + "/update_weights_from_distributed", headers=_admin(admin_token),
+                       json={**plain, "commit": False})
+        assert r.status_code == 400 and r.json()["error"].startswith("commit: unknown field"), r.text
+    finally:
+        assert httpx.post(url + "/end_weight_update", headers=_admin(admin_token), json={}).status_code == 200
     r = httpx.post(url + "/weights_checker", headers=_admin(admin_token), json={"action": "compare", "expected": {}})
     assert r.status_code == 400 and r.json()["error"].startswith("expected: unknown field"), r.text
 
