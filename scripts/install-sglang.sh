@@ -7,8 +7,8 @@
 # What is installed: sglang==0.5.23 without its dependencies, then its declared requirements minus the
 # CUDA-only ones (kernels, CUDA bindings, flash attention): on the CPU SGLang falls back to PyTorch, and
 # the one kernel package it imports unconditionally (`sgl_kernel`) is replaced at launch by miles'
-# stand-in (miles/engine_api/sglang_cpu/sgl_kernel). On a GPU machine install sglang with pip as its
-# documentation says and point miles at that python (rollout.engine.sglang_python or MILES_SGLANG_PYTHON).
+# stand-in (miles/sglang/cpu_standin/sgl_kernel). On a GPU machine install sglang with pip as its
+# documentation says and point miles at that python (rollout.engine.sglang.python or MILES_SGLANG_PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SGLANG_VERSION=0.5.23
