@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("init-model", help="build a tiny HF model + locally trained tokenizer")
-    s.add_argument("--preset", default="tiny-qwen3", help=f"model preset (docs/models.md): {', '.join(sorted(PRESETS))}")
+    s.add_argument("--preset", default="tiny-qwen3", help=f"model preset: {', '.join(sorted(PRESETS))}")
     s.add_argument("--out", required=True, help="output checkpoint directory")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--init-std", type=float, default=0.0,
