@@ -23,19 +23,13 @@ from miles.sglang.server import SGLangServer
 from miles.sync.adapter import AdapterSync
 from miles.sync.updater import WeightUpdater
 
-class EngineShell:
-    """One built-in engine serving the engine HTTP API from inside a Ray actor's process. With `lease_s`
-    (a detached engine, ray.detached_engines) it ends its process once no driver renewed its lease for
-    that long (lease.py)."""
+class _ServerShell:
+    """What the two engine shells share: a server (`self.server`) on this actor's node, and with a
+    lease (a detached engine, ray.detached_engines) the end of the server and of this actor's process
+    once no driver renewed it for that long (lease.py)."""
 
-    def __init__(self, engine_config, cores=None, lease_s: float | None = None):
-        if not engine_config.host:
-            engine_config = dataclasses.replace(engine_config, host=node_address())
-        self.server = start_server_thread(engine_config)
-        # Pinned once serving: start-up (imports, loading) may use any idle core, which matters when a
-        # replacement starts while its pool's cores are busy generating.
-        pin_current_process(cores)
-        self.lease = Lease(lease_s, self._expire) if lease_s else None
+    server = None
+    lease: Lease | None = None
 
     def renew_lease(self) -> None:
         if self.lease is not None:
@@ -51,6 +45,22 @@ class EngineShell:
     def node(self) -> str:
         return node_address()
 
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class EngineShell(_ServerShell):
+    """One built-in engine serving the engine HTTP API from inside a Ray actor's process."""
+
+    def __init__(self, engine_config, cores=None, lease_s: float | None = None):
+        if not engine_config.host:
+            engine_config = dataclasses.replace(engine_config, host=node_address())
+        self.server = start_server_thread(engine_config)
+        # Pinned once serving: start-up (imports, loading) may use any idle core, which matters when a
+        # replacement starts while its pool's cores are busy generating.
+        pin_current_process(cores)
+        self.lease = Lease(lease_s, self._expire) if lease_s else None
+
     def signal(self, sig: int) -> None:
         """Signal this process (fault injection on an engine of another node); a kill never answers."""
         os.kill(os.getpid(), sig)
@@ -58,15 +68,11 @@ class EngineShell:
     def pid(self) -> int:
         return os.getpid()
 
-    def stop(self) -> None:
-        self.server.stop()
 
-
-class SGLangShell:
+class SGLangShell(_ServerShell):
     """One live SGLang server (miles/sglang/server.py) owned by a Ray actor: the server runs as a process
     group of its own, started by this actor's process and ended with it, on this actor's node and cores.
-    `pid` and `signal` are the server's, so a fault injected into "the engine" hits SGLang itself. With
-    `lease_s` it ends the server and its own process once no driver renewed the lease (as EngineShell)."""
+    `pid` and `signal` are the server's, so a fault injected into "the engine" hits SGLang itself."""
 
     def __init__(self, engine_config, sglang_config, routed_experts: bool = False, cores=None,
                  lease_s: float | None = None):
@@ -77,28 +83,11 @@ class SGLangShell:
         self.server = SGLangServer(engine_config, sglang_config, routed_experts)
         self.lease = Lease(lease_s, self._expire) if lease_s else None
 
-    def renew_lease(self) -> None:
-        if self.lease is not None:
-            self.lease.renew()
-
-    def _expire(self) -> None:
-        self.server.stop()
-        os._exit(0)
-
-    def url(self) -> str:
-        return self.server.url
-
-    def node(self) -> str:
-        return node_address()
-
     def signal(self, sig: int) -> None:
         self.server.signal(sig)
 
     def pid(self) -> int:
         return self.server.pid
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 class TrainerShell:
