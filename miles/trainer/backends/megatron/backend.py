@@ -13,7 +13,8 @@ and pipeline stages onto every rank that asks.
 On a CPU, megatron-core runs behind cpu_adapter.py (pinned to one release).
 
 Refused at config load (trainer/config.py): a critic (PPO), LoRA, quantization-aware training,
-packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU.
+packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU. Resumable
+checkpoints are per-rank shards of this layout: resuming at another layout is refused.
 Non-goal: the step itself, the algorithms (the trainer's).
 """
 
@@ -24,6 +25,7 @@ import datetime
 import functools
 import os
 import time
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -34,7 +36,7 @@ from miles.models.loading import load_model
 from miles.trainer.backends.megatron import cpu_adapter
 from miles.trainer.backends.megatron.hf_layout import (
     Rule, expert_names, gate_up_rule, layer_rules, rope_theta, top_rules, transformer_config_kwargs)
-from miles.trainer.checkpoint import CheckpointWriter
+from miles.trainer.checkpoint import CheckpointWriter, fsync_write, host_copy
 from miles.trainer.config import TrainerConfig, lr_lambda
 from miles.trainer.device import HOST, collective_backend, compute_device
 from miles.trainer.types import TokenOutputs
@@ -102,7 +104,7 @@ class MegatronBackend:
         self.tconfig.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=cfg.grad_clip, params_dtype=torch.float32,
+            adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=0.0, params_dtype=torch.float32,
             use_distributed_optimizer=False), self.ddp, config_overrides={},  # {}: decay every weight, as AdamW does
             use_gloo_process_groups=False)
         self._lr_at = lr_lambda(cfg)
@@ -234,10 +236,19 @@ class MegatronBackend:
         return loss, {}
 
     def optimizer_step(self) -> float:
+        # megatron-core's step in its own three parts (ChainedOptimizer.step), clipping in between by
+        # scaling the gradients here: its clip_grad_by_total_norm_fp32 asserts CUDA tensors.
         self._set_lr()
-        ok, norm, _ = self.optimizer.step()
-        if norm is None or self.cfg.grad_clip <= 0:
-            norm = self.optimizer.get_grad_norm()
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())  # over TP, PP, EP and DP, as megatron-core counts it
+        clip = self.cfg.grad_clip
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        self.optimizer.step_with_ready_grads()
         for d in self.ddp:
             d.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -281,13 +292,45 @@ class MegatronBackend:
             yield name, ((t if on_device else t.to(HOST)) if (self.rank == 0 or all_ranks) else None)
 
     # -- resumable state -----------------------------------------------------------------------
+    # Each rank writes its own shard of the models and optimizer (megatron-core's state dicts, as this
+    # layout holds them) into its rank file; the DCP part holds only the update count, so the commit
+    # protocol (trainer/checkpoint.py: DCP metadata, then every rank's file) marks the write complete.
+    # Resuming needs the same layout; converting between layouts goes through a Hugging Face export.
     def save_state(self, path: str, writer: CheckpointWriter, local: dict) -> None:
-        raise NotImplementedError("trainer.backend = 'megatron' does not write resumable checkpoints yet: "
-                                  "set trainer.backend = 'fsdp' to resume runs")
+        group = writer.group
+        shard = host_copy({"chunks": [c.state_dict() for c in self.chunks], "optim": self.optimizer.state_dict()})
+        local = {**local, "megatron": shard, "updates": self._updates, "layout": self._layout()}
+        writer.submit(_write_state, {f"rank{self.rank}_updates": torch.tensor(self._updates)}, local,
+                      Path(path), self.rank, group)
 
     def load_state(self, path: str) -> dict:
-        raise NotImplementedError("trainer.backend = 'megatron' does not read resumable checkpoints yet: "
-                                  "set trainer.backend = 'fsdp' to resume runs")
+        src = Path(path) / f"rank{self.rank}.pt"
+        if not src.exists():
+            raise FileNotFoundError(f"{src} is missing: resume with the same trainer.num_ranks as the saved run")
+        local = torch.load(src, weights_only=False)
+        if local.get("layout") != self._layout():
+            raise ValueError(f"{path} was written at layout {local.get('layout')}, this run is {self._layout()}: "
+                             "resume with the saved run's parallel sizes, or start from its Hugging Face export")
+        for chunk, sd in zip(self.chunks, local["megatron"]["chunks"]):
+            chunk.load_state_dict(sd)
+        self.optimizer.load_state_dict(local["megatron"]["optim"])
+        self._updates = local["updates"]
+        self._set_lr()
+        return local
+
+    def _layout(self) -> dict:
+        c = self.cfg
+        return {"world": self.world_size, "tp": c.tensor_parallel_size, "pp": c.pipeline_parallel_size,
+                "vpp": c.virtual_pipeline_parallel_size, "cp": c.context_parallel_size,
+                "ep": c.expert_parallel_size, "etp": c.expert_tensor_parallel_size}
+
+
+def _write_state(marker: dict, local: dict, out: Path, rank: int, group) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    out.mkdir(parents=True, exist_ok=True)
+    dcp.save(marker, checkpoint_id=str(out / "dcp"), process_group=group)
+    fsync_write(out / f"rank{rank}.pt", lambda f: torch.save(local, f))
 
 
 def _is_expert(p) -> bool:

@@ -26,7 +26,7 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
 
     results = {}
     for case in spec["cases"]:
-        cfg = build(TrainerConfig, {"num_ranks": world, "lr": 1e-3, "grad_clip": 0.0, **case["trainer"]})
+        cfg = build(TrainerConfig, {"num_ranks": world, "lr": 1e-3, **case["trainer"]})
         cfg.validate()
         trainer = Trainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
         seqs = make_batch(spec["seed"], spec["n"])
