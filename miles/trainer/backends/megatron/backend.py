@@ -96,7 +96,8 @@ class MegatronBackend:
             recompute_granularity="full" if cfg.activation_checkpointing else None,
             recompute_method="uniform" if cfg.activation_checkpointing else None,
             recompute_num_layers=1 if cfg.activation_checkpointing else None)
-        self.chunks = self._build_chunks(vpp or 1)
+        with cpu_adapter.building_on_cpu():
+            self.chunks = self._build_chunks(vpp or 1)
         torch.set_rng_state(rng)
         self._load_hf(load_model(model_path, "float32").state_dict())
         self.ddp = [DistributedDataParallel(config=self.tconfig, module=c, ddp_config=DistributedDataParallelConfig(

@@ -79,6 +79,12 @@ TE_GEMM_SITE = Site("megatron.core.transformer.moe.moe_utils", (1192, 1225), "te
 NORM_SITE = Site("megatron.core.transformer.torch_norm", (32,),
                  'assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"')
 
+# models/common/language_module/language_module.py (setup_embeddings_and_output_layer) moves the
+# tied embedding of the first and last pipeline stages to the GPU with `Tensor.cuda()` before
+# all-reducing it: a tensor method, so it is stood in for only while the model is built.
+TIED_EMBEDDING_SITE = Site("megatron.core.models.common.language_module.language_module", (244,),
+                           "weight.data = weight.data.cuda()")
+
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
 
 
@@ -150,6 +156,20 @@ def _cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False)
 
 def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
+
+
+@contextlib.contextmanager
+def building_on_cpu():
+    """While megatron-core builds a model on a CPU: `Tensor.cuda()` leaves the tensor where it is."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
 
 
 class AdapterError(RuntimeError):

@@ -33,6 +33,10 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
         seqs, totals = prepare_global_batch(seqs, trainer.algorithm)
         initial = {n: t.clone() for n, t in trainer.full_named_tensors() if t is not None}
         logprobs = trainer.proximal_logprobs(seqs)  # every rank scores the whole batch
+        # Under pipeline parallelism the logprobs exist on the last stage only: take them from any rank.
+        every: list = [None] * world
+        torch.distributed.all_gather_object(every, logprobs)
+        logprobs = [next(r[i] for r in every if r[i] is not None) for i in range(len(seqs))]
         metrics = trainer.train_step(split_for_ranks(seqs, world, cfg.replica_ranks)[rank], totals)
         weights = {n: t.clone() for n, t in trainer.full_named_tensors() if t is not None}
         results[case["name"]] = {"logprobs": logprobs, "metrics": metrics, "weights": weights, "initial": initial}

@@ -1,6 +1,6 @@
 """The Megatron backend trains the same step as FSDP on the same batch: per-token logprobs within
 1e-5 of FSDP's and of transformers', and after one optimizer step (lr 1e-3) exported weights within
-1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism. One spawned world of two
+1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism and at pipeline parallel 2. One spawned world of two
 gloo ranks runs every case (megatron-core's import and the model load are most of the cost)."""
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def dense(tiny_model_dir, tmp_path_factory) -> dict:
         case("fsdp"),
         case("tp2", backend="megatron", tensor_parallel_size=2),
         case("tp2_sp", backend="megatron", tensor_parallel_size=2, sequence_parallel=True),
+        case("pp2", backend="megatron", pipeline_parallel_size=2),  # 1F1B over two stages
     ])
 
 
@@ -98,7 +99,7 @@ def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y))
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 def test_a_checkpoint_goes_through_megatrons_layout_and_back_bit_exact(dense, tiny_model_dir, layout):
     from transformers import AutoModelForCausalLM
 
@@ -108,7 +109,7 @@ def test_a_checkpoint_goes_through_megatrons_layout_and_back_bit_exact(dense, ti
     assert all(torch.equal(got[name], hf[name]) for name in got)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 def test_megatron_logprobs_match_fsdp_and_transformers(dense, tiny_model_dir, layout):
     want = transformers_logprobs(tiny_model_dir)
     assert max_gap(dense["fsdp"]["logprobs"], want) < 1e-5
@@ -116,7 +117,7 @@ def test_megatron_logprobs_match_fsdp_and_transformers(dense, tiny_model_dir, la
     assert max_gap(dense[layout]["logprobs"], dense["fsdp"]["logprobs"]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 def test_one_megatron_step_exports_the_weights_fsdp_steps_to(dense, layout):
     got, want = dense[layout], dense["fsdp"]
     assert got["weights"].keys() == want["weights"].keys()  # HF names, tied embedding once

@@ -10,9 +10,9 @@ import pytest
 
 from miles.trainer.backends.megatron import cpu_adapter
 from miles.trainer.backends.megatron.cpu_adapter import (
-    CPU_TORCH_MODULES, NORM_SITE, PINNED, RNG_SITE, RNG_TRACKER_SITE, TE_GEMM_SITE, AdapterError)
+    CPU_TORCH_MODULES, NORM_SITE, PINNED, RNG_SITE, RNG_TRACKER_SITE, TE_GEMM_SITE, TIED_EMBEDDING_SITE, AdapterError)
 
-SITES = CPU_TORCH_MODULES + (RNG_SITE, RNG_TRACKER_SITE, TE_GEMM_SITE, NORM_SITE)
+SITES = CPU_TORCH_MODULES + (RNG_SITE, RNG_TRACKER_SITE, TE_GEMM_SITE, NORM_SITE, TIED_EMBEDDING_SITE)
 
 
 def test_the_installed_megatron_core_is_the_pinned_one():
