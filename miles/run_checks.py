@@ -19,13 +19,14 @@ from miles.rollout.environments import check_environment
 from miles.rollout.generate import get_generate_fn
 from miles.sync.transports import TRANSPORTS
 from miles.trainer.algorithms.base import get_algorithm
+from miles.trainer.backends.megatron import FAMILIES as MEGATRON_FAMILIES
 from miles.trainer.teacher import tokenizer_mismatch
 
 
 def check_run(run) -> None:
     """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
     for check in (check_generate, check_schedule, check_group_size, check_context, check_sync, check_routing_replay,
-                  check_fleet, check_teacher, check_vision):
+                  check_fleet, check_teacher, check_vision, check_megatron_layout):
         check(run)
 
 
@@ -272,3 +273,34 @@ def check_vision(run) -> None:
         raise ConfigError(f"trainer.algorithm.name = {run.trainer.algorithm.name!r} needs a critic, which a "
                           "vision-language policy does not have here: choose an algorithm without one "
                           "(grpo, dr_grpo, rloo, ...)")
+
+
+def check_megatron_layout(run) -> None:
+    """The Megatron backend's parallel sizes against the model they split: heads and query groups and
+    the MLP over the TP ranks, the vocabulary over them too, layers over the pipeline's chunks,
+    experts over the EP ranks; and the families it converts."""
+    t = run.trainer
+    model = read_model_config(run.model.path) if run.model.path else None
+    if t.backend != "megatron" or not model:
+        return
+    if is_vision_language(model) or model.get("model_type") not in MEGATRON_FAMILIES:
+        raise ConfigError(f"trainer.backend = 'megatron' trains {', '.join(MEGATRON_FAMILIES)} models; the model at "
+                          f"{run.model.path} is {model.get('model_type')!r}: set trainer.backend = 'fsdp'")
+    tp, pp, vpp = t.tensor_parallel_size, t.pipeline_parallel_size, t.virtual_pipeline_parallel_size
+    splits = [("num_attention_heads", tp, "tensor_parallel_size"),
+              ("num_key_value_heads", tp, "tensor_parallel_size"),
+              ("vocab_size", tp, "tensor_parallel_size"),
+              ("intermediate_size", tp, "tensor_parallel_size"),
+              ("num_hidden_layers", pp * vpp, "pipeline_parallel_size × virtual_pipeline_parallel_size")]
+    experts = model.get("num_experts") or model.get("num_local_experts") or 0
+    if experts:
+        splits += [("num_experts", t.expert_parallel_size, "expert_parallel_size"),
+                   ("moe_intermediate_size", t.expert_tensor_parallel_size, "expert_tensor_parallel_size")]
+        model = {**model, "num_experts": experts}
+    elif t.expert_parallel_size > 1:
+        raise ConfigError(f"trainer.expert_parallel_size = {t.expert_parallel_size} needs a MoE model; the model at "
+                          f"{run.model.path} is dense: set it to 1")
+    for key, size, knob in splits:
+        if model.get(key) and model[key] % size:
+            raise ConfigError(f"the model's {key} ({model[key]}) does not divide over trainer.{knob} ({size}): "
+                              f"choose a size that divides {model[key]}")

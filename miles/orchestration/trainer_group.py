@@ -97,7 +97,7 @@ class TrainerGroup:
     def proximal_logprobs(self, seqs) -> list[list[float]]:
         """Each sequence's response logprobs under the trainer's current weights (one collective forward)."""
         n = len(self.actors)
-        tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
+        tp = self.cfg.replica_ranks  # consecutive ranks training one data shard
         per_rank = self._all("call_trainer", ["proximal_logprobs"] * n, split_for_ranks(seqs, n, tp))
         return join_from_ranks(per_rank, n, tp)
 
@@ -110,7 +110,7 @@ class TrainerGroup:
     def _train(self, step: StepBatch, algorithm: str | None = None) -> dict[str, float]:
         """Every minibatch of `step` split over the data-parallel ranks, then one train call per rank."""
         n = len(self.actors)
-        tp = max(self.cfg.tensor_parallel_size, self.cfg.expert_parallel_size)
+        tp = self.cfg.replica_ranks  # consecutive ranks training one data shard
         per_rank: list[list] = [[] for _ in range(n)]
         for part, totals in step.minibatches:
             for r, shard in enumerate(split_for_ranks(part, n, tp)):

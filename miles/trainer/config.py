@@ -25,10 +25,11 @@ class TrainerConfig:
     """The trainer section of a run config (`[trainer]`); `[trainer.algorithm]` and `[trainer.lora]` nest in it."""
 
     num_ranks: int = 1
-    """Ranks (processes) of the trainer; data-parallel size is num_ranks / tensor_parallel_size."""
+    """Ranks (processes) of the trainer: tensor × pipeline × context parallel size × data-parallel replicas."""
     backend: str = "fsdp"
-    """How the models are laid out over the ranks and devices, run and stepped: fsdp (FSDP2), or a
-    `module:Class` implementing the Backend protocol of miles/trainer/backends/base.py."""
+    """How the models are laid out over the ranks and devices, run and stepped: fsdp (FSDP2), megatron
+    (megatron-core: tensor, sequence, pipeline, context and expert parallelism), or a `module:Class`
+    implementing the Backend protocol of miles/trainer/backends/base.py."""
     lr: float = 1e-4
     """AdamW peak learning rate."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
@@ -65,9 +66,21 @@ class TrainerConfig:
     """Rollout Routing Replay (R3, MoE models): the policy forward routes each token to the experts the
     engine chose (needs rollout.return_routed_experts); gate weights still come from the trainer's router."""
     tensor_parallel_size: int = 1
-    """Tensor-parallel ranks per model replica (DTensor, transformers' TP plan)."""
+    """Tensor-parallel ranks per model replica: attention heads, MLP columns and the vocabulary split over
+    them (fsdp: DTensor, transformers' TP plan; megatron: megatron-core's)."""
     expert_parallel_size: int = 1
-    """Expert-parallel ranks per model replica for MoE models (DTensor, transformers' EP plan)."""
+    """Expert-parallel ranks for MoE models: the experts split over them (fsdp: within a replica, transformers'
+    EP plan; megatron: within the data × context parallel ranks, as megatron-core defines it)."""
+    expert_tensor_parallel_size: int = 1
+    """megatron: tensor-parallel ranks of each expert's MLP (1 = every expert whole on its rank)."""
+    pipeline_parallel_size: int = 1
+    """megatron: pipeline stages per replica, each holding consecutive decoder layers (1F1B schedule)."""
+    virtual_pipeline_parallel_size: int = 1
+    """megatron: model chunks per pipeline stage (> 1: the interleaved 1F1B schedule)."""
+    context_parallel_size: int = 1
+    """megatron: ranks that split each sequence (2 × this many chunks, balanced for causal attention)."""
+    sequence_parallel: bool = False
+    """megatron: split the activations outside attention and MLP along the sequence over the TP ranks."""
     offload_optimizer: Literal["none", "cpu", "disk"] = "none"
     """Keep optimizer state off the accelerator between steps: in CPU memory or in files on disk."""
     offload_dir: str = ""
@@ -141,9 +154,7 @@ class TrainerConfig:
             raise ConfigError("trainer.lr_warmup_steps >= 0, 0 <= trainer.min_lr_ratio <= 1 and "
                               "trainer.ref_update_every >= 0 are required")
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
-        if tp < 1 or ep < 1 or self.num_ranks % max(tp, ep):
-            raise ConfigError(f"trainer.num_ranks ({self.num_ranks}) must be a multiple of "
-                              f"tensor_parallel_size ({tp}) and expert_parallel_size ({ep})")
+        self._validate_layout()
         check_name(self.device, "trainer.device")
         if self.collective_backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"trainer.collective_backend = {self.collective_backend!r}: choose auto, gloo or nccl")
@@ -152,7 +163,7 @@ class TrainerConfig:
                               "trainer.collective_backend = 'auto' (gloo on cpu)")
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"trainer.param_dtype = {self.param_dtype!r}: choose float32 or bfloat16")
-        if (self.param_dtype != "float32" or self.device == "cuda") and (tp > 1 or ep > 1):
+        if self.backend == "fsdp" and (self.param_dtype != "float32" or self.device == "cuda") and (tp > 1 or ep > 1):
             # The tensor/expert-parallel layouts build their own CPU meshes in float32 (trainer/parallel.py).
             raise ConfigError("tensor/expert parallelism runs on cpu in float32 only: set trainer.device = 'cpu' "
                               "and trainer.param_dtype = 'float32', or tensor_parallel_size = "
@@ -160,6 +171,8 @@ class TrainerConfig:
         if self.offload_optimizer not in ("none", "cpu", "disk") or self.offload_bucket_mb < 1:
             raise ConfigError("trainer.offload_optimizer must be none, cpu or disk, and offload_bucket_mb >= 1")
         self.algorithm.validate()  # the name first: the critic check below builds the algorithm
+        if self.backend == "megatron":
+            self._validate_megatron()  # before the FSDP-specific refusals below, which name other fixes
         if get_algorithm(self.algorithm).needs_critic and self.pack_sequences:
             raise ConfigError("PPO's GAE runs along unpacked rows: set trainer.pack_sequences = false "
                               "with trainer.algorithm.name = 'ppo'")
@@ -179,6 +192,73 @@ class TrainerConfig:
             raise ConfigError("LoRA with tensor/expert parallelism is not supported: set trainer.lora.rank = 0 "
                               "or tensor_parallel_size = expert_parallel_size = 1")
 
+
+    @property
+    def replica_ranks(self) -> int:
+        """Consecutive ranks that hold one model replica between them and train the same data shard."""
+        if self.backend == "megatron":
+            return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
+
+    def _validate_layout(self) -> None:
+        sizes = {k: getattr(self, k) for k in ("tensor_parallel_size", "expert_parallel_size",
+                                               "expert_tensor_parallel_size", "pipeline_parallel_size",
+                                               "virtual_pipeline_parallel_size", "context_parallel_size")}
+        for key, value in sizes.items():
+            if value < 1:
+                raise ConfigError(f"trainer.{key} = {value}: set it >= 1")
+        tp, ep, pp, cp = (sizes[k] for k in ("tensor_parallel_size", "expert_parallel_size",
+                                            "pipeline_parallel_size", "context_parallel_size"))
+        if self.backend != "megatron":
+            only = [k for k in ("expert_tensor_parallel_size", "pipeline_parallel_size",
+                                "virtual_pipeline_parallel_size", "context_parallel_size") if sizes[k] > 1]
+            if self.sequence_parallel:
+                only.append("sequence_parallel")
+            if only:
+                raise ConfigError(f"trainer.{only[0]} needs trainer.backend = 'megatron' (the {self.backend} backend "
+                                  "lays out tensor and expert parallelism only)")
+            if self.num_ranks % max(tp, ep):
+                raise ConfigError(f"trainer.num_ranks ({self.num_ranks}) must be a multiple of "
+                                  f"tensor_parallel_size ({tp}) and expert_parallel_size ({ep})")
+            return
+        width = tp * pp * cp
+        if self.num_ranks % width:
+            raise ConfigError(f"trainer.num_ranks ({self.num_ranks}) must be a multiple of tensor × pipeline × context "
+                              f"parallel size ({tp} × {pp} × {cp} = {width})")
+        expert_width = self.expert_tensor_parallel_size * ep
+        if (self.num_ranks // pp) % expert_width:
+            raise ConfigError(f"trainer.num_ranks / pipeline_parallel_size ({self.num_ranks // pp}) must be a multiple "
+                              f"of expert_tensor_parallel_size × expert_parallel_size ({expert_width}): experts are "
+                              "laid out over the ranks of one pipeline stage")
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("trainer.sequence_parallel splits activations over the tensor-parallel ranks: set "
+                              "trainer.tensor_parallel_size > 1, or sequence_parallel = false")
+        if self.virtual_pipeline_parallel_size > 1 and pp == 1:
+            raise ConfigError("trainer.virtual_pipeline_parallel_size > 1 interleaves pipeline stages: set "
+                              "trainer.pipeline_parallel_size > 1, or virtual_pipeline_parallel_size = 1")
+
+    def _validate_megatron(self) -> None:
+        """What the Megatron backend cannot serve yet, refused before any rank starts."""
+        refused = [
+            (get_algorithm(self.algorithm).needs_critic, f"a value model (trainer.algorithm.name = "
+             f"{self.algorithm.name!r})", "choose an algorithm without a critic (grpo, dr_grpo, ...)"),
+            (self.lora.rank > 0, "LoRA (trainer.lora.rank > 0)", "set trainer.lora.rank = 0"),
+            (self.quantization != "none", f"quantization-aware training (trainer.quantization = "
+             f"{self.quantization!r})", "set trainer.quantization = 'none'"),
+            (self.pack_sequences, "packed micro-batches (THD attention is TransformerEngine's)",
+             "set trainer.pack_sequences = false"),
+            (self.offload_optimizer != "none", "optimizer offload", "set trainer.offload_optimizer = 'none'"),
+            (self.routing_replay, "Rollout Routing Replay", "set trainer.routing_replay = false"),
+            (self.param_dtype != "float32" and self.device != "cuda", "bfloat16 on a CPU",
+             "set trainer.param_dtype = 'float32', or trainer.device = 'cuda'"),
+            (self.pipeline_parallel_size > 1 and self.minibatches_per_step > 1,
+             "proximal logprobs across pipeline stages (trainer.minibatches_per_step > 1)",
+             "set trainer.minibatches_per_step = 1, or pipeline_parallel_size = 1"),
+        ]
+        for bad, what, fix in refused:
+            if bad:
+                raise ConfigError(f"trainer.backend = 'megatron' does not support {what} yet: {fix}, or "
+                                  "trainer.backend = 'fsdp'")
 
     def _validate_backend(self) -> None:
         if ":" in self.backend:  # a user's module:Class, loaded and checked against the protocol now

@@ -7,10 +7,12 @@ log_softmax(logits) for greedy (T == 0), before any top-p/top-k truncation.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from miles.trainer.chunked_logprobs import token_logprobs_chunked
+from miles.trainer.types import TokenOutputs, TokenRequest
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -46,3 +48,26 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
     targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros((input_ids.shape[0], 1))], dim=1)  # (B, T)
     logp, entropy = token_logprobs_chunked(logits, targets, temperature, with_entropy)
     return logp[:, :-1], (entropy[:, :-1] if with_entropy else None)
+
+
+def run_micro_batches(logits_of, backward, micro_batches, loss_fn, request: TokenRequest,
+                      forward_only: bool = False, around_forward=None) -> tuple[float, float]:
+    """`Backend.forward_backward` for a backend whose forward returns the whole vocabulary's logits
+    (FSDP, a plain module): one micro-batch after another, forward (`logits_of(mb)` (B, T, V)), the
+    token outputs, the loss, its backward (`backward(loss)`). Returns (forward s, backward s)."""
+    fwd_s = bwd_s = 0.0
+    for mb in micro_batches:
+        t0 = time.perf_counter()
+        with around_forward(mb) if around_forward is not None else contextlib.nullcontext():
+            logits = logits_of(mb)  # (B, T, V)
+        logp, entropy = logprobs_from_logits(logits, mb.input_ids, request.temperature, request.entropy)
+        out = TokenOutputs(logp, entropy)
+        if request.greedy:
+            out.greedy = logits[:, :-1].argmax(-1) == mb.input_ids[:, 1:]  # (B, T-1)
+        loss = loss_fn(mb, out)
+        t1 = time.perf_counter()
+        fwd_s += t1 - t0
+        if not forward_only:
+            backward(loss)
+            bwd_s += time.perf_counter() - t1
+    return fwd_s, bwd_s

@@ -39,12 +39,11 @@ from miles.trainer.batching import build_micro_batch, plan_micro_batches
 from miles.trainer.checkpoint import CheckpointWriter, host_copy, restore_rng, rng_state
 from miles.trainer.config import TrainerConfig
 from miles.trainer.export import write_hf_export
-from miles.trainer.forward import logprobs_from_logits
 from miles.trainer.lora import adapter_tensors, merged_tensors
 from miles.trainer.loss import ForwardOutputs, micro_batch_loss, sequence_weights, step_metrics
 from miles.trainer.r3 import check_sequences, routing_replay
 from miles.trainer.reference import ReferenceModel
-from miles.trainer.types import BatchTotals, TrainSequence
+from miles.trainer.types import BatchTotals, TokenRequest, TrainSequence
 from miles.trainer.vision import TrainerVision
 
 
@@ -58,6 +57,7 @@ class Trainer:
         self.checkpoints = CheckpointWriter(cfg.collective_timeout_s)  # background checkpoint and export writes
         torch.manual_seed(seed)  # before the backend builds the models: LoRA and critic heads draw from it
         self.pad_id = load_tokenizer(model_path).pad_token_id or 0
+        self._placeholder_seq = _placeholder(self.pad_id)  # the micro-batch of a rank with nothing left
         self.algorithm = get_algorithm(cfg.algorithm)
         self.backend = BACKENDS.get(cfg.backend)(cfg, model_path, rank, world_size, master_addr, master_port)
         self.moe_shape = moe_shape(self.backend.model.config)  # None for dense models
@@ -128,15 +128,17 @@ class Trainer:
         plan = self._plan(seqs)
         temperature = self.temperature if algorithm.on_rollouts else 1.0
         out: list[list[float] | None] = [None] * len(seqs)
-        for members in plan:
-            chunk = [seqs[i] for i in members] or [_placeholder(self.pad_id)]
-            mb = build_micro_batch(chunk, [0.0] * len(chunk), cfg.pack_sequences, self.pad_id,
-                                   self.moe_shape, self.vision).to(self.backend.device)
-            with routing_replay(self._routers(mb), mb.routed, cfg.routing_replay, {}):
-                logp, _ = self._policy_logprobs(mb, temperature)  # (B, T-1)
-            logp, sid = logp.float().cpu(), mb.seq_ids.cpu()
-            for j, i in enumerate(members):
+        mbs = [self._micro_batch(seqs, members, [0.0] * len(seqs)) for members in plan]
+        members_of = {id(mb.seqs): members for mb, members in zip(mbs, plan)}
+
+        def record(mb, tokens):
+            logp, sid = tokens.logprobs.float().cpu(), mb.seq_ids.cpu()
+            for j, i in enumerate(members_of[id(mb.seqs)]):
                 out[i] = logp[sid == j].tolist()  # row-major: the sequence's response tokens in order
+            return tokens.logprobs.sum() * 0.0
+
+        self.backend.forward_backward(mbs, record, TokenRequest(temperature), forward_only=True,
+                                      around_forward=self._replay({}))
         return out
 
     def compute_gradients(self, seqs, totals, algorithm: str | None = None) -> dict[str, float]:
@@ -155,26 +157,29 @@ class Trainer:
         sums: dict[str, float] = {}
         if self.moe_shape is not None:
             sums.update(r3_pairs=0.0, r3_mismatch=0.0)  # same keys on every rank for the all-reduce below
-        self._fwd_bwd_s = [0.0, 0.0]  # this rank's forward / backward seconds, for the step-time breakdown
-        for members in plan:
-            if members:
-                chunk, w = [seqs[i] for i in members], [weights[i] for i in members]
-            else:
-                # A rank with nothing left still joins the collectives, with zero weight.
-                chunk, w = [_placeholder(self.pad_id)], [0.0]
-            mb = build_micro_batch(chunk, w, cfg.pack_sequences, self.pad_id, self.moe_shape,
-                                   self.vision).to(self.backend.device)
-            self._micro_step(mb, algo, sums, bool(members))
+        mbs = [self._micro_batch(seqs, members, weights) for members in plan]
+
+        def loss_fn(mb, tokens):
+            return self._micro_loss(mb, tokens, algo, sums, mb.seqs[0] is not self._placeholder_seq)
+
+        fwd_s, bwd_s = self.backend.forward_backward(
+            mbs, loss_fn, TokenRequest(self.temperature if algo.on_rollouts else 1.0, algo.needs_entropy),
+            around_forward=self._replay(sums))
+        # A pipeline's earlier stages computed no loss: every rank all-reduces the keys any rank has.
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(sums))
+        for k in set().union(*gathered):
+            sums.setdefault(k, 0.0)
         keys = sorted(sums)
         vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.backend.device)
         dist.all_reduce(vec)
-        # Replicas of one data shard (tensor-parallel peers) counted the same tokens.
-        red = dict(zip(keys, (vec / (self.world_size // self.backend.dp_size)).tolist()))
+        # Ranks that compute the same tokens' loss (tensor-parallel peers) counted them alike.
+        red = dict(zip(keys, (vec / self.backend.loss_copies).tolist()))
         out = step_metrics(algo, red)
         out[f"{algo.metric_prefix}/lr"] = self.backend.last_lr
         if algo.on_rollouts and red.get("r3_pairs"):
             out[f"{algo.metric_prefix}/r3_mismatch_rate"] = red["r3_mismatch"] / red["r3_pairs"]
-        out["perf/train_forward_s"], out["perf/train_backward_s"] = self._fwd_bwd_s
+        out["perf/train_forward_s"], out["perf/train_backward_s"] = fwd_s, bwd_s
         return out
 
     def _plan(self, seqs) -> list[list[int]]:
@@ -201,18 +206,26 @@ class Trainer:
     def _routers(self, mb):
         return self.routers if mb.routed is not None else []
 
-    def _policy_logprobs(self, mb, temperature: float, with_entropy: bool = False):
-        logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids, mb.images)  # (B, T, V)
-        return logprobs_from_logits(logits, mb.input_ids, temperature, with_entropy)  # (B, T-1)
+    def _micro_batch(self, seqs, members: list[int], weights: list[float]):
+        """The micro-batch of `seqs[i] for i in members`; a rank with nothing left still joins the
+        collectives, with a placeholder of zero weight."""
+        if members:
+            chunk, w = [seqs[i] for i in members], [weights[i] for i in members]
+        else:
+            chunk, w = [self._placeholder_seq], [0.0]
+        return build_micro_batch(chunk, w, self.cfg.pack_sequences, self.pad_id, self.moe_shape,
+                                 self.vision).to(self.backend.device)
 
-    def _micro_step(self, mb, algorithm, sums: dict, real: bool) -> None:
-        """Run the forward passes the algorithm asks for, then backward on the loss loss.py composes."""
-        t_fwd = time.perf_counter()
+    def _replay(self, sums: dict):
+        """R3 around each micro-batch's forward (a no-op without routers or routes). Mismatch is counted
+        on real micro-batches only; a placeholder carries no routed experts."""
+        return lambda mb: routing_replay(self._routers(mb), mb.routed, self.cfg.routing_replay, sums)
+
+    def _micro_loss(self, mb, tokens, algorithm, sums: dict, real: bool):
+        """The loss loss.py composes from the policy's token outputs and the forward passes the algorithm
+        asks for besides (reference, teacher, critic)."""
         temperature = self.temperature if algorithm.on_rollouts else 1.0
-        # Mismatch is counted on real micro-batches only; a placeholder carries no routed experts.
-        with routing_replay(self._routers(mb), mb.routed, self.cfg.routing_replay, sums):
-            logp, entropy = self._policy_logprobs(mb, temperature, algorithm.needs_entropy)  # (B, T-1)
-        out = ForwardOutputs(logp, entropy)
+        out = ForwardOutputs(tokens.logprobs, tokens.entropy)
         if algorithm.needs_reference and self.reference is not None:
             out.ref_logprobs = self.reference.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
                                                        temperature, mb.images)
@@ -224,11 +237,7 @@ class Trainer:
             out.teacher_logprobs = mb.teacher_logprobs
         if algorithm.needs_critic and self.backend.critic is not None:
             out.values = self.backend.critic_values(mb.input_ids, mb.attention_mask)  # (B, T-1)
-        loss = micro_batch_loss(algorithm, mb, out, sums, self.backend.dp_size, real)
-        t_bwd = time.perf_counter()
-        self.backend.backward(loss)
-        self._fwd_bwd_s[0] += t_bwd - t_fwd
-        self._fwd_bwd_s[1] += time.perf_counter() - t_bwd
+        return micro_batch_loss(algorithm, mb, out, sums, self.backend.dp_size, real)
 
     def _maybe_refresh_reference(self) -> None:
         every = self.cfg.ref_update_every
@@ -244,19 +253,22 @@ class Trainer:
         rank runs the same micro-batches (the backend's forward is collective) and returns the same list."""
         model = self.backend.model
         model.eval()
-        out: list[bool] = []
+        hits: dict[int, list[bool]] = {}
+        mbs = [build_micro_batch(seqs[start:start + self.cfg.micro_batch_size],
+                                 [1.0] * len(seqs[start:start + self.cfg.micro_batch_size]), False, self.pad_id,
+                                 vision=self.vision).to(self.backend.device)
+               for start in range(0, len(seqs), self.cfg.micro_batch_size)]
+
+        def record(mb, tokens):
+            hit = tokens.greedy | (mb.mask == 0)  # (B, T-1)
+            hits[id(mb.seqs)] = [bool(x) for x in hit.all(-1)]
+            return tokens.logprobs.sum() * 0.0
+
         try:
-            for start in range(0, len(seqs), self.cfg.micro_batch_size):
-                chunk = seqs[start:start + self.cfg.micro_batch_size]
-                mb = build_micro_batch(chunk, [1.0] * len(chunk), False, self.pad_id,
-                                       vision=self.vision).to(self.backend.device)
-                logits = self.backend.forward(mb.input_ids, mb.attention_mask, mb.position_ids,
-                                              mb.images)[:, :-1]  # (B, T-1, V)
-                hit = (logits.argmax(-1) == mb.input_ids[:, 1:]) | (mb.mask == 0)  # (B, T-1)
-                out.extend(bool(x) for x in hit.all(-1))
+            self.backend.forward_backward(mbs, record, TokenRequest(1.0, greedy=True), forward_only=True)
         finally:
             model.train()
-        return out
+        return [h for mb in mbs for h in hits[id(mb.seqs)]]
 
     # -- weights out ----------------------------------------------------------------------------
     def full_named_tensors(self, all_ranks: bool = False, merged: bool | None = None,

@@ -51,3 +51,21 @@ class StepBatch:
 
     minibatches: list[tuple[list[TrainSequence], BatchTotals]]
     metrics: dict[str, float] = field(default_factory=dict)  # what building it measured (train/group_baseline_shift)
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """What a backend computes per token for the step's loss function (trainer/backends/base.py)."""
+
+    temperature: float = 1.0     # logits / temperature before the softmax (0: plain softmax, greedy)
+    entropy: bool = False        # the entropy of the same tempered distribution
+    greedy: bool = False         # whether each next token is the argmax (greedy decoding would pick it)
+
+
+@dataclass
+class TokenOutputs:
+    """Per-token results of one micro-batch's policy forward, each (B, T-1), aligned with its targets."""
+
+    logprobs: "object"           # torch.Tensor, float32, with gradient unless the pass is forward-only
+    entropy: "object" = None     # torch.Tensor when TokenRequest.entropy
+    greedy: "object" = None      # torch.Tensor (bool) when TokenRequest.greedy

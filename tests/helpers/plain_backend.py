@@ -18,6 +18,7 @@ from miles.trainer.backends.loading import load_critic, load_policy
 from miles.trainer.checkpoint import load_trainer_state, save_trainer_state
 from miles.trainer.config import lr_lambda
 from miles.trainer.device import HOST, collective_backend, compute_device
+from miles.trainer.forward import run_micro_batches
 from miles.trainer.offload import OptimizerSet
 
 
@@ -29,7 +30,7 @@ class PlainBackend:
         self.device = compute_device(cfg.device, rank)
         if not dist.is_initialized():  # the trainer all-reduces its counts over the default group
             dist.init_process_group(collective_backend(cfg.device, cfg.collective_backend), rank=0, world_size=1)
-        self.cfg, self.rank, self.world_size, self.dp_size = cfg, rank, 1, 1
+        self.cfg, self.rank, self.world_size, self.dp_size, self.loss_copies = cfg, rank, 1, 1, 1
         self.model_path = model_path
         self.model = load_policy(cfg, model_path, self.device)
         self.model.train()
@@ -47,17 +48,18 @@ class PlainBackend:
         self.critic_optim = torch.optim.AdamW(self.critic.parameters(), lr=lr,
                                               betas=(self.cfg.adam_beta1, self.cfg.adam_beta2))
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
-        with images.spliced_into(self.model) if images is not None else contextlib.nullcontext():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    def forward_backward(self, micro_batches, loss_fn, request, forward_only=False, around_forward=None):
+        return run_micro_batches(self._logits, lambda loss: loss.backward(), micro_batches, loss_fn, request,
+                                 forward_only, around_forward)
+
+    def _logits(self, mb) -> torch.Tensor:
+        with mb.images.spliced_into(self.model) if mb.images is not None else contextlib.nullcontext():
+            return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                               use_cache=False).logits
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits[:, :-1, 0].float()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
 
     def optimizer_step(self) -> float:
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")

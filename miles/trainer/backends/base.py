@@ -16,14 +16,19 @@ from. Loading this module imports no torch (the trainer config validates the nam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Protocol
 
 from miles.registry import Registry
 
 if TYPE_CHECKING:
     import torch
 
+    from miles.trainer.batching import MicroBatch
     from miles.trainer.checkpoint import CheckpointWriter
+    from miles.trainer.types import TokenOutputs, TokenRequest
+
+    LossFn = Callable[[MicroBatch, TokenOutputs], torch.Tensor]
+    AroundForward = Callable[[MicroBatch], ContextManager]
 
 
 class Backend(Protocol):
@@ -41,8 +46,12 @@ class Backend(Protocol):
     world_size: int
     dp_size: int
     """Data-parallel replicas: each one's ranks (tensor/expert-parallel peers) train the same shard."""
+    loss_copies: int
+    """Ranks that compute each token's loss (tensor-parallel peers of a replica, or all of its ranks):
+    the trainer divides the metric sums it all-reduces by this."""
     model: "torch.nn.Module"
-    """The policy with Hugging Face's module names: R3 hooks its routers, LoRA names its adapters."""
+    """The policy module (on FSDP Hugging Face's, whose names R3 hooks and LoRA adapts; on Megatron its
+    first GPTModel chunk)."""
     critic: "torch.nn.Module | None"
     """The value model once `build_critic` ran, else None."""
 
@@ -53,16 +62,24 @@ class Backend(Protocol):
     def build_critic(self, lr: float) -> None:
         """Build, lay out and give an optimizer (AdamW at `lr`) to a value model (PPO)."""
 
-    def forward(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None" = None,
-                position_ids: "torch.Tensor | None" = None, images=None) -> "torch.Tensor":
-        """The policy's logits (B, T, V) in the compute dtype, with gradient. Collective. `images`: a
-        vision-language micro-batch's ImageBatch (pixel values and grids, trainer/vision.py), or None."""
+    def forward_backward(self, micro_batches: "list[MicroBatch]", loss_fn: "LossFn", request: "TokenRequest",
+                         forward_only: bool = False, around_forward: "AroundForward | None" = None,
+                         ) -> tuple[float, float]:
+        """Run the policy over `micro_batches` in order (on the backend's own schedule: a pipeline
+        interleaves their forwards and backwards), compute each one's per-token outputs (B, T-1)
+        for `request` (logprobs of the next tokens, in float32, at the request's temperature, and
+        entropy or greedy hits when asked; the backend computes them where its logits live, e.g.
+        over tensor-parallel vocabulary shards), call `loss_fn(mb, outputs)` for the scalar to
+        backpropagate, and accumulate its gradient (none with `forward_only`). `loss_fn` runs
+        only where the outputs exist (a pipeline's last stage) and may see a micro-batch whose mask
+        and weights cover only the tokens this rank computes (context parallelism).
+        `around_forward(mb)` is a context manager the backend enters around that micro-batch's
+        model forward (R3's routing replay). Returns (forward seconds, backward seconds).
+        Collective."""
 
     def critic_values(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None") -> "torch.Tensor":
-        """(B, T-1) float32: the critic's value of the state before each next token. Collective."""
-
-    def backward(self, loss: "torch.Tensor") -> None:
-        """Accumulate the gradient of `loss` into the policy's (and critic's) gradients. Collective."""
+        """(B, T-1) float32: the critic's value of the state before each next token, with gradient
+        (its backward runs with the policy's loss in `forward_backward`). Collective."""
 
     def optimizer_step(self) -> float:
         """Clip the gradients to `trainer.grad_clip`, step the optimizers and the LR schedule, zero the
@@ -87,3 +104,4 @@ BACKENDS: Registry[type[Backend]] = Registry(
     hint=" (a class built as cls(cfg, model_path, rank, world_size, master_addr, master_port) that "
          "implements the Backend protocol of miles/trainer/backends/base.py)")
 BACKENDS.register("fsdp", "miles.trainer.backends.fsdp:FSDPBackend")
+BACKENDS.register("megatron", "miles.trainer.backends.megatron.backend:MegatronBackend")

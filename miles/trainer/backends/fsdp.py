@@ -30,6 +30,7 @@ from miles.trainer.backends.loading import load_critic, load_policy
 from miles.trainer.checkpoint import CheckpointWriter, load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
 from miles.trainer.device import HOST, collective_backend, compute_device, mixed_precision, param_dtype
+from miles.trainer.forward import run_micro_batches
 from miles.trainer.offload import OptimizerSet
 from miles.trainer.parallel import load_parallel_model
 
@@ -47,6 +48,7 @@ class FSDPBackend:
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         self.compute_copy: ComputeCopy | None = None  # one rank in bfloat16 (see the module docstring)
         self.model, self.dp_size = self._build_policy()
+        self.loss_copies = world_size // self.dp_size  # every rank of a replica computes the whole loss
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim = OptimizerSet(params, cfg, lr_lambda(cfg), rank)
         self.critic = self.critic_optim = None
@@ -78,19 +80,23 @@ class FSDPBackend:
     def last_lr(self) -> float:
         return self.optim.last_lr
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, images=None) -> torch.Tensor:
+    def forward_backward(self, micro_batches, loss_fn, request, forward_only=False, around_forward=None):
+        return run_micro_batches(self._logits, self._backward, micro_batches, loss_fn, request, forward_only,
+                                 around_forward)
+
+    def _logits(self, mb) -> torch.Tensor:
         if self.compute_copy is not None:
             self.compute_copy.to_compute()
         # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
-        with images.spliced_into(self.model) if images is not None else contextlib.nullcontext():
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        with mb.images.spliced_into(self.model) if mb.images is not None else contextlib.nullcontext():
+            return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                               use_cache=False).logits  # (B, T, V)
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits[:, :-1, 0].float()  # (B, T-1): value of the state before each next token
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if self.compute_copy is not None:
             self.compute_copy.accumulate()

@@ -38,13 +38,13 @@ def _seqs():
 
 
 def test_an_unknown_backend_is_refused_naming_the_choices(tiny_model_dir):
-    with pytest.raises(ConfigError, match=r"trainer.backend = 'megatron' is unknown: choose one of \['fsdp'\] "
-                                          r"or give module:Class"):
-        load_config(RunConfig, None, {"model.path": tiny_model_dir, "trainer.backend": "megatron"})
+    with pytest.raises(ConfigError, match=r"trainer.backend = 'deepspeed' is unknown: choose one of "
+                                          r"\['fsdp', 'megatron'\] or give module:Class"):
+        load_config(RunConfig, None, {"model.path": tiny_model_dir, "trainer.backend": "deepspeed"})
 
 
 def test_a_user_class_that_is_no_backend_is_refused_naming_what_it_lacks():
-    with pytest.raises(ConfigError, match=r"trainer.backend: .*lacks \['build_critic', 'forward', .*Backend protocol"):
+    with pytest.raises(ConfigError, match=r"trainer.backend: .*lacks \['build_critic', 'forward_backward', 'critic_values', .*Backend protocol"):
         build(TrainerConfig, {"backend": "miles.trainer.config:TrainerConfig"}).validate()
 
 
