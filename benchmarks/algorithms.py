@@ -46,7 +46,8 @@ def start_ray() -> None:
     """A Ray cluster of the benchmark's own (2 CPUs), whatever else runs on this machine."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     ensure_ray(RayConfig(num_cpus=2))
 
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-algos-"))
     names = [n for n in args.only.split(",") if n] or list(VARIANTS)

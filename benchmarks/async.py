@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     unknown = set(names) - set(runs)
     if unknown:
         sys.exit(f"miles bench async: unknown schedules {sorted(unknown)}; choose from {sorted(runs)}")
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     ensure_ray(RayConfig(num_cpus=2))  # a cluster of its own, whatever else runs here
     t0 = time.perf_counter()

@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     out = Path(args.out or tempfile.mkdtemp(prefix="miles-bench-distill-"))
     out.mkdir(parents=True, exist_ok=True)

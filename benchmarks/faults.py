@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         "fault.max_engine_faults": str(args.kills), "metrics.progress": "plain",
     }
     cfg = load_config(RunConfig, EXAMPLE / "grpo.toml", overrides)
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     ensure_ray(RayConfig(num_cpus=2))  # a cluster of its own, whatever else runs here
     t0 = time.perf_counter()

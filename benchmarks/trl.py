@@ -364,7 +364,8 @@ def main(argv=None) -> int:
 
 
     t_start = time.perf_counter()
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     ensure_ray(RayConfig(num_cpus=ncores()))  # a cluster of its own, whatever else runs here
     sft_model = args.sft_model

@@ -23,7 +23,7 @@ from miles.config import ConfigError, load_config, parse_overrides
 from miles.data.tasks import TASKS
 from miles.eval.metrics import ANSWER_EXTRACTORS
 from miles.models.presets import PRESETS
-from miles.orchestration.loop import SCHEDULES
+from miles.run_sections import SCHEDULES
 from miles.registry import Registry
 from miles.rewards.contract import REWARDS
 from miles.rollout.environments import ENVIRONMENTS

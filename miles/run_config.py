@@ -1,6 +1,7 @@
 """The root run config: the composition root of a run's settings, beside the CLI that loads it.
 
-It composes every component's own config (each a dataclass next to what it configures) into the one
+It composes every component's own config (each a dataclass next to what it configures), and the
+run's own sections (run_sections.py: loop, placement, ray, fault), into the one
 tree a run TOML and `--section.key` overrides fill in, checks combinations of sections
 (run_checks.py), and resolves what one section derives from another (the wire dtype from the
 engines' dtype) without writing it back, so the saved config.json is exactly what was asked for.
@@ -19,15 +20,12 @@ from miles.config.loader import ConfigError
 from miles.eval.config import EvalConfig
 from miles.metrics.sink import MetricsConfig
 from miles.models.loading import check_model_path
-from miles.orchestration.faults import FaultConfig
-from miles.orchestration.loop import LoopConfig
-from miles.orchestration.placement import PlacementConfig
-from miles.orchestration.ray_cluster import RayConfig
 from miles.rollout.config import RolloutConfig
 from miles.rollout.liveness import HealthConfig
 from miles.rollout.router.config import RunRouterConfig
 from miles.rollout.teacher import TeacherConfig
 from miles.run_checks import check_run
+from miles.run_sections import FaultConfig, LoopConfig, PlacementConfig, RayConfig
 from miles.sync.prepare import SyncConfig
 from miles.trainer.config import TrainerConfig
 from miles.trainer.sft import SFTConfig

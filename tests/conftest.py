@@ -47,7 +47,8 @@ def ray_cluster():
     """A local cluster of this session's own (as `miles train` starts one), whatever else runs on the machine."""
     import ray
 
-    from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+    from miles.orchestration.ray_cluster import ensure_ray
+    from miles.run_sections import RayConfig
 
     ensure_ray(RayConfig(num_cpus=2))
     yield

@@ -21,7 +21,7 @@ import secrets
 from pathlib import Path
 
 from miles.orchestration.lease import LeaseRenewer
-from miles.orchestration.ray_cluster import NAMESPACE
+from miles.run_sections import NAMESPACE
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from miles.orchestration.actors import remote
 from miles.orchestration.faults import FaultInjector
 from miles.orchestration.launch import (on_driver_node, place_run_devices, ray_for_run, run_admin_token, start_fleet,
                                         start_teachers, trainer_pool)
-from miles.orchestration.loop import SCHEDULES
+from miles.run_sections import SCHEDULES
 from miles.orchestration.placement import core_pools
 from miles.orchestration.ray_cluster import node_address
 from miles.orchestration.router_supervisor import SupervisedRouter

@@ -47,106 +47,12 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-from miles.config.loader import ConfigError
+from miles.run_sections import ENGINE_FAULTS, PUSH_FAULTS, STEP_FAULTS, FaultConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FaultConfig:
-    kill_engine_every_s: float = 0.0
-    """SIGKILL a serving engine every this many seconds (0 = never)."""
-    stall_engine_every_s: float = 0.0
-    """SIGSTOP a serving engine every this many seconds (0 = never); it stays stopped until replaced."""
-    first_fault_after_s: float = 0.0
-    """Seconds after the loop starts before the first engine fault (0 = one interval)."""
-    max_engine_faults: int = 0
-    """Stop injecting engine faults after this many kills and stalls together (0 = no limit)."""
-    drop_response_prob: float = 0.0
-    """Fraction of engine replies the router drops, answering 502 to the client instead."""
-    delay_weight_sync_s: float = 0.0
-    """Sleep this long before every weight push (a slow or congested transport)."""
-    kill_trainer_at_step: int = 0
-    """SIGKILL the last trainer rank as this step's training starts (0 = never); once per run, so a
-    restarted trainer that trains the step again is left alone."""
-    restart_trainer: bool = False
-    """Recover when a trainer rank fails: start a new trainer group, go back to the last
-    resumable checkpoint (trainer, buffer, ledger, data position, metrics) and go on. A checkpoint is
-    written before the first step so there is always one; loop.save_every bounds the steps redone."""
-    kill_engine_at_steps: list[int] = field(default_factory=list)
-    """SIGKILL a serving engine (picked by seed) as each of these steps' training starts."""
-    kill_trainer_at_steps: list[int] = field(default_factory=list)
-    """SIGKILL the last trainer rank as each of these steps' training starts (with restart_trainer the
-    run goes back to its last checkpoint; max_trainer_restarts must allow as many)."""
-    kill_reward_worker_at_steps: list[int] = field(default_factory=list)
-    """SIGKILL a worker of the reward process pool (rollout.reward_config.num_workers > 0) as each of
-    these steps' training starts."""
-    kill_router_at_steps: list[int] = field(default_factory=list)
-    """SIGKILL the router process (router.own_process = true) as each of these steps' training starts."""
-    stall_engine_at_steps: list[int] = field(default_factory=list)
-    """SIGSTOP a serving engine (picked by seed) as each of these steps' weight push starts."""
-    stall_resume_after_s: list[float] = field(default_factory=list)
-    """Seconds after which each stall of stall_engine_at_steps, in order, is ended by SIGCONT; one value
-    applies to every stall, 0 (or none given) is never: the health monitor then replaces the engine."""
-    corrupt_delta_at_steps: list[int] = field(default_factory=list)
-    """Flip a byte of the disk delta of each of these steps' weight push, after the trainer wrote it and
-    before any engine reads it (sync.transport = 'disk_delta'): the engines' checksums must refuse it."""
-    stall_engine_at_commit: list[int] = field(default_factory=list)
-    """SIGSTOP a serving engine (picked by seed, on the driver's machine) in each of these steps' weight
-    pushes, after every engine acknowledged the commit round's readiness and right before the commit is
-    sent; never resumed. The engine is fenced: the others commit, it serves nothing and is replaced."""
-    kill_driver_at_step: int = 0
-    """SIGKILL the driver and its process group once this step's resumable checkpoint is committed
-    (0 = never; loop.save_every must save that step); `miles train --resume RUN_DIR` goes on from it. The
-    driver's own progress schedules it, so no later step starts first, and the resumed driver, which
-    starts after that checkpoint, never fires it again. The router, a process of its own, outlives it."""
-    max_trainer_restarts: int = 3
-    """With restart_trainer: the most restarts in one run; the failure after that ends the run."""
-    seed: int = 0
-    """Seed for which engine each fault hits and which replies are dropped."""
-
-    def validate(self) -> None:
-        if min(self.kill_engine_every_s, self.stall_engine_every_s, self.first_fault_after_s,
-               self.delay_weight_sync_s) < 0 or self.max_engine_faults < 0 or self.kill_trainer_at_step < 0 \
-                or self.kill_driver_at_step < 0 or self.max_trainer_restarts < 0:
-            raise ConfigError("fault.* intervals, delays and counts must be >= 0")
-        if not 0 <= self.drop_response_prob < 1:
-            raise ConfigError("fault.drop_response_prob must be in [0, 1)")
-        for key in (*STEP_FAULTS.values(), *PUSH_FAULTS.values()):
-            if any(type(v) is not int or v < 1 for v in getattr(self, key)):
-                raise ConfigError(f"fault.{key} must list training steps (integers >= 1), got {getattr(self, key)}")
-        resume = self.stall_resume_after_s
-        if any(v < 0 for v in resume) or len(resume) not in (0, 1, len(self.stall_engine_at_steps)):
-            raise ConfigError(f"fault.stall_resume_after_s = {resume}: give one value (seconds >= 0, 0 = never) "
-                              f"for every stall, or one per step of fault.stall_engine_at_steps "
-                              f"({len(self.stall_engine_at_steps)})")
-
-    @property
-    def active(self) -> bool:
-        return bool(self.kill_engine_every_s or self.stall_engine_every_s or self.drop_response_prob
-                    or self.delay_weight_sync_s or self.kill_trainer_at_step or self.kill_driver_at_step
-                    or any(getattr(self, key) for key in (*STEP_FAULTS.values(), *PUSH_FAULTS.values())))
-
-    def steps_of(self, kind: str) -> set[int]:
-        """The steps a step-scheduled fault of this kind fires at."""
-        steps = set(getattr(self, {**STEP_FAULTS, **PUSH_FAULTS}[kind]))
-        if kind == "kill_trainer" and self.kill_trainer_at_step:
-            steps.add(self.kill_trainer_at_step)
-        return steps
-
-
-ENGINE_FAULTS = ("kill_engine", "stall_engine", "stall_engine_at_commit")  # the faults the fleet recovers from
-
-# Step-scheduled fault kinds, in the order they fire within one step (the trainer last: it ends the step),
-# and the FaultConfig key listing each one's steps.
-STEP_FAULTS = {"kill_reward_worker": "kill_reward_worker_at_steps", "kill_router": "kill_router_at_steps",
-               "kill_engine": "kill_engine_at_steps", "kill_trainer": "kill_trainer_at_steps"}
-# Faults that fire as a step's weight push starts.
-PUSH_FAULTS = {"stall_engine": "stall_engine_at_steps", "corrupt_delta": "corrupt_delta_at_steps",
-               "stall_engine_at_commit": "stall_engine_at_commit"}
 
 
 @dataclass

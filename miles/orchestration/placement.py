@@ -22,54 +22,11 @@ Non-goals: starting nodes (`ray start`), autoscaling, GPU topology (NVLink islan
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from miles.config.loader import ConfigError
 from miles.devices import resolve
-
-
-@dataclass
-class PlacementConfig:
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    """disaggregated: engines and trainer on separate device pools; colocated: they share all devices
-    and take turns (sync schedule only)."""
-    release_memory: list[str] = field(default_factory=lambda: ["weights", "kv_cache"])
-    """colocated: what the engines free while the trainer works (SGLang's memory tags: weights,
-    kv_cache). An empty list keeps both: on a host with memory for engines and trainer at once
-    (a CPU machine, where the released weights go to a file) that skips writing and reading the
-    engine's weights back every step."""
-    pin_cpus: bool = True
-    """On CPU, pin engine and trainer processes to disjoint cores."""
-    engine_cpu_fraction: float = 0.5
-    """Share of the cores given to the engine pool (the trainer gets the rest)."""
-    trainer_nodes: str = ""
-    """Ray custom resource that marks the nodes trainer ranks run on (a node started with
-    `ray start --resources '{"NAME": 1}'`); empty: any node."""
-    engine_nodes: str = ""
-    """Ray custom resource that marks the nodes engines run on; empty: any node."""
-    timeout_s: float = 120.0
-    """How long a pool may wait for nodes to hold it before the run is refused."""
-
-    def validate(self) -> None:
-        if not 0 < self.engine_cpu_fraction < 1:
-            raise ConfigError("placement.engine_cpu_fraction must be between 0 and 1")
-        if self.mode == "colocated" and self.trainer_nodes != self.engine_nodes:
-            raise ConfigError(f"placement.mode = 'colocated' shares devices, but placement.trainer_nodes = "
-                              f"{self.trainer_nodes!r} and placement.engine_nodes = {self.engine_nodes!r} name "
-                              "different nodes: name the same resource in both, or set placement.mode = "
-                              "'disaggregated'")
-        bad = [t for t in self.release_memory if t not in ("weights", "kv_cache")]
-        if bad:
-            raise ConfigError(f"placement.release_memory: {bad[0]!r} is not a memory kind; use weights, kv_cache "
-                              "or both (an empty list keeps the engines' memory)")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"placement.timeout_s = {self.timeout_s}: set it > 0 (seconds)")
-
-    @property
-    def separate_nodes(self) -> bool:
-        """Whether trainer and engines are kept on different nodes (so they never share cores)."""
-        return self.mode == "disaggregated" and self.trainer_nodes != self.engine_nodes
+from miles.run_sections import PlacementConfig
 
 
 @dataclass(frozen=True)

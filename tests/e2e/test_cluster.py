@@ -39,7 +39,8 @@ LOOPBACK_NET = ipaddress.ip_network("127.0.0.0/8")
 # then miles starts a local cluster and reports it.
 _LOCAL_RUN = """
 import json, ray
-from miles.orchestration.ray_cluster import RayConfig, ensure_ray
+from miles.orchestration.ray_cluster import ensure_ray
+from miles.run_sections import RayConfig
 try:
     ray.init(num_cpus=1, configure_logging=False)
     ray_default = "started"

@@ -13,7 +13,7 @@ import pytest
 
 import miles
 from miles.net import LOOPBACK, ServerProcess, ServerThread, bind, is_loopback, url_of
-from miles.orchestration.ray_cluster import LOCAL_NODE_ADDRESS
+from miles.run_sections import LOCAL_NODE_ADDRESS
 from miles.engine.server import parse_args as serve_args
 from miles.rollout.router.app import parse_args as router_args
 

@@ -13,8 +13,9 @@ import time
 import pytest
 
 from miles.config.loader import ConfigError
-from miles.orchestration.faults import FaultConfig, FaultInjector
+from miles.orchestration.faults import FaultInjector
 from miles.orchestration.fleet import EngineHandle
+from miles.run_sections import FaultConfig
 
 
 class _Trainer:
@@ -136,7 +137,8 @@ def test_stall_resume_times_that_match_no_stall_are_refused_by_name():
 
 _DRIVER = """
 import sys, time
-from miles.orchestration.faults import FaultConfig, FaultInjector
+from miles.orchestration.faults import FaultInjector
+from miles.run_sections import FaultConfig
 injector = FaultInjector(FaultConfig(kill_driver_at_step=2), log_path=sys.argv[1])
 for step in (1, 2, 3):
     print("step", step, flush=True)

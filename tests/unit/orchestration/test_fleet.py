@@ -103,7 +103,8 @@ def _active(router_url: str) -> list[str]:
 
 
 def test_a_stalled_engine_is_detected_replaced_and_admitted_at_the_fleet_version(fleet):
-    from miles.orchestration.faults import FaultConfig, FaultInjector
+    from miles.orchestration.faults import FaultInjector
+    from miles.run_sections import FaultConfig
 
     injector = FaultInjector(FaultConfig(seed=1), fleet)
     fault = injector.engine_fault("stall_engine")  # SIGSTOP one of the two
@@ -180,7 +181,8 @@ def test_an_engine_stalled_between_readiness_and_commit_is_fenced_and_no_answer_
     import signal
     import threading
 
-    from miles.orchestration.faults import FaultConfig, FaultInjector
+    from miles.orchestration.faults import FaultInjector
+    from miles.run_sections import FaultConfig
     from miles.rollout.generate import versions_of
     from miles.sync.prepare import SyncConfig
 
@@ -342,7 +344,8 @@ def test_a_replacement_engine_joins_a_disk_delta_run_at_the_fleet_version(tiny_m
 
     import torch
 
-    from miles.orchestration.faults import FaultConfig, FaultInjector
+    from miles.orchestration.faults import FaultInjector
+    from miles.run_sections import FaultConfig
     from miles.orchestration.fleet import EngineFleet, EngineHandle
     from miles.engine.process import EngineProcess
     from miles.rollout.liveness import HealthConfig

@@ -18,7 +18,7 @@ from miles.config import load_config
 from miles.run_config import RunConfig
 from miles.metrics.progress import Progress
 from miles.orchestration.context import TrainContext
-from miles.orchestration.loop import SCHEDULES
+from miles.run_sections import SCHEDULES
 
 
 class Rollout:

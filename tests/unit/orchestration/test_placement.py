@@ -38,7 +38,7 @@ def test_pin_reaches_threads_started_before_it():
 
 def test_colocated_refuses_trainer_and_engines_named_on_different_nodes():
     from miles.config.loader import ConfigError
-    from miles.orchestration.placement import PlacementConfig
+    from miles.run_sections import PlacementConfig
 
     with pytest.raises(ConfigError, match="placement.trainer_nodes.*placement.engine_nodes.*disaggregated"):
         PlacementConfig(mode="colocated", trainer_nodes="gpu_a", engine_nodes="gpu_b").validate()
@@ -46,7 +46,8 @@ def test_colocated_refuses_trainer_and_engines_named_on_different_nodes():
 
 
 def test_pools_on_nodes_of_their_own_keep_every_core():
-    from miles.orchestration.placement import PlacementConfig, core_pools
+    from miles.orchestration.placement import core_pools
+    from miles.run_sections import PlacementConfig
 
     assert core_pools(PlacementConfig(trainer_nodes="trainer", engine_nodes="engines")) is None
     shared = core_pools(PlacementConfig())

@@ -4,7 +4,7 @@ behaviour against real clusters on this machine is tested in tests/e2e/test_clus
 import pytest
 
 from miles.config.loader import ConfigError
-from miles.orchestration.ray_cluster import RayConfig, cluster_address
+from miles.run_sections import RayConfig, cluster_address
 
 
 def test_a_joined_cluster_keeps_its_cpus_so_num_cpus_with_an_address_is_refused():

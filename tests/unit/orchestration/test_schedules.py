@@ -44,7 +44,8 @@ def test_unknown_schedule_lists_the_choices(tiny_model_dir):
 def test_core_pools_are_disjoint_when_disaggregated_and_shared_when_colocated(monkeypatch):
     import os
 
-    from miles.orchestration.placement import PlacementConfig, core_pools
+    from miles.orchestration.placement import core_pools
+    from miles.run_sections import PlacementConfig
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     split = core_pools(PlacementConfig())
