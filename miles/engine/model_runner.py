@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 
@@ -53,7 +54,7 @@ from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, moe_shape, routers
 from miles.precision.linear import install, quantize_linears, served_weights
-from miles.engine import kv_cache
+from miles.engine import kv_cache, recurrent_state
 from miles.engine.chunked_prefill import ChunkedPrefill
 from miles.engine.config import EngineConfig
 from miles.engine.fast_decode import FastDecoder
@@ -66,6 +67,8 @@ from miles.engine.row import Row
 from miles.engine.sampler import sample
 from miles.engine.static_kv import StaticKV
 from miles.engine.window_masks import layer_masks, windowed
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -94,15 +97,21 @@ class ModelRunner:
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
         self.windowed = windowed(self.model.config)  # sliding-window layers: the engine builds the masks
+        # A recurrent layer's state after a prefix is not kept (recurrent_state.py): its rows compute
+        # their whole prompt, and the prefix cache is off rather than holding KV nobody can use.
+        prefix_mb = config.prefix_cache_mb if config.prefix_cache else 0
+        if prefix_mb and recurrent_state.has_recurrent_state(self.model.config):
+            log.warning("prefix cache off: this %r model keeps a recurrent state per sequence, which the engine "
+                        "does not snapshot at block boundaries, so every request computes its whole prompt",
+                        self.model.config.get_text_config().model_type)
+            prefix_mb = 0
         # Running-batch KV the engine may hold (tokens), after weights and prefix cache take their share.
-        self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction,
-                                                config.prefix_cache_mb if config.prefix_cache else 0,
+        self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction, prefix_mb,
                                                 self.context_length)
         self.moe_shape = moe_shape(self.model.config)  # (MoE layers, top_k); None for a dense model
         self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,
-                                        kv_cache.tokens_in(config.prefix_cache_mb, self.model)
-                                        if config.prefix_cache else 0)
+                                        kv_cache.tokens_in(prefix_mb, self.model) if prefix_mb else 0)
         # The version label in force (a string on the wire; SGLang's servers start at "default"), and a
         # counter bumped by every weight load: labels may repeat, KV reuse must still see each change.
         self.weight_version = "default"
@@ -197,8 +206,7 @@ class ModelRunner:
             if len(uniq) < len(rows):
                 idx = torch.tensor(lead, device=self.device)
                 logits, mask = logits[idx], mask[idx]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                kv_cache.select_rows(cache, idx)
             tokens, logprobs = self._sample(logits, rows)
         for r, j in zip(rows, lead):
             if r.req.return_routed_experts:

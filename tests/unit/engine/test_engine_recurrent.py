@@ -1,0 +1,126 @@
+"""Hybrid families served by the built-in engine: Qwen3-Next (gated delta-net layers) and Nemotron-H
+(Mamba-2 blocks) keep a recurrent state per row, through continuous batching. Each request's greedy
+ids equal transformers' own full-forward greedy of its prompt alone, while rows of other lengths join
+the running batch and leave it mid-decode; its logprobs are within 1e-5 (float32) of transformers'
+own cached decode of the prompt alone, which computes with the same two forms (the chunked scan over
+the prompt, then one recurrent step per token). Those two forms round differently: transformers'
+cached decode is itself up to 1.1e-5 (Qwen3-Next) and 6.8e-5 (Nemotron-H) away from its full forward
+on these presets, so against the full forward the engine is held to that gap plus 1e-5. Prefix reuse is
+refused for them (the state after a prefix is not kept): a repeated prompt computes its whole prompt
+and gives the same outputs. Routed experts recorded by the engine are the model's own choices."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.unit.engine.test_engine_families import full_forward_greedy
+
+HYBRID = ["tiny-qwen3-next", "tiny-nemotron-h"]
+PROMPTS = [list(range(3, 3 + n)) for n in (9, 21, 5, 14, 2)]
+
+
+def cached_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
+    """Logprobs of `ids` after `prompt` from transformers' own cached decode: one forward over the
+    prompt, then one token per forward on its cache (the recurrent-step form)."""
+    cache, out = DynamicCache(config=model.config), []
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+        for k, t in enumerate(ids):
+            out.append(float(logits[0, -1].float().log_softmax(-1)[t]))
+            logits = model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True,
+                           position_ids=torch.tensor([[len(prompt) + k]])).logits
+    return out
+
+
+def _row(rid: str, prompt: list[int], n: int, **kw):
+    from miles.engine.row import Row
+    from miles.engine_api.sampling import SamplingParams
+    from miles.engine_api.types import GenerateRequest
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    return Row.of(GenerateRequest(rid=rid, input_ids=tuple(prompt), params=params, return_logprob=True, **kw), Future())
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_rows_joining_and_leaving_a_running_batch_match_transformers(preset, preset_dir):
+    from miles.engine.config import EngineConfig
+    from miles.engine.model_runner import ModelRunner
+    from miles.models.loading import load_model
+
+    path = preset_dir(preset)
+    hf = load_model(path).eval()
+    runner = ModelRunner(EngineConfig(model_path=path, fast_decode="off"))
+    # Two rows start; one leaves after 3 tokens (compacted out), two join mid-decode, and the last
+    # joins a batch whose other rows are many steps into their decode.
+    a, b = _row("a", PROMPTS[0], 3), _row("b", PROMPTS[1], 12)
+    c, d = _row("c", PROMPTS[2], 10), _row("d", PROMPTS[3], 6)
+    e = _row("e", PROMPTS[4], 5)
+    with torch.no_grad():
+        runner.prefill([a, b])
+        for step in range(14):
+            if step == 2:
+                runner.prefill([c, d])  # joins rows whose states are 3 tokens in
+            if step == 6:
+                runner.prefill([e])
+            if runner.rows:
+                runner.decode()
+            runner.retire_finished()
+            runner.compact(force=True)  # drop finished rows now: every step after changes the batch
+    for row, prompt in zip([a, b, c, d, e], PROMPTS):
+        ids, logprobs = full_forward_greedy(hf, prompt, row.req.params.max_new_tokens)
+        assert row.output_ids == ids, row.req.rid
+        cached = cached_logprobs(hf, prompt, ids)
+        assert max(abs(x - y) for x, y in zip(row.logprobs, cached)) <= 1e-5, row.req.rid
+        own_gap = max(abs(x - y) for x, y in zip(cached, logprobs))
+        assert max(abs(x - y) for x, y in zip(row.logprobs, logprobs)) <= own_gap + 1e-5, row.req.rid
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_prefix_reuse_is_refused_and_a_repeated_prompt_computes_its_whole_prompt(preset, preset_dir):
+    from miles.engine.config import EngineConfig
+    from miles.engine.engine import Engine
+    from miles.engine_api.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model_path=preset_dir(preset), prefix_block_size=4))
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+        first = engine.generate(PROMPTS[1], params, return_logprob=True)
+        again = engine.generate(PROMPTS[1], params, return_logprob=True)
+        longer = engine.generate(PROMPTS[1] + first.output_ids + [7, 8], params, return_logprob=True)  # a next turn
+        assert engine.runner.prefix_cache.max_tokens == 0
+        assert (first.cached_tokens, again.cached_tokens, longer.cached_tokens) == (0, 0, 0)
+        assert again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_routed_experts_are_the_models_own_choices(preset, preset_dir):
+    from miles.engine.config import EngineConfig
+    from miles.engine.engine import Engine
+    from miles.engine_api.sampling import SamplingParams
+    from miles.models.loading import load_model
+    from miles.models.moe import decode_routed_experts, hook_routers, moe_shape, routers
+
+    path = preset_dir(preset)
+    hf = load_model(path).eval()
+    engine = Engine(EngineConfig(model_path=path))
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+        futures = [engine.submit(engine.make_request(p, params, return_routed_experts=True)) for p in PROMPTS[:3]]
+        for prompt, f in zip(PROMPTS[:3], futures):
+            out = f.result(120)
+            layers, top_k = moe_shape(hf.config)
+            seq = prompt + out.output_ids[:-1]  # the last token was never fed
+            ids = []
+            with torch.no_grad(), hook_routers(routers(hf), lambda _layer, o: ids.append(o[2])):
+                hf(input_ids=torch.tensor([seq]))
+            want = torch.stack(ids, dim=1).view(len(seq), layers, top_k)
+            got = decode_routed_experts(out.routed_experts, layers, top_k)
+            assert torch.equal(got.sort(-1).values, want.sort(-1).values.to(got.dtype))
+    finally:
+        engine.stop()
