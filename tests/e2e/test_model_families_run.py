@@ -14,7 +14,8 @@ from tests.helpers.runs import small_config
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"])
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss",
+                                    "tiny-qwen3-next", "tiny-nemotron-h"])
 def test_two_grpo_steps_with_routing_replay(preset, preset_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train
 
