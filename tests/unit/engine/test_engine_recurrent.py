@@ -124,3 +124,36 @@ def test_routed_experts_are_the_models_own_choices(preset, preset_dir):
             assert torch.equal(got.sort(-1).values, want.sort(-1).values.to(got.dtype))
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_retracted_rows_come_back_and_continue_as_transformers_would(preset, preset_dir):
+    from miles.engine.config import EngineConfig
+    from miles.engine.model_runner import ModelRunner
+    from miles.models.loading import load_model
+
+    path = preset_dir(preset)
+    hf = load_model(path).eval()
+    runner = ModelRunner(EngineConfig(model_path=path, fast_decode="off"))
+    rows = [_row(str(i), p, 8) for i, p in enumerate(PROMPTS[:3])]
+    with torch.no_grad():
+        runner.prefill(rows)
+        for _ in range(3):
+            runner.decode()
+        back = runner.retract()  # a pause: no state survives; the rows recompute prompt + output so far
+        assert back == rows and not runner.rows
+        runner.prefill(back)
+        while any(r.finish is None for r in runner.rows):
+            runner.decode()
+    for row, prompt in zip(rows, PROMPTS):
+        assert row.output_ids == full_forward_greedy(hf, prompt, 8)[0], row.req.rid
+
+
+def test_the_fast_decode_path_leaves_hybrid_models_to_the_eager_path_with_the_reason_logged(preset_dir, caplog):
+    from miles.engine.config import EngineConfig
+    from miles.engine.model_runner import ModelRunner
+
+    with caplog.at_level("WARNING"):
+        runner = ModelRunner(EngineConfig(model_path=preset_dir("tiny-qwen3-next"), fast_decode="on"))
+    assert runner.decoder is None
+    assert "fast_decode: model type 'qwen3_next' is not one of" in caplog.text
