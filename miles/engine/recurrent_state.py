@@ -1,6 +1,6 @@
 """Recurrent state of linear-attention and Mamba layers, kept per row of the running batch.
 
-Hybrid models (Qwen3-Next's gated delta-net layers, Nemotron-H's Mamba-2 blocks) interleave
+Hybrid models (Qwen3-Next's and Qwen3.5's gated delta-net layers, Nemotron-H's Mamba-2 blocks) interleave
 full-attention layers, whose KV grows a column per token (kv_cache.py), with layers that carry a
 fixed-size state per sequence instead: a conv state (B, channels, kernel) holding the last inputs of
 the short causal convolution and a recurrent/SSM state (B, heads, ...) summarising everything before.
@@ -29,7 +29,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 # Model types whose recurrent layers are exact under the engine's left padding (they zero padded hidden
 # states before the convolution and the scan), checked against transformers' unpadded forward in
 # tests/unit/engine/test_engine_recurrent.py. Others holding recurrent state stay refused.
-PADDING_EXACT = {"qwen3_next": "gated delta-net", "nemotron_h": "Mamba-2"}
+PADDING_EXACT = {"qwen3_next": "gated delta-net", "qwen3_5_moe_text": "gated delta-net", "nemotron_h": "Mamba-2"}
 
 
 def is_state_layer(layer) -> bool:

@@ -1,6 +1,6 @@
 """Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
 layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2, GPT-OSS, Qwen3-Next
-(gated delta-net hybrid), Nemotron-H (Mamba-2 hybrid) or Qwen2.5-VL config with small
+and Qwen3.5-MoE's text model (gated delta-net hybrids), Nemotron-H (Mamba-2 hybrid) or Qwen2.5-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
@@ -131,6 +131,19 @@ PRESETS: dict[str, Preset] = {
                                          layer_types=["linear_attention"] * 3 + ["full_attention"],
                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                                          linear_value_head_dim=32, linear_conv_kernel_dim=4)),
+    # Qwen3.5-MoE's text model: Qwen3-Next's hybrid layout (three gated delta-net layers, then full
+    # attention) with separate q/k/v, z, b, a projections and interleaved multimodal rotary positions
+    # (text tokens take the same position on all three axes, so 2-D positions serve).
+    "tiny-qwen3-5-moe": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=64, family="qwen3_5_moe_text",
+                               extra=dict(shared_expert_intermediate_size=64,
+                                          layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                          linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                                           "mrope_interleaved": True})),
     # Nemotron-H: Mamba-2 blocks (a conv state and an SSM state per sequence) interleaved with one
     # attention block and MoE blocks of 8 experts (sigmoid + correction bias, scaled) with a shared expert.
     "tiny-nemotron-h": Preset(hidden_size=128, intermediate_size=256, num_hidden_layers=5, num_attention_heads=4,
@@ -153,6 +166,7 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "num_local_experts"),
     "qwen3_next": ("Qwen3NextConfig", "num_experts"),
     "nemotron_h": ("NemotronHConfig", "n_routed_experts"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "num_experts"),
 }
 
 

@@ -63,15 +63,15 @@ def test_attention_implementation_is_chosen_per_model(preset_dir):
 
 
 def test_recurrent_layers_of_an_unchecked_family_are_refused_with_their_kind_named():
-    from transformers import Qwen3_5MoeTextConfig
+    from transformers import Lfm2Config
 
     from miles.engine.kv_cache import check_layout
 
-    config = Qwen3_5MoeTextConfig(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-                                  moe_intermediate_size=16, shared_expert_intermediate_size=16)
-    with pytest.raises(NotImplementedError, match="layers \\[0, 1, 2\\] of this 'qwen3_5_moe_text' model are linear "
-                                                  "attention or Mamba.*it batches qwen3_next, nemotron_h.*SGLang"):
+    # LFM2's short-convolution layers: a conv state per sequence, padding behaviour not checked here.
+    config = Lfm2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, layer_types=["conv", "conv", "full_attention"])
+    with pytest.raises(NotImplementedError, match="layers \\[0, 1\\] of this 'lfm2' model are linear attention or "
+                                                  "Mamba.*it batches qwen3_next, qwen3_5_moe_text, nemotron_h.*SGLang"):
         check_layout(config)
 
 

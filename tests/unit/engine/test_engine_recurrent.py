@@ -1,13 +1,17 @@
-"""Hybrid families served by the built-in engine: Qwen3-Next (gated delta-net layers) and Nemotron-H
-(Mamba-2 blocks) keep a recurrent state per row, through continuous batching. Each request's greedy
-ids equal transformers' own full-forward greedy of its prompt alone, while rows of other lengths join
-the running batch and leave it mid-decode; its logprobs are within 1e-5 (float32) of transformers'
-own cached decode of the prompt alone, which computes with the same two forms (the chunked scan over
-the prompt, then one recurrent step per token). Those two forms round differently: transformers'
-cached decode is itself up to 1.1e-5 (Qwen3-Next) and 6.8e-5 (Nemotron-H) away from its full forward
-on these presets, so against the full forward the engine is held to that gap plus 1e-5. Prefix reuse is
-refused for them (the state after a prefix is not kept): a repeated prompt computes its whole prompt
-and gives the same outputs. Routed experts recorded by the engine are the model's own choices."""
+"""Hybrid families served by the built-in engine: Qwen3-Next and Qwen3.5-MoE (gated delta-net layers)
+and Nemotron-H (Mamba-2 blocks) keep a recurrent state per row, through continuous batching. Each
+request's greedy ids equal transformers' own full-forward greedy of its prompt alone, while rows of
+other lengths join the running batch and leave it mid-decode.
+
+Logprobs: a row decoded alone equals transformers' own cached decode of its prompt (the same two
+forms: the chunked scan over the prompt, then one recurrent step per token). Decoded in a batch of
+other rows, the matmuls' shapes change and the delta rule carries that float32 rounding along:
+up to 1.6e-5 on these presets, so the bound against transformers' cached decode is 3e-5. The two
+forms also round differently from each other: transformers' cached decode is itself up to 1.1e-5
+(Qwen3-Next) and 6.8e-5 (Nemotron-H) from its full forward, so against the full forward the engine is
+held to that gap plus 3e-5. Prefix reuse is refused for them (the state after a prefix is not kept):
+a repeated prompt computes its whole prompt and gives the same outputs. Routed experts recorded by
+the engine are the model's own choices."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from transformers import DynamicCache
 
 from tests.unit.engine.test_engine_families import full_forward_greedy
 
-HYBRID = ["tiny-qwen3-next", "tiny-nemotron-h"]
+HYBRID = ["tiny-qwen3-next", "tiny-qwen3-5-moe", "tiny-nemotron-h"]
 PROMPTS = [list(range(3, 3 + n)) for n in (9, 21, 5, 14, 2)]
 
 
@@ -74,9 +78,27 @@ def test_rows_joining_and_leaving_a_running_batch_match_transformers(preset, pre
         ids, logprobs = full_forward_greedy(hf, prompt, row.req.params.max_new_tokens)
         assert row.output_ids == ids, row.req.rid
         cached = cached_logprobs(hf, prompt, ids)
-        assert max(abs(x - y) for x, y in zip(row.logprobs, cached)) <= 1e-5, row.req.rid
+        assert max(abs(x - y) for x, y in zip(row.logprobs, cached)) <= 3e-5, row.req.rid
         own_gap = max(abs(x - y) for x, y in zip(cached, logprobs))
-        assert max(abs(x - y) for x, y in zip(row.logprobs, logprobs)) <= own_gap + 1e-5, row.req.rid
+        assert max(abs(x - y) for x, y in zip(row.logprobs, logprobs)) <= own_gap + 3e-5, row.req.rid
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_a_row_decoded_alone_matches_transformers_cached_decode(preset, preset_dir):
+    from miles.engine.config import EngineConfig
+    from miles.engine.model_runner import ModelRunner
+    from miles.models.loading import load_model
+
+    path = preset_dir(preset)
+    hf = load_model(path).eval()
+    runner = ModelRunner(EngineConfig(model_path=path, fast_decode="off"))
+    row = _row("b", PROMPTS[1], 12)
+    with torch.no_grad():
+        runner.prefill([row])
+        while row.finish is None:
+            runner.decode()
+    cached = cached_logprobs(hf, PROMPTS[1], row.output_ids)
+    assert max(abs(x - y) for x, y in zip(row.logprobs, cached)) <= 1e-6
 
 
 @pytest.mark.parametrize("preset", HYBRID)
