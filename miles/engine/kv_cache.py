@@ -18,7 +18,7 @@ many tokens of running-batch KV that leaves (rows are padded to the longest, so 
 rows x the longest reservation).
 Sliding-window layers (GPT-OSS) keep every token's KV like full ones; the engine windows their
 attention with masks of its own (window_masks.py). Linear-attention and Mamba layers of the hybrid
-families (Qwen3-Next, Nemotron-H) keep transformers' own state layer, merged and selected row for row
+families (Qwen3-Next, Qwen3.5, Nemotron-H) keep transformers' own state layer, merged and selected row for row
 (recurrent_state.py); layers without attention (Nemotron-H's MoE and MLP blocks) hold nothing.
 Non-goals: paged attention (block tables); DSA-indexed layers and recurrent layers of other families
 (refused by `check_layout`, naming the layer kind); moving KV between devices.

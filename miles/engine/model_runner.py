@@ -35,7 +35,7 @@ A vision-language model's requests carry image keys in their ids where image tok
 (multimodal.py): a prefill holding any computes its input embeddings and 3-D rotary positions there,
 and each row's next position is offset by what its images took.
 
-Hybrid models (Qwen3-Next, Nemotron-H) keep a recurrent state per row beside the attention layers'
+Hybrid models (Qwen3-Next, Qwen3.5, Nemotron-H) keep a recurrent state per row beside the attention layers'
 KV (recurrent_state.py); the prefix cache is off for them.
 
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
