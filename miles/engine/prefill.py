@@ -164,7 +164,8 @@ class Prefill:
         kept, routed = runner.forward(ids_t, mask, pos, cache, logits_to_keep=keep, capture=bool(full),
                                      adapters=adapters, last_only=False, embeds=embeds)  # (R, keep, V)
         logits = kept[:, -1, :]
-        scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1], runner.model_ids(prompts[i][k + 1:]))
+        scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1],
+                                     runner.model_ids(prompts[i][k + 1:]))
                   for i, k in starts.items()}
         runner.stats["prefill_forwards"] += 1
         for i, ids in enumerate(prompts):
