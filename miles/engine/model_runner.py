@@ -112,6 +112,11 @@ class ModelRunner:
         # Running-batch KV the engine may hold (tokens), after weights and prefix cache take their share.
         self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction, prefix_mb,
                                                 self.context_length)
+        # Each row's recurrent state, counted as the tokens of KV it weighs as much as: the scheduler adds it
+        # to every row's reservation, so admission does not overshoot the budget by rows x state size.
+        self.state_tokens = 0
+        if recurrent_state.has_recurrent_state(self.model.config):
+            self.state_tokens = -(-recurrent_state.bytes_per_row(self.model) // kv_cache.bytes_per_token(self.model))
         self.moe_shape = moe_shape(self.model.config)  # (MoE layers, top_k); None for a dense model
         self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,

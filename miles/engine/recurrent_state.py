@@ -47,6 +47,22 @@ def supported(model_config) -> bool:
     return model_config.get_text_config().model_type in PADDING_EXACT
 
 
+def bytes_per_row(model) -> int:
+    """Bytes of recurrent state one row holds across the model's state layers, read off the cache of a
+    one-token forward (the shapes depend on each family's heads, kernel and state sizes, not on length)."""
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), cache=cache, use_cache=True)
+    return state_bytes(cache)
+
+
+def state_bytes(cache) -> int:
+    """Bytes of recurrent state `cache` holds, all rows and state layers together."""
+    return sum(states[i].numel() * states[i].element_size()
+               for layer in cache.layers if is_state_layer(layer) for states, i in _states(layer))
+
+
 def _states(layer) -> list[tuple[dict, int]]:
     """(the dict holding it, its index) for every initialised state tensor of `layer`."""
     out = []

@@ -179,3 +179,20 @@ def test_the_fast_decode_path_leaves_hybrid_models_to_the_eager_path_with_the_re
         runner = ModelRunner(EngineConfig(model_path=preset_dir("tiny-qwen3-next"), fast_decode="on"))
     assert runner.decoder is None
     assert "fast_decode: model type 'qwen3_next' is not one of" in caplog.text
+
+
+@pytest.mark.parametrize("preset", HYBRID)
+def test_each_rows_recurrent_state_is_counted_in_the_kv_budget(preset, preset_dir):
+    from miles.engine import kv_cache, recurrent_state
+    from miles.engine.config import EngineConfig
+    from miles.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model_path=preset_dir(preset), fast_decode="off"))
+    rows = [_row(str(i), p, 4) for i, p in enumerate(PROMPTS[:3])]
+    with torch.no_grad():
+        runner.prefill(rows)
+    held = recurrent_state.state_bytes(runner.kv.cache)
+    # What the running batch really holds per row is what admission reserves for it, to a token.
+    per_token = kv_cache.bytes_per_token(runner.model)
+    assert runner.state_tokens > 0
+    assert (runner.state_tokens - 1) * per_token < held / len(rows) <= runner.state_tokens * per_token
