@@ -91,7 +91,7 @@ class ChunkedPrefill:
             runner.stats["cached_tokens"] += self._cached
         row.kv_version = runner.weights_epoch if whole else None
         runner.rows = runner.rows + [row]
-        runner._record([row], [int(host[0][0])], [host[1][0]], version)
+        runner.record([row], [int(host[0][0])], [host[1][0]], version)
         runner.stats["max_running_reqs"] = max(runner.stats["max_running_reqs"], runner.num_running)
 
     def abort(self, rids: set[str]) -> None:

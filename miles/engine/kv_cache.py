@@ -17,19 +17,22 @@ Budget: the engine holds at most `memory_fraction` of its device's memory; `budg
 many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
 rows x the longest reservation).
 Sliding-window layers (GPT-OSS) keep every token's KV like full ones; the engine windows their
-attention with masks of its own (window_masks.py).
-Non-goals: paged attention (block tables); linear-attention / Mamba and DSA-indexed layers (refused
-by `check_layout`, naming the layer kind); moving KV between devices.
+attention with masks of its own (window_masks.py). Linear-attention and Mamba layers of the hybrid
+families (Qwen3-Next, Qwen3.5, Nemotron-H) keep transformers' own state layer, merged and selected row for row
+(recurrent_state.py); layers without attention (Nemotron-H's MoE and MLP blocks) hold nothing.
+Non-goals: paged attention (block tables); DSA-indexed layers and recurrent layers of other families
+(refused by `check_layout`, naming the layer kind); moving KV between devices.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from miles.config.loader import ConfigError
 from miles.devices import total_memory
+from miles.engine import recurrent_state
 from miles.engine.prefix_cache import Match, PrefixCache
 from miles.engine.window_masks import unsupported_layer_types, windowed
 
@@ -94,16 +97,28 @@ class GrowingLayer(DynamicLayer):
 
 
 def new_cache(model_config) -> DynamicCache:
-    """An empty HF DynamicCache whose layers append in place into buffers with headroom."""
+    """An empty HF DynamicCache whose attention layers append in place into buffers with headroom
+    (recurrent-state and attention-free layers stay transformers' own)."""
     cache = DynamicCache(config=model_config)
-    cache.layers = [GrowingLayer() for _ in cache.layers]
+    cache.layers = [layer if _keeps_no_kv(layer) else GrowingLayer() for layer in cache.layers]
     return cache
+
+
+def _keeps_no_kv(layer) -> bool:
+    return recurrent_state.is_state_layer(layer) or isinstance(layer, DummyLayer)
+
+
+def kv_layers(model_config) -> int:
+    """How many layers keep per-token KV (hybrid models: the attention layers only)."""
+    return sum(not _keeps_no_kv(layer) for layer in DynamicCache(config=model_config).layers)
 
 
 # Cache layer classes of transformers the built-in engine cannot batch, and what they hold.
 _UNSUPPORTED_LAYERS = {
     "DynamicSlidingWindowLayer": "sliding-window attention (a KV window that drops old tokens)",
-    "LinearAttentionLayer": "linear attention or Mamba (a recurrent state per sequence, not KV per token)",
+    "LinearAttentionLayer": "linear attention or Mamba (a recurrent state per sequence, not KV per token) of a "
+                            "family whose padding the engine has not checked (it batches "
+                            f"{', '.join(recurrent_state.PADDING_EXACT)})",
     "DynamicIndexedLayer": "DSA indexed attention (an indexer key cache beside the KV)",
 }
 
@@ -115,9 +130,12 @@ def check_layout(model_config) -> None:
     kinds = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
     bad: dict[str, list[int]] = {}
     sliding_ok = windowed(model_config) and not unsupported_layer_types(model_config)
+    states_ok = recurrent_state.supported(model_config)
     for i, layer in enumerate(DynamicCache(config=model_config).layers):
         if type(layer) is DynamicSlidingWindowLayer and sliding_ok:
             continue  # kept whole; window_masks.py windows the attention
+        if (type(layer) is LinearAttentionLayer and states_ok) or type(layer) is DummyLayer:
+            continue  # recurrent_state.py keeps it per row; a dummy layer holds nothing
         if type(layer) is not DynamicLayer:
             bad.setdefault(type(layer).__name__, []).append(i)
     if not bad:
@@ -143,7 +161,8 @@ def bytes_per_token(model) -> int:
         # and rope parts together, values of v_head_dim.
         key_dim, value_dim = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
     itemsize = next(model.parameters()).element_size()
-    return c.num_hidden_layers * kv_heads * (key_dim + value_dim) * itemsize
+    # A hybrid model's recurrent layers keep a fixed state per row, not KV per token.
+    return kv_layers(model.config) * kv_heads * (key_dim + value_dim) * itemsize
 
 
 def tokens_in(megabytes: float, model) -> int:
@@ -171,6 +190,15 @@ def budget_tokens(model, device, fraction: float, prefix_cache_mb: float, contex
                           f"memory_fraction = {fraction:g} of the {device} device's {total / gib:.2f} GiB leaves KV for "
                           f"{max(tokens, 0)} tokens, fewer than one sequence of context_length = {context_length}: {fix}")
     return tokens
+
+
+def select_rows(cache, idx: torch.Tensor, start: int = 0) -> None:
+    """Keep rows `idx` (in that order) of every layer, and of the KV layers only columns from `start`."""
+    for layer in cache.layers:
+        if recurrent_state.is_state_layer(layer):
+            recurrent_state.select_rows(layer, idx)
+        elif not isinstance(layer, DummyLayer):
+            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
 
 
 def row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +248,11 @@ class BatchKV:
         L_old, L_new = self.mask.shape[1], mask.shape[1]
         L = max(L_old, L_new)
         for old, new in zip(self.cache.layers, cache.layers):
+            if recurrent_state.is_state_layer(old):
+                recurrent_state.append_rows(old, new)
+                continue
+            if isinstance(old, DummyLayer):
+                continue
             # One assignment: setting keys alone would change the length the values view is cut to.
             old.keys, old.values = (
                 torch.cat([_left_pad(old.keys, L - L_old), _left_pad(new.keys, L - L_new)], dim=0),
@@ -235,8 +268,7 @@ class BatchKV:
         # Drop leading columns that are padding for every remaining row, so the cache does not grow
         # with the longest prompt that ever passed through.
         start = int(mask.any(dim=0).nonzero()[0])
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+        select_rows(self.cache, idx, start)
         self.mask = mask[:, start:]
         self.next_pos = self.next_pos[idx]
         self.last_tokens = self.last_tokens[idx]

@@ -4,7 +4,7 @@ It holds the model, its lock and weight version, the prefix cache and the runnin
 and their KV, kv_cache.py), and does what the scheduler asks, on the scheduler's thread:
   * prefill: compute admitted prompts (each from the longest cached prefix it starts with; identical
     prompts once; prefixes shared by several prompts once, ahead of them), sample each one's first
-    token and merge the rows into the batch;
+    token and merge the rows into the batch (prefill.py);
   * decode: one forward of shape (B, 1) over every row, then one sampled token per row;
   * retire, compact, retract: offer finished or retracted rows' KV to the prefix cache and drop them
     from the batch tensors.
@@ -35,6 +35,9 @@ A vision-language model's requests carry image keys in their ids where image tok
 (multimodal.py): a prefill holding any computes its input embeddings and 3-D rotary positions there,
 and each row's next position is offset by what its images took.
 
+Hybrid models (Qwen3-Next, Qwen3.5, Nemotron-H) keep a recurrent state per row beside the attention layers'
+KV (recurrent_state.py); the prefix cache is off for them.
+
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
 (kv_cache.py), releasing memory (memory.py).
 """
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 
@@ -53,7 +57,7 @@ from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, moe_shape, routers
 from miles.precision.linear import install, quantize_linears, served_weights
-from miles.engine import kv_cache
+from miles.engine import kv_cache, recurrent_state
 from miles.engine.chunked_prefill import ChunkedPrefill
 from miles.engine.config import EngineConfig
 from miles.engine.fast_decode import FastDecoder
@@ -61,11 +65,14 @@ from miles.engine.graphs import DecodeGraphs
 from miles.engine.kv_cache import BatchKV
 from miles.engine.lora import Adapter, AdapterSet
 from miles.engine.multimodal import ImageTable
+from miles.engine.prefill import Prefill
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.row import Row
 from miles.engine.sampler import sample
 from miles.engine.static_kv import StaticKV
 from miles.engine.window_masks import layer_masks, windowed
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -94,15 +101,26 @@ class ModelRunner:
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
         self.windowed = windowed(self.model.config)  # sliding-window layers: the engine builds the masks
+        # A recurrent layer's state after a prefix is not kept (recurrent_state.py): its rows compute
+        # their whole prompt, and the prefix cache is off rather than holding KV nobody can use.
+        prefix_mb = config.prefix_cache_mb if config.prefix_cache else 0
+        if prefix_mb and recurrent_state.has_recurrent_state(self.model.config):
+            log.warning("prefix cache off: this %r model keeps a recurrent state per sequence, which the engine "
+                        "does not snapshot at block boundaries, so every request computes its whole prompt",
+                        self.model.config.get_text_config().model_type)
+            prefix_mb = 0
         # Running-batch KV the engine may hold (tokens), after weights and prefix cache take their share.
-        self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction,
-                                                config.prefix_cache_mb if config.prefix_cache else 0,
+        self.kv_budget = kv_cache.budget_tokens(self.model, self.device, config.memory_fraction, prefix_mb,
                                                 self.context_length)
+        # Each row's recurrent state, counted as the tokens of KV it weighs as much as: the scheduler adds it
+        # to every row's reservation, so admission does not overshoot the budget by rows x state size.
+        self.state_tokens = 0
+        if recurrent_state.has_recurrent_state(self.model.config):
+            self.state_tokens = -(-recurrent_state.bytes_per_row(self.model) // kv_cache.bytes_per_token(self.model))
         self.moe_shape = moe_shape(self.model.config)  # (MoE layers, top_k); None for a dense model
         self.adapters = AdapterSet(self.model, config.max_lora_adapters, default_latest=not config.sglang_only)
         self.prefix_cache = PrefixCache(config.prefix_block_size,
-                                        kv_cache.tokens_in(config.prefix_cache_mb, self.model)
-                                        if config.prefix_cache else 0)
+                                        kv_cache.tokens_in(prefix_mb, self.model) if prefix_mb else 0)
         # The version label in force (a string on the wire; SGLang's servers start at "default"), and a
         # counter bumped by every weight load: labels may repeat, KV reuse must still see each change.
         self.weight_version = "default"
@@ -120,6 +138,7 @@ class ModelRunner:
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
         self.kv: BatchKV | StaticKV = BatchKV()
+        self.prefiller = Prefill(self)
         # Fast decode (fast_decode.py): set when it serves this engine, with its graphs (`fast`) and, for
         # long prompts, the chunked prefill.
         self.decoder: FastDecoder | None = FastDecoder.setup(self)
@@ -160,73 +179,12 @@ class ModelRunner:
             if not rows:
                 return
         t0 = time.perf_counter()
-        self._prefill(rows)
+        self.prefiller.run(rows)
         self.stats["prefill_s"] += time.perf_counter() - t0
 
     def prefill_chunk(self) -> None:
         """The next chunk of the first long prompt waiting; after its last it joins the batch."""
         self.chunked.step()
-
-    def _prefill(self, rows: list[Row]) -> None:
-        # Identical prompts (on the same adapter) are prefilled once; `lead[i]` is the unique prompt row i copies.
-        with self.model_lock, torch.inference_mode():
-            uniq: list[tuple[int, ...]] = []
-            adapters: list[Adapter | None] = []
-            where: dict[tuple, int] = {}
-            lead = []
-            for r in rows:
-                ids, adapter = r.prefill_ids(), self.adapter_of(r)
-                if (ids, id(adapter)) not in where:
-                    where[(ids, id(adapter))] = len(uniq)
-                    uniq.append(ids)
-                    adapters.append(adapter)
-                lead.append(where[(ids, id(adapter))])
-            routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
-            private = {lead[i] for i, r in enumerate(rows) if self._private(r)}
-            starts: dict[int, int] = {}  # unique prompt -> the earliest position any of its rows scores from
-            for r, j in zip(rows, lead):
-                k = r.input_logprob_start()
-                if k is not None:
-                    starts[j] = min(k, starts.get(j, k))
-            epoch, version = self.weights_epoch, self.weight_version
-            computed_by = self._prefill_shared_prefixes(uniq, routed_uniq | private)
-            cache, mask, logits, cached, routed, scored = self._prefill_forward(uniq, routed_uniq, private, adapters,
-                                                                                starts)
-            for i, before in computed_by.items():
-                cached[i] = before  # this prompt paid for the shared prefix; the others reuse it
-            if len(uniq) < len(rows):
-                idx = torch.tensor(lead, device=self.device)
-                logits, mask = logits[idx], mask[idx]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[idx], layer.values[idx]
-            tokens, logprobs = self._sample(logits, rows)
-        for r, j in zip(rows, lead):
-            if r.req.return_routed_experts:
-                # Its whole prompt was computed (no cache read), right-aligned in the (R, S) suffix block.
-                r.routed = [routed[j, routed.shape[1] - len(uniq[j]):]]
-        first_of = {}
-        for r, j in zip(rows, lead):
-            if r.cached_tokens is None:
-                # A copy of another row's prompt computed none of its own KV.
-                r.cached_tokens = cached[j] if j not in first_of else len(r.req.input_ids)
-                self.stats["prompt_tokens"] += len(r.req.input_ids)
-                self.stats["cached_tokens"] += r.cached_tokens
-            first_of.setdefault(j, r)
-            r.kv_version = None if j in private else epoch  # KV of a non-default adapter is never cached
-            k = r.input_logprob_start()
-            if k is not None:
-                # The unique prompt was scored from its rows' earliest start; this row's list starts at k.
-                r.input_logprobs = [None] + scored[j][k - starts[j]:]
-                r.weight_version = version
-                if r.req.params.max_new_tokens == 0:  # scoring only: nothing to generate
-                    r.finish = FinishReason("length", length=0)
-        # (R,) each row's next position: its length, less what its images saved (multimodal.py).
-        lens = torch.tensor([len(uniq[j]) + (self.images.offset(uniq[j]) if self.images else 0) for j in lead],
-                            device=self.device)
-        self.kv.merge(cache, mask, lens, tokens)
-        self.rows = self.rows + rows
-        self._record(rows, tokens.tolist(), logprobs.tolist(), version)
-        self.stats["max_running_reqs"] = max(self.stats["max_running_reqs"], self.num_running)
 
     def decode(self) -> None:
         """One token for every row of the running batch."""
@@ -241,9 +199,9 @@ class ModelRunner:
             # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
             pos = kv.next_pos.clamp(max=self.context_length - 1)[:, None]  # (B, 1)
             capture = any(r.req.return_routed_experts and r.finish is None for r in self.rows)
-            logits, routed = self._forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
+            logits, routed = self.forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
                                            capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
-            tokens, logprobs = self._sample(logits, self.rows)
+            tokens, logprobs = self.sample_rows(logits, self.rows)
             host = tokens.tolist(), logprobs.tolist()  # waits for the device: the step's device time ends here
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
@@ -262,7 +220,7 @@ class ModelRunner:
         for row in rows:
             if row.kv_version != epoch and row.finish is None:
                 row.kv_version = None  # its KV now spans two weight versions: never cache it
-        self._record(rows, tokens, logprobs, version)
+        self.record(rows, tokens, logprobs, version)
         self.stats["decode_forwards"] += 1
         self.stats["decode_host_s"] += time.perf_counter() - t1
 
@@ -350,7 +308,7 @@ class ModelRunner:
             routed_experts=row.routed_experts_wire() if row.req.return_routed_experts else None,
             input_logprobs=_real_pairs(self, row.input_logprob_pairs()) if row.req.return_logprob else None)
 
-    def _model_ids(self, ids):
+    def model_ids(self, ids):
         """Token ids as the model knows them (image keys as the image token, multimodal.py)."""
         return ids if self.images is None else self.images.real_ids(ids)
 
@@ -406,7 +364,7 @@ class ModelRunner:
         """The adapter row `row` decodes with: the one it named, else the default (caller holds model_lock)."""
         return row.req.adapter if row.req.adapter is not None else self.adapters.default
 
-    def _private(self, row: Row) -> bool:
+    def is_private(self, row: Row) -> bool:
         # The prefix cache holds the default adapter's KV only.
         return row.req.adapter is not None and row.req.adapter is not self.adapters.default
 
@@ -416,7 +374,7 @@ class ModelRunner:
             self.weights_epoch += 1
             self.prefix_cache.clear()
 
-    def _forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False,
+    def forward(self, input_ids, mask, position_ids, cache, logits_to_keep: int, capture: bool = False,
                  adapters: list[Adapter | None] | None = None, last_only: bool = True, embeds=None):
         """Last-position logits (B, V) (not `last_only`: the last `logits_to_keep` positions' (B, K, V)),
         and with `capture` the routed expert ids (B, S, MoE layers, top_k).
@@ -441,89 +399,10 @@ class ModelRunner:
             routed = torch.stack(ids, dim=1).to(torch.int32).view(B, S, len(ids), -1)  # each was (B*S, top_k)
         return (out.logits[:, -1, :] if last_only else out.logits), routed
 
-    def _prefill_shared_prefixes(self, uniq: list[tuple[int, ...]], full: set[int] = frozenset()) -> dict[int, int]:
-        """Prefill, once, the whole blocks that several admitted prompts start with and the cache lacks
-        (a system prompt shared by different questions, the first turns of parallel episodes), so
-        the main prefill finds them cached. Returns {prompt index: its cache hit before} for the one
-        prompt charged with computing each shared prefix. Prompts in `full` read no cache, so they are
-        left out. Caller holds model_lock."""
-        B = self.prefix_cache.block_size
-        if len(uniq) < 2 or self.prefix_cache.max_tokens == 0:
-            return {}
-        order = sorted(range(len(uniq)), key=lambda i: uniq[i])
-        shared_len = [0] * len(uniq)
-        for a, b in zip(order, order[1:]):  # in sorted order the longest common prefix is a neighbour's
-            n = _common_prefix_len(uniq[a], uniq[b])
-            shared_len[a], shared_len[b] = max(shared_len[a], n), max(shared_len[b], n)
-        todo: dict[tuple[int, ...], int] = {}
-        for i, ids in enumerate(uniq):
-            if i in full:
-                continue
-            n = min(shared_len[i], len(ids) - 1)
-            before = self.prefix_cache.match(ids, limit=n).tokens
-            # Worth its own forward only when it saves at least a block's worth of recomputation.
-            if n - before >= B and ids[:n] not in todo:
-                todo[ids[:n]] = i
-        if not todo:
-            return {}
-        charged = {i: self.prefix_cache.match(uniq[i], limit=len(uniq[i]) - 1).tokens for i in todo.values()}
-        self._prefill_forward(list(todo))
-        return charged
-
-    def _prefill_forward(self, prompts: list[tuple[int, ...]], full: set[int] = frozenset(),
-                         private: set[int] = frozenset(), adapters: list[Adapter | None] | None = None,
-                         starts: dict[int, int] | None = None):
-        """One forward over `prompts`, each starting from its cached prefix (prompts in `full`: from
-        nothing, recording routed experts; in `private`: from nothing, on an adapter other than the
-        default, `adapters[i]`); inserts the new KV into the prefix cache (not the private prompts'). Returns (cache,
-        mask (R, M + S), last-position logits (R, V), cached lengths, routed ids (R, S, layers, top_k)
-        or None, {i: logprobs of prompt i's tokens starts[i]+1 .. end}). Caller holds model_lock."""
-        starts = starts or {}
-        # At least one token is always computed: its logits choose the first output token. A prompt
-        # scored from position k reads at most k cached tokens, as SGLang does: the cache keeps KV, not
-        # the logits the scores need.
-        hits = [self.prefix_cache.match(ids, limit=0 if i in full or i in private
-                                        else min(len(ids) - 1, starts.get(i, len(ids))))
-                for i, ids in enumerate(prompts)]
-        cached = [h.tokens for h in hits]
-        suffix = [len(ids) - c for ids, c in zip(prompts, cached)]
-        R, M, S = len(prompts), max(cached), max(suffix)
-        # Built on the host and moved in one copy each: per-row writes into device tensors would each
-        # be a transfer of their own.
-        ids_t = torch.full((R, S), self.pad_token_id, dtype=torch.long)  # (R, S) suffixes, left-padded
-        pos = torch.zeros((R, S), dtype=torch.long)
-        mask = torch.zeros((R, M + S), dtype=torch.long)  # [pad | cached prefix | pad | suffix]
-        for i, ids in enumerate(prompts):
-            c, n = cached[i], suffix[i]
-            ids_t[i, S - n:] = torch.tensor(ids[c:])
-            pos[i, S - n:] = torch.arange(c, len(ids))
-            mask[i, M - c:M] = 1
-            mask[i, M + S - n:] = 1
-        ids_t, pos, mask = (t.to(self.device, non_blocking=True) for t in (ids_t, pos, mask))
-        embeds = None
-        if self.images is not None and any(t < 0 for p in prompts for t in p):
-            embeds, pos, _ = self.images.inputs(prompts, cached, S, self.weights_epoch, self.device)
-        cache = kv_cache.new_cache(self.model.config)
-        if M:
-            kv_cache.load_prefixes(cache, hits, cached, M)
-        # Suffixes are right-aligned, so the last `keep` columns hold every position a score needs.
-        keep = max([len(prompts[i]) - k for i, k in starts.items()], default=1)
-        kept, routed = self._forward(ids_t, mask, pos, cache, logits_to_keep=keep, capture=bool(full),
-                                     adapters=adapters, last_only=False, embeds=embeds)  # (R, keep, V)
-        logits = kept[:, -1, :]
-        scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1], self._model_ids(prompts[i][k + 1:]))
-                  for i, k in starts.items()}
-        self.stats["prefill_forwards"] += 1
-        for i, ids in enumerate(prompts):
-            if i in private:
-                continue
-            self.prefix_cache.insert(ids, lambda a, b, i=i: kv_cache.row_kv(cache, mask, i, a, b))
-        return cache, mask, logits, cached, routed, scored
-
-    def _sample(self, logits: torch.Tensor, rows: list[Row]):
+    def sample_rows(self, logits: torch.Tensor, rows: list[Row]):
         return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
 
-    def _record(self, rows: list[Row], tokens: list[int], logprobs: list[float], version: str) -> None:
+    def record(self, rows: list[Row], tokens: list[int], logprobs: list[float], version: str) -> None:
         for row, t, lp in zip(rows, tokens, logprobs):
             if row.finish is not None:
                 continue
@@ -574,19 +453,5 @@ class ModelRunner:
         self.stats["cache_insert_s"] += time.perf_counter() - t0
 
 
-def _token_logprobs(logits: torch.Tensor, tokens) -> list[float]:
-    """log softmax(logits[t])[tokens[t]] for each t; logits (T, V). Untempered, as SGLang's input logprobs."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
-
-
 def _real_pairs(runner: ModelRunner, pairs):
-    return pairs if runner.images is None else (runner._model_ids(pairs[0]), pairs[1])
-
-
-def _common_prefix_len(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return pairs if runner.images is None else (runner.model_ids(pairs[0]), pairs[1])

@@ -301,9 +301,10 @@ class Scheduler:
         return admit
 
     def _reserve(self, row: Row) -> int:
-        """Tokens of KV a row may come to hold: its prompt and what it may still generate."""
+        """Tokens of KV a row may come to hold: its prompt and what it may still generate, plus its
+        recurrent state's weight in tokens (hybrid models, recurrent_state.py)."""
         total = len(row.req.input_ids) + row.req.params.max_new_tokens
-        return min(total, self.runner.context_length)
+        return min(total, self.runner.context_length) + self.runner.state_tokens
 
     def _isolate(self, batch: list[Row], exc: Exception, aborts: set[str]) -> None:
         """A step raised. Its KV is dropped; what had finished is answered; a row that ran alone is

@@ -1,5 +1,6 @@
 """Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
-layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2, GPT-OSS or Qwen2.5-VL config with small
+layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2, GPT-OSS, Qwen3-Next
+and Qwen3.5-MoE's text model (gated delta-net hybrids), Nemotron-H (Mamba-2 hybrid) or Qwen2.5-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
@@ -119,6 +120,40 @@ PRESETS: dict[str, Preset] = {
     "tiny-gpt-oss": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2, family="gpt_oss",
                            extra=dict(sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Qwen3-Next (the hybrid of Qwen3.5): three gated delta-net layers (a causal conv and a delta-rule
+    # recurrent state per sequence, no KV) then one full-attention layer with gated output and a quarter
+    # of each head rotary; every layer's MLP 8 experts (softmax top-2, renormalised) plus a gated shared expert.
+    "tiny-qwen3-next": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=64, family="qwen3_next",
+                              extra=dict(shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                                         norm_topk_prob=True,
+                                         layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                         linear_value_head_dim=32, linear_conv_kernel_dim=4)),
+    # Qwen3.5-MoE's text model: Qwen3-Next's hybrid layout (three gated delta-net layers, then full
+    # attention) with separate q/k/v, z, b, a projections and interleaved multimodal rotary positions
+    # (text tokens take the same position on all three axes, so 2-D positions serve).
+    "tiny-qwen3-5-moe": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=64, family="qwen3_5_moe_text",
+                               extra=dict(shared_expert_intermediate_size=64,
+                                          layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                          linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                                           "mrope_interleaved": True})),
+    # Nemotron-H: Mamba-2 blocks (a conv state and an SSM state per sequence) interleaved with one
+    # attention block and MoE blocks of 8 experts (sigmoid + correction bias, scaled) with a shared expert.
+    "tiny-nemotron-h": Preset(hidden_size=128, intermediate_size=256, num_hidden_layers=5, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=64, family="nemotron_h",
+                              extra=dict(moe_shared_expert_intermediate_size=64, n_group=1, topk_group=1,
+                                         routed_scaling_factor=2.0, norm_topk_prob=True,
+                                         layers_block_type=["mamba", "moe", "attention", "mamba", "moe"],
+                                         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+                                         conv_kernel=4, chunk_size=16)),
 }
 
 # HF model type -> (config class name in transformers, the config field holding the routed expert count).
@@ -129,6 +164,9 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "n_routed_experts"),
     "minimax_m2": ("MiniMaxM2Config", "num_local_experts"),
     "gpt_oss": ("GptOssConfig", "num_local_experts"),
+    "qwen3_next": ("Qwen3NextConfig", "num_experts"),
+    "nemotron_h": ("NemotronHConfig", "n_routed_experts"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "num_experts"),
 }
 
 

@@ -2,7 +2,9 @@
 equal transformers' own full-forward greedy, with logprobs within 1e-5 (float32), batched at mixed
 lengths, and a prompt served again from the prefix cache gives identical outputs. GPT-OSS's window
 (8 tokens) is shorter than the sequences, so its sliding layers are tested, sinks included (eager
-attention, chosen per model). Layer kinds the engine cannot hold (linear attention, Mamba, DSA indexer) are refused with the kind named."""
+attention, chosen per model). Layer kinds the engine cannot hold (DSA indexer; recurrent layers of
+a family whose padding it has not checked) are refused with the kind named. The hybrid families it
+does hold (Qwen3-Next, Nemotron-H) are tested in test_engine_recurrent.py."""
 
 from __future__ import annotations
 
@@ -60,14 +62,25 @@ def test_attention_implementation_is_chosen_per_model(preset_dir):
     assert load_model(preset_dir("tiny-gpt-oss")).config._attn_implementation == "eager"
 
 
+def test_recurrent_layers_of_an_unchecked_family_are_refused_with_their_kind_named():
+    from transformers import Lfm2Config
+
+    from miles.engine.kv_cache import check_layout
+
+    # LFM2's short-convolution layers: a conv state per sequence, padding behaviour not checked here.
+    config = Lfm2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, layer_types=["conv", "conv", "full_attention"])
+    with pytest.raises(NotImplementedError, match="layers \\[0, 1\\] of this 'lfm2' model are linear attention or "
+                                                  "Mamba.*it batches qwen3_next, qwen3_5_moe_text, nemotron_h.*SGLang"):
+        check_layout(config)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h"])
-def test_recurrent_state_layers_are_refused_with_their_kind_named(model_type):
+def test_hybrid_families_pass_the_layout_check(model_type):
     from miles.engine.kv_cache import check_layout
     from tests.helpers.moe_families import tiny_config
 
-    with pytest.raises(NotImplementedError, match=f"layers \\[0.*'{model_type}' model are linear attention or "
-                                                  "Mamba.*serve this model with SGLang"):
-        check_layout(tiny_config(model_type))
+    check_layout(tiny_config(model_type))  # recurrent_state.py keeps their states per row
 
 
 def test_dsa_indexer_layers_are_refused_with_their_kind_named():

@@ -12,7 +12,15 @@ import torch
 
 from tests.unit.trainer.test_r3 import gloo, rollout, sequences, trainer_for  # noqa: F401  (gloo: a fixture)
 
-FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"]
+FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss",
+            "tiny-qwen3-next", "tiny-qwen3-5-moe", "tiny-nemotron-h"]
+# The hybrid families' engine decodes one recurrent step per token where the trainer's full forward
+# runs the chunked scan; the two forms round differently in float32: per token up to 1.4e-4 apart on
+# Nemotron-H (Mamba-2; 2.4e-5 on average) and about 1e-5 on Qwen3-Next and Qwen3.5 (gated delta rule), as far as
+# transformers' own cached decode is from its full forward (docs/models.md). Routing still matches
+# exactly; a wrongly replayed expert moves a logprob by far more.
+MAX_GAP = {"tiny-nemotron-h": 5e-4, "tiny-qwen3-next": 3e-5, "tiny-qwen3-5-moe": 3e-5}
+MEAN_GAP = {"tiny-nemotron-h": 1e-4}
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
@@ -34,11 +42,11 @@ def test_replay_agrees_with_the_float32_engine_on_every_token(gloo, preset_dir, 
     assert sums["r3_mismatch"] == 0
     m = mb.mask.bool()
     assert int(m.sum()) == sum(len(s.loss_mask) for s in seqs) > 0
-    assert (logp[m] - mb.old_logprobs[m]).abs().max() <= 1e-5
+    assert (logp[m] - mb.old_logprobs[m]).abs().max() <= MAX_GAP.get(preset, 1e-5)
     # The training step reports the same: no mismatch, and the rollout-vs-trainer gap at rounding.
     metrics = trainer.compute_gradients(seqs, sum(s.num_loss_tokens for s in seqs))
     assert metrics["train/r3_mismatch_rate"] == 0.0
-    assert metrics["train/rollout_logprob_abs_diff"] <= 1e-5
+    assert metrics["train/rollout_logprob_abs_diff"] <= MEAN_GAP.get(preset, 1e-5)
 
 
 @pytest.fixture(scope="module")
