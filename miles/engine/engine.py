@@ -182,9 +182,12 @@ class Engine:
         self.memory.resume(tags)
 
     def flush_cache(self) -> None:
-        """Drop every cached prefix; running requests keep their own KV."""
+        """Drop every cached prefix; running requests keep their own KV. The flush starts a new KV epoch
+        (weights_epoch), so KV computed before it, of rows still running or answered and not yet
+        offered to the cache, never enters the cache after it."""
         with self.model_lock:
             self.prefix_cache.clear()
+            self.runner.weights_epoch += 1
 
     # ---- LoRA adapters (lora.py) --------------------------------------------------------------
 

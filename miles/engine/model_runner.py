@@ -20,7 +20,8 @@ offered to the cache for requests that do not ask.
 LoRA adapters (lora.py) are applied by hooks on the adapted linears, per row: the prefix cache holds
 KV computed with the default adapter only (the base model when there is none); a request on another
 adapter reads and writes no cached KV, and identical prompts are computed once per adapter. Loading
-or unloading an adapter that changes the default counts as a weight change (weights_epoch).
+or unloading an adapter that changes the default counts as a weight change (weights_epoch), and so
+does a cache flush: no KV computed before it is cached after it.
 
 With `quantization`, the Linear layers serve their weights in a low-precision format and dequantize
 them in each matmul (precision/linear.py); the parameters themselves stay as received.

@@ -129,3 +129,14 @@ def test_prompts_admitted_together_share_their_common_prefix(client, tokenizer, 
     block = len(system) // 8 * 8
     # One prompt paid for the shared system prompt; the other two reused it.
     assert cached[0] < block <= cached[1] <= cached[2], (cached, len(system))
+
+
+def test_kv_computed_before_a_flush_never_enters_the_cache_after_it(client, admin_token):
+    # A row answered before the flush but offered to the cache after it (answers go out first) must
+    # not bring its prefix back: the flush is ordered against the cache's writes by its KV epoch.
+    ids = list(range(200, 240))
+    for _ in range(5):
+        _gen(client, ids, 2, logprob=False)
+        client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_token}"})
+        assert _gen(client, ids, 2, logprob=False)["meta_info"]["cached_tokens"] == 0
+        client.post("/flush_cache", headers={"Authorization": f"Bearer {admin_token}"})
