@@ -26,7 +26,7 @@ from miles.trainer.teacher import tokenizer_mismatch
 def check_run(run) -> None:
     """Every cross-section check of a RunConfig (run.py imports this module, so it takes the config untyped)."""
     for check in (check_generate, check_schedule, check_group_size, check_context, check_sync, check_routing_replay,
-                  check_fleet, check_teacher, check_vision, check_megatron_layout):
+                  check_fleet, check_teacher, check_vision, check_megatron_layout, check_packing):
         check(run)
 
 
@@ -273,6 +273,22 @@ def check_vision(run) -> None:
         raise ConfigError(f"trainer.algorithm.name = {run.trainer.algorithm.name!r} needs a critic, which a "
                           "vision-language policy does not have here: choose an algorithm without one "
                           "(grpo, dr_grpo, rloo, ...)")
+
+
+def check_packing(run) -> None:
+    """Packed sequences share one row of the batch; a layer that carries recurrent state along the row
+    (linear attention, Mamba: Qwen3-Next, Qwen3.5, Nemotron-H) would carry one sequence's state into
+    the next, so packing is refused for such models."""
+    model = read_model_config(run.model.path) if run.model.path and run.trainer.pack_sequences else None
+    if not model:
+        return
+    text = model.get("text_config") or model
+    kinds = set(text.get("layer_types") or ()) | set(text.get("layers_block_type") or ())
+    stateful = sorted(kinds & {"linear_attention", "mamba"})
+    if stateful:
+        raise ConfigError(f"trainer.pack_sequences = true with {text.get('model_type')!r} at {run.model.path}, whose "
+                          f"{', '.join(stateful)} layers carry recurrent state along a packed row from one sequence "
+                          "into the next: set trainer.pack_sequences = false")
 
 
 def check_megatron_layout(run) -> None:

@@ -205,3 +205,11 @@ def test_miles_train_answers_bad_configs_with_a_message_not_a_traceback(tmp_path
 ])
 def test_faults_the_run_could_not_survive_or_inject_are_refused(model_dir, overrides, needle):
     assert needle in refusal({"model.path": model_dir, **overrides})
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-next", "tiny-nemotron-h"])
+def test_packing_is_refused_for_models_whose_layers_carry_recurrent_state(preset, preset_dir):
+    path = str(preset_dir(preset))
+    message = refusal({"model.path": path, "trainer.pack_sequences": "true"})
+    assert "linear_attention layers carry recurrent state" in message and "set trainer.pack_sequences = false" in message
+    load_config(RunConfig, None, {"model.path": path})  # unpacked, the same model is taken
