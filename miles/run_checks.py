@@ -297,6 +297,10 @@ def check_megatron_layout(run) -> None:
         splits += [("num_experts", t.expert_parallel_size, "expert_parallel_size"),
                    ("moe_intermediate_size", t.expert_tensor_parallel_size, "expert_tensor_parallel_size")]
         model = {**model, "num_experts": experts}
+        if tp > 1 and not t.sequence_parallel:
+            # megatron-core's MoELayer.forward refuses to train this (moe_layer.py, "performance may degrade").
+            raise ConfigError(f"trainer.backend = 'megatron' trains a MoE model with trainer.tensor_parallel_size = "
+                              f"{tp} only under sequence parallelism: set trainer.sequence_parallel = true")
     elif t.expert_parallel_size > 1:
         raise ConfigError(f"trainer.expert_parallel_size = {t.expert_parallel_size} needs a MoE model; the model at "
                           f"{run.model.path} is dense: set it to 1")
