@@ -13,7 +13,8 @@ and pipeline stages onto every rank that asks.
 On a CPU, megatron-core runs behind cpu_adapter.py (pinned to one release).
 
 Refused at config load (trainer/config.py): a critic (PPO), LoRA, quantization-aware training,
-packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU. Resumable
+packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU. Routing replay
+(R3) runs in megatron-core's own routers (router_replay.py). Resumable
 checkpoints are per-rank shards of this layout: resuming at another layout is refused.
 Non-goal: the step itself, the algorithms (the trainer's).
 """
@@ -55,6 +56,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from miles.trainer.backends.megatron.logprobs import vocab_parallel_token_outputs  # noqa: E402
+from miles.trainer.backends.megatron.router_replay import (  # noqa: E402
+    engine_ids_in_router_order, replay_family, replaying)
 
 
 class MegatronBackend:
@@ -235,6 +238,14 @@ class MegatronBackend:
         loss = loss_fn(mb, tokens) * n
         timer["fwd"] += time.perf_counter() - t0
         return loss, {}
+
+    def routing_replay(self, mb, replay: bool, sums: dict):
+        """R3 around one micro-batch's forward (router_replay.py); a no-op without recorded routes."""
+        if mb.routed is None:
+            return contextlib.nullcontext()
+        width = _pad_to(mb.input_ids, _seq_multiple(self.cfg)).shape[1]
+        engine = engine_ids_in_router_order(mb.routed, width, self.cfg.sequence_parallel)
+        return replaying(self.chunks, replay_family(self.hf_config), engine, replay, sums)
 
     def optimizer_step(self) -> float:
         # megatron-core's step in its own three parts (ChainedOptimizer.step), clipping in between by

@@ -30,6 +30,8 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
         cfg.validate()
         trainer = Trainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
         seqs = make_batch(spec["seed"], spec["n"])
+        if case.get("routes"):
+            seqs = with_routes(seqs, trainer.moe_shape, spec["seed"])
         seqs, totals = prepare_global_batch(seqs, trainer.algorithm)
         initial = {n: t.clone() for n, t in trainer.full_named_tensors() if t is not None}
         logprobs = trainer.proximal_logprobs(seqs)  # every rank scores the whole batch
@@ -43,6 +45,24 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
         del trainer
     if rank == 0:
         torch.save(results, spec["out"])
+
+
+def with_routes(seqs, shape, seed: int):
+    """The sequences with recorded experts for every token: k distinct experts drawn at random, so
+    replaying them changes the forward (an engine's own routes would mostly agree with the trainer's)."""
+    import dataclasses
+
+    import torch
+
+    from miles.models.moe import encode_routed_experts
+
+    layers, k = shape
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in seqs:
+        ids = torch.rand(len(s.tokens), layers, 8, generator=g).argsort(-1)[..., :k]  # 8: tiny-qwen3-moe's experts
+        out.append(dataclasses.replace(s, routed_experts=encode_routed_experts(ids)))
+    return out
 
 
 def main() -> None:
