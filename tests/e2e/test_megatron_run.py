@@ -27,3 +27,22 @@ def test_two_grpo_steps_on_megatron_tp2_reach_the_engine(tiny_model_dir, tmp_pat
     assert [r["rollout/weight_version"] for r in steps] == [0, 1]
     assert all(r["train/loss_tokens"] > 0 for r in steps)  # every group trained (buffer.filter = "none")
     AutoModelForCausalLM.from_pretrained(summary["final_checkpoint"])  # the export loads
+
+
+def test_moe_grpo_on_megatron_ep2_replays_the_engines_routing_with_no_mismatch(tiny_moe_model_dir, tmp_path,
+                                                                              ray_cluster):
+    """tiny-qwen3-moe with experts split over two Megatron ranks and R3: a float32 engine records each
+    token's experts and Megatron's routers, choosing before they replay, agree on every token, as the
+    float32 trainer does on FSDP (tests/unit/trainer/test_r3_families.py)."""
+    from miles.orchestration.driver import run_train
+
+    run_train(small_config(tiny_moe_model_dir, tmp_path, **{
+        "loop.num_steps": "2", "eval.every_steps": "0", "buffer.filter": "none", "rollout.max_new_tokens": "8",
+        "rollout.engine.dtype": "float32", "rollout.return_routed_experts": "true", "trainer.routing_replay": "true",
+        "trainer.backend": "megatron", "trainer.num_ranks": "2", "trainer.expert_parallel_size": "2"}))
+    records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["rollout/weight_version"] for r in steps] == [0, 1]
+    for r in steps:
+        assert r["train/r3_mismatch_rate"] == 0.0
+        assert r["train/rollout_logprob_abs_diff"] <= 1e-5
