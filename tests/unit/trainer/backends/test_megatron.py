@@ -61,11 +61,15 @@ def test_a_layout_that_does_not_divide_the_model_is_refused_naming_both_numbers(
         load_config(RunConfig, None, {"model.path": tiny_model_dir, "trainer.backend": "megatron", **keys})
 
 
-def test_a_moe_model_with_tensor_parallelism_needs_sequence_parallelism(tiny_moe_model_dir):
-    with pytest.raises(ConfigError, match=r"MoE model with trainer.tensor_parallel_size = 2 .*set "
-                                          r"trainer.sequence_parallel = true"):
+@pytest.mark.parametrize("keys, refusal", [
+    ({}, r"MoE model with trainer.tensor_parallel_size = 2 .*set trainer.sequence_parallel = true"),
+    ({"trainer.sequence_parallel": True},
+     r"expert_parallel_size = 1 and expert_tensor_parallel_size = 1 .*set trainer.expert_parallel_size > 1"),
+])
+def test_a_moe_layout_megatron_core_does_not_train_correctly_is_refused(tiny_moe_model_dir, keys, refusal):
+    with pytest.raises(ConfigError, match=refusal):
         load_config(RunConfig, None, {"model.path": tiny_moe_model_dir, "trainer.backend": "megatron",
-                                      "trainer.num_ranks": 2, "trainer.tensor_parallel_size": 2})
+                                      "trainer.num_ranks": 2, "trainer.tensor_parallel_size": 2, **keys})
 
 
 def run_world(tmp_path, cases: list[dict], world: int = 2) -> dict:
@@ -158,6 +162,11 @@ def moe(tiny_moe_model_dir, tmp_path_factory) -> dict:
         {**case("ep2_r3", backend="megatron", expert_parallel_size=2, routing_replay=True), "routes": True},
         {**case("tp2_ep2_r3", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2,
                 sequence_parallel=True, routing_replay=True), "routes": True},
+        # Checkpoints: a step, a save, a step; a new trainer loads the save and takes the step again.
+        {**case("resume", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True,
+                lr_schedule="linear", lr_warmup_steps=1, lr_decay_steps=4), "resume": {}},
+        {**case("tp2_to_tp1", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2,
+                sequence_parallel=True), "resume": {"tensor_parallel_size": 1, "sequence_parallel": False}},
     ])
 
 
@@ -208,3 +217,27 @@ def test_megatron_routers_replay_the_recorded_experts_as_fsdp_does(moe, layout):
         assert gap.max() < 2.5e-4 and int((gap > 1e-4).sum()) <= 8, name
     assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=1e-6)
 
+
+
+def test_a_resumed_megatron_run_takes_the_same_step_bit_for_bit(moe):
+    """The same layout resumes from its own shards: the second step's weights, loss, gradient norm and
+    learning rate (a linear schedule, mid-decay) are those of the run that never stopped."""
+    run = moe["resume"]
+    assert all(torch.equal(run["loaded"][n], w) for n, w in run["saved"].items())
+    straight, resumed = run["straight"], run["resumed"]
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in straight["weights"].items())
+    for key in ("train/loss", "train/grad_norm", "train/lr", "train/loss_tokens"):
+        assert resumed["metrics"][key] == straight["metrics"][key], key
+    assert resumed["step"] == 2  # counted on from the checkpoint's step 1
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1(moe):
+    """Written at TP 2 × EP 2, loaded at TP 1 × EP 2: the weights as saved, bit for bit, and the next step
+    (Adam's moments re-sharded too) within the backends' parity of the run that stayed at TP 2."""
+    run = moe["tp2_to_tp1"]
+    assert all(torch.equal(run["loaded"][n], w) for n, w in run["saved"].items())
+    straight, resumed = run["straight"], run["resumed"]
+    for name, w in straight["weights"].items():
+        assert (resumed["weights"][name] - w).abs().max() < 1e-4, name
+    assert resumed["metrics"]["train/loss"] == pytest.approx(straight["metrics"]["train/loss"], abs=1e-6)
+    assert resumed["metrics"]["train/grad_norm"] == pytest.approx(straight["metrics"]["train/grad_norm"], rel=1e-5)
