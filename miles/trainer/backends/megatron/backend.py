@@ -72,6 +72,10 @@ class MegatronBackend:
                                     world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         tp, pp, cp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size
+        if cp > 1 and self.device.type == "cpu":
+            raise ValueError("trainer.backend = 'megatron' runs context parallelism in TransformerEngine's attention "
+                             "only (megatron-core's local DotProductAttention asserts context_parallel_size == 1): "
+                             "set trainer.context_parallel_size = 1, or run on a GPU with TransformerEngine installed")
         vpp = cfg.virtual_pipeline_parallel_size if cfg.virtual_pipeline_parallel_size > 1 else None
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(

@@ -38,6 +38,9 @@ SEED, N = 3, 6
     ({"algorithm": {"name": "ppo"}}, r"'megatron' does not support a value model .*trainer.backend = 'fsdp'"),
     ({"quantization": "fp8"}, r"'megatron' does not support quantization-aware training"),
     ({"pack_sequences": True}, r"'megatron' does not support packed micro-batches"),
+    ({"num_ranks": 2, "context_parallel_size": 2, "device": "cpu"},
+     r"'megatron' does not support context parallelism on a CPU .*set trainer.context_parallel_size = 1, or "
+     r"trainer.device = 'cuda' with TransformerEngine installed"),
 ])
 def test_a_megatron_layout_it_cannot_run_is_refused_at_config_load(keys, refusal):
     with pytest.raises(ConfigError, match=refusal):
