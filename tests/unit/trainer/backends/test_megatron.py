@@ -1,7 +1,10 @@
 """The Megatron backend trains the same step as FSDP on the same batch: per-token logprobs within
 1e-5 of FSDP's and of transformers', and after one optimizer step (lr 1e-3) exported weights within
-1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism and at pipeline parallel 2. One spawned world of two
-gloo ranks runs every case (megatron-core's import and the model load are most of the cost)."""
+1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism and at pipeline parallel 2;
+tiny-qwen3-moe at EP 2, TP 2 × EP 2 and TP 2 with expert TP 2; routing replay (R3) in its routers as
+FSDP replays; checkpoints that resume bit for bit at their layout and at TP 1 from TP 2. One spawned
+world of two gloo ranks runs the dense cases, another the MoE ones (megatron-core's import and the
+model loads are most of the cost)."""
 
 from __future__ import annotations
 
