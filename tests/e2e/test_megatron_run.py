@@ -46,3 +46,22 @@ def test_moe_grpo_on_megatron_ep2_replays_the_engines_routing_with_no_mismatch(t
     for r in steps:
         assert r["train/r3_mismatch_rate"] == 0.0
         assert r["train/rollout_logprob_abs_diff"] <= 1e-5
+
+
+def test_a_killed_megatron_trainer_is_restarted_and_the_run_matches_the_uninterrupted_one(tiny_model_dir, tmp_path,
+                                                                                         ray_cluster):
+    """As FSDP's (tests/e2e/test_resume.py): the trainer group at TP 2 is killed during step 2, a new one
+    loads the step-1 checkpoint (each rank its own shards) and redoes step 2, which then gives the
+    metrics of the run that was never killed."""
+    from miles.orchestration.driver import run_train
+    from tests.e2e.test_resume import config, metric_diffs, records
+
+    megatron = {"trainer.backend": "megatron", "trainer.num_ranks": "2", "trainer.tensor_parallel_size": "2",
+                "loop.save_every": "1"}
+    run_train(config(tiny_model_dir, tmp_path, "straight", 2, **megatron))
+    summary = run_train(config(tiny_model_dir, tmp_path, "restarted", 2, **megatron, **{
+        "fault.kill_trainer_at_step": "2", "fault.restart_trainer": "true"}))
+    assert summary["trainer_restarts"] == 1
+    straight, again = records(tmp_path / "straight"), records(tmp_path / "restarted")
+    assert sorted(again) == [0, 1, 2]
+    assert "train/loss" in again[2] and not metric_diffs(straight, again, (1, 2))
