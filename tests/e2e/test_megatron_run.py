@@ -1,6 +1,7 @@
-"""A short GRPO run on the Megatron backend at tensor parallel 2 end to end: two trainer ranks over a
-real local Ray cluster, the engine fed each step's weights gathered from the TP shards, the final
-checkpoint an HF export transformers loads."""
+"""Short GRPO runs on the Megatron backend end to end over a real local Ray cluster: at tensor parallel 2
+the engine fed each step's weights gathered from the TP shards and the final checkpoint an HF export
+transformers loads; tiny-qwen3-moe at expert parallel 2 with routing replay, mismatch 0; and a killed
+trainer group restarted from its checkpoint, matching the run that was never killed."""
 
 import json
 
