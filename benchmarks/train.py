@@ -9,7 +9,11 @@ Contenders, on the same fixed batches of the tiny Qwen3 preset, in one run:
 The 1-rank contenders share one process and take turns step by step, so load from neighbours hits
 them alike. Last line: one JSON object with the raw figures and ratio = miles / plain.
 
-    miles bench train [--steps 20] [--batch 32] [--warmup 3]
+With `--backend megatron` the contenders are the Megatron backend at tensor parallel 2 and the FSDP
+backend on the same 2 gloo ranks (one spawned world, each trainer timed in turn over the same global
+batch), and the plain loop in one process; ratios megatron / fsdp and megatron / plain.
+
+    miles bench train [--steps 20] [--batch 32] [--warmup 3] [--backend megatron]
 """
 
 from __future__ import annotations
@@ -96,14 +100,92 @@ def _two_rank_worker(rank: int, model_path: str, port: int, args, out_path: str)
             json.dump({"elapsed": elapsed}, f)
 
 
+def _megatron_worker(rank: int, model_path: str, port: int, args, out_path: str) -> None:
+    """FSDP on 2 ranks, then Megatron at TP 2 on the same ranks: seconds for the timed steps of each."""
+    import torch
+
+    torch.set_num_threads(1)
+    from miles.config.loader import build
+    from miles.orchestration.trainer_group import split_for_ranks
+    from miles.trainer.config import TrainerConfig
+    from miles.trainer.trainer import Trainer
+    from miles.trainer.types import BatchTotals
+
+    batch = make_batch(300, args.batch)
+    totals = BatchTotals.of(batch)
+    elapsed = {}
+    for name, keys in (("fsdp", {}), ("megatron", {"backend": "megatron", "tensor_parallel_size": 2})):
+        cfg = build(TrainerConfig, {"num_ranks": 2, "lr": 1e-5, **keys})
+        trainer = Trainer(cfg, model_path, rank, 2, "127.0.0.1", port)
+        mine = split_for_ranks(batch, 2, cfg.replica_ranks)[rank]
+        elapsed[name] = 0.0
+        for i in range(args.warmup + args.steps):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            trainer.train_step(mine, totals)
+            if i >= args.warmup:
+                elapsed[name] += time.perf_counter() - t0
+        del trainer
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(elapsed, f)
+
+
+def megatron_main(args) -> int:
+    import subprocess
+
+    import torch
+
+    torch.set_num_threads(1)
+    from miles.models.presets import build_tiny_model
+
+    tmp = tempfile.mkdtemp(prefix="miles-bench-train-megatron-")
+    model_path = str(build_tiny_model("tiny-qwen3", os.path.join(tmp, "model")))
+    batch = make_batch(300, args.batch)
+    n_tok = sum(len(s.tokens) for s in batch) * args.steps
+    plain = PlainLoop(model_path, 1e-5)
+    plain_s = 0.0
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        plain.step(batch)
+        if i >= args.warmup:
+            plain_s += time.perf_counter() - t0
+    del plain
+    out = os.path.join(tmp, "megatron.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--warmup",
+                    str(args.warmup), "--batch", str(args.batch), "--megatron-worker", model_path, out], check=True)
+    two = json.load(open(out))
+    result = {"megatron_tp2_tokens_per_s": n_tok / two["megatron"], "fsdp_two_rank_tokens_per_s": n_tok / two["fsdp"],
+              "plain_tokens_per_s": n_tok / plain_s, "megatron_vs_fsdp": two["fsdp"] / two["megatron"],
+              "megatron_vs_plain": plain_s / two["megatron"], "steps": args.steps, "batch": args.batch,
+              "tokens_per_step": n_tok // args.steps}
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="miles bench train", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--batch", type=int, default=32, help="sequences per step (global batch)")
     p.add_argument("--skip-two-rank", action="store_true", help="only the single-process contenders")
+    p.add_argument("--backend", choices=("fsdp", "megatron"), default="fsdp",
+                   help="megatron: Megatron at TP 2 against FSDP on 2 ranks and the plain loop")
     p.add_argument("--two-rank-worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--megatron-worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.megatron_worker:
+        import torch.multiprocessing as mp
+
+        from miles.net import free_port
+
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(_megatron_worker, args=(args.megatron_worker[0], free_port(), args, args.megatron_worker[1]),
+                 nprocs=2)
+        return 0
+    if args.backend == "megatron":
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        return megatron_main(args)
     if args.two_rank_worker:
         # Run as a script of its own so the spawned ranks can import this module by path.
         import torch.multiprocessing as mp

@@ -313,6 +313,17 @@ def check_megatron_layout(run) -> None:
         splits += [("num_experts", t.expert_parallel_size, "expert_parallel_size"),
                    ("moe_intermediate_size", t.expert_tensor_parallel_size, "expert_tensor_parallel_size")]
         model = {**model, "num_experts": experts}
+        if tp > 1 and not t.sequence_parallel:
+            # megatron-core's MoELayer.forward refuses to train this (moe_layer.py, "performance may degrade").
+            raise ConfigError(f"trainer.backend = 'megatron' trains a MoE model with trainer.tensor_parallel_size = "
+                              f"{tp} only under sequence parallelism: set trainer.sequence_parallel = true")
+        if tp > 1 and t.expert_parallel_size == 1 and t.expert_tensor_parallel_size != tp:
+            # Whole experts on every TP rank without EP: the token dispatcher's output differs from the
+            # model's (the same weights give another loss than at TP 1), so the layout is refused.
+            raise ConfigError(f"trainer.backend = 'megatron' with a MoE model at trainer.tensor_parallel_size = {tp}, "
+                              f"expert_parallel_size = 1 and expert_tensor_parallel_size = "
+                              f"{t.expert_tensor_parallel_size} computes the wrong experts' outputs: set "
+                              f"trainer.expert_parallel_size > 1, or expert_tensor_parallel_size = {tp}")
     elif t.expert_parallel_size > 1:
         raise ConfigError(f"trainer.expert_parallel_size = {t.expert_parallel_size} needs a MoE model; the model at "
                           f"{run.model.path} is dense: set it to 1")

@@ -67,17 +67,27 @@ def _replay(model_routers, routed, replay, sums):
     k = routed.shape[-1]
 
     def on_router(layer: int, out):
-        logits, weights, ids = out  # (N, E), (N, k), (N, k); N = B*T in the micro-batch's order
-        engine = routed[:, :, layer].reshape(-1, k).to(ids.device)
-        known = engine[:, 0] >= 0
-        with torch.no_grad():
-            differs = (ids.sort(-1).values != engine.sort(-1).values).any(-1) & known
-            sums["r3_pairs"] = sums.get("r3_pairs", 0.0) + float(known.sum())
-            sums["r3_mismatch"] = sums.get("r3_mismatch", 0.0) + float(differs.sum())
-        if not replay:
-            return None
-        ids = torch.where(known[:, None], engine, ids)
-        return logits, model_routers[layer].family.weights(logits, ids, weights.dtype), ids
+        # N = B*T in the micro-batch's order
+        engine = routed[:, :, layer].reshape(-1, k)
+        return replay_choice(model_routers[layer].family, engine, out, replay, sums)
 
     with hook_routers([r.module for r in model_routers], on_router):
         yield
+
+
+def replay_choice(family, engine: torch.Tensor, out: tuple, replay: bool, sums: dict):
+    """One router's forward under replay: `out` = (logits (N, E), weights (N, k), ids (N, k)) as the
+    router chose, `engine` (N, k) the engine's ids for the same N tokens (-1: none recorded). Counts the
+    mismatch into `sums`; with `replay`, returns (logits, weights, ids) with the engine's ids and the
+    family's weights for them (None: keep the router's own)."""
+    logits, weights, ids = out
+    engine = engine.to(ids.device)
+    known = engine[:, 0] >= 0
+    with torch.no_grad():
+        differs = (ids.sort(-1).values != engine.sort(-1).values).any(-1) & known
+        sums["r3_pairs"] = sums.get("r3_pairs", 0.0) + float(known.sum())
+        sums["r3_mismatch"] = sums.get("r3_mismatch", 0.0) + float(differs.sum())
+    if not replay:
+        return None
+    ids = torch.where(known[:, None], engine, ids)
+    return logits, family.weights(logits, ids, weights.dtype), ids

@@ -60,7 +60,8 @@ class Trainer:
         self._placeholder_seq = _placeholder(self.pad_id)  # the micro-batch of a rank with nothing left
         self.algorithm = get_algorithm(cfg.algorithm)
         self.backend = BACKENDS.get(cfg.backend)(cfg, model_path, rank, world_size, master_addr, master_port)
-        self.moe_shape = moe_shape(self.backend.model.config)  # None for dense models
+        # None for dense models. A backend whose modules are not HF's gives the HF config it was built from.
+        self.moe_shape = moe_shape(getattr(self.backend, "hf_config", None) or self.backend.model.config)
         # A vision-language policy's image inputs for micro-batches (trainer/vision.py); None for text.
         self.vision = TrainerVision(model_path) if is_vision_language(read_model_config(model_path)) else None
         self._algorithms = {None: self.algorithm}
@@ -219,6 +220,9 @@ class Trainer:
     def _replay(self, sums: dict):
         """R3 around each micro-batch's forward (a no-op without routers or routes). Mismatch is counted
         on real micro-batches only; a placeholder carries no routed experts."""
+        own = getattr(self.backend, "routing_replay", None)  # a backend with routers of its own (Megatron's)
+        if own is not None:
+            return lambda mb: own(mb, self.cfg.routing_replay, sums)
         return lambda mb: routing_replay(self._routers(mb), mb.routed, self.cfg.routing_replay, sums)
 
     def _micro_loss(self, mb, tokens, algorithm, sums: dict, real: bool):

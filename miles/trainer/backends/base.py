@@ -53,7 +53,11 @@ class Backend(Protocol):
     """The policy module (on FSDP Hugging Face's, whose names R3 hooks and LoRA adapts; on Megatron its
     first GPTModel chunk)."""
     critic: "torch.nn.Module | None"
-    """The value model once `build_critic` ran, else None."""
+    """The value model once `build_critic` ran, else None.
+
+    A backend whose modules are not Hugging Face's (Megatron) also has `hf_config` (the HF config it
+    was built from: the trainer reads the MoE shape from it) and `routing_replay(mb, replay, sums)`, the
+    context `around_forward` enters for R3 in its own routers (as trainer/r3.py's `routing_replay`)."""
 
     @property
     def last_lr(self) -> float:

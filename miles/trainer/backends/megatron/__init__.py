@@ -4,3 +4,7 @@
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "qwen2")
 """Hugging Face model types whose weights hf_layout.py converts."""
+
+REPLAY_ROUTERS = {"qwen3_moe": "Qwen3MoeTopKRouter"}
+"""MoE model types whose routing Megatron's routers replay (R3), with the HF router class whose family
+(models/routers.py) weighs the replayed experts."""

@@ -13,8 +13,9 @@ and pipeline stages onto every rank that asks.
 On a CPU, megatron-core runs behind cpu_adapter.py (pinned to one release).
 
 Refused at config load (trainer/config.py): a critic (PPO), LoRA, quantization-aware training,
-packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU. Resumable
-checkpoints are per-rank shards of this layout: resuming at another layout is refused.
+packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU. Routing replay
+(R3) runs in megatron-core's own routers (router_replay.py). Resumable checkpoints are per-rank
+shards of this layout plus a layout-free copy under HF names, so a run resumes at another layout.
 Non-goal: the step itself, the algorithms (the trainer's).
 """
 
@@ -55,6 +56,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from miles.trainer.backends.megatron.logprobs import vocab_parallel_token_outputs  # noqa: E402
+from miles.trainer.backends.megatron.router_replay import (  # noqa: E402
+    engine_ids_in_router_order, replay_family, replaying)
 
 
 class MegatronBackend:
@@ -69,6 +72,10 @@ class MegatronBackend:
                                     world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         tp, pp, cp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size
+        if cp > 1 and self.device.type == "cpu":
+            raise ValueError("trainer.backend = 'megatron' runs context parallelism in TransformerEngine's attention "
+                             "only (megatron-core's local DotProductAttention asserts context_parallel_size == 1): "
+                             "set trainer.context_parallel_size = 1, or run on a GPU with TransformerEngine installed")
         vpp = cfg.virtual_pipeline_parallel_size if cfg.virtual_pipeline_parallel_size > 1 else None
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(
@@ -131,6 +138,10 @@ class MegatronBackend:
                 position_embedding_type="rope", rotary_base=rope_theta(hf), vp_stage=vp)
             model.to(self.device)
             model.train()
+            for name, p in model.named_parameters():
+                # megatron-core marks expert weights (allreduce = False) only under expert parallelism; the
+                # expert-TP group shards them whatever the EP size, so they are marked here once.
+                p.is_expert_weight = ".experts." in name
             chunks.append(model)
         return chunks
 
@@ -161,10 +172,12 @@ class MegatronBackend:
                 yield rule, rest, i, p
 
     @torch.no_grad()
-    def _load_hf(self, state: dict) -> None:
-        """Copy this rank's shard of every weight from the HF state dict."""
+    def _load_hf(self, state: dict, into=None) -> None:
+        """Copy this rank's shard of every weight from the HF state dict (or, with `into(p, shard)`, hand
+        each parameter's shard of a tensor laid out like the weights, e.g. an Adam moment, to `into`)."""
         e_local = (self.tconfig.num_moe_experts or 0) // self.cfg.expert_parallel_size
         ep_rank = mpu.get_expert_model_parallel_rank()
+        into = into or (lambda p, shard: p.copy_(shard))
         for rule, name, layer, p in self._params():
             if rule is None:  # ...local_experts.{k}.linear_fc{1,2}.weight
                 k = int(name.split("local_experts.")[1].split(".")[0])
@@ -176,7 +189,7 @@ class MegatronBackend:
                     full = state[down][e]
             else:
                 full = rule.to_mcore([state[n] for n in rule.hf])
-            p.copy_(_shard_of(full, p))
+            into(p, _shard_of(full, p))
 
     # -- the step ------------------------------------------------------------------------------
     @property
@@ -236,6 +249,14 @@ class MegatronBackend:
         timer["fwd"] += time.perf_counter() - t0
         return loss, {}
 
+    def routing_replay(self, mb, replay: bool, sums: dict):
+        """R3 around one micro-batch's forward (router_replay.py); a no-op without recorded routes."""
+        if mb.routed is None:
+            return contextlib.nullcontext()
+        width = _pad_to(mb.input_ids, _seq_multiple(self.cfg)).shape[1]
+        engine = engine_ids_in_router_order(mb.routed, width, self.cfg.sequence_parallel)
+        return replaying(self.chunks, replay_family(self.hf_config), engine, replay, sums)
+
     def optimizer_step(self) -> float:
         # megatron-core's step in its own three parts (ChainedOptimizer.step), clipping in between by
         # scaling the gradients here: its clip_grad_by_total_norm_fp32 asserts CUDA tensors.
@@ -258,12 +279,13 @@ class MegatronBackend:
 
     # -- weights out ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _hf_tensors(self) -> dict[str, torch.Tensor]:
-        """This pipeline stage's weights under HF names, gathered over TP and EP (every rank of the stage)."""
+    def _hf_tensors(self, value=None) -> dict[str, torch.Tensor]:
+        """This pipeline stage's weights under HF names, gathered over TP and EP (every rank of the stage);
+        with `value(p)`, a tensor laid out like each parameter instead (an Adam moment)."""
         out: dict[str, torch.Tensor] = {}
         experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
         for rule, name, layer, p in self._params():
-            full = _gather(p)
+            full = _gather(p, None if value is None else value(p))
             if rule is None:
                 k = int(name.split("local_experts.")[1].split(".")[0])
                 if "linear_fc1" in name:
@@ -281,13 +303,16 @@ class MegatronBackend:
             out[expert_names(layer)[0 if which == "fc1" else 1]] = stacked
         return out
 
-    def named_tensors(self, all_ranks: bool = False, on_device: bool = False):
-        local = self._hf_tensors()
+    def _all_stages(self, local: dict) -> dict:
         pp_group = mpu.get_pipeline_model_parallel_group()
         if dist.get_world_size(pp_group) > 1:
             stages: list = [None] * dist.get_world_size(pp_group)
             dist.all_gather_object(stages, {k: v.to(HOST) for k, v in local.items()}, group=pp_group)
             local = {k: v for stage in stages for k, v in stage.items()}
+        return local
+
+    def named_tensors(self, all_ranks: bool = False, on_device: bool = False):
+        local = self._all_stages(self._hf_tensors())
         for name in _hf_order(local):
             t = local[name]
             yield name, ((t if on_device else t.to(HOST)) if (self.rank == 0 or all_ranks) else None)
@@ -296,25 +321,83 @@ class MegatronBackend:
     # Each rank writes its own shard of the models and optimizer (megatron-core's state dicts, as this
     # layout holds them) into its rank file; the DCP part holds only the update count, so the commit
     # protocol (trainer/checkpoint.py: DCP metadata, then every rank's file) marks the write complete.
-    # Resuming needs the same layout; converting between layouts goes through a Hugging Face export.
+    # Rank 0's file also holds the layout-free copy: the weights and both Adam moments gathered under
+    # Hugging Face names (the moments are laid out like their weights, so the same permutations carry
+    # them). A run at the saved layout resumes from its own shards bit for bit; a run at another layout
+    # (TP 2 → TP 1, another EP or PP) takes its shards of the layout-free copy. The gather costs what
+    # an export costs, once per checkpoint.
     def save_state(self, path: str, writer: CheckpointWriter, local: dict) -> None:
         group = writer.group
         shard = host_copy({"chunks": [c.state_dict() for c in self.chunks], "optim": self.optimizer.state_dict()})
+        portable = self._portable_state()
         local = {**local, "megatron": shard, "updates": self._updates, "layout": self._layout()}
+        if self.rank == 0:
+            local["portable"] = portable
         writer.submit(_write_state, {f"rank{self.rank}_updates": torch.tensor(self._updates)}, local,
                       Path(path), self.rank, group)
 
+    def _adam(self) -> dict:
+        """Each parameter's torch AdamW (megatron-core's FP32Optimizer steps the model's own parameters)."""
+        owner = {}
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in opt.optimizer.param_groups:
+                owner.update({p: opt.optimizer for p in group["params"]})
+        return owner
+
+    def _portable_state(self) -> dict:
+        """Weights and Adam moments under HF names, gathered over every layout dimension (collective)."""
+        adam = self._adam()
+        out = {"weights": {k: v.to(HOST) for k, v in self._all_stages(self._hf_tensors()).items()}}
+        stepped = [p for p in adam if adam[p].state.get(p)]
+        if dist.get_world_size() > 1:  # every rank must agree on whether the moments exist (collective gathers)
+            flag = torch.tensor([int(bool(stepped))], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            stepped = stepped if int(flag) else []
+        if stepped:
+            for key in ("exp_avg", "exp_avg_sq"):
+                moments = self._hf_tensors(lambda p, key=key: adam[p].state[p][key])
+                out[key] = {k: v.to(HOST) for k, v in self._all_stages(moments).items()}
+            out["adam_step"] = float(adam[stepped[0]].state[stepped[0]]["step"])
+        return out
+
     def load_state(self, path: str) -> dict:
         src = Path(path) / f"rank{self.rank}.pt"
-        if not src.exists():
-            raise FileNotFoundError(f"{src} is missing: resume with the same trainer.num_ranks as the saved run")
-        local = torch.load(src, weights_only=False)
+        first = Path(path) / "rank0.pt"
+        if not first.exists():
+            raise FileNotFoundError(f"{first} is missing: {path} is not a complete checkpoint")
+        local = torch.load(src if src.exists() else first, weights_only=False)
         if local.get("layout") != self._layout():
-            raise ValueError(f"{path} was written at layout {local.get('layout')}, this run is {self._layout()}: "
-                             "resume with the saved run's parallel sizes, or start from its Hugging Face export")
+            return self._load_resharded(path, local if src.exists() else None)
         for chunk, sd in zip(self.chunks, local["megatron"]["chunks"]):
             chunk.load_state_dict(sd)
         self.optimizer.load_state_dict(local["megatron"]["optim"])
+        self._updates = local["updates"]
+        self._set_lr()
+        return local
+
+    @torch.no_grad()
+    def _load_resharded(self, path: str, local: dict | None) -> dict:
+        """Resume a checkpoint written at another layout from rank 0's layout-free copy. The trainer's
+        own state (step, RNG) comes from this rank's file, or rank 0's when the saved run had fewer ranks."""
+        first = torch.load(Path(path) / "rank0.pt", weights_only=False)
+        portable = first.get("portable")
+        if portable is None:
+            raise ValueError(f"{path} was written at layout {first.get('layout')} without a layout-free copy, this "
+                             f"run is {self._layout()}: resume with the saved run's parallel sizes")
+        self._load_hf(portable["weights"])
+        if "exp_avg" in portable:
+            adam = self._adam()
+            states: dict = {}
+
+            def into(key):
+                def put(p, shard):
+                    states.setdefault(p, {"step": torch.tensor(portable["adam_step"])})[key] = shard.clone()
+                return put
+            self._load_hf(portable["exp_avg"], into("exp_avg"))
+            self._load_hf(portable["exp_avg_sq"], into("exp_avg_sq"))
+            for p, state in states.items():
+                adam[p].state[p] = state
+        local = local if local is not None else first
         self._updates = local["updates"]
         self._set_lr()
         return local
@@ -335,7 +418,7 @@ def _write_state(marker: dict, local: dict, out: Path, rank: int, group) -> None
 
 
 def _is_expert(p) -> bool:
-    return not getattr(p, "allreduce", True)
+    return getattr(p, "is_expert_weight", False)
 
 
 def _tp_group(p):
@@ -353,8 +436,9 @@ def _shard_of(full: torch.Tensor, p) -> torch.Tensor:
     return full.chunk(dist.get_world_size(group), dim=p.partition_dim)[dist.get_rank(group)]
 
 
-def _gather(p) -> torch.Tensor:
-    t = p.detach()
+def _gather(p, t: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor of `p` (or of `t`, laid out like p's shard) over its TP group."""
+    t = p.detach() if t is None else t.detach()
     if not getattr(p, "tensor_model_parallel", False) or _tp_size(p) == 1:
         return t.clone()
     group = _tp_group(p)

@@ -52,8 +52,10 @@ CPU_TORCH_MODULES: tuple[Site, ...] = (
          "device=torch.cuda.current_device()"),
     Site("megatron.core.optimizer.clip_grads", (90, 103, 115, 174, 207), "device='cuda'"),
     Site("megatron.core.optimizer.optimizer", (473, 481, 485, 907, 1141), "device='cuda'"),
-    Site("megatron.core.transformer.moe.token_dispatcher", (445, 871, 873, 874), "torch.cuda.Stream()"),
+    Site("megatron.core.transformer.moe.token_dispatcher", (445, 871, 873, 874, 895), "torch.cuda.Stream()"),
     Site("megatron.core.transformer.moe.moe_utils", (998, 1098), 'device="cuda"'),
+    Site("megatron.core.transformer.moe.router", (90, 92, 169, 178, 192, 198),
+         "device=torch.cuda.current_device()"),  # the router's weight, expert-bias and token-count buffers
     Site("megatron.core.utils", (631, 1207), "device=torch.cuda.current_device()"),  # the global memory buffer
     Site("megatron.core.tensor_parallel.mappings", (91, 141, 148, 181, 442), "device=torch.cuda.current_device()"),  # SP gathers
     Site("megatron.core.tensor_parallel.layers", (552, 597, 607), "device=torch.cuda.current_device()"),  # SP backward
@@ -71,6 +73,13 @@ RNG_TRACKER_SITE = Site("megatron.core.tensor_parallel.random", (235, 237, 238, 
 # moe_utils.py names TransformerEngine's `te_general_gemm` in a branch every MoE forward passes
 # through, imported only when TransformerEngine is; without it the name must still exist (as None).
 TE_GEMM_SITE = Site("megatron.core.transformer.moe.moe_utils", (1192, 1225), "te_general_gemm is not None")
+
+# transformer/moe/token_dispatcher.py moves the alltoall dispatcher's split sizes to the host with
+# moe_utils.maybe_move_tensor_to_cpu, which converts only CUDA tensors (as numpy arrays, the form
+# all_to_all_single takes); on a CPU they would stay tensors and gloo's all-to-all refuses them. The
+# dispatcher's name for it is replaced by one that converts host tensors the same way.
+DISPATCH_SPLITS_SITE = Site("megatron.core.transformer.moe.token_dispatcher", (876, 879, 882, 885, 888, 892),
+                            "maybe_move_tensor_to_cpu(")
 
 # transformer/torch_norm.py (WrappedTorchNorm.__new__, the norm of the local layers without Apex or
 # TransformerEngine) refuses sequence parallelism only because it does not mark its weight as
@@ -99,6 +108,9 @@ class _CpuStream:
 
     def synchronize(self) -> None:
         pass
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self  # an event on the one stream is already complete: its synchronize() returns at once
 
 
 class _CpuCuda(types.SimpleNamespace):
@@ -148,6 +160,12 @@ def _sequence_parallel_norm(original):
             p.sequence_parallel = config.sequence_parallel
         return norm
     return staticmethod(__new__)
+
+
+def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor.cpu() if torch.is_tensor(tensor) else tensor
 
 
 def _cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -207,6 +225,7 @@ def apply() -> None:
     rng._get_cuda_rng_state, rng._set_cuda_rng_state = _cpu_rng_state, _set_cpu_rng_state
     norm = importlib.import_module(NORM_SITE.module).WrappedTorchNorm
     norm.__new__ = _sequence_parallel_norm(norm.__new__)
+    importlib.import_module(DISPATCH_SPLITS_SITE.module).maybe_move_tensor_to_cpu = _splits_to_host
     moe_utils = importlib.import_module(TE_GEMM_SITE.module)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

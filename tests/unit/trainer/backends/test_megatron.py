@@ -1,7 +1,10 @@
 """The Megatron backend trains the same step as FSDP on the same batch: per-token logprobs within
 1e-5 of FSDP's and of transformers', and after one optimizer step (lr 1e-3) exported weights within
-1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism and at pipeline parallel 2. One spawned world of two
-gloo ranks runs every case (megatron-core's import and the model load are most of the cost)."""
+1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism and at pipeline parallel 2;
+tiny-qwen3-moe at EP 2, TP 2 × EP 2 and TP 2 with expert TP 2; routing replay (R3) in its routers as
+FSDP replays; checkpoints that resume bit for bit at their layout and at TP 1 from TP 2. One spawned
+world of two gloo ranks runs the dense cases, another the MoE ones (megatron-core's import and the
+model loads are most of the cost)."""
 
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ SEED, N = 3, 6
     ({"algorithm": {"name": "ppo"}}, r"'megatron' does not support a value model .*trainer.backend = 'fsdp'"),
     ({"quantization": "fp8"}, r"'megatron' does not support quantization-aware training"),
     ({"pack_sequences": True}, r"'megatron' does not support packed micro-batches"),
+    ({"num_ranks": 2, "context_parallel_size": 2, "device": "cpu"},
+     r"'megatron' does not support context parallelism on a CPU .*set trainer.context_parallel_size = 1, or "
+     r"trainer.device = 'cuda' with TransformerEngine installed"),
 ])
 def test_a_megatron_layout_it_cannot_run_is_refused_at_config_load(keys, refusal):
     with pytest.raises(ConfigError, match=refusal):
@@ -59,6 +65,17 @@ def test_megatron_only_sizes_are_refused_on_fsdp():
 def test_a_layout_that_does_not_divide_the_model_is_refused_naming_both_numbers(tiny_model_dir, keys, refusal):
     with pytest.raises(ConfigError, match=refusal):
         load_config(RunConfig, None, {"model.path": tiny_model_dir, "trainer.backend": "megatron", **keys})
+
+
+@pytest.mark.parametrize("keys, refusal", [
+    ({}, r"MoE model with trainer.tensor_parallel_size = 2 .*set trainer.sequence_parallel = true"),
+    ({"trainer.sequence_parallel": True},
+     r"expert_parallel_size = 1 and expert_tensor_parallel_size = 1 .*set trainer.expert_parallel_size > 1"),
+])
+def test_a_moe_layout_megatron_core_does_not_train_correctly_is_refused(tiny_moe_model_dir, keys, refusal):
+    with pytest.raises(ConfigError, match=refusal):
+        load_config(RunConfig, None, {"model.path": tiny_moe_model_dir, "trainer.backend": "megatron",
+                                      "trainer.num_ranks": 2, "trainer.tensor_parallel_size": 2, **keys})
 
 
 def run_world(tmp_path, cases: list[dict], world: int = 2) -> dict:
@@ -128,3 +145,105 @@ def test_one_megatron_step_exports_the_weights_fsdp_steps_to(dense, layout):
     assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=1e-6)
     assert got["metrics"]["train/loss_tokens"] == want["metrics"]["train/loss_tokens"]
     assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=1e-5)
+
+
+MOE_LAYOUTS = ["ep2", "tp2_ep2", "tp2_etp2"]
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_moe_model_dir, tmp_path_factory) -> dict:
+    """tiny-qwen3-moe on the same two ranks: experts split over both (EP 2), attention split over both with
+    each rank holding half the experts whole (TP 2 × EP 2, expert TP 1), and every expert's MLP split
+    over both (TP 2, expert TP 2). megatron-core trains MoE with TP only under sequence parallelism.
+    TP 2 × EP 2 with expert TP 2 would need four ranks, too many gloo processes for a 2-core CI machine."""
+    case = lambda name, **kw: {"name": name, "model": tiny_moe_model_dir, "trainer": {"algorithm": ALGO, **kw}}
+    return run_world(tmp_path_factory.mktemp("megatron-moe"), [
+        case("fsdp"),
+        case("ep2", backend="megatron", expert_parallel_size=2),
+        case("tp2_ep2", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True),
+        case("tp2_etp2", backend="megatron", tensor_parallel_size=2, expert_tensor_parallel_size=2,
+             sequence_parallel=True),
+        # R3: every token carries recorded experts (drawn at random, so replay changes the forward).
+        {**case("fsdp_r3", routing_replay=True), "routes": True},
+        {**case("ep2_r3", backend="megatron", expert_parallel_size=2, routing_replay=True), "routes": True},
+        {**case("tp2_ep2_r3", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2,
+                sequence_parallel=True, routing_replay=True), "routes": True},
+        # Checkpoints: a step, a save, a step; a new trainer loads the save and takes the step again.
+        {**case("resume", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True,
+                lr_schedule="linear", lr_warmup_steps=1, lr_decay_steps=4), "resume": {}},
+        {**case("tp2_to_tp1", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2,
+                sequence_parallel=True), "resume": {"tensor_parallel_size": 1, "sequence_parallel": False}},
+    ])
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_a_moe_checkpoint_goes_through_megatrons_layout_and_back_bit_exact(moe, tiny_moe_model_dir, layout):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_model_dir, dtype=torch.float32).state_dict()
+    got = moe[layout]["initial"]
+    assert got.keys() == moe["fsdp"]["initial"].keys()  # HF names, the tied embedding once
+    assert all(torch.equal(got[name], hf[name]) for name in got)
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_megatron_moe_logprobs_match_fsdp_and_transformers(moe, tiny_moe_model_dir, layout):
+    want = transformers_logprobs(tiny_moe_model_dir)
+    assert max_gap(moe["fsdp"]["logprobs"], want) < 1e-5
+    assert max_gap(moe[layout]["logprobs"], want) < 1e-5
+    assert max_gap(moe[layout]["logprobs"], moe["fsdp"]["logprobs"]) < 1e-5
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_one_megatron_moe_step_exports_the_weights_fsdp_steps_to(moe, layout):
+    got, want = moe[layout], moe["fsdp"]
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, w in want["weights"].items():
+        assert (got["weights"][name] - w).abs().max() < 1e-4, name
+    moved = [n for n, w in want["weights"].items() if not torch.equal(w, got["initial"][n])]
+    assert len(moved) == len(want["weights"]), set(want["weights"]) - set(moved)
+    assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=1e-6)
+    assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["ep2_r3", "tp2_ep2_r3"])
+def test_megatron_routers_replay_the_recorded_experts_as_fsdp_does(moe, layout):
+    """The recorded experts replace Megatron's top-k choice in every MoE layer, weighted as Qwen3-MoE's
+    router weighs them: the same logprobs, mismatch rate and one-step weights as FSDP's replay."""
+    got, want, free = moe[layout], moe["fsdp_r3"], moe["fsdp"]
+    assert max_gap(want["logprobs"], free["logprobs"]) > 0.1  # the routes were not the model's own
+    assert max_gap(got["logprobs"], want["logprobs"]) < 1e-5
+    rate = got["metrics"]["train/r3_mismatch_rate"]
+    assert rate == pytest.approx(want["metrics"]["train/r3_mismatch_rate"]) and rate > 0.5
+    for name, w in want["weights"].items():
+        # Adam's first step moves a weight by lr·g/(|g| + 1e-8): an expert weight whose gradient is at
+        # that epsilon (a token or two routed to it) moves by up to lr/2 more or less when its gradient
+        # differs in the 8th decimal. A handful of such weights (3 of 196,608 at TP 2 × EP 2) sit at 1e-4.
+        gap = (got["weights"][name] - w).abs()
+        assert gap.max() < 2.5e-4 and int((gap > 1e-4).sum()) <= 8, name
+    assert got["metrics"]["train/loss"] == pytest.approx(want["metrics"]["train/loss"], abs=1e-6)
+
+
+
+def test_a_resumed_megatron_run_takes_the_same_step_bit_for_bit(moe):
+    """The same layout resumes from its own shards: the second step's weights, loss, gradient norm and
+    learning rate (a linear schedule, mid-decay) are those of the run that never stopped."""
+    run = moe["resume"]
+    assert all(torch.equal(run["loaded"][n], w) for n, w in run["saved"].items())
+    straight, resumed = run["straight"], run["resumed"]
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in straight["weights"].items())
+    for key in ("train/loss", "train/grad_norm", "train/lr", "train/loss_tokens"):
+        assert resumed["metrics"][key] == straight["metrics"][key], key
+    assert resumed["step"] == 2  # counted on from the checkpoint's step 1
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1(moe):
+    """Written at TP 2 × EP 2, loaded at TP 1 × EP 2: the weights as saved, bit for bit, and the next step
+    (Adam's moments re-sharded too) within the backends' parity of the run that stayed at TP 2."""
+    run = moe["tp2_to_tp1"]
+    assert all(torch.equal(run["loaded"][n], w) for n, w in run["saved"].items())
+    straight, resumed = run["straight"], run["resumed"]
+    for name, w in straight["weights"].items():
+        assert (resumed["weights"][name] - w).abs().max() < 1e-4, name
+    assert resumed["metrics"]["train/loss"] == pytest.approx(straight["metrics"]["train/loss"], abs=1e-6)
+    assert resumed["metrics"]["train/grad_norm"] == pytest.approx(straight["metrics"]["train/grad_norm"], rel=1e-5)
