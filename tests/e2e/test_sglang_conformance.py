@@ -51,6 +51,42 @@ def live_sglang(tiny_model_dir):
     server.stop()
 
 
+def _violations(proto, recorded, names=None) -> list[tuple[str, str | None, str]]:
+    """(path, field or None for the route itself, what is wrong) for every departure from SGLang's protocol;
+    with `names` (Protocol.names) type aliases and request models are followed."""
+    bad = []
+    for r in recorded:
+        where = f"{r.method} {r.path}"
+        route = proto.routes.get(r.path)
+        if route is None:
+            bad.append((r.path, None, f"{where}: SGLang has no such route"))
+            continue
+        if r.method not in route.methods:
+            bad.append((r.path, None, f"{where}: SGLang serves it by {sorted(route.methods)}"))
+        if r.body is None:
+            continue
+        if route.body_type is None:
+            bad.append((r.path, None, f"{where}: SGLang's handler takes no JSON body, got {r.body!r}"))
+            continue
+        declared = proto.fields(r.path)
+        for key, value in r.body.items():
+            if key not in declared:
+                bad.append((r.path, key, f"{where}: field {key!r} is not declared by {route.body_type}"))
+            elif not matches(value, declared[key], names):
+                bad.append((r.path, key, f"{where}: field {key!r} = {value!r:.200} is not of SGLang's type"))
+        if r.path == "/generate":
+            params = r.body.get("sampling_params") or {}
+            for p in params if isinstance(params, list) else [params]:
+                for key, value in p.items():
+                    if key not in proto.sampling:
+                        bad.append((r.path, f"sampling_params.{key}",
+                                    f"{where}: sampling_params.{key} is not declared by SGLang's SamplingParams"))
+                    elif not matches(value, proto.sampling[key]):
+                        bad.append((r.path, f"sampling_params.{key}",
+                                    f"{where}: sampling_params.{key} = {value!r} is not of SGLang's type"))
+    return bad
+
+
 @contextlib.contextmanager
 def _built_in_engine(model_dir, sglang_only: bool, engine_args: tuple = ()):
     from miles.engine.process import EngineProcess
@@ -170,9 +206,13 @@ def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sg
         assert ok.status_code == 200 and ok.json()["success"] is True and isinstance(ok.json()["message"], str)
         failed = call("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
         assert failed.status_code == 400 and failed.json()["success"] is False and failed.json()["message"]
-        failed = call("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
-                                                           "shapes": [[64]], "group_name": "nobody"})
+        bucket = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nobody"}
+        outside = call("/update_weights_from_distributed", bucket)  # SGLang's rule: only inside a session
+        assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"], outside.text
+        assert call("/begin_weight_update", {}).status_code == 200
+        failed = call("/update_weights_from_distributed", bucket)
         assert failed.status_code == 400 and failed.json()["success"] is False and "nobody" in failed.json()["message"]
+        assert call("/end_weight_update", {}).status_code == 200
         assert call("/update_weight_version", {"new_version": "v9"}).json()["new_version"] == "v9"
         assert call("/get_model_info", method="GET").json()["weight_version"] == "v9"
         assert call("/weights_checker", {"action": "compare"}).status_code == 400  # no snapshot: refused
