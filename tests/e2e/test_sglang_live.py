@@ -8,8 +8,11 @@ trained through, and fed weights over SGLang's own routes.
    verified against the trainer's tensors; then the server's greedy ids equal a transformers forward
    of the trainer's exported checkpoint.
 2. On one shared server: what the rollout uses (TITO with logprobs, a batched group, streaming, abort,
-   /v1), then a broadcast push verified tensor by tensor against the trainer's checksums, and a push
-   that skips a tensor named by the verification.
+   /v1), an OpenAI session through `miles sessions`, then a broadcast push verified tensor by tensor
+   against the trainer's checksums, and a push that skips a tensor named by the verification; the same
+   over the disk transport (SGLang's /update_weights_from_disk); and the transports SGLang cannot take
+   on the CPU refused at connect, naming the fix. Tests that need the launch state reload it first
+   (tests/helpers/live_sglang.py).
 3. (slow) A server killed mid-run is replaced, and the run completes with nothing lost or trained twice.
 
 One SGLang server runs at a time (about 3.8 GB): the train run's server is stopped before the shared
@@ -292,7 +295,7 @@ def test_transports_live_sglang_cannot_take_on_the_cpu_are_refused_at_connect_na
             updater.connect([sglang_server.url])
     finally:
         updater.close()
-    # Nothing reached the server: it still generates.
+    # The refusal left the server serving.
     assert _greedy(sglang_server.url, [1, 2, 3], n=2)["meta_info"]["finish_reason"]["type"] == "length"
 
 
