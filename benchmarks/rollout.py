@@ -14,17 +14,21 @@ decode loop (each distinct prompt prefilled once, then one forward per token for
 into a preallocated KV cache, multinomial sampling, no scheduler, no HTTP), against the engine on
 the same prompts with uniform lengths (every sample `--uniform-tokens`, EOS ignored):
 `raw_decode_fraction` = engine tokens/s / raw loop tokens/s.
+With `--sglang`, a live SGLang server (launched as miles launches a run's engines, from SGLang's own
+venv; on the CPU with its kernel stand-in) behind a router of its own gets the same GRPO prompts and
+limits as the built-in engine each round, through the same client (`sglang_*` figures).
 Multi-turn workload: episodes share a system prompt and grow their history turn by turn (TITO: the
 next prompt is the previous prompt + its output ids + the new user turn), routed by episode key.
 Prefix-cache hit rates are read from the engine's counters around each workload.
 
-    miles bench rollout [--prompts 16 --samples 8 --max-new-tokens 128 --hf-batch-size 32]
+    miles bench rollout [--prompts 16 --samples 8 --max-new-tokens 128 --hf-batch-size 32] [--sglang]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import json
 import random
@@ -191,14 +195,19 @@ def main(argv=None) -> int:
                    help="alternate the two sides this many times, so a load change on a shared machine "
                         "hits both sides alike")
     p.add_argument("--model", default=None, help="checkpoint directory; default builds tiny-qwen3")
+    p.add_argument("--sglang", action="store_true",
+                   help="also run the GRPO rounds on a live SGLang server (scripts/install-sglang.sh makes its venv)")
     a = p.parse_args(argv)
 
     import torch
 
     from miles.models.loading import load_model, load_tokenizer
     from miles.models.presets import build_tiny_model
+    from miles.engine.config import EngineConfig
     from miles.engine.process import EngineProcess
     from miles.rollout.router import RouterProcess
+    from miles.sglang.config import SGLangConfig
+    from miles.sglang.server import SGLangServer
 
     torch.set_num_threads(1)
     model_dir = a.model or str(build_tiny_model("tiny-qwen3", tempfile.mkdtemp(prefix="miles-bench-rollout-")))
@@ -213,43 +222,62 @@ def main(argv=None) -> int:
     hf_tokens = miles_tokens = raw_tokens = uni_tokens = 0
     # Room for every sample of a round at once, as the raw loop's one batch holds them.
     max_batch = str(max(256, a.prompts * a.samples))
-    with EngineProcess(model_dir, extra_args=["--num-threads", "1", "--max-batch-size", max_batch]) as engine:
+    sglang_wall, sglang_tokens, sglang_start_s = 0.0, 0, 0.0
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(EngineProcess(model_dir, extra_args=["--num-threads", "1",
+                                                                          "--max-batch-size", max_batch]))
         # Its own process, as `miles router` runs: sharing the client's interpreter would make the two
         # take turns on one GIL.
-        with RouterProcess([engine.url]) as router:
-            asyncio.run(run_miles_grpo(router.url, prompts[:2], 2, [4] * 4, a.seed))  # warm-up
-            busy, grpo = 0.0, {"prompt": 0, "cached": 0}
-            uni = {"busy_s": 0.0, "decode_forwards": 0, "prefill_forwards": 0}
-            for r in range(a.rounds):
-                torch.manual_seed(a.seed + r)
-                w, t = run_hf(model, prompts, a.samples, limits, a.hf_batch_size, tok.pad_token_id)
-                hf_wall, hf_tokens = hf_wall + w, hf_tokens + t
-                print(f"round {r}: transformers generate() {t} tokens in {w:.2f}s", flush=True)
-                _flush(engine.url)  # no round may find the warm-up's or an earlier round's prompts cached
-                c0 = _counters(engine.url)
-                w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, limits, a.seed + 1000 * r))
-                c1 = _counters(engine.url)
-                miles_wall, miles_tokens = miles_wall + w, miles_tokens + t
-                busy += c1["busy_s"] - c0["busy_s"]
-                for k in grpo:
-                    grpo[k] += c1[k] - c0[k]
-                print(f"round {r}: miles engine via router {t} tokens in {w:.2f}s", flush=True)
-                w, t = run_raw_decode(model, prompts, a.samples, uniform, tok.pad_token_id)
-                raw_wall, raw_tokens = raw_wall + w, raw_tokens + t
-                print(f"round {r}: raw static-batch decode {t} tokens in {w:.2f}s", flush=True)
-                _flush(engine.url)
-                c0 = _counters(engine.url)
-                w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, [uniform] * len(limits),
-                                                  a.seed + 1000 * r + 500))
-                c1 = _counters(engine.url)
-                uni_wall, uni_tokens = uni_wall + w, uni_tokens + t
-                for k in ("busy_s", "decode_forwards", "prefill_forwards"):
-                    uni[k] += c1[k] - c0[k]
-                print(f"round {r}: miles engine, uniform lengths, {t} tokens in {w:.2f}s", flush=True)
+        router = stack.enter_context(RouterProcess([engine.url]))
+        sglang = sglang_router = None
+        if a.sglang:
+            # As a run launches it on the CPU (one thread, KV pool at 5% of memory), behind a router as well.
+            t0 = time.perf_counter()
+            sglang = SGLangServer(EngineConfig(model_path=model_dir, device="cpu", num_threads=1,
+                                               memory_fraction=0.05, max_batch_size=int(max_batch)), SGLangConfig())
+            stack.callback(sglang.stop)
+            sglang_start_s = time.perf_counter() - t0
+            sglang_router = stack.enter_context(RouterProcess([sglang.url]))
+            asyncio.run(run_miles_grpo(sglang_router.url, prompts[:2], 2, [4] * 4, a.seed))  # warm-up
+        asyncio.run(run_miles_grpo(router.url, prompts[:2], 2, [4] * 4, a.seed))  # warm-up
+        busy, grpo = 0.0, {"prompt": 0, "cached": 0}
+        uni = {"busy_s": 0.0, "decode_forwards": 0, "prefill_forwards": 0}
+        for r in range(a.rounds):
+            torch.manual_seed(a.seed + r)
+            w, t = run_hf(model, prompts, a.samples, limits, a.hf_batch_size, tok.pad_token_id)
+            hf_wall, hf_tokens = hf_wall + w, hf_tokens + t
+            print(f"round {r}: transformers generate() {t} tokens in {w:.2f}s", flush=True)
+            _flush(engine.url)  # no round may find the warm-up's or an earlier round's prompts cached
+            c0 = _counters(engine.url)
+            w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, limits, a.seed + 1000 * r))
+            c1 = _counters(engine.url)
+            miles_wall, miles_tokens = miles_wall + w, miles_tokens + t
+            busy += c1["busy_s"] - c0["busy_s"]
+            for k in grpo:
+                grpo[k] += c1[k] - c0[k]
+            print(f"round {r}: miles engine via router {t} tokens in {w:.2f}s", flush=True)
+            if sglang is not None:
+                _flush(sglang.url)
+                w, t = asyncio.run(run_miles_grpo(sglang_router.url, prompts, a.samples, limits,
+                                                  a.seed + 1000 * r))
+                sglang_wall, sglang_tokens = sglang_wall + w, sglang_tokens + t
+                print(f"round {r}: live SGLang via router {t} tokens in {w:.2f}s", flush=True)
+            w, t = run_raw_decode(model, prompts, a.samples, uniform, tok.pad_token_id)
+            raw_wall, raw_tokens = raw_wall + w, raw_tokens + t
+            print(f"round {r}: raw static-batch decode {t} tokens in {w:.2f}s", flush=True)
             _flush(engine.url)
-            c_mt = _counters(engine.url)
-            mt_wall = asyncio.run(run_multi_turn(router.url, tok, a.episodes, a.turns, a.turn_max_new_tokens, a.seed))
-            c2 = _counters(engine.url)
+            c0 = _counters(engine.url)
+            w, t = asyncio.run(run_miles_grpo(router.url, prompts, a.samples, [uniform] * len(limits),
+                                              a.seed + 1000 * r + 500))
+            c1 = _counters(engine.url)
+            uni_wall, uni_tokens = uni_wall + w, uni_tokens + t
+            for k in ("busy_s", "decode_forwards", "prefill_forwards"):
+                uni[k] += c1[k] - c0[k]
+            print(f"round {r}: miles engine, uniform lengths, {t} tokens in {w:.2f}s", flush=True)
+        _flush(engine.url)
+        c_mt = _counters(engine.url)
+        mt_wall = asyncio.run(run_multi_turn(router.url, tok, a.episodes, a.turns, a.turn_max_new_tokens, a.seed))
+        c2 = _counters(engine.url)
 
     miles_tps, hf_tps = miles_tokens / miles_wall, hf_tokens / hf_wall
     result = {
@@ -274,6 +302,11 @@ def main(argv=None) -> int:
         "prompts": a.prompts, "samples": a.samples, "max_new_tokens": a.max_new_tokens,
         "hf_batch_size": a.hf_batch_size, "episodes": a.episodes, "turns": a.turns,
     }
+    if a.sglang:
+        result.update({"sglang_tokens_per_s": round(sglang_tokens / sglang_wall, 1),
+                       "sglang_ratio": round(sglang_tokens / sglang_wall / hf_tps, 2),
+                       "sglang_wall_s": round(sglang_wall, 2), "sglang_tokens": sglang_tokens,
+                       "sglang_startup_s": round(sglang_start_s, 1)})
     print(json.dumps(result))
     return 0
 

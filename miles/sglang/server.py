@@ -50,9 +50,17 @@ def launch_command(python: str, engine: EngineConfig, port: int, routed_experts:
         cmd += ["--context-length", str(engine.context_length)]
     if not engine.prefix_cache:
         cmd += ["--disable-radix-cache"]
+    cpu = on_cpu(engine)
+    if routed_experts and cpu:
+        # SGLang 0.5.23 pins the capturer's host buffer with cudaHostRegister at start-up
+        # (sglang/srt/mem_cache/pool_host/common.py, _cuda_host_register): no CPU server starts with the flag.
+        raise ConfigError("rollout.return_routed_experts with rollout.engine.kind = 'sglang' needs SGLang on a GPU: "
+                          "SGLang 0.5.23 records routed experts in CUDA-registered host memory and does not start "
+                          "on the CPU with --enable-return-routed-experts; on the CPU use the built-in engine "
+                          "(rollout.engine.kind = 'builtin'), which records them too")
     if routed_experts:
         cmd += ["--enable-return-routed-experts"]
-    if on_cpu(engine):
+    if cpu:
         cmd += CPU_FLAGS
     return cmd + list(extra or [])
 

@@ -8,8 +8,13 @@ by tests/helpers/sglang_protocol.py; nothing of SGLang is imported).
    pause/continue around them, and SGLang's verification flow (weights_checker snapshot,
    reset_tensors, compare, checksum). In miles mode, every request that departs from SGLang's
    protocol is part of an extension the engine advertised (broadcast, p2p, disk_delta runs).
+   The same checks run against a live SGLang server (sglang==0.5.23 on the CPU, launched as miles
+   launches it, one per module: its start-up takes 40-140 s here), through the same proxy: there the
+   run also proves SGLang takes what miles sends, including its stateful rules (each broadcast push
+   inside /begin_weight_update ... /end_weight_update).
 2. The built-in engine answers SGLang's request shapes with the status codes SGLang's handlers use,
-   on success and on a failed update.
+   on success and on a failed update; the live server answers them with codes the same reading of its
+   source allows.
 3. A vision-language run sends its images as SGLang's `image_data` (one base64 string per image,
    one placeholder token per image in input_ids, which SGLang expands), and the engine's
    /v1/chat/completions takes image parts of the shape SGLang's OpenAI models declare.
@@ -17,9 +22,12 @@ by tests/helpers/sglang_protocol.py; nothing of SGLang is imported).
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 
+from tests.helpers import live_sglang as live_sglang_server
 from tests.helpers.recording_proxy import RecordingProxy
 from tests.helpers.runs import small_config
 from tests.helpers.sglang_protocol import fetch_wheel, matches, read_protocol
@@ -32,6 +40,15 @@ TOKEN = "conformance-token"
 @pytest.fixture(scope="module")
 def sglang():
     return read_protocol(fetch_wheel())
+
+
+@pytest.fixture(scope="module")
+def live_sglang(tiny_model_dir):
+    """One live SGLang server on the tiny model, shared by this module's live checks; each check puts it
+    back to its launch state first (live_sglang.relaunched)."""
+    server = live_sglang_server.launch(tiny_model_dir, TOKEN)
+    yield server
+    server.stop()
 
 
 def _violations(proto, recorded, names=None) -> list[tuple[str, str | None, str]]:
@@ -70,15 +87,26 @@ def _violations(proto, recorded, names=None) -> list[tuple[str, str | None, str]
     return bad
 
 
-def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, engine_args: tuple = (), **overrides):
-    """A short `miles train` on one engine the run did not start, through a recording proxy; returns
-    (what miles sent, the engine's /get_server_info, its weight version at the end)."""
-    from miles.orchestration.driver import run_train
+@contextlib.contextmanager
+def _built_in_engine(model_dir, sglang_only: bool, engine_args: tuple = ()):
     from miles.engine.process import EngineProcess
 
     flag = ["--sglang-only", "true" if sglang_only else "false", *engine_args]
     with EngineProcess(model_dir, admin_token=TOKEN, extra_args=flag) as engine:
-        proxy = RecordingProxy(engine.url)
+        yield engine.url
+
+
+def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, engine_args: tuple = (),
+                         live=None, **overrides):
+    """A short `miles train` on one engine the run did not start (a built-in engine of its own, or the
+    `live` SGLang server), through a recording proxy; returns (what miles sent, the engine's
+    /get_server_info, its weight version at the end)."""
+    from miles.orchestration.driver import run_train
+
+    engine = (contextlib.nullcontext(live_sglang_server.relaunched(live, model_dir, TOKEN)) if live is not None
+              else _built_in_engine(model_dir, sglang_only, engine_args))
+    with engine as url:
+        proxy = RecordingProxy(url)
         try:
             monkeypatch.setenv("MILES_ENGINE_ADMIN_TOKEN", TOKEN)
             summary = run_train(small_config(model_dir, tmp_path, **{
@@ -87,24 +115,33 @@ def _train_through_proxy(model_dir, tmp_path, monkeypatch, sglang_only: bool, en
         finally:
             proxy.stop()
         assert summary["steps"] == 2
-        info = httpx.get(engine.url + "/get_server_info").json()
-        version = httpx.get(engine.url + "/get_model_info").json()["weight_version"]
+        info = httpx.get(url + "/get_server_info").json()
+        version = httpx.get(url + "/get_model_info").json()["weight_version"]
     return proxy.requests, info, version
 
 
 SYNC_PATHS = {
-    "broadcast": {"/init_weights_update_group", "/update_weights_from_distributed", "/update_weight_version",
-                  "/flush_cache"},
+    "broadcast": {"/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed",
+                  "/end_weight_update", "/update_weight_version", "/flush_cache"},
     "disk": {"/update_weights_from_disk"},
 }
+# SGLang's weights checker as the start check and the per-update check use it: snapshot / noise /
+# compare on the built-in engine; on a live SGLang on the CPU, whose `compare` needs CUDA, noise and
+# checksums the trainer recomputes from what it sent (miles/sync/sglang_checksums.py).
+CHECKER_ACTIONS = {"sglang-only": {"snapshot", "reset_tensors", "compare", "checksum"},
+                   "live": {"reset_tensors", "checksum"}}
 
 
-@pytest.mark.parametrize("transport", ["broadcast", pytest.param("disk", marks=pytest.mark.slow)])
-def test_a_train_run_on_sglang_only_engines_sends_only_sglang_requests(sglang, transport, tiny_model_dir, tmp_path,
-                                                                       ray_cluster, monkeypatch):
-    recorded, info, version = _train_through_proxy(tiny_model_dir, tmp_path, monkeypatch, sglang_only=True, **{
-        "sync.transport": transport, "sync.disk_dir": str(tmp_path / "weights")} if transport == "disk" else {
-        "sync.transport": transport})
+@pytest.mark.parametrize("engine,transport", [
+    ("sglang-only", "broadcast"), ("live", "broadcast"),
+    pytest.param("sglang-only", "disk", marks=pytest.mark.slow), pytest.param("live", "disk", marks=pytest.mark.slow)])
+def test_a_train_run_on_sglang_only_engines_sends_only_sglang_requests(sglang, engine, transport, tiny_model_dir,
+                                                                       tmp_path, ray_cluster, monkeypatch, request):
+    live = request.getfixturevalue("live_sglang") if engine == "live" else None
+    recorded, info, version = _train_through_proxy(tiny_model_dir, tmp_path, monkeypatch, sglang_only=True, live=live,
+                                                   **{"sync.transport": transport, "sync.disk_dir": str(
+                                                       tmp_path / "weights")} if transport == "disk" else {
+                                                       "sync.transport": transport})
     assert "miles_extensions" not in info and version == "2"
     violations = [why for _, _, why in _violations(sglang, recorded)]
     assert not violations, "\n".join(violations[:20])
@@ -113,7 +150,7 @@ def test_a_train_run_on_sglang_only_engines_sends_only_sglang_requests(sglang, t
     assert {"/health", "/get_server_info", "/generate", "/pause_generation", "/continue_generation",
             "/weights_checker"} | SYNC_PATHS[transport] <= paths, paths
     actions = {r.body["action"] for r in recorded if r.path == "/weights_checker"}
-    assert actions == {"snapshot", "reset_tensors", "compare", "checksum"}
+    assert actions == CHECKER_ACTIONS[engine]
     if transport == "broadcast":
         versions = [r.body["new_version"] for r in recorded if r.path == "/update_weight_version"]
     else:
@@ -169,9 +206,13 @@ def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sg
         assert ok.status_code == 200 and ok.json()["success"] is True and isinstance(ok.json()["message"], str)
         failed = call("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
         assert failed.status_code == 400 and failed.json()["success"] is False and failed.json()["message"]
-        failed = call("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
-                                                           "shapes": [[64]], "group_name": "nobody"})
+        bucket = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nobody"}
+        outside = call("/update_weights_from_distributed", bucket)  # SGLang's rule: only inside a session
+        assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"], outside.text
+        assert call("/begin_weight_update", {}).status_code == 200
+        failed = call("/update_weights_from_distributed", bucket)
         assert failed.status_code == 400 and failed.json()["success"] is False and "nobody" in failed.json()["message"]
+        assert call("/end_weight_update", {}).status_code == 200
         assert call("/update_weight_version", {"new_version": "v9"}).json()["new_version"] == "v9"
         assert call("/get_model_info", method="GET").json()["weight_version"] == "v9"
         assert call("/weights_checker", {"action": "compare"}).status_code == 400  # no snapshot: refused
@@ -185,6 +226,45 @@ def test_the_built_in_engine_answers_sglang_requests_with_sglang_status_codes(sg
         assert call("/health", method="GET").status_code == 200
     finally:
         server.stop()
+
+
+def test_live_sglang_answers_with_the_status_codes_read_from_its_source(sglang, live_sglang, tiny_model_dir,
+                                                                       tmp_path):
+    """The live server's answers to the requests miles sends, on success and on failure, carry codes the
+    reading of SGLang's source allows, so the built-in engine's codes above are SGLang's in practice
+    too; and the stateful rule that reading cannot see (a broadcast bucket only inside a weight-update
+    session) holds as the broadcast transport assumes."""
+    url = live_sglang_server.relaunched(live_sglang, tiny_model_dir, TOKEN)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    def call(path: str, body: dict | None = None, method: str = "POST") -> httpx.Response:
+        r = httpx.request(method, url + path, json=body, headers=headers, timeout=300)
+        codes = sglang.routes[path].status_codes or {200}
+        assert r.status_code in codes, f"{path} answered {r.status_code}; SGLang's handler answers {codes}: {r.text}"
+        return r
+
+    try:
+        ok = call("/update_weights_from_disk", {"model_path": tiny_model_dir, "weight_version": "3"})
+        assert ok.status_code == 200 and ok.json()["success"] is True and isinstance(ok.json()["message"], str)
+        assert call("/get_model_info", method="GET").json()["weight_version"] == "3"
+        failed = call("/update_weights_from_disk", {"model_path": str(tmp_path / "none")})
+        assert failed.status_code == 400 and failed.json()["success"] is False and failed.json()["message"]
+        # A bucket outside a weight-update session is refused, naming the session it needs.
+        outside = call("/update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"],
+                                                            "shapes": [[64]], "group_name": "nobody"})
+        assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"], outside.text
+        assert call("/begin_weight_update", {}).status_code == 200
+        assert call("/end_weight_update", {}).status_code == 200
+        assert call("/update_weight_version", {"new_version": "v9"}).status_code == 200
+        assert call("/get_model_info", method="GET").json()["weight_version"] == "v9"
+        checksum = call("/weights_checker", {"action": "checksum"}).json()
+        assert checksum["success"] is True, checksum
+        assert call("/pause_generation", {"mode": "retract"}).status_code == 200
+        assert call("/flush_cache").status_code == 200
+        assert call("/continue_generation", {}).status_code == 200
+        assert call("/health", method="GET").status_code == 200
+    finally:
+        httpx.post(url + "/continue_generation", json={}, headers=headers, timeout=60)
 
 
 def test_lora_adapter_sync_and_lora_routes_follow_sglangs_protocol(sglang, base_model_dir, tmp_path):

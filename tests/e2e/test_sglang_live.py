@@ -8,8 +8,11 @@ trained through, and fed weights over SGLang's own routes.
    verified against the trainer's tensors; then the server's greedy ids equal a transformers forward
    of the trainer's exported checkpoint.
 2. On one shared server: what the rollout uses (TITO with logprobs, a batched group, streaming, abort,
-   /v1), then a broadcast push verified tensor by tensor against the trainer's checksums, and a push
-   that skips a tensor named by the verification.
+   /v1), an OpenAI session through `miles sessions`, then a broadcast push verified tensor by tensor
+   against the trainer's checksums, and a push that skips a tensor named by the verification; the same
+   over the disk transport (SGLang's /update_weights_from_disk); and the transports SGLang cannot take
+   on the CPU refused at connect, naming the fix. Tests that need the launch state reload it first
+   (tests/helpers/live_sglang.py).
 3. (slow) A server killed mid-run is replaced, and the run completes with nothing lost or trained twice.
 
 One SGLang server runs at a time (about 3.8 GB): the train run's server is stopped before the shared
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import httpx
 import pytest
 import torch
 
+from tests.helpers.live_sglang import relaunched
 from tests.helpers.runs import small_config
 
 pytestmark = pytest.mark.e2e
@@ -147,6 +152,38 @@ def test_what_the_rollout_uses_answers_on_live_sglang_as_miles_reads_it(sglang_s
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant", chat.text
 
 
+def test_an_openai_session_on_live_sglang_records_what_sglang_generated(sglang_server, base_model_dir):
+    """`miles sessions` in front of the live server, driven by the openai client for two turns: each model
+    turn it recorded is what SGLang generates greedily from the tokens before it (TITO, no retokenizing)."""
+    import openai
+
+    from miles.rollout.sessions.server import start_session_server
+
+    url = relaunched(sglang_server, base_model_dir, TOKEN)
+    sessions = start_session_server(url, base_model_dir)
+    try:
+        sid = sessions.new_session().id
+        client = openai.OpenAI(base_url=sessions.base_url(sid), api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is 12+30?"}]
+        for follow_up in ("And 5+5?", None):
+            r = client.chat.completions.create(model="miles", messages=messages, max_tokens=6, temperature=0)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content}]
+            if follow_up:
+                messages += [{"role": "user", "content": follow_up}]
+        traj = httpx.get(f"{sessions.url}/sessions/{sid}/trajectory", timeout=30).json()
+    finally:
+        sessions.stop()
+    ids, mask, fed = traj["response_ids"], traj["loss_mask"], list(traj["prompt_ids"])
+    turns = 0
+    for i, (t, m) in enumerate(zip(ids, mask)):
+        if m and (i == 0 or not mask[i - 1]):  # a model turn starts: SGLang's own greedy answer to `fed`
+            run = ids[i:i + next((k for k, mk in enumerate(mask[i:]) if not mk), len(ids) - i)]
+            assert _greedy(url, fed, n=len(run))["output_ids"] == run
+            turns += 1
+        fed.append(t)
+    assert turns == 2 and len(traj["weight_versions"]) == 2
+
+
 def _state(model_dir: str, seed: int | None) -> dict[str, torch.Tensor]:
     from miles.models.loading import load_model
 
@@ -207,6 +244,59 @@ def test_a_broadcast_push_into_live_sglang_is_verified_against_the_trainers_tens
     finally:
         updater.close()
         httpx.post(url + "/continue_generation", json={}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+
+def test_a_disk_push_into_live_sglang_is_loaded_by_its_own_route_and_verified(sglang_server, base_model_dir,
+                                                                                tmp_path):
+    """sync.transport = "disk": each version a checkpoint directory, loaded by SGLang's
+    /update_weights_from_disk, checked at the start and after the push against the trainer's tensors."""
+    from miles.models.loading import load_model
+    from miles.sync.verify import VerificationError
+
+    url = relaunched(sglang_server, base_model_dir, TOKEN)
+    updater = _updater(base_model_dir, "disk", disk_dir=tmp_path / "weights", verify_first_update=True,
+                       verify_checksums=True)
+    updater.connect([url])
+    try:
+        assert updater.plain and updater.needs_start_check
+        assert updater.check_start(iter(_state(base_model_dir, None).items()))["sync/verified_tensors"] >= 30
+        new = _state(base_model_dir, seed=7)
+        assert updater.push(iter(new.items()), version=1)["sync/verified_tensors"] >= 30
+        model = load_model(base_model_dir).eval()
+        model.load_state_dict(new, strict=False)
+        model.tie_weights()
+        prompt = [5, 6, 7, 8]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=6,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        got = _greedy(url, prompt)
+        assert got["output_ids"] == ref[:len(got["output_ids"])] and got["meta_info"]["weight_version"] == "1"
+        # The checkpoint SGLang loaded is the one the trainer wrote: one that lacks a tensor is named.
+        partial = {n: t for n, t in _state(base_model_dir, seed=8).items() if n != "model.norm.weight"}
+        with pytest.raises(VerificationError, match="model.norm.weight"):
+            updater.push(iter(partial.items()), version=2)
+    finally:
+        updater.close()
+        relaunched(sglang_server, base_model_dir, TOKEN)
+
+
+@pytest.mark.parametrize("transport,fix", [
+    ("p2p", "sync.transport = 'broadcast'"), ("disk_delta", "sync.transport = 'broadcast'"),
+    ("colocated", "sync.transport = 'broadcast'"), ("broadcast+nccl", "sync.backend = 'gloo'")])
+def test_transports_live_sglang_cannot_take_on_the_cpu_are_refused_at_connect_naming_the_fix(
+        sglang_server, base_model_dir, tmp_path, transport, fix):
+    from miles.sync.transports.base import TransportError
+
+    transport, _, backend = transport.partition("+")
+    extra = {"delta_dir": tmp_path / "deltas"} if transport == "disk_delta" else {}
+    updater = _updater(base_model_dir, transport, **extra, **({"backend": backend} if backend else {}))
+    try:
+        with pytest.raises(TransportError, match=re.escape(fix)):
+            updater.connect([sglang_server.url])
+    finally:
+        updater.close()
+    # The refusal left the server serving.
+    assert _greedy(sglang_server.url, [1, 2, 3], n=2)["meta_info"]["finish_reason"]["type"] == "length"
 
 
 @pytest.mark.slow  # a second server start (the replacement): about as long as the GRPO run above
