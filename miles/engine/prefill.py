@@ -14,8 +14,6 @@ forward's hooks and masks (ModelRunner.forward), the decode step (model_runner.p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from miles.engine import kv_cache
@@ -23,12 +21,8 @@ from miles.engine.lora import Adapter
 from miles.engine.row import Row
 from miles.engine_api.types import FinishReason
 
-if TYPE_CHECKING:  # the runner owns a Prefill: imported for annotations only
-    from miles.engine.model_runner import ModelRunner
-
-
 class Prefill:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner):  # the ModelRunner that owns this Prefill
         self.runner = runner
 
     def run(self, rows: list[Row]) -> None:

@@ -149,51 +149,35 @@ class WeightUpdater:
 
     def check_start(self, named) -> dict[str, float]:
         """SGLang's verification flow, once before the run, with the trainer's starting weights (which
-        the engines also hold): snapshot, fill with noise, push, compare with the snapshot. A tensor
-        the transport never writes still holds noise, and the engine names it."""
+        the engines also hold): fill with noise, push, compare. A tensor the transport never writes
+        still holds noise, and is named. The comparison is SGLang's own (`compare` against a snapshot
+        taken first) or, on live SGLang servers on the CPU, whose `compare` needs CUDA, every engine
+        tensor's checksum against the one the trainer computes from what it sent (sglang_checksums.py)."""
         t0 = time.perf_counter()
-        if self._sglang_cpu:
-            return {**self._check_start_recomputed(named), "sync/start_check_s": time.perf_counter() - t0}
+        record = sglang_checksums.SGLangChecksums(self._engine_dtype) if self._sglang_cpu else None
         paused = self._pause_plain()
         try:
-            self._client.post_all(self.engine_urls, "/weights_checker", {"action": "snapshot"})
-            self._client.post_all(self.engine_urls, "/weights_checker", {"action": "reset_tensors"})
-            metrics = push_weights(named, self.transport, 0, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
-                                   converter=self.converter)
-            try:
-                self._client.post_all(self.engine_urls, "/weights_checker", {"action": "compare"})
-            except TransportError as exc:
-                raise verify.VerificationError(
-                    f"weight verification failed: after the noise fill and a push of the trainer's starting "
-                    f"weights, an engine's weights differ from its snapshot ({exc})") from None
-        finally:
-            self._continue(paused)
-        self.started_checked = True
-        log.info("verified %s over SGLang's weights_checker on %d engine(s)", self.cfg.transport,
-                 len(self.engine_urls))
-        return {**metrics, "sync/start_check_s": time.perf_counter() - t0}
-
-    def _check_start_recomputed(self, named) -> dict[str, float]:
-        """The start check on live SGLang servers on the CPU, whose `compare` needs CUDA: noise-fill
-        (reset_tensors), push the trainer's starting weights, and compare every engine tensor's checksum
-        with the one the trainer computes from what it sent (sglang_checksums.py); a tensor the transport
-        never wrote still holds noise and is named."""
-        record = sglang_checksums.SGLangChecksums(self._engine_dtype)
-        paused = self._pause_plain()
-        try:
+            if record is None:
+                self._client.post_all(self.engine_urls, "/weights_checker", {"action": "snapshot"})
             self._client.post_all(self.engine_urls, "/weights_checker", {"action": "reset_tensors"})
             metrics = push_weights(named, self.transport, 0, self.cfg.bucket_size_mb * MiB, self.cfg.dtype,
                                    converter=self.converter, record=record)
-            metrics["sync/verified_tensors"] = record.compare(self._client, self.engine_urls)
+            if record is not None:
+                metrics["sync/verified_tensors"] = record.compare(self._client, self.engine_urls)
+            else:
+                try:
+                    self._client.post_all(self.engine_urls, "/weights_checker", {"action": "compare"})
+                except TransportError as exc:
+                    raise verify.VerificationError(f"an engine's weights differ from its snapshot ({exc})") from None
         except verify.VerificationError as exc:
             raise verify.VerificationError(f"weight verification failed: after the noise fill and a push of the "
                                            f"trainer's starting weights, {exc}") from None
         finally:
             self._continue(paused)
         self.started_checked = True
-        log.info("verified %s on %d SGLang engine(s) against the trainer's checksums", self.cfg.transport,
-                 len(self.engine_urls))
-        return metrics
+        log.info("verified %s on %d engine(s)%s", self.cfg.transport, len(self.engine_urls),
+                 " against the trainer's checksums" if record is not None else " over SGLang's weights_checker")
+        return {**metrics, "sync/start_check_s": time.perf_counter() - t0}
 
     def push(self, named, version: int) -> dict[str, float]:
         """Push one version. Each attempt has a deadline (sync.version_timeout_s; each bucket has
