@@ -53,7 +53,9 @@ def test_two_steps_on_rows_with_images(tiny_vl_model_dir, tmp_path, ray_cluster,
     summary = run_train(small_config(tiny_vl_model_dir, tmp_path, **{
         "loop.num_steps": "2", "eval.every_steps": "2", "eval.num_prompts": "2", "rollout.task.name": "dataset",
         # A tiny untrained model scores 0 everywhere: keep its zero-advantage groups so steps train.
-        "rollout.task.data.eval_fraction": "0.2", "buffer.filter": "none", **layout(tmp_path)}))
+        "rollout.task.data.eval_fraction": "0.2", "buffer.filter": "none", **layout(tmp_path),
+        # The rows' longest label is 6 tokens: room for it, as the label check asks.
+        "rollout.max_new_tokens": "6", "eval.max_new_tokens": "6"}))
     assert summary["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if r["step"] > 0]
