@@ -12,7 +12,11 @@ Non-goals: device placement of engines (engine/); docs/scaling.md says what has 
 
 from __future__ import annotations
 
+import datetime
+import os
+
 import torch
+import torch.distributed as dist
 
 from miles.devices import exact_float32, resolve
 
@@ -39,6 +43,17 @@ def compute_device(device: str, rank: int) -> torch.device:
     index = rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def join_trainer_group(cfg, rank: int, world_size: int, master_addr: str, master_port: int) -> torch.device:
+    """This rank's device (compute_device), once it is in the trainer's process group at
+    master_addr:master_port (joined once per process; `cfg` is the TrainerConfig)."""
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    device = compute_device(cfg.device, rank)
+    if not dist.is_initialized():
+        dist.init_process_group(collective_backend(cfg.device, cfg.collective_backend), rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+    return device
 
 
 def param_dtype(name: str) -> torch.dtype:

@@ -15,9 +15,7 @@ models (backends/loading.py): it holds only what is FSDP's. The contract is back
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
-import os
 from typing import Iterator
 
 import torch
@@ -29,7 +27,7 @@ from miles.trainer.backends.compute_copy import ComputeCopy
 from miles.trainer.backends.loading import load_critic, load_policy
 from miles.trainer.checkpoint import CheckpointWriter, load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
-from miles.trainer.device import HOST, collective_backend, compute_device, mixed_precision, param_dtype
+from miles.trainer.device import HOST, join_trainer_group, mixed_precision, param_dtype
 from miles.trainer.forward import run_micro_batches
 from miles.trainer.offload import OptimizerSet
 from miles.trainer.parallel import load_parallel_model
@@ -40,11 +38,7 @@ class FSDPBackend:
 
     def __init__(self, cfg: TrainerConfig, model_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int):
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        self.device = compute_device(cfg.device, rank)
-        if not dist.is_initialized():
-            dist.init_process_group(collective_backend(cfg.device, cfg.collective_backend), rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+        self.device = join_trainer_group(cfg, rank, world_size, master_addr, master_port)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         self.compute_copy: ComputeCopy | None = None  # one rank in bfloat16 (see the module docstring)
         self.model, self.dp_size = self._build_policy()

@@ -22,9 +22,7 @@ Non-goal: the step itself, the algorithms (the trainer's).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
-import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -39,7 +37,7 @@ from miles.trainer.backends.megatron.hf_layout import (
     Rule, expert_names, gate_up_rule, layer_rules, rope_theta, top_rules, transformer_config_kwargs)
 from miles.trainer.checkpoint import CheckpointWriter, fsync_write, host_copy
 from miles.trainer.config import TrainerConfig, lr_lambda
-from miles.trainer.device import HOST, collective_backend, compute_device
+from miles.trainer.device import HOST, join_trainer_group
 from miles.trainer.types import TokenOutputs
 
 # megatron-core after the adapter: its modules are imported once the CPU patches can be applied.
@@ -65,11 +63,7 @@ class MegatronBackend:
 
     def __init__(self, cfg: TrainerConfig, model_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int):
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        self.device = compute_device(cfg.device, rank)
-        if not dist.is_initialized():
-            dist.init_process_group(collective_backend(cfg.device, cfg.collective_backend), rank=rank,
-                                    world_size=world_size, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+        self.device = join_trainer_group(cfg, rank, world_size, master_addr, master_port)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         tp, pp, cp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size
         if cp > 1 and self.device.type == "cpu":
