@@ -317,5 +317,7 @@ def test_an_sglang_server_killed_mid_run_is_replaced_and_nothing_is_lost_or_trai
     assert event["new_url"] != event["old_url"] and event["pushed_at"] <= event["admitted_at"]
     ledger = summary["ledger"]
     assert ledger["drawn"] == ledger["trained"] + ledger["discarded"] + ledger["pending"], ledger
-    # Each prompt is trained at most once: the trainings counted equal the prompts in state "trained".
-    assert ledger["events"]["trained"] == ledger["trained"] >= 4 * 2, ledger
+    # Each prompt is trained at most once: the trainings counted equal the prompts in state "trained";
+    # at least two steps' prompts were decided (a group whose rewards are all equal is discarded by the filter).
+    assert ledger["events"]["trained"] == ledger["trained"], ledger
+    assert ledger["trained"] + ledger["discarded"] >= 4 * 2 and ledger["trained"] >= 4, ledger
