@@ -248,13 +248,8 @@ class TrainerConfig:
             (self.pack_sequences, "packed micro-batches (THD attention is TransformerEngine's)",
              "set trainer.pack_sequences = false"),
             (self.offload_optimizer != "none", "optimizer offload", "set trainer.offload_optimizer = 'none'"),
-            (self.routing_replay and self.context_parallel_size > 1, "Rollout Routing Replay with context "
-             "parallelism", "set trainer.routing_replay = false, or context_parallel_size = 1"),
             (self.routing_replay and self.activation_checkpointing, "Rollout Routing Replay with recomputed "
              "activations (the recompute would route freely)", "set trainer.activation_checkpointing = false"),
-            (self.context_parallel_size > 1 and self.device == "cpu", "context parallelism on a CPU "
-             "(megatron-core runs it in TransformerEngine's attention only)",
-             "set trainer.context_parallel_size = 1, or trainer.device = 'cuda' with TransformerEngine installed"),
             (self.param_dtype != "float32" and self.device != "cuda", "bfloat16 on a CPU",
              "set trainer.param_dtype = 'float32', or trainer.device = 'cuda'"),
             (self.pipeline_parallel_size > 1 and self.minibatches_per_step > 1,

@@ -12,6 +12,8 @@ shard; exports and weight sync gather TP shards within their group, experts with
 and pipeline stages onto every rank that asks.
 On a CPU, megatron-core runs behind cpu_adapter.py (pinned to one release).
 
+Context parallelism runs in the project's own core attention on the local layers
+(context_parallel.py: megatron-core's local attention asserts CP = 1).
 Refused at config load (trainer/config.py): a critic (PPO), LoRA, quantization-aware training,
 packed micro-batches (THD attention is TransformerEngine's), bfloat16 without a GPU. Routing replay
 (R3) runs in megatron-core's own routers (router_replay.py). Resumable checkpoints are per-rank
@@ -53,6 +55,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
+from miles.trainer.backends.megatron.context_parallel import (  # noqa: E402
+    ContextParallelAttention, gather_tokens, local_chunks, local_positions)
 from miles.trainer.backends.megatron.logprobs import vocab_parallel_token_outputs  # noqa: E402
 from miles.trainer.backends.megatron.router_replay import (  # noqa: E402
     engine_ids_in_router_order, replay_family, replaying)
@@ -66,10 +70,6 @@ class MegatronBackend:
         self.device = join_trainer_group(cfg, rank, world_size, master_addr, master_port)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         tp, pp, cp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.context_parallel_size
-        if cp > 1 and self.device.type == "cpu":
-            raise ValueError("trainer.backend = 'megatron' runs context parallelism in TransformerEngine's attention "
-                             "only (megatron-core's local DotProductAttention asserts context_parallel_size == 1): "
-                             "set trainer.context_parallel_size = 1, or run on a GPU with TransformerEngine installed")
         vpp = cfg.virtual_pipeline_parallel_size if cfg.virtual_pipeline_parallel_size > 1 else None
         mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(
@@ -83,7 +83,7 @@ class MegatronBackend:
         rng = torch.get_rng_state()
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         self.dp_size = world_size // (tp * pp * cp)
-        self.loss_copies = tp  # the last stage's TP peers compute the same loss; CP ranks split the tokens
+        self.loss_copies = tp * cp  # the last stage's TP and CP peers compute the same loss (context_parallel.py)
         self.hf_config = AutoConfig.from_pretrained(model_path)
         self.tconfig = TransformerConfig(
             **transformer_config_kwargs(self.hf_config), tensor_model_parallel_size=tp,
@@ -119,6 +119,8 @@ class MegatronBackend:
     def _build_chunks(self, vpp: int) -> list[GPTModel]:
         spec = get_gpt_layer_local_spec(num_experts=self.tconfig.num_moe_experts, moe_grouped_gemm=False,
                                         qk_layernorm=self.tconfig.qk_layernorm, normalization="RMSNorm")
+        if self.cfg.context_parallel_size > 1:  # megatron-core's local attention asserts CP = 1
+            spec.submodules.self_attention.submodules.core_attention = ContextParallelAttention
         hf = self.hf_config
         chunks = []
         for stage in range(vpp):
@@ -209,8 +211,8 @@ class MegatronBackend:
         def forward_step(data_iterator, model):
             t0 = time.perf_counter()
             mb = next(data_iterator)
-            ids = _pad_to(mb.input_ids, multiple)  # (B, T') the schedule's shapes: SP and CP split T'
-            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            ids = local_chunks(_pad_to(mb.input_ids, multiple), 1)  # (B, T'/CP): this CP rank's two chunks
+            pos = local_positions(ids.shape[1], ids.device).expand_as(ids)
             with around_forward(mb) if around_forward is not None else contextlib.nullcontext():
                 out = model(ids, pos, None)
             timer["fwd"] += time.perf_counter() - t0
@@ -234,11 +236,14 @@ class MegatronBackend:
         trainer's loss is already a sum over the global batch, so that division is undone here."""
         t0 = time.perf_counter()
         T = mb.input_ids.shape[1]
-        logits = logits[:, :T]
-        targets = torch.cat([mb.input_ids[:, 1:], mb.input_ids[:, :1]], dim=1)  # the last position's is dropped
+        ids = _pad_to(mb.input_ids, _seq_multiple(self.cfg))
+        targets = local_chunks(torch.cat([ids[:, 1:], ids[:, :1]], dim=1), 1)  # the last position's is dropped
         out = vocab_parallel_token_outputs(logits, targets, request, mpu.get_tensor_model_parallel_group())
-        tokens = TokenOutputs(out.logprobs[:, :-1], None if out.entropy is None else out.entropy[:, :-1],
-                              None if out.greedy is None else out.greedy[:, :-1])
+
+        def whole(t):  # (B, T'/CP) this rank's tokens -> (B, T-1) in sequence order
+            return None if t is None else gather_tokens(t, 1)[:, :T - 1]
+        tokens = TokenOutputs(whole(out.logprobs), whole(out.entropy),
+                              None if out.greedy is None else whole(out.greedy.float()).bool())
         loss = loss_fn(mb, tokens) * n
         timer["fwd"] += time.perf_counter() - t0
         return loss, {}
@@ -248,7 +253,7 @@ class MegatronBackend:
         if mb.routed is None:
             return contextlib.nullcontext()
         width = _pad_to(mb.input_ids, _seq_multiple(self.cfg)).shape[1]
-        engine = engine_ids_in_router_order(mb.routed, width, self.cfg.sequence_parallel)
+        engine = engine_ids_in_router_order(mb.routed, width, self.cfg.sequence_parallel, local_chunks)
         return replaying(self.chunks, replay_family(self.hf_config), engine, replay, sums)
 
     def optimizer_step(self) -> float:

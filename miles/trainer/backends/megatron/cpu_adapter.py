@@ -94,6 +94,13 @@ NORM_SITE = Site("megatron.core.transformer.torch_norm", (32,),
 TIED_EMBEDDING_SITE = Site("megatron.core.models.common.language_module.language_module", (244,),
                            "weight.data = weight.data.cuda()")
 
+# models/common/embeddings/rope_utils.py (get_pos_emb_on_this_cp_rank, lines 63–64) builds the index of
+# a context-parallel rank's two chunks in pinned host memory and moves it to the GPU; the rotary
+# embedding imports it by name, so its name there is replaced by the same selection on the table's
+# own device.
+ROPE_CP_SITE = Site("megatron.core.models.common.embeddings.rope_utils", (63, 64), "pin_memory=True")
+ROPE_CP_USER = "megatron.core.models.common.embeddings.rotary_pos_embedding"
+
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
 
 
@@ -168,6 +175,14 @@ def _splits_to_host(tensor, as_numpy: bool = False, record_stream: bool = False)
     return tensor.cpu() if torch.is_tensor(tensor) else tensor
 
 
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, index)
+    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2:])
+
+
 def _cpu_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()
 
@@ -226,6 +241,7 @@ def apply() -> None:
     norm = importlib.import_module(NORM_SITE.module).WrappedTorchNorm
     norm.__new__ = _sequence_parallel_norm(norm.__new__)
     importlib.import_module(DISPATCH_SPLITS_SITE.module).maybe_move_tensor_to_cpu = _splits_to_host
+    importlib.import_module(ROPE_CP_USER).get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     moe_utils = importlib.import_module(TE_GEMM_SITE.module)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

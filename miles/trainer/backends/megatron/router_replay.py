@@ -6,14 +6,15 @@ routing already agreed keeps its forward bit for bit and the router keeps its gr
 
 Token order: megatron-core routes a micro-batch's tokens sequence-major ([T', B] flattened, T' the
 padded width) and, under sequence parallelism, each TP rank routes its contiguous slice of T'; the
-engine's ids (B, T, MoE layers, k) are laid out the same way here. Expert parallelism needs nothing
-more: routing happens before dispatch, on global expert ids.
+engine's ids (B, T, MoE layers, k) are laid out the same way here, after taking this context-parallel
+rank's two chunks of T'. Expert parallelism needs nothing more: routing happens before dispatch, on
+global expert ids.
 
 The routing is replaced per router instance (`TopKRouter.routing`, megatron-core 0.16.1
 transformer/moe/router.py line 545), only inside the context, by calling the original and replacing
 its (probs, routing_map); nothing of megatron-core is copied.
-Non-goals: context parallelism (its load-balanced chunks), recomputed activations (the recompute would
-route outside the context) — both refused at config load; families other than softmax-routed Qwen3-MoE.
+Non-goals: recomputed activations (the recompute would route outside the context), refused at config
+load; families other than those REPLAY_ROUTERS names.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ def replay_family(hf_config):
     return ROUTER_FAMILIES[REPLAY_ROUTERS[hf_config.model_type]](hf_config)
 
 
-def engine_ids_in_router_order(routed: torch.Tensor, width: int, sequence_parallel: bool) -> torch.Tensor:
+def engine_ids_in_router_order(routed: torch.Tensor, width: int, sequence_parallel: bool,
+                               context_chunks=lambda x, dim: x) -> torch.Tensor:
     """(B, T, layers, k) engine ids -> (N, layers, k) in the order this rank's routers see tokens:
-    padded to `width` with -1, sequence-major, this TP rank's slice under sequence parallelism."""
+    padded to `width` with -1, this context-parallel rank's chunks (`context_chunks(x, dim)`),
+    sequence-major, this TP rank's slice under sequence parallelism."""
     B, T, layers, k = routed.shape
     padded = torch.full((B, width, layers, k), -1, dtype=routed.dtype, device=routed.device)
     padded[:, :T] = routed
-    order = padded.transpose(0, 1)  # (T', B, layers, k)
+    order = context_chunks(padded, 1).transpose(0, 1)  # (T'/CP, B, layers, k)
     if sequence_parallel:
         order = order.chunk(mpu.get_tensor_model_parallel_world_size())[mpu.get_tensor_model_parallel_rank()]
     return order.reshape(-1, layers, k)

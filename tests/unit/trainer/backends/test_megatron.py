@@ -1,10 +1,11 @@
 """The Megatron backend trains the same step as FSDP on the same batch: per-token logprobs within
 1e-5 of FSDP's and of transformers', and after one optimizer step (lr 1e-3) exported weights within
-1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism and at pipeline parallel 2;
-tiny-qwen3-moe at EP 2, TP 2 × EP 2 and TP 2 with expert TP 2; routing replay (R3) in its routers as
-FSDP replays; checkpoints that resume bit for bit at their layout and at TP 1 from TP 2. One spawned
-world of two gloo ranks runs the dense cases, another the MoE ones (megatron-core's import and the
-model loads are most of the cost)."""
+1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism, at pipeline parallel 2
+and at context parallel 2; tiny-qwen3-moe at EP 2, TP 2 × EP 2 and TP 2 with expert TP 2; routing
+replay (R3) in its routers as FSDP replays, also with each sequence split over CP 2; checkpoints that
+resume bit for bit at their layout and at TP 1 from TP 2. One spawned world of two gloo ranks runs
+the dense cases, another the MoE ones (megatron-core's import and the model loads are most of the
+cost)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,6 @@ SEED, N = 3, 6
     ({"algorithm": {"name": "ppo"}}, r"'megatron' does not support a value model .*trainer.backend = 'fsdp'"),
     ({"quantization": "fp8"}, r"'megatron' does not support quantization-aware training"),
     ({"pack_sequences": True}, r"'megatron' does not support packed micro-batches"),
-    ({"num_ranks": 2, "context_parallel_size": 2, "device": "cpu"},
-     r"'megatron' does not support context parallelism on a CPU .*set trainer.context_parallel_size = 1, or "
-     r"trainer.device = 'cuda' with TransformerEngine installed"),
 ])
 def test_a_megatron_layout_it_cannot_run_is_refused_at_config_load(keys, refusal):
     with pytest.raises(ConfigError, match=refusal):
@@ -78,6 +76,9 @@ def test_a_moe_layout_megatron_core_does_not_train_correctly_is_refused(tiny_moe
                                       "trainer.num_ranks": 2, "trainer.tensor_parallel_size": 2, **keys})
 
 
+DENSE_LAYOUTS = ["tp2", "tp2_sp", "pp2", "cp2"]
+
+
 def run_world(tmp_path, cases: list[dict], world: int = 2) -> dict:
     out = tmp_path / "out.pt"
     spec = {"world": world, "port": free_port(), "seed": SEED, "n": N, "out": str(out), "cases": cases}
@@ -96,6 +97,7 @@ def dense(tiny_model_dir, tmp_path_factory) -> dict:
         case("tp2", backend="megatron", tensor_parallel_size=2),
         case("tp2_sp", backend="megatron", tensor_parallel_size=2, sequence_parallel=True),
         case("pp2", backend="megatron", pipeline_parallel_size=2),  # 1F1B over two stages
+        case("cp2", backend="megatron", context_parallel_size=2),  # each sequence split over both ranks
     ])
 
 
@@ -116,7 +118,7 @@ def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y))
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
 def test_a_checkpoint_goes_through_megatrons_layout_and_back_bit_exact(dense, tiny_model_dir, layout):
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +128,7 @@ def test_a_checkpoint_goes_through_megatrons_layout_and_back_bit_exact(dense, ti
     assert all(torch.equal(got[name], hf[name]) for name in got)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
 def test_megatron_logprobs_match_fsdp_and_transformers(dense, tiny_model_dir, layout):
     want = transformers_logprobs(tiny_model_dir)
     assert max_gap(dense["fsdp"]["logprobs"], want) < 1e-5
@@ -134,7 +136,7 @@ def test_megatron_logprobs_match_fsdp_and_transformers(dense, tiny_model_dir, la
     assert max_gap(dense[layout]["logprobs"], dense["fsdp"]["logprobs"]) < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
 def test_one_megatron_step_exports_the_weights_fsdp_steps_to(dense, layout):
     got, want = dense[layout], dense["fsdp"]
     assert got["weights"].keys() == want["weights"].keys()  # HF names, tied embedding once
@@ -168,6 +170,8 @@ def moe(tiny_moe_model_dir, tmp_path_factory) -> dict:
         {**case("ep2_r3", backend="megatron", expert_parallel_size=2, routing_replay=True), "routes": True},
         {**case("tp2_ep2_r3", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2,
                 sequence_parallel=True, routing_replay=True), "routes": True},
+        {**case("cp2_ep2_r3", backend="megatron", context_parallel_size=2, expert_parallel_size=2,
+                routing_replay=True), "routes": True},
         # Checkpoints: a step, a save, a step; a new trainer loads the save and takes the step again.
         {**case("resume", backend="megatron", tensor_parallel_size=2, expert_parallel_size=2, sequence_parallel=True,
                 lr_schedule="linear", lr_warmup_steps=1, lr_decay_steps=4), "resume": {}},
@@ -206,7 +210,7 @@ def test_one_megatron_moe_step_exports_the_weights_fsdp_steps_to(moe, layout):
     assert got["metrics"]["train/grad_norm"] == pytest.approx(want["metrics"]["train/grad_norm"], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["ep2_r3", "tp2_ep2_r3"])
+@pytest.mark.parametrize("layout", ["ep2_r3", "tp2_ep2_r3", "cp2_ep2_r3"])
 def test_megatron_routers_replay_the_recorded_experts_as_fsdp_does(moe, layout):
     """The recorded experts replace Megatron's top-k choice in every MoE layer, weighted as Qwen3-MoE's
     router weighs them: the same logprobs, mismatch rate and one-step weights as FSDP's replay."""
