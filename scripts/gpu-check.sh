@@ -5,6 +5,7 @@
 #   2. the tests marked `cuda` (engine and trainer on the GPU against transformers and the CPU path, the
 #      fast decode's CUDA graphs against its eager forward for every bucket, weight pushes from and into
 #      GPU memory; those needing two GPUs skip on one);
+#      then the Megatron backend on the GPU against FSDP there (tests/unit/trainer/backends/test_megatron.py);
 #   3. `miles bench gpu` on the Qwen3-0.6B shape: engine decode (fast path) against transformers.generate()
 #      at batch 64 and 256 x 256 new tokens, each step against the memory floor and taken apart
 #      (attention, matmuls, sampling, launch gaps), and miles' trainer step against a plain bf16 loop;
@@ -62,8 +63,10 @@ if [ "$SMALL" = 1 ]; then
       tests/unit/engine/test_decode_graphs.py
 else  # the files with tests marked cuda (collecting all of tests/unit needs packages a GPU image may lack),
   # among them tests/unit/sync/test_broadcast_backend.py (the broadcast transport from and into GPU memory)
-  part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit)
+  part pytest-cuda 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider $(grep -rl "mark.cuda" tests/unit | grep -v megatron)
 fi
+# The Megatron backend on the GPU (megatron-core from scripts/gpu/bundle-megatron.sh; skipped without it).
+part megatron 90 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/unit/trainer/backends/test_megatron.py
 
 # The 0.6B shape, built on the GPU: the bench's model and the RL run's.
 if [ "$SMALL" = 1 ]; then

@@ -227,7 +227,8 @@ def _grpo(recs: list[dict]) -> dict:
 
 def report(root: str) -> None:
     d = Path(root)
-    out = {"check": "gpu", "device": _read(d / "device.json"), "cuda_tests": _pytest(d / "pytest-cuda.log")}
+    out = {"check": "gpu", "device": _read(d / "device.json"), "cuda_tests": _pytest(d / "pytest-cuda.log"),
+           "megatron_tests": _pytest(d / "megatron.log")}
     arith = _read(d / "arithmetic-time.json") or {}
     run_dirs = sorted((d / "arithmetic").glob("grpo*")) if (d / "arithmetic").exists() else []
     recs = _records(run_dirs[-1]) if run_dirs else []

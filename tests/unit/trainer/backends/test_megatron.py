@@ -251,3 +251,17 @@ def test_a_tp2_checkpoint_resumes_at_tp1(moe):
         assert (resumed["weights"][name] - w).abs().max() < 1e-4, name
     assert resumed["metrics"]["train/loss"] == pytest.approx(straight["metrics"]["train/loss"], abs=1e-6)
     assert resumed["metrics"]["train/grad_norm"] == pytest.approx(straight["metrics"]["train/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.cuda
+def test_megatron_on_a_gpu_scores_and_steps_as_fsdp_does_there(tiny_model_dir, tmp_path):
+    """One rank on the GPU (megatron-core's own CUDA paths, no CPU adapter; TransformerEngine if
+    installed): the same logprobs as FSDP on the GPU within 1e-5 and one step's weights within 1e-4."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (scripts/gpu/bundle-megatron.sh)")
+    case = lambda name, **kw: {"name": name, "model": tiny_model_dir,
+                               "trainer": {"algorithm": ALGO, "device": "cuda", **kw}}
+    got = run_world(tmp_path, [case("fsdp"), case("megatron", backend="megatron")], world=1)
+    assert max_gap(got["megatron"]["logprobs"], got["fsdp"]["logprobs"]) < 1e-5
+    for name, w in got["fsdp"]["weights"].items():
+        assert (got["megatron"]["weights"][name] - w).abs().max() < 1e-4, name
+    assert got["megatron"]["metrics"]["train/loss"] == pytest.approx(got["fsdp"]["metrics"]["train/loss"], abs=1e-6)
