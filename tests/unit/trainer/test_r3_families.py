@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.trainer.test_r3 import gloo, rollout, sequences, trainer_for  # noqa: F401  (gloo: a fixture)
 
-FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss",
+FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-glm5", "tiny-minimax-m2", "tiny-gpt-oss",
             "tiny-qwen3-next", "tiny-qwen3-5-moe", "tiny-nemotron-h"]
 # The hybrid families' engine decodes one recurrent step per token where the trainer's full forward
 # runs the chunked scan; the two forms round differently in float32: per token up to 1.4e-4 apart on
