@@ -16,6 +16,9 @@ request is the model runner's business.
 Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
 many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
 rows x the longest reservation).
+MLA layers (DeepSeek-V3/Kimi, GLM-5) hold what transformers caches for them: the compressed latent,
+one head of kv_lora_rank (keys' slot) and the shared rotary key (values' slot), expanded into per-head
+keys and values at each attention; the budget counts that entry (`bytes_per_token`).
 Sliding-window layers (GPT-OSS) keep every token's KV like full ones; the engine windows their
 attention with masks of its own (window_masks.py). DSA layers of GLM-5 that run their own indexer keep
 one indexer key per token beside the KV, in the same columns (GrowingIndexedLayer); merging,
@@ -206,18 +209,20 @@ def check_layout(model_config) -> None:
 
 
 def bytes_per_token(model) -> int:
-    """Bytes one token's cache entry takes across all layers: its keys and values and, in DSA layers
-    that run an indexer, its indexer key."""
+    """Bytes one token's cache entry takes across all layers: its keys and values (MLA: its compressed
+    latent) and, in DSA layers that run an indexer, its indexer key. Checked against what the cache
+    holds after a forward in tests/unit/engine/test_kv_cache.py."""
     c = model.config
     c = getattr(c, "get_text_config", lambda: c)()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    key_dim = value_dim = head_dim
     if getattr(c, "kv_lora_rank", None):
-        # MLA (DeepSeek-V3/Kimi): transformers caches the latent expanded per head, keys of the nope
-        # and rope parts together, values of v_head_dim.
-        key_dim, value_dim = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-    per_layer = kv_heads * (key_dim + value_dim)
+        # MLA (DeepSeek-V3/Kimi, GLM-5): transformers (5.x) caches the compressed latent, one head of
+        # the normalised KV latent (keys' slot) and the shared rotary key (values' slot), and expands
+        # it into per-head keys and values at each attention.
+        per_layer = c.kv_lora_rank + c.qk_rope_head_dim
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        per_layer = 2 * kv_heads * head_dim
     indexer = len(indexer_layers(model.config)) * getattr(c, "index_head_dim", 0)  # DSA: one key per indexer layer
     itemsize = next(model.parameters()).element_size()
     # A hybrid model's recurrent layers keep a fixed state per row, not KV per token.

@@ -1,12 +1,14 @@
 """The running batch's dense KV: merging rows of different lengths, growing by a column, compacting; a
-DSA model's indexer keys carried with it."""
+DSA model's indexer keys carried with it; the budget counting what a token's entry really takes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from miles.engine.kv_cache import BatchKV, load_prefixes, new_cache, row_kv
+from miles.engine.kv_cache import BatchKV, bytes_per_token, load_prefixes, new_cache, row_kv
 from miles.engine.prefix_cache import PrefixCache
+from miles.models.loading import load_model
 
 
 def _prefilled(model_config, mask: torch.Tensor, seed: int):
@@ -104,3 +106,17 @@ def test_dsa_layers_carry_their_indexer_keys_through_merge_growth_compaction_and
     mask = torch.tensor([[0, 1, 1, 1, 1]])
     assert all(torch.equal(a, b) for a, b in zip(row_kv(fresh, mask, 0, 0, 4), alone_b))
 
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek-v3", "tiny-glm5"])
+def test_the_budget_counts_what_the_cache_holds_per_token(preset, preset_dir):
+    """MLA's entry is its compressed latent (transformers expands it at each attention): on
+    tiny-deepseek-v3 576 bytes a token, where keys and values expanded per head would take 3840."""
+    model = load_model(preset_dir(preset)).eval()
+    cache = new_cache(model.config)
+    n = 7
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 3 + n)[None], cache=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.streams())
+    assert bytes_per_token(model) == held // n
+    if preset == "tiny-deepseek-v3":
+        assert bytes_per_token(model) == 576
