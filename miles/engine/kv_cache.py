@@ -16,25 +16,33 @@ request is the model runner's business.
 Budget: the engine holds at most `memory_fraction` of its device's memory; `budget_tokens` says how
 many tokens of running-batch KV that leaves (rows are padded to the longest, so the scheduler counts
 rows x the longest reservation).
+MLA layers (DeepSeek-V3/Kimi, GLM-5) hold what transformers caches for them: the compressed latent,
+one head of kv_lora_rank (keys' slot) and the shared rotary key (values' slot), expanded into per-head
+keys and values at each attention; the budget counts that entry (`bytes_per_token`).
 Sliding-window layers (GPT-OSS) keep every token's KV like full ones; the engine windows their
-attention with masks of its own (window_masks.py). Linear-attention and Mamba layers of the hybrid
+attention with masks of its own (window_masks.py). DSA layers of GLM-5 that run their own indexer keep
+one indexer key per token beside the KV, in the same columns (GrowingIndexedLayer); merging,
+compaction and the prefix cache carry it with the KV, so a decode step's indexer scores the same keys
+a full forward would (models/dsa.py). Linear-attention and Mamba layers of the hybrid
 families (Qwen3-Next, Qwen3.5, Nemotron-H) keep transformers' own state layer, merged and selected row for row
 (recurrent_state.py); layers without attention (Nemotron-H's MoE and MLP blocks) hold nothing.
-Non-goals: paged attention (block tables); DSA-indexed layers and recurrent layers of other families
-(refused by `check_layout`, naming the layer kind); moving KV between devices.
+Non-goals: paged attention (block tables); DSA layers of other families (DeepSeek-V3.2) and recurrent
+layers of other families (refused by `check_layout`, naming the layer kind); moving KV between devices.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import (DummyLayer, DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer,
+                                      LinearAttentionLayer)
 
 from miles.config.loader import ConfigError
 from miles.devices import total_memory
 from miles.engine import recurrent_state
 from miles.engine.prefix_cache import Match, PrefixCache
 from miles.engine.window_masks import unsupported_layer_types, windowed
+from miles.models.dsa import INDEXERS, indexer_layers
 
 
 class GrowingLayer(DynamicLayer):
@@ -95,12 +103,58 @@ class GrowingLayer(DynamicLayer):
         self._len = L + n
         return self.keys, self.values
 
+    def streams(self) -> tuple[torch.Tensor, ...]:
+        """What the layer holds per token, each with tokens on dim -2: keys and values (B, H, L, D)."""
+        return self.keys, self.values
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace what `streams` returns (rows merged or selected); one call, so no stream is ever
+        viewed at another's length."""
+        self.keys, self.values = keys, values
+
+
+class GrowingIndexedLayer(GrowingLayer):
+    """A DSA layer running its own indexer (models/dsa.py): the KV (GLM-5: the MLA latent) plus one
+    indexer key per token, (B, L, D_index), in the same columns, grown in place like the KV."""
+
+    def __init__(self, **kwargs):
+        self._ik = None  # (B, capacity, D_index); columns [0, _len) in use, as for the KV
+        super().__init__(**kwargs)
+
+    @property
+    def indexer_keys(self):
+        return None if self._ik is None else self._ik[:, :self._len]
+
+    def update_indexer(self, key_states: torch.Tensor) -> torch.Tensor:
+        """Called by the indexer after the layer's `update` has written the same tokens' KV: those
+        columns are already counted in `_len`."""
+        n = key_states.shape[1]
+        if self._ik is None:
+            self._ik = key_states.new_zeros((key_states.shape[0], self._k.shape[-2], key_states.shape[2]))
+        elif self._ik.shape[1] < self._k.shape[-2]:  # the KV grew its capacity: follow it
+            ik = self._ik
+            self._ik = ik.new_empty((ik.shape[0], self._k.shape[-2], ik.shape[2]))
+            self._ik[:, :self._len - n] = ik[:, :self._len - n]
+        self._ik[:, self._len - n:self._len] = key_states
+        return self.indexer_keys
+
+    def streams(self) -> tuple[torch.Tensor, ...]:
+        """Keys, values (B, H, L, D) and indexer keys (B, L, D_index)."""
+        return self.keys, self.values, self.indexer_keys
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor, indexer_keys: torch.Tensor | None = None) -> None:
+        self.keys, self.values = keys, values
+        self._ik = indexer_keys
+
 
 def new_cache(model_config) -> DynamicCache:
-    """An empty HF DynamicCache whose attention layers append in place into buffers with headroom
-    (recurrent-state and attention-free layers stay transformers' own)."""
+    """An empty HF DynamicCache whose attention layers append in place into buffers with headroom, DSA
+    layers that run an indexer with its keys beside the KV (recurrent-state and attention-free layers
+    stay transformers' own)."""
     cache = DynamicCache(config=model_config)
-    cache.layers = [layer if _keeps_no_kv(layer) else GrowingLayer() for layer in cache.layers]
+    indexed = set(indexer_layers(model_config))
+    cache.layers = [layer if _keeps_no_kv(layer) else GrowingIndexedLayer() if i in indexed else GrowingLayer()
+                    for i, layer in enumerate(cache.layers)]
     return cache
 
 
@@ -119,21 +173,26 @@ _UNSUPPORTED_LAYERS = {
     "LinearAttentionLayer": "linear attention or Mamba (a recurrent state per sequence, not KV per token) of a "
                             "family whose padding the engine has not checked (it batches "
                             f"{', '.join(recurrent_state.PADDING_EXACT)})",
-    "DynamicIndexedLayer": "DSA indexed attention (an indexer key cache beside the KV)",
+    "DynamicIndexedLayer": "DSA indexed attention (an indexer key cache beside the KV) of a family whose indexer "
+                           f"the engine does not run (it serves {', '.join(sorted(INDEXERS.values()))})",
 }
 
 
 def check_layout(model_config) -> None:
-    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers only.
+    """Merging and compacting rows edits (B, H, L, D) key/value tensors directly: plain layers, and
+    the kinds the engine holds itself (sliding-window, checked recurrent families, GLM-5's DSA layers).
     Refuses any other kind of layer, naming it and the layers of that kind."""
     c = model_config.get_text_config()
     kinds = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
     bad: dict[str, list[int]] = {}
     sliding_ok = windowed(model_config) and not unsupported_layer_types(model_config)
     states_ok = recurrent_state.supported(model_config)
+    indexed_ok = c.model_type in INDEXERS.values()
     for i, layer in enumerate(DynamicCache(config=model_config).layers):
         if type(layer) is DynamicSlidingWindowLayer and sliding_ok:
             continue  # kept whole; window_masks.py windows the attention
+        if type(layer) is DynamicIndexedLayer and indexed_ok:
+            continue  # GrowingIndexedLayer keeps its indexer keys beside the KV
         if (type(layer) is LinearAttentionLayer and states_ok) or type(layer) is DummyLayer:
             continue  # recurrent_state.py keeps it per row; a dummy layer holds nothing
         if type(layer) is not DynamicLayer:
@@ -150,19 +209,24 @@ def check_layout(model_config) -> None:
 
 
 def bytes_per_token(model) -> int:
-    """Bytes of keys and values one token takes across all layers."""
+    """Bytes one token's cache entry takes across all layers: its keys and values (MLA: its compressed
+    latent) and, in DSA layers that run an indexer, its indexer key. Checked against what the cache
+    holds after a forward in tests/unit/engine/test_kv_cache.py."""
     c = model.config
     c = getattr(c, "get_text_config", lambda: c)()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    key_dim = value_dim = head_dim
     if getattr(c, "kv_lora_rank", None):
-        # MLA (DeepSeek-V3/Kimi): transformers caches the latent expanded per head, keys of the nope
-        # and rope parts together, values of v_head_dim.
-        key_dim, value_dim = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        # MLA (DeepSeek-V3/Kimi, GLM-5): transformers (5.x) caches the compressed latent, one head of
+        # the normalised KV latent (keys' slot) and the shared rotary key (values' slot), and expands
+        # it into per-head keys and values at each attention.
+        per_layer = c.kv_lora_rank + c.qk_rope_head_dim
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        per_layer = 2 * kv_heads * head_dim
+    indexer = len(indexer_layers(model.config)) * getattr(c, "index_head_dim", 0)  # DSA: one key per indexer layer
     itemsize = next(model.parameters()).element_size()
     # A hybrid model's recurrent layers keep a fixed state per row, not KV per token.
-    return kv_layers(model.config) * kv_heads * (key_dim + value_dim) * itemsize
+    return (kv_layers(model.config) * per_layer + indexer) * itemsize
 
 
 def tokens_in(megabytes: float, model) -> int:
@@ -198,31 +262,40 @@ def select_rows(cache, idx: torch.Tensor, start: int = 0) -> None:
         if recurrent_state.is_state_layer(layer):
             recurrent_state.select_rows(layer, idx)
         elif not isinstance(layer, DummyLayer):
-            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+            layer.assign(*(t[idx, ..., start:, :] for t in layer.streams()))
 
 
-def row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of row i's real tokens [a, b), each (layers, H, b - a, D); mask is (B, L)."""
+def row_kv(cache, mask: torch.Tensor, i: int, a: int, b: int) -> tuple[torch.Tensor, ...]:
+    """Row i's cache entries for its real tokens [a, b); mask is (B, L). Keys and values, each
+    (layers, H, b - a, D), then for a DSA model its indexer layers' keys (indexer layers, 1, b - a,
+    D_index): the prefix cache's entries (prefix_cache.py)."""
     cols = mask[i].nonzero().squeeze(1)[a:b]
-    return (torch.stack([layer.keys[i][:, cols] for layer in cache.layers]),
-            torch.stack([layer.values[i][:, cols] for layer in cache.layers]))
+    out = (torch.stack([layer.keys[i][:, cols] for layer in cache.layers]),
+           torch.stack([layer.values[i][:, cols] for layer in cache.layers]))
+    indexed = [layer for layer in cache.layers if isinstance(layer, GrowingIndexedLayer)]
+    if indexed:
+        out += (torch.stack([layer.indexer_keys[i][cols] for layer in indexed])[:, None],)
+    return out
 
 
 def load_prefixes(cache, hits: list[Match], cached: list[int], M: int) -> None:
     """Fill an empty `cache` with each row's cached prefix (cached[i] tokens of hits[i]), right-aligned
     at column M; rows with nothing cached get zero columns there."""
-    K = V = None
+    parts = None  # as row_kv's entries, a row axis added: each (layers, R, H, M, D)
     for i, (h, c) in enumerate(zip(hits, cached)):
         if not c:
             continue
-        k, v = PrefixCache.gather(h)  # (layers, H, c, D)
-        if K is None:  # (layers, R, H, M, D); MLA's values are narrower than its keys
-            K = k.new_zeros((k.shape[0], len(hits), k.shape[1], M, k.shape[3]))
-            V = v.new_zeros((v.shape[0], len(hits), v.shape[1], M, v.shape[3]))
-        K[:, i, :, M - c:] = k
-        V[:, i, :, M - c:] = v
+        entry = PrefixCache.gather(h)  # each (layers, H, c, D); MLA's values are narrower than its keys
+        if parts is None:
+            parts = [t.new_zeros((t.shape[0], len(hits), t.shape[1], M, t.shape[3])) for t in entry]
+        for p, t in zip(parts, entry):
+            p[:, i, :, M - c:] = t
+    K, V, *index = parts
     for layer_idx in range(K.shape[0]):
         cache.update(K[layer_idx], V[layer_idx], layer_idx)
+    indexed = [j for j, layer in enumerate(cache.layers) if isinstance(layer, GrowingIndexedLayer)]
+    for n, layer_idx in enumerate(indexed):
+        cache.update_indexer(index[0][n][:, 0], layer_idx)  # after the layer's KV, as the model does
 
 
 class BatchKV:
@@ -233,7 +306,7 @@ class BatchKV:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = None  # DynamicCache of GrowingLayers, each (B, H, L, D)
+        self.cache = None  # DynamicCache of GrowingLayers, each (B, H, L, D) (+ (B, L, D_index) in DSA layers)
         self.mask: torch.Tensor | None = None  # (B, L) 1 = real token
         self.next_pos: torch.Tensor | None = None  # (B,) position of the next input token
         self.last_tokens: torch.Tensor | None = None  # (B,) next input token
@@ -253,11 +326,9 @@ class BatchKV:
                 continue
             if isinstance(old, DummyLayer):
                 continue
-            # One assignment: setting keys alone would change the length the values view is cut to.
-            old.keys, old.values = (
-                torch.cat([_left_pad(old.keys, L - L_old), _left_pad(new.keys, L - L_new)], dim=0),
-                torch.cat([_left_pad(old.values, L - L_old), _left_pad(new.values, L - L_new)], dim=0))
-        self.mask = torch.cat([_left_pad(self.mask, L - L_old), _left_pad(mask, L - L_new)], dim=0)
+            old.assign(*(torch.cat([_left_pad(a, L - L_old), _left_pad(b, L - L_new)], dim=0)
+                         for a, b in zip(old.streams(), new.streams())))
+        self.mask = torch.cat([_left_pad(self.mask, L - L_old, dim=-1), _left_pad(mask, L - L_new, dim=-1)], dim=0)
         self.next_pos = torch.cat([self.next_pos, lens])
         self.last_tokens = torch.cat([self.last_tokens, tokens])
 
@@ -273,15 +344,15 @@ class BatchKV:
         self.next_pos = self.next_pos[idx]
         self.last_tokens = self.last_tokens[idx]
 
-    def row_kv(self, i: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_kv(self, i: int, a: int, b: int) -> tuple[torch.Tensor, ...]:
         return row_kv(self.cache, self.mask, i, a, b)
 
 
-def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
-    """Pad `n` zeros in front of the sequence dim: -2 for (B, H, L, D) caches, -1 for (B, L) masks."""
+def _left_pad(t: torch.Tensor, n: int, dim: int = -2) -> torch.Tensor:
+    """Pad `n` zeros in front of the sequence dim: -2 for (B, H, L, D) KV and (B, L, D) indexer keys,
+    -1 for (B, L) masks."""
     if n == 0:
         return t
-    dim = -2 if t.dim() == 4 else -1
     shape = list(t.shape)
     shape[dim] = n
     return torch.cat([t.new_zeros(shape), t], dim=dim)

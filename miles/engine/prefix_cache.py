@@ -1,5 +1,9 @@
 """Prefix cache: a radix tree over token ids whose nodes each hold the KV of one block of tokens.
 
+A node's entry is a tuple of tensors, each (layers, heads, tokens, dim): keys and values (MLA: the
+compressed latent and the rotary key), and for a DSA model its indexer keys (kv_cache.row_kv), all
+cut, joined and evicted together.
+
 A block's keys and values depend on every token before it (causal attention, absolute RoPE
 positions), so a node is keyed by its own token ids under its parent: the path from the root
 spells the exact prefix the KV was computed for. Prefixes are stored as chains of `block_size`
@@ -27,14 +31,13 @@ import torch
 
 
 class _Node:
-    __slots__ = ("children", "keys", "values", "parent", "edge", "last_used")
+    __slots__ = ("children", "entry", "parent", "edge", "last_used")
 
-    def __init__(self, parent: "_Node | None", edge: tuple[int, ...], keys=None, values=None):
+    def __init__(self, parent: "_Node | None", edge: tuple[int, ...], entry: tuple = ()):
         self.children: dict[tuple[int, ...], _Node] = {}  # by edge: block_size tokens, or fewer for a tail
         self.parent = parent
         self.edge = edge
-        self.keys = keys  # (layers, kv_heads, len(edge), head_dim)
-        self.values = values
+        self.entry = entry  # each (layers, heads, len(edge), dim): keys, values[, indexer keys]
         self.last_used = 0
 
 
@@ -80,16 +83,16 @@ class PrefixCache:
         return Match(nodes, pos)
 
     @staticmethod
-    def gather(match: Match) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenated KV of a match: keys, values each (layers, kv_heads, match.tokens, head_dim)."""
-        return torch.cat([n.keys for n in match.nodes], dim=2), torch.cat([n.values for n in match.nodes], dim=2)
+    def gather(match: Match) -> tuple[torch.Tensor, ...]:
+        """Concatenated entries of a match: keys, values[, indexer keys], each (layers, heads, match.tokens, dim)."""
+        return tuple(torch.cat(parts, dim=2) for parts in zip(*(n.entry for n in match.nodes)))
 
     def insert(self, ids, kv_fn) -> int:
         """Add what the cache lacks of `ids` (whole blocks, then the tail); returns tokens added.
 
-        kv_fn(a, b) returns (keys, values) for token positions [a, b), each (layers, kv_heads, b - a,
-        head_dim); it is called once, for the span that is not cached yet, so a caller holding a big
-        batch tensor only copies what is new.
+        kv_fn(a, b) returns the entry for token positions [a, b): keys, values[, indexer keys], each
+        (layers, heads, b - a, dim); it is called once, for the span that is not cached yet, so a
+        caller holding a big batch tensor only copies what is new.
         """
         if self.max_tokens < self.block_size:
             return 0
@@ -105,22 +108,21 @@ class PrefixCache:
         tail = tuple(ids[nfull * B:])
         if i == nfull and (not tail or tail in node.children):
             return 0
-        keys, values = kv_fn(i * B, len(ids))
+        entry = kv_fn(i * B, len(ids))
         for j in range(i, nfull + (1 if tail else 0)):
             a, b = (j - i) * B, min((j - i + 1) * B, len(ids) - i * B)
-            node = self._add(node, tuple(ids[j * B:j * B + b - a]), keys[:, :, a:b].clone(),
-                             values[:, :, a:b].clone(), now)
+            node = self._add(node, tuple(ids[j * B:j * B + b - a]), tuple(t[:, :, a:b].clone() for t in entry), now)
         added = len(ids) - i * B
         self.num_tokens += added
         self._evict()
         return added
 
-    def _add(self, parent: _Node, edge: tuple[int, ...], keys, values, now: int) -> _Node:
+    def _add(self, parent: _Node, edge: tuple[int, ...], entry: tuple, now: int) -> _Node:
         for k in range(1, len(edge)):
             old = parent.children.get(edge[:k])
             if old is not None:
                 self._remove(old)  # a shorter tail of the same tokens: the new block holds its KV too
-        child = _Node(parent, edge, keys, values)
+        child = _Node(parent, edge, entry)
         child.last_used = now
         parent.children[edge] = child
         return child

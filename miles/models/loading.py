@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from miles.models.dsa import stable_topk
 from miles.models.vision import VisionProcessor, check_supported, is_vision_language
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -77,7 +78,8 @@ def _is_hub_id(path: str) -> bool:
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
     """AutoModelForCausalLM.from_pretrained with eager-friendly defaults for CPU; a vision-language
-    checkpoint (models/vision.py) loads whole, vision tower included (AutoModelForImageTextToText)."""
+    checkpoint (models/vision.py) loads whole, vision tower included (AutoModelForImageTextToText).
+    A DSA model's indexers keep the earliest keys among equal scores (models/dsa.py)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = read_model_config(path)
@@ -86,6 +88,7 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu"):
         check_supported(config)
         auto = AutoModelForImageTextToText
     model = auto.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation=attention_implementation(path, auto))
+    stable_topk(model)
     return model.to(device)
 
 

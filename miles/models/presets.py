@@ -1,5 +1,5 @@
 """Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
-layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, MiniMax-M2, GPT-OSS, Qwen3-Next
+layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, GLM-5 (MLA + DSA indexer), MiniMax-M2, GPT-OSS, Qwen3-Next
 and Qwen3.5-MoE's text model (gated delta-net hybrids), Nemotron-H (Mamba-2 hybrid) or Qwen2.5-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
@@ -111,6 +111,19 @@ PRESETS: dict[str, Preset] = {
                             moe_intermediate_size=64, family="glm4_moe",
                             extra=dict(n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
                                        routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # GLM-5 (glm_moe_dsa): DeepSeek-V3's MLA (rank-32 latent, 16-wide rope part) with DeepSeek sparse
+    # attention: in each layer a lightning indexer (4 heads of 32) keeps the 4 best keys per query, so
+    # prompts of a few tokens already attend to a subset; the third layer reuses the second's choice
+    # ("shared", as GLM-5's later layers may). The first layer dense, then 8 experts (sigmoid +
+    # correction bias, one group as GLM-5, weights scaled by 2.5) and a shared expert.
+    "tiny-glm5": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=64, family="glm_moe_dsa",
+                        extra=dict(kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                   v_head_dim=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                   n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                   index_topk=4, index_n_heads=4, index_head_dim=32,
+                                   indexer_types=["full", "full", "shared", "full"])),
     # MiniMax-M2: every layer MoE, 8 experts chosen by sigmoid + a correction bias kept on the MoE block.
     "tiny-minimax-m2": Preset(hidden_size=128, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
@@ -162,6 +175,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "num_experts"),
     "deepseek_v3": ("DeepseekV3Config", "n_routed_experts"),
     "glm4_moe": ("Glm4MoeConfig", "n_routed_experts"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "n_routed_experts"),
     "minimax_m2": ("MiniMaxM2Config", "num_local_experts"),
     "gpt_oss": ("GptOssConfig", "num_local_experts"),
     "qwen3_next": ("Qwen3NextConfig", "num_experts"),

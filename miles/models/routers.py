@@ -6,7 +6,7 @@ differ in how the weights follow from the logits once the ids are chosen:
   * softmax: softmax over all experts, the chosen ones gathered, renormalised over the top-k or not
     (Qwen3-MoE by `norm_topk_prob`, Mixtral and Qwen3.5 always);
   * sigmoid: a sigmoid per expert, the chosen ones gathered, renormalised (DeepSeek adds 1e-20 to the
-    sum) and multiplied by `routed_scaling_factor` (DeepSeek-V3/Kimi, GLM-4.5, Nemotron-H, MiniMax-M2).
+    sum) and multiplied by `routed_scaling_factor` (DeepSeek-V3/Kimi, GLM-4.5, GLM-5, Nemotron-H, MiniMax-M2).
     The score-correction bias and group-limited top-k change only which experts are chosen, never
     their weights, so replaying ids needs neither;
   * softmax over the chosen logits (GPT-OSS: top-k of the logits first, softmax over those k).
@@ -75,6 +75,7 @@ ROUTER_FAMILIES: dict[str, Callable[[object], RouterFamily]] = {
     "MixtralTopKRouter": lambda c: RouterFamily("softmax"),
     "DeepseekV3TopkRouter": _deepseek,
     "Glm4MoeTopkRouter": _deepseek,
+    "GlmMoeDsaTopkRouter": _deepseek,
     "NemotronHTopkRouter": _deepseek,
     "MiniMaxM2TopKRouter": lambda c: RouterFamily("sigmoid"),
     "GptOssTopKRouter": lambda c: RouterFamily("softmax_topk", renormalize=False),

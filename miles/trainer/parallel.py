@@ -10,6 +10,7 @@ Non-goal: pipeline parallelism.
 
 from __future__ import annotations
 
+from miles.models.dsa import stable_topk
 from miles.models.loading import attention_implementation, check_model_path
 
 
@@ -32,4 +33,5 @@ def load_parallel_model(model_path: str, tp: int, ep: int, world_size: int):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                  attn_implementation=attention_implementation(model_path),
                                                  distributed_config=DistributedConfig(**kwargs))
+    stable_topk(model)  # as load_model: the engine's DSA top-k (models/dsa.py)
     return model, dp

@@ -2,11 +2,12 @@
 engine process, Ray, FSDP2 trainer, weight sync, with routing replay on. In float32 throughout, the
 replayed trainer agrees with the engine: no routing mismatch and a rollout-vs-trainer logprob gap
 at rounding, on every family's router (DeepSeek-V3's and GLM-4.5's sigmoid + bias, group-limited,
-scaled; MiniMax-M2's sigmoid + bias; GPT-OSS's softmax over the chosen logits, with its sliding-window
-layers and sinks; Qwen3-Next's and Qwen3.5's softmax with a shared expert and Nemotron-H's sigmoid + bias, between
-their gated delta-net and Mamba-2 layers): the mean gap is under 1e-5 on every family, Nemotron-H's
-included since the engine's Mamba-2 decode step clamps the time step as the trainer's chunked form
-does (engine/mamba_step.py)."""
+scaled; GLM-5's, between MLA layers with DSA indexers; MiniMax-M2's sigmoid + bias; GPT-OSS's
+softmax over the chosen logits, with its sliding-window layers and sinks; Qwen3-Next's and Qwen3.5's
+softmax with a shared expert and Nemotron-H's sigmoid + bias, between their gated delta-net and
+Mamba-2 layers): the mean gap is under 1e-5 on every family, Nemotron-H's included since the
+engine's Mamba-2 decode step clamps the time step as the trainer's chunked form does
+(engine/mamba_step.py)."""
 
 import json
 
@@ -17,7 +18,7 @@ from tests.helpers.runs import small_config
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss",
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-glm5", "tiny-minimax-m2", "tiny-gpt-oss",
                                     "tiny-qwen3-next", "tiny-qwen3-5-moe", "tiny-nemotron-h"])
 def test_two_grpo_steps_with_routing_replay(preset, preset_dir, tmp_path, ray_cluster):
     from miles.orchestration.driver import run_train

@@ -2,8 +2,10 @@
 equal transformers' own full-forward greedy, with logprobs within 1e-5 (float32), batched at mixed
 lengths, and a prompt served again from the prefix cache gives identical outputs. GPT-OSS's window
 (8 tokens) is shorter than the sequences, so its sliding layers are tested, sinks included (eager
-attention, chosen per model). Layer kinds the engine cannot hold (DSA indexer; recurrent layers of
-a family whose padding it has not checked) are refused with the kind named. The hybrid families it
+attention, chosen per model). GLM-5's indexer keeps 4 keys per query, fewer than the sequences
+hold, so its sparse attention is tested, with its indexer keys cached beside the MLA latent and
+read back from the prefix cache. Layer kinds the engine cannot hold (DeepSeek-V3.2's DSA indexer;
+recurrent layers of a family whose padding it has not checked) are refused with the kind named. The hybrid families it
 does hold (Qwen3-Next, Nemotron-H) are tested in test_engine_recurrent.py."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-SERVED = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss"]
+SERVED = ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-glm5", "tiny-minimax-m2", "tiny-gpt-oss"]
 
 
 def full_forward_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -83,12 +85,13 @@ def test_hybrid_families_pass_the_layout_check(model_type):
     check_layout(tiny_config(model_type))  # recurrent_state.py keeps their states per row
 
 
-def test_dsa_indexer_layers_are_refused_with_their_kind_named():
-    from transformers import GlmMoeDsaConfig
+def test_dsa_layers_of_another_family_are_refused_with_their_kind_named():
+    from transformers import DeepseekV32Config
 
     from miles.engine.kv_cache import check_layout
 
-    config = GlmMoeDsaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=4)
-    with pytest.raises(NotImplementedError, match="'glm_moe_dsa'.*DSA indexed attention"):
+    # DeepSeek-V3.2's indexer rotates its keys differently from GLM-5's, whose indexer miles runs.
+    config = DeepseekV32Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(NotImplementedError, match="'deepseek_v32'.*DSA indexed attention.*it serves glm_moe_dsa"):
         check_layout(config)

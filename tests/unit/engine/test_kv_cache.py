@@ -1,10 +1,14 @@
-"""The running batch's dense KV: merging rows of different lengths, growing by a column, compacting."""
+"""The running batch's dense KV: merging rows of different lengths, growing by a column, compacting; a
+DSA model's indexer keys carried with it; the budget counting what a token's entry really takes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from miles.engine.kv_cache import BatchKV, new_cache
+from miles.engine.kv_cache import BatchKV, bytes_per_token, load_prefixes, new_cache, row_kv
+from miles.engine.prefix_cache import PrefixCache
+from miles.models.loading import load_model
 
 
 def _prefilled(model_config, mask: torch.Tensor, seed: int):
@@ -50,3 +54,69 @@ def test_rows_keep_their_kv_through_merge_growth_and_compaction(hf_model):
     kv.select([2])
     assert kv.mask.tolist() == [[1, 1, 1, 1, 1]] and kv.cache.layers[0].keys.shape == (1, 2, 5, 4)
     assert torch.equal(_real_kv(kv, 0)[:, :, :4], alone_b)
+
+
+def test_dsa_layers_carry_their_indexer_keys_through_merge_growth_compaction_and_the_prefix_cache(preset_dir):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(preset_dir("tiny-glm5"))  # indexers in layers 0, 1, 3; layer 2 reuses 1's
+
+    def prefilled(mask, seed):
+        g = torch.Generator().manual_seed(seed)
+        cache = new_cache(cfg)
+        R, L = mask.shape
+        for i in range(len(cache.layers)):
+            cache.update(torch.randn((R, 1, L, 4), generator=g), torch.randn((R, 1, L, 2), generator=g), i)
+            if i != 2:
+                cache.update_indexer(torch.randn((R, L, 3), generator=g), i)
+        return cache
+
+    def entry(kv, i):
+        return kv.row_kv(i, 0, int(kv.mask[i].sum()))
+
+    mask_a, mask_b = torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([[0, 1, 1, 1, 1]])
+    kv = BatchKV()
+    kv.merge(prefilled(mask_a, 0), mask_a, torch.tensor([2, 3]), torch.tensor([5, 6]))
+    before = [entry(kv, i) for i in range(2)]
+    assert [t.shape for t in before[0]] == [(4, 1, 2, 4), (4, 1, 2, 2), (3, 1, 2, 3)]  # keys, values, indexer keys
+    kv.merge(prefilled(mask_b, 1), mask_b, torch.tensor([4]), torch.tensor([7]))
+    alone_b = entry(kv, 2)
+    assert all(torch.equal(a, b) for i in range(2) for a, b in zip(entry(kv, i), before[i]))
+
+    # A decode step appends a column of keys, values and indexer keys; the indexer keys follow the
+    # KV's capacity as it grows.
+    for i in range(len(kv.cache.layers)):
+        kv.cache.update(torch.zeros((3, 1, 1, 4)), torch.zeros((3, 1, 1, 2)), i)
+        if i != 2:
+            kv.cache.update_indexer(torch.full((3, 1, 3), float(i)), i)
+    kv.mask = torch.cat([kv.mask, torch.ones((3, 1), dtype=torch.long)], dim=1)
+    assert kv.cache.layers[3].indexer_keys.shape == (3, 6, 3) and kv.cache.layers[2].streams()[2:] == ()
+    index = entry(kv, 0)[2]
+    assert torch.equal(index[:, :, :2], before[0][2]) and index[2, :, 2].eq(3.0).all()
+
+    kv.select([2])
+    assert all(torch.equal(a[:, :, :4], b) for a, b in zip(entry(kv, 0), alone_b))
+
+    # Through the prefix cache and back into a fresh cache, right-aligned behind a padding column.
+    prefix = PrefixCache(block_size=2, max_tokens=100)
+    prefix.insert([9, 8, 7, 6], lambda a, b: tuple(t[:, :, a:b] for t in alone_b))
+    hit = prefix.match([9, 8, 7, 6, 5], limit=4)
+    fresh = new_cache(cfg)
+    load_prefixes(fresh, [hit], [hit.tokens], 5)
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    assert all(torch.equal(a, b) for a, b in zip(row_kv(fresh, mask, 0, 0, 4), alone_b))
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-deepseek-v3", "tiny-glm5"])
+def test_the_budget_counts_what_the_cache_holds_per_token(preset, preset_dir):
+    """MLA's entry is its compressed latent (transformers expands it at each attention): on
+    tiny-deepseek-v3 576 bytes a token, where keys and values expanded per head would take 3840."""
+    model = load_model(preset_dir(preset)).eval()
+    cache = new_cache(model.config)
+    n = 7
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 3 + n)[None], cache=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.streams())
+    assert bytes_per_token(model) == held // n
+    if preset == "tiny-deepseek-v3":
+        assert bytes_per_token(model) == 576

@@ -45,7 +45,7 @@ def test_weights_for_the_routers_own_choice_are_the_routers_weights(model_type):
         assert (mine - weights).abs().max() <= 1e-7, router.name
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "minimax_m2", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm_moe_dsa", "minimax_m2", "nemotron_h"])
 def test_replayed_ids_get_the_weights_the_router_gives_when_it_chooses_them(model_type):
     """Sigmoid routers choose by score + correction bias but weigh by score alone: a bias that forces
     two experts on every token makes the router itself weigh those experts, which replaying them must

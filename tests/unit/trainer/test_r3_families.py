@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.trainer.test_r3 import gloo, rollout, sequences, trainer_for  # noqa: F401  (gloo: a fixture)
 
-FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-minimax-m2", "tiny-gpt-oss",
+FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-glm5", "tiny-minimax-m2", "tiny-gpt-oss",
             "tiny-qwen3-next", "tiny-qwen3-5-moe", "tiny-nemotron-h"]
 # Qwen3-Next's and Qwen3.5's engine and trainer compute the same function (in float64 they agree to
 # 1e-13) but their float32 rounding grows through the gated delta-net layers: the trainer's full forward
