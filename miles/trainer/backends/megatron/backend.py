@@ -8,8 +8,8 @@ it does for FSDP. The step (trainer/trainer.py) hands this backend micro-batches
 per-token outputs; the outputs are computed from the last stage's vocabulary-parallel logits
 (logprobs.py) inside the schedule, which then owns the backward. Weights come in from a Hugging Face
 checkpoint and leave under HF names (hf_layout.py): each rank reads the checkpoint and keeps its
-shard; exports and weight sync gather TP shards within their group, experts within their EP group
-and pipeline stages onto every rank that asks.
+shard; exports and weight sync gather TP shards within their group and experts within their EP group,
+one layer at a time, each stage broadcasting its layers over the pipeline group as they are made.
 On a CPU, megatron-core runs behind cpu_adapter.py (pinned to one release).
 
 Context parallelism runs in the project's own core attention on the local layers
@@ -24,6 +24,7 @@ Non-goal: the step itself, the algorithms (the trainer's).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -93,7 +94,7 @@ class MegatronBackend:
             pipeline_dtype=torch.float32, use_cpu_initialization=self.device.type == "cpu",
             # Initialised only to be overwritten by the checkpoint, but megatron-core marks which
             # weights are split (and along which dimension) only when it initialises them.
-            perform_initialization=True, variable_seq_lengths=pp > 1, moe_token_dispatcher_type="alltoall",
+            perform_initialization=True, variable_seq_lengths=False, moe_token_dispatcher_type="alltoall",
             recompute_granularity="full" if cfg.activation_checkpointing else None,
             recompute_method="uniform" if cfg.activation_checkpointing else None,
             recompute_num_layers=1 if cfg.activation_checkpointing else None)
@@ -109,6 +110,7 @@ class MegatronBackend:
             adam_beta2=cfg.adam_beta2, adam_eps=1e-8, clip_grad=0.0, params_dtype=torch.float32,
             use_distributed_optimizer=False), self.ddp, config_overrides={},  # {}: decay every weight, as AdamW does
             use_gloo_process_groups=False)
+        self._uniform_shape: tuple[int, int] | None = None
         self._lr_at = lr_lambda(cfg)
         self._updates = 0
         self._set_lr()
@@ -141,12 +143,13 @@ class MegatronBackend:
             chunks.append(model)
         return chunks
 
-    def _params(self) -> Iterator[tuple[Rule | None, str, int | None, torch.nn.Parameter]]:
-        """Every local parameter with its rule: (rule, megatron name, global layer, parameter); experts
-        come with rule None (their own path) and the local expert index in the name."""
+    def _params(self, chunks=None) -> Iterator[tuple[Rule | None, str, int | None, torch.nn.Parameter]]:
+        """Every local parameter (of `chunks`, default all) with its rule: (rule, megatron name, global
+        layer, parameter), in the model's order; experts come with rule None (their own path) and the
+        local expert index in the name."""
         hf = self.hf_config
         tops = {r.mcore: r for r in top_rules(hf)}
-        for chunk in self.chunks:
+        for chunk in self.chunks if chunks is None else chunks:
             numbers = {f"decoder.layers.{j}.": layer.layer_number - 1 for j, layer in enumerate(chunk.decoder.layers)}
             for name, p in chunk.named_parameters():
                 if name in tops:
@@ -204,24 +207,41 @@ class MegatronBackend:
         raise NotImplementedError("trainer.backend = 'megatron' has no value model")
 
     def forward_backward(self, micro_batches, loss_fn, request, forward_only=False, around_forward=None):
+        chunks = len(self.ddp)
+        # The interleaved schedule (virtual stages) takes micro-batches in groups of PP: a short list is
+        # filled up with one-row stand-ins whose loss is zero (nothing recorded, no gradient).
+        stand_ins = -len(micro_batches) % self.cfg.pipeline_parallel_size if chunks > 1 else 0
+        micro_batches = list(micro_batches) + [_StandIn(micro_batches[-1].input_ids[:1])] * stand_ins
         n = len(micro_batches)
         timer = {"fwd": 0.0}
         multiple = _seq_multiple(self.cfg)
+        width = max(_pad_to(mb.input_ids, multiple).shape[1] for mb in micro_batches)
+        rows = max(mb.input_ids.shape[0] for mb in micro_batches)
+        # Between pipeline stages every micro-batch travels at one shape (rows × width): megatron-core's
+        # shape exchange for variable lengths does not pair up under the interleaved schedule. The
+        # padding rows and positions come after the real ones, so causal attention keeps them apart.
+        uniform = self.cfg.pipeline_parallel_size > 1
+        self._uniform_shape = (rows, width) if uniform else None  # routing_replay lays routes out the same
+
+        def padded(mb):  # (B, T') the width the schedule splits (SP, CP), one width for a pipeline
+            ids = _pad_to(mb.input_ids, multiple)
+            return torch.nn.functional.pad(ids, (0, width - ids.shape[1])) if uniform else ids
 
         def forward_step(data_iterator, model):
             t0 = time.perf_counter()
             mb = next(data_iterator)
-            ids = local_chunks(_pad_to(mb.input_ids, multiple), 1)  # (B, T'/CP): this CP rank's two chunks
+            ids = padded(mb)
+            if uniform:
+                ids = torch.nn.functional.pad(ids, (0, 0, 0, rows - ids.shape[0]))
+            ids = local_chunks(ids, 1)  # (B, T'/CP): this CP rank's two chunks
             pos = local_positions(ids.shape[1], ids.device).expand_as(ids)
-            with around_forward(mb) if around_forward is not None else contextlib.nullcontext():
+            replay = around_forward is not None and not isinstance(mb, _StandIn)
+            with around_forward(mb) if replay else contextlib.nullcontext():
                 out = model(ids, pos, None)
             timer["fwd"] += time.perf_counter() - t0
-            return out, functools.partial(self._loss, mb, loss_fn, request, n, timer)
+            return out, functools.partial(self._loss, mb, padded(mb), loss_fn, request, n, timer)
 
-        chunks = len(self.ddp)
         data = [iter(micro_batches) for _ in range(chunks)] if chunks > 1 else iter(micro_batches)
-        width = max(_pad_to(mb.input_ids, multiple).shape[1] for mb in micro_batches)
-        rows = max(mb.input_ids.shape[0] for mb in micro_batches)
         t0 = time.perf_counter()
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data,
                                     model=self.ddp if chunks > 1 else self.ddp[0], num_microbatches=n,
@@ -229,14 +249,16 @@ class MegatronBackend:
         total = time.perf_counter() - t0
         return timer["fwd"], max(total - timer["fwd"], 0.0)
 
-    def _loss(self, mb, loss_fn, request, n: int, timer: dict, logits: torch.Tensor):
+    def _loss(self, mb, ids, loss_fn, request, n: int, timer: dict, logits: torch.Tensor):
         """Megatron's loss function for one micro-batch: token outputs from the vocabulary-parallel logits
         (B, T', V/t), then the trainer's loss. The schedule divides what this returns by the number of
         micro-batches (and multiplies it by the CP size, undoing DDP's average over the CP ranks); the
         trainer's loss is already a sum over the global batch, so that division is undone here."""
+        if isinstance(mb, _StandIn):
+            return logits.sum() * 0.0, {}
         t0 = time.perf_counter()
-        T = mb.input_ids.shape[1]
-        ids = _pad_to(mb.input_ids, _seq_multiple(self.cfg))
+        B, T = mb.input_ids.shape
+        logits = logits[:B]  # without the rows a pipeline pads with
         targets = local_chunks(torch.cat([ids[:, 1:], ids[:, :1]], dim=1), 1)  # the last position's is dropped
         out = vocab_parallel_token_outputs(logits, targets, request, mpu.get_tensor_model_parallel_group())
 
@@ -252,8 +274,9 @@ class MegatronBackend:
         """R3 around one micro-batch's forward (router_replay.py); a no-op without recorded routes."""
         if mb.routed is None:
             return contextlib.nullcontext()
-        width = _pad_to(mb.input_ids, _seq_multiple(self.cfg)).shape[1]
-        engine = engine_ids_in_router_order(mb.routed, width, self.cfg.sequence_parallel, local_chunks)
+        own = (mb.input_ids.shape[0], _pad_to(mb.input_ids, _seq_multiple(self.cfg)).shape[1])
+        rows, width = self._uniform_shape or own
+        engine = engine_ids_in_router_order(mb.routed, width, self.cfg.sequence_parallel, local_chunks, rows)
         return replaying(self.chunks, replay_family(self.hf_config), engine, replay, sums)
 
     def optimizer_step(self) -> float:
@@ -278,12 +301,20 @@ class MegatronBackend:
 
     # -- weights out ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _hf_tensors(self, value=None) -> dict[str, torch.Tensor]:
-        """This pipeline stage's weights under HF names, gathered over TP and EP (every rank of the stage);
-        with `value(p)`, a tensor laid out like each parameter instead (an Adam moment)."""
-        out: dict[str, torch.Tensor] = {}
+    def _hf_groups(self, value=None, chunks=None) -> Iterator[dict[str, torch.Tensor]]:
+        """This stage's weights under HF names (of `chunks`, default all), one decoder layer (or the run
+        of top-level weights before or after the layers) at a time, in the model's order: TP shards
+        gathered within their group, a layer's experts stacked and gathered within their EP group.
+        With `value(p)`, a tensor laid out like each parameter instead (an Adam moment). Collective
+        over the stage's TP and EP groups; holds one layer's full tensors at a time."""
+        group: dict[str, torch.Tensor] = {}
         experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-        for rule, name, layer, p in self._params():
+        current = ()
+        for rule, name, layer, p in self._params(chunks):
+            if layer != current and (group or experts):
+                yield self._with_experts(group, experts)
+                group, experts = {}, {}
+            current = layer
             full = _gather(p, None if value is None else value(p))
             if rule is None:
                 k = int(name.split("local_experts.")[1].split(".")[0])
@@ -291,7 +322,12 @@ class MegatronBackend:
                     full = gate_up_rule("", (), _tp_size(p), stacked=True).to_hf(full)[0]
                 experts.setdefault((layer, "fc1" if "linear_fc1" in name else "fc2"), {})[k] = full
                 continue
-            out.update(zip(rule.hf, rule.to_hf(full)))
+            group.update(zip(rule.hf, rule.to_hf(full)))
+        if group or experts:
+            yield self._with_experts(group, experts)
+
+    @staticmethod
+    def _with_experts(group: dict, experts: dict) -> dict:
         ep_group = mpu.get_expert_model_parallel_group()
         for (layer, which), local in sorted(experts.items()):
             stacked = torch.stack([local[k] for k in sorted(local)])  # (E_local, ...)
@@ -299,8 +335,12 @@ class MegatronBackend:
                 parts = [torch.empty_like(stacked) for _ in range(dist.get_world_size(ep_group))]
                 dist.all_gather(parts, stacked.contiguous(), group=ep_group)
                 stacked = torch.cat(parts)
-            out[expert_names(layer)[0 if which == "fc1" else 1]] = stacked
-        return out
+            group[expert_names(layer)[0 if which == "fc1" else 1]] = stacked
+        return group
+
+    def _hf_tensors(self, value=None) -> dict[str, torch.Tensor]:
+        """This pipeline stage's weights (or `value(p)`s) under HF names, all at once."""
+        return {k: v for g in self._hf_groups(value) for k, v in g.items()}
 
     def _all_stages(self, local: dict) -> dict:
         pp_group = mpu.get_pipeline_model_parallel_group()
@@ -310,11 +350,41 @@ class MegatronBackend:
             local = {k: v for stage in stages for k, v in stage.items()}
         return local
 
+    def _groups_of_every_stage(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Every stage's `_hf_groups` in the model's order (virtual chunk by chunk, stage by stage), each
+        broadcast from its stage over the pipeline group as it is made: its names, shapes and dtypes,
+        then its tensors. Collective; a rank holds one layer's full tensors at a time."""
+        pp_group = mpu.get_pipeline_model_parallel_group()
+        stages = dist.get_world_size(pp_group)
+        if stages == 1:
+            yield from self._hf_groups()
+            return
+        mine = mpu.get_pipeline_model_parallel_rank()
+        for c in range(len(self.chunks)):
+            for stage in range(stages):
+                src = dist.get_global_rank(pp_group, stage)
+                made = self._hf_groups(chunks=[self.chunks[c]]) if stage == mine else None
+                while True:
+                    group = next(made, None) if made is not None else None
+                    meta = [None if group is None else [(n, t.shape, t.dtype) for n, t in group.items()]]
+                    dist.broadcast_object_list(meta, src=src, group=pp_group, device=self.device)
+                    if meta[0] is None:
+                        break
+                    if group is None:
+                        group = {n: torch.empty(shape, dtype=dtype, device=self.device) for n, shape, dtype in meta[0]}
+                    for name, _, _ in meta[0]:
+                        dist.broadcast(group[name].contiguous(), src=src, group=pp_group)
+                    yield group
+
     def named_tensors(self, all_ranks: bool = False, on_device: bool = False):
-        local = self._all_stages(self._hf_tensors())
-        for name in _hf_order(local):
-            t = local[name]
-            yield name, ((t if on_device else t.to(HOST)) if (self.rank == 0 or all_ranks) else None)
+        seen: set[str] = set()
+        for group in self._groups_of_every_stage():
+            for name in _hf_order(group):
+                if name in seen:
+                    continue
+                seen.add(name)
+                t = group[name]
+                yield name, ((t if on_device else t.to(HOST)) if (self.rank == 0 or all_ranks) else None)
 
     # -- resumable state -----------------------------------------------------------------------
     # Each rank writes its own shard of the models and optimizer (megatron-core's state dicts, as this
@@ -406,6 +476,13 @@ class MegatronBackend:
         return {"world": self.world_size, "tp": c.tensor_parallel_size, "pp": c.pipeline_parallel_size,
                 "vpp": c.virtual_pipeline_parallel_size, "cp": c.context_parallel_size,
                 "ep": c.expert_parallel_size, "etp": c.expert_tensor_parallel_size}
+
+
+@dataclasses.dataclass(frozen=True)
+class _StandIn:
+    """A micro-batch that fills the interleaved schedule's last group: its loss is zero."""
+
+    input_ids: torch.Tensor
 
 
 def _write_state(marker: dict, local: dict, out: Path, rank: int, group) -> None:

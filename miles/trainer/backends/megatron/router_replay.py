@@ -38,13 +38,13 @@ def replay_family(hf_config):
 
 
 def engine_ids_in_router_order(routed: torch.Tensor, width: int, sequence_parallel: bool,
-                               context_chunks=lambda x, dim: x) -> torch.Tensor:
+                               context_chunks=lambda x, dim: x, rows: int | None = None) -> torch.Tensor:
     """(B, T, layers, k) engine ids -> (N, layers, k) in the order this rank's routers see tokens:
-    padded to `width` with -1, this context-parallel rank's chunks (`context_chunks(x, dim)`),
-    sequence-major, this TP rank's slice under sequence parallelism."""
+    padded with -1 to `width` (and to `rows` rows, as a pipeline pads), this context-parallel rank's
+    chunks (`context_chunks(x, dim)`), sequence-major, this TP rank's slice under sequence parallelism."""
     B, T, layers, k = routed.shape
-    padded = torch.full((B, width, layers, k), -1, dtype=routed.dtype, device=routed.device)
-    padded[:, :T] = routed
+    padded = torch.full((rows or B, width, layers, k), -1, dtype=routed.dtype, device=routed.device)
+    padded[:B, :T] = routed
     order = context_chunks(padded, 1).transpose(0, 1)  # (T'/CP, B, layers, k)
     if sequence_parallel:
         order = order.chunk(mpu.get_tensor_model_parallel_world_size())[mpu.get_tensor_model_parallel_rank()]

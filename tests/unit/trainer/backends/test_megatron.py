@@ -1,7 +1,7 @@
 """The Megatron backend trains the same step as FSDP on the same batch: per-token logprobs within
 1e-5 of FSDP's and of transformers', and after one optimizer step (lr 1e-3) exported weights within
 1e-4 of FSDP's, at tensor parallel 2 with and without sequence parallelism, at pipeline parallel 2
-and at context parallel 2; tiny-qwen3-moe at EP 2, TP 2 × EP 2 and TP 2 with expert TP 2; routing
+(1F1B, and interleaved over two virtual stages) and at context parallel 2; tiny-qwen3-moe at EP 2, TP 2 × EP 2 and TP 2 with expert TP 2; routing
 replay (R3) in its routers as FSDP replays, also with each sequence split over CP 2; checkpoints that
 resume bit for bit at their layout and at TP 1 from TP 2. One spawned world of two gloo ranks runs
 the dense cases, another the MoE ones (megatron-core's import and the model loads are most of the
@@ -76,7 +76,7 @@ def test_a_moe_layout_megatron_core_does_not_train_correctly_is_refused(tiny_moe
                                       "trainer.num_ranks": 2, "trainer.tensor_parallel_size": 2, **keys})
 
 
-DENSE_LAYOUTS = ["tp2", "tp2_sp", "pp2", "cp2"]
+DENSE_LAYOUTS = ["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2"]
 
 
 def run_world(tmp_path, cases: list[dict], world: int = 2) -> dict:
@@ -97,6 +97,8 @@ def dense(tiny_model_dir, tmp_path_factory) -> dict:
         case("tp2", backend="megatron", tensor_parallel_size=2),
         case("tp2_sp", backend="megatron", tensor_parallel_size=2, sequence_parallel=True),
         case("pp2", backend="megatron", pipeline_parallel_size=2),  # 1F1B over two stages
+        # the interleaved schedule: two model chunks (virtual stages) per stage, one layer each
+        case("pp2_vpp2", backend="megatron", pipeline_parallel_size=2, virtual_pipeline_parallel_size=2),
         case("cp2", backend="megatron", context_parallel_size=2),  # each sequence split over both ranks
     ])
 
