@@ -160,6 +160,12 @@ def test_bad_image_requests_are_refused_naming_the_field(vl, parts, images, why)
     assert vl.get("/health").status_code == 200
 
 
+def test_videos_are_refused_naming_the_field(vl, parts):
+    body = {"input_ids": parts[0](), "video_data": [b64(RED)], "sampling_params": {"max_new_tokens": 2}}
+    r = vl.post("/generate", json=body)
+    assert r.status_code == 400 and "video_data: the built-in engine serves images only" in r.text, r.text
+
+
 def test_a_text_model_refuses_image_data(client, tokenizer):
     r = client.post("/generate", json={"input_ids": tokenizer.encode("1+1="), "image_data": [b64(RED)]})
     assert r.status_code == 400 and "this model has no vision tower" in r.text, r.text
