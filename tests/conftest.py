@@ -43,6 +43,14 @@ def tiny_vl_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_model_dir(tmp_path_factory) -> str:
+    """The tiny-qwen3-vl preset (Qwen3-VL: deepstack, interleaved M-RoPE), weights as tiny_vl_model_dir's."""
+    from miles.models.presets import build_tiny_model
+
+    return str(build_tiny_model("tiny-qwen3-vl", tmp_path_factory.mktemp("tiny-qwen3-vl"), init_std=0.05))
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A local cluster of this session's own (as `miles train` starts one), whatever else runs on the machine."""
     import ray

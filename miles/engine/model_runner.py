@@ -33,8 +33,9 @@ sampling on the device, the host one step behind), and long prompts are prefille
 (chunked_prefill.py).
 
 A vision-language model's requests carry image keys in their ids where image tokens go
-(multimodal.py): a prefill holding any computes its input embeddings and 3-D rotary positions there,
-and each row's next position is offset by what its images took.
+(multimodal.py): a prefill holding any computes its input embeddings and 3-D rotary positions there
+(and, for Qwen3-VL, the deepstack features its first decoder layers add there), and each row's next
+position is offset by what its images took.
 
 Hybrid models (Qwen3-Next, Qwen3.5, Nemotron-H) keep a recurrent state per row beside the attention layers'
 KV (recurrent_state.py); the prefix cache is off for them. Nemotron-H's Mamba-2 decode steps are the

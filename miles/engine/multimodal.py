@@ -10,7 +10,12 @@ share KV between identical images and never between different ones, with no chan
 At prefill (`inputs`): the vision tower runs once per image (its embeddings are kept for the weights
 in force, so copies of a prompt and later turns reuse them), the embeddings are spliced in at the
 image keys, and every row gets Qwen-VL's 3-D rotary positions over its whole sequence, of which the
-computed suffix takes its share. The text after an image sits at fewer positions than tokens, so
+computed suffix takes its share. Qwen3-VL's tower also gives deepstack features, one (tokens, hidden)
+per early decoder layer, which the model adds to those layers' outputs at the image tokens; the
+model's own forward does so only when it runs the tower itself on every image token of its input,
+so the engine hands them to the language model (`Deepstack.injected`) for the image keys of the
+computed suffix, the rows of an image cut by a cached prefix included. Decode steps hold no image
+token, and add nothing. The text after an image sits at fewer positions than tokens, so
 each row's next position is its length plus an offset (`delta`); decode then goes on as for text:
 one position per token, the same in all three components.
 
@@ -25,6 +30,7 @@ import binascii
 import threading
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +67,29 @@ class ServedImage:
     advance: int           # positions the image moves the text after it on
 
 
+@dataclass(eq=False)
+class Deepstack:
+    """Qwen3-VL's deepstack features of one prefill's image keys."""
+
+    mask: torch.Tensor    # (R, S) bool: the image keys of the computed suffixes
+    embeds: torch.Tensor  # (layers, keys, hidden): one row per True in `mask`, row-major
+
+    @contextmanager
+    def injected(self, model):
+        """For forwards of `model` within: these features added after its first decoder layers at
+        `mask`, as its own forward adds them when it runs the tower."""
+        def inject(_module, args, kwargs):
+            kwargs["visual_pos_masks"] = self.mask
+            kwargs["deepstack_visual_embeds"] = list(self.embeds)
+            return args, kwargs
+
+        handle = model.model.language_model.register_forward_pre_hook(inject, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
 class ImageTable:
     """The engine's images: interning by pixel digest, image keys, and vision-tower outputs."""
 
@@ -72,7 +101,8 @@ class ImageTable:
         self._serials: OrderedDict[str, int] = OrderedDict()  # digest -> serial, least recent first
         self._next = 0
         self._live: weakref.WeakValueDictionary[int, ServedImage] = weakref.WeakValueDictionary()
-        self._embeds: OrderedDict[int, tuple[int, torch.Tensor]] = OrderedDict()  # serial -> (epoch, (n, H))
+        # serial -> (epoch, (n, H) embeddings, (layers, n, H) deepstack features or None)
+        self._embeds: OrderedDict[int, tuple[int, torch.Tensor, torch.Tensor | None]] = OrderedDict()
 
     @classmethod
     def serving(cls, config, model) -> "ImageTable | None":
@@ -143,7 +173,8 @@ class ImageTable:
 
     def inputs(self, prompts: list[tuple[int, ...]], cached: list[int], S: int, epoch: int, device):
         """For one prefill of right-aligned suffixes `prompts[i][cached[i]:]` in S columns: the input
-        embeddings (R, S, hidden), the 3-D positions (3, R, S) and each prompt's position offset (R,)."""
+        embeddings (R, S, hidden), the 3-D positions (3, R, S), each prompt's position offset (R,) and
+        the suffixes' deepstack features (None for a model without them, or no image key computed)."""
         R = len(prompts)
         embed = self.model.get_input_embeddings()
         pos = torch.zeros((3, R, S), dtype=torch.long)
@@ -156,11 +187,15 @@ class ImageTable:
             ids[i, S - n:] = torch.tensor(p[cached[i]:])
         keys = ids < 0
         embeds = embed(ids.clamp(min=0).to(device))  # (R, S, H)
+        deepstack = None
         if keys.any():
-            table = self._image_embeddings({key_parts(t)[0] for t in ids[keys].tolist()}, epoch, device)
-            rows = [table[s][j] for s, j in map(key_parts, ids[keys].tolist())]
-            embeds[keys.to(device)] = torch.stack(rows).to(embeds.dtype)
-        return embeds, pos.to(device), deltas.to(device)
+            parts = list(map(key_parts, ids[keys].tolist()))  # (serial, index) of each key, row-major
+            table = self._image_embeddings({s for s, _ in parts}, epoch, device)
+            mask = keys.to(device)
+            embeds[mask] = torch.stack([table[s][0][j] for s, j in parts]).to(embeds.dtype)
+            if table[parts[0][0]][1] is not None:
+                deepstack = Deepstack(mask, torch.stack([table[s][1][:, j] for s, j in parts], dim=1).to(embeds.dtype))
+        return embeds, pos.to(device), deltas.to(device), deepstack
 
     def offset(self, ids: tuple[int, ...]) -> int:
         """Next position minus length of a keyed sequence (0 without images)."""
@@ -198,23 +233,28 @@ class ImageTable:
             raise RuntimeError(f"image serial {serial} is not held by any request")
         return image
 
-    def _image_embeddings(self, serials: set[int], epoch: int, device) -> dict[int, torch.Tensor]:
-        """Each image's vision-tower output (tokens, hidden), computed once per weights epoch."""
+    def _image_embeddings(self, serials: set[int], epoch: int, device) -> dict:
+        """Each image's vision-tower output (tokens, hidden) and deepstack features (layers, tokens,
+        hidden) or None, computed once per weights epoch."""
         out, todo = {}, []
         for s in sorted(serials):
             hit = self._embeds.get(s)
             if hit is not None and hit[0] == epoch:
-                out[s] = hit[1]
+                out[s] = hit[1:]
                 self._embeds.move_to_end(s)
             else:
                 todo.append(self._image(s))
         if todo:
             pixels = torch.cat([im.inputs.pixel_values for im in todo]).to(device)
             grids = torch.tensor([im.inputs.grid for im in todo], device=device)
-            feats = self.model.get_image_features(pixels, grids).pooler_output  # one (tokens, H) per image
-            for im, f in zip(todo, feats):
-                out[im.serial] = f
-                self._embeds[im.serial] = (epoch, f)
+            tower = self.model.get_image_features(pixels, grids)
+            feats = tower.pooler_output  # one (tokens, H) per image
+            # Qwen3-VL: per deepstack layer, one (tokens, H) per image.
+            layers = getattr(tower, "deepstack_features", None)
+            for k, (im, f) in enumerate(zip(todo, feats)):
+                deep = torch.stack([layer[k] for layer in layers]) if layers else None
+                out[im.serial] = (f, deep)
+                self._embeds[im.serial] = (epoch, f, deep)
             while len(self._embeds) > EMBED_CACHE:
                 self._embeds.popitem(last=False)
         return out

@@ -14,6 +14,8 @@ forward's hooks and masks (ModelRunner.forward), the decode step (model_runner.p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from miles.engine import kv_cache
@@ -147,16 +149,17 @@ class Prefill:
             mask[i, M - c:M] = 1
             mask[i, M + S - n:] = 1
         ids_t, pos, mask = (t.to(runner.device, non_blocking=True) for t in (ids_t, pos, mask))
-        embeds = None
+        embeds = deepstack = None
         if runner.images is not None and any(t < 0 for p in prompts for t in p):
-            embeds, pos, _ = runner.images.inputs(prompts, cached, S, runner.weights_epoch, runner.device)
+            embeds, pos, _, deepstack = runner.images.inputs(prompts, cached, S, runner.weights_epoch, runner.device)
         cache = kv_cache.new_cache(runner.model.config)
         if M:
             kv_cache.load_prefixes(cache, hits, cached, M)
         # Suffixes are right-aligned, so the last `keep` columns hold every position a score needs.
         keep = max([len(prompts[i]) - k for i, k in starts.items()], default=1)
-        kept, routed = runner.forward(ids_t, mask, pos, cache, logits_to_keep=keep, capture=bool(full),
-                                     adapters=adapters, last_only=False, embeds=embeds)  # (R, keep, V)
+        with deepstack.injected(runner.model) if deepstack is not None else nullcontext():
+            kept, routed = runner.forward(ids_t, mask, pos, cache, logits_to_keep=keep, capture=bool(full),
+                                         adapters=adapters, last_only=False, embeds=embeds)  # (R, keep, V)
         logits = kept[:, -1, :]
         scored = {i: _token_logprobs(kept[i, keep - len(prompts[i]) + k: keep - 1],
                                      runner.model_ids(prompts[i][k + 1:]))

@@ -117,6 +117,9 @@ def parse_generate(body: dict, tokenizer, default_max_new_tokens: int,
 
     Tokenizes text prompts, so callers on an event loop run it on a thread."""
     _no_unknown(body, _GENERATE_KEYS | set(_INERT_AT_DEFAULT) | _BOOKKEEPING, "")
+    if body.get("video_data") is not None:  # Qwen-VL checkpoints take videos; the engine's vision path does not
+        raise InvalidRequest("video_data: the built-in engine serves images only (image_data); send each frame "
+                             "as an image, or serve videos with SGLang (rollout.engine_urls)")
     for k, default in _INERT_AT_DEFAULT.items():
         if k in body and body[k] != default:
             raise InvalidRequest(f"{k}: the built-in engine does not support {k}; send {json.dumps(default)} "

@@ -1,6 +1,6 @@
 """Tiny real models built locally: an HF Qwen3 (dense), Qwen3-MoE, DeepSeek-V3 (MLA, dense first
 layers, sigmoid group-limited router, shared expert), GLM-4.5 MoE, GLM-5 (MLA + DSA indexer), MiniMax-M2, GPT-OSS, Qwen3-Next
-and Qwen3.5-MoE's text model (gated delta-net hybrids), Nemotron-H (Mamba-2 hybrid) or Qwen2.5-VL config with small
+and Qwen3.5-MoE's text model (gated delta-net hybrids), Nemotron-H (Mamba-2 hybrid), Qwen2.5-VL or Qwen3-VL config with small
 dimensions and a byte-level BPE tokenizer trained with the `tokenizers` library, saved as an ordinary
 checkpoint directory (a VL one with its image processor's preprocessor_config.json).
 
@@ -56,7 +56,7 @@ class Preset:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     model_vocab_size: int = 0  # > 0: the embedding has this many rows, more than the tokenizer's (as Qwen3 pads)
-    vision: VisionPreset | None = None  # set: a Qwen2.5-VL model with this vision tower
+    vision: VisionPreset | None = None  # set: a vision-language model (family qwen2_5_vl or qwen3_vl) with this tower
     family: str = "qwen3"  # the HF model type (FAMILIES); "qwen3" with num_experts builds Qwen3-MoE
     extra: dict = field(default_factory=dict)  # further config fields of that family (MLA ranks, groups, ...)
 
@@ -72,6 +72,8 @@ class VisionPreset:
     # Weight matrices of the tower drawn from N(0, init_std): at transformers' 0.02 a tower this small
     # passes images on so faintly that a tiny model does not learn to tell them apart within minutes.
     init_std: float = 0.1
+    # Qwen3-VL: the tower blocks whose output also feeds the first decoder layers (one per layer, in order).
+    deepstack: tuple[int, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {
@@ -93,7 +95,13 @@ PRESETS: dict[str, Preset] = {
     # images are resized to at most 64x64 (16 tokens). About 1M parameters.
     "tiny-qwen-vl": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=400,
-                           vision=VisionPreset()),
+                           vision=VisionPreset(), family="qwen2_5_vl"),
+    # Qwen3-VL: the same decoder (Qwen3's, q/k norms) with interleaved multimodal rotary positions and
+    # a 2-block tower whose blocks' outputs are also added, merged, into the first two decoder layers'
+    # hidden states at the image tokens (deepstack). A 32x32 image is 4 image tokens, as above.
+    "tiny-qwen3-vl": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=400,
+                            vision=VisionPreset(deepstack=(0, 1)), family="qwen3_vl"),
     # DeepSeek-V3 / Kimi-K2 architecture: multi-head latent attention (KV compressed to a rank-32
     # latent plus a 16-wide rope part), the first layer dense, then 8 routed experts in 4 groups (top-2
     # groups, top-2 experts) chosen by sigmoid + correction bias, weights scaled by 2.5, one shared expert.
@@ -263,9 +271,9 @@ def build_tiny_model(preset: str, out: str | Path, seed: int = 0, init_std: floa
 
 
 def _build_vlm(p: Preset, out: Path, seed: int, init_std: float) -> Path:
-    """A Qwen2.5-VL checkpoint: config, weights, tokenizer (with the vision tokens) and image processor."""
+    """A Qwen2.5-VL or Qwen3-VL checkpoint: config, weights, tokenizer (with the vision tokens) and image
+    processor (the processor's video half needs torchvision, which miles does not serve)."""
     import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     v = p.vision
@@ -273,23 +281,16 @@ def _build_vlm(p: Preset, out: Path, seed: int, init_std: float) -> Path:
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     eos = tokenizer.eos_token_id
-    half = p.head_dim // 2  # mrope splits each head's rotary frequencies over (t, h, w)
-    text = dict(vocab_size=len(tokenizer), hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-                num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
-                num_key_value_heads=p.num_key_value_heads, max_position_embeddings=p.max_position_embeddings,
-                rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half * 3 // 8),
-                                                                                    half * 3 // 8, half * 3 // 8]},
-                tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                  num_heads=v.num_heads, out_hidden_size=p.hidden_size, patch_size=v.patch_size,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=4 * v.patch_size,
-                  fullatt_block_indexes=[v.depth - 1])
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
-                              bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    if p.family == "qwen3_vl":
+        model = _qwen3_vl(p, len(tokenizer), tokens, seed)
+        # Qwen3-VL's checkpoints normalise pixels to [-1, 1] (mean = std = 0.5), not with CLIP's statistics.
+        norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    else:
+        model = _qwen2_5_vl(p, len(tokenizer), tokens, seed)
+        norm = {}
     with torch.no_grad():
         for param in model.model.visual.parameters():
             if param.dim() >= 2:
@@ -302,5 +303,52 @@ def _build_vlm(p: Preset, out: Path, seed: int, init_std: float) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     Qwen2VLImageProcessorPil(patch_size=v.patch_size, merge_size=2, temporal_patch_size=2,
-                             min_pixels=(2 * v.patch_size) ** 2, max_pixels=v.max_pixels).save_pretrained(out)
+                             min_pixels=(2 * v.patch_size) ** 2, max_pixels=v.max_pixels, **norm).save_pretrained(out)
     return out
+
+
+def _qwen3_vl(p: Preset, vocab_size: int, tokens: dict, seed: int):
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    v = p.vision
+    # Interleaved mrope: frequency i turns with h (i % 3 == 1) or w (i % 3 == 2) up to 3 x their sections,
+    # with t elsewhere; so h and w take at most a third each (Qwen3-VL: [24, 20, 20] of 64).
+    half, hw = p.head_dim // 2, p.head_dim * 5 // 32
+    text = dict(vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+                num_key_value_heads=p.num_key_value_heads, head_dim=p.head_dim,
+                max_position_embeddings=p.max_position_embeddings,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                 "mrope_section": [half - 2 * hw, hw, hw]},
+                tie_word_embeddings=True, bos_token_id=tokens["bos_token_id"], eos_token_id=tokens["eos_token_id"],
+                pad_token_id=tokens["pad_token_id"])
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_heads=v.num_heads, out_hidden_size=p.hidden_size, patch_size=v.patch_size,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=list(v.deepstack))
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config)
+
+
+def _qwen2_5_vl(p: Preset, vocab_size: int, tokens: dict, seed: int):
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    v = p.vision
+    eos = tokens["eos_token_id"]
+    half = p.head_dim // 2  # mrope splits each head's rotary frequencies over (t, h, w)
+    text = dict(vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
+                num_key_value_heads=p.num_key_value_heads, max_position_embeddings=p.max_position_embeddings,
+                rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half * 3 // 8),
+                                                                                    half * 3 // 8, half * 3 // 8]},
+                tie_word_embeddings=True, bos_token_id=eos, eos_token_id=eos, pad_token_id=tokens["pad_token_id"])
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_heads=v.num_heads, out_hidden_size=p.hidden_size, patch_size=v.patch_size,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=4 * v.patch_size,
+                  fullatt_block_indexes=[v.depth - 1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config)

@@ -1,4 +1,4 @@
-"""Vision-language checkpoints of the Qwen-VL family (Qwen2-VL, Qwen2.5-VL): how an image becomes
+"""Vision-language checkpoints of the Qwen-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): how an image becomes
 pixel values and image tokens, the same way wherever miles meets it (data, engine, trainer).
 
     VisionProcessor   the checkpoint's image processor (AutoImageProcessor) and its token rules:
@@ -11,8 +11,12 @@ placeholder expanded to its image tokens. SGLang's /generate takes `input_ids` w
 per image and expands it itself (base_processor.build_input_ids), so requests carry `collapse(ids)`
 and engines `expand` them back, which gives the same ids.
 
-Non-goals: videos and audio; Qwen3-VL's deepstack features (its vision tower feeds several decoder
-layers, which the built-in engine's single splice does not do: refused where a model is loaded).
+Qwen3-VL lays images out the same way (an image's (t, h, w) positions, text after it max(h, w) / merge
+on); its tower's deepstack features, added into the first decoder layers at the image tokens, travel
+beside the spliced embeddings (engine/multimodal.py, trainer/vision.py).
+
+Non-goals: videos and audio (a checkpoint's video processor is never loaded; video tokens in a
+request are refused by the engine).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from miles.data.images import decode_image
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Model types whose vision tower and 3-D rope miles serves and trains.
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def is_vision_language(model_config: dict | None) -> bool:

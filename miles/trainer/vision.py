@@ -44,13 +44,18 @@ class ImageBatch:
     @contextmanager
     def spliced_into(self, model):
         """For forwards of `model` (a Qwen-VL causal LM) within: the vision tower's output of these
-        images in place of the input embeddings at `mask`."""
+        images in place of the input embeddings at `mask` (and Qwen3-VL's deepstack features added
+        after the first decoder layers there)."""
         visual, language = model.model.visual, model.model.language_model
 
         def splice(_module, args, kwargs):
             embeds = kwargs["inputs_embeds"]  # (B, T, H)
-            feats = visual(self.pixel_values.to(embeds.dtype), grid_thw=self.image_grid_thw).pooler_output
-            kwargs["inputs_embeds"] = embeds.masked_scatter(self.mask[..., None], feats.to(embeds.dtype))
+            tower = visual(self.pixel_values.to(embeds.dtype), grid_thw=self.image_grid_thw)
+            kwargs["inputs_embeds"] = embeds.masked_scatter(self.mask[..., None], tower.pooler_output.to(embeds.dtype))
+            deep = getattr(tower, "deepstack_features", None)
+            if deep:  # Qwen3-VL: per early decoder layer, (image tokens, H) added to its output at `mask`
+                kwargs["visual_pos_masks"] = self.mask
+                kwargs["deepstack_visual_embeds"] = [d.to(embeds.dtype) for d in deep]
             return args, kwargs
 
         handle = language.register_forward_pre_hook(splice, with_kwargs=True)

@@ -1,5 +1,5 @@
-"""Short RL runs of a vision-language model (tiny-qwen-vl) on rows with images in each layout users
-bring, over a real local Ray cluster: the images reach the engines and the trainer, weights (vision
+"""Short RL runs of a vision-language model (tiny-qwen-vl; tiny-qwen3-vl on one layout) on rows with
+images in each layout users bring, over a real local Ray cluster: the images reach the engines and the trainer, weights (vision
 tower included) sync and verify, and the final checkpoint is a loadable vision-language directory;
 and agent episodes whose environment answers with pictures."""
 
@@ -45,12 +45,19 @@ def _trl_image_feature(tmp_path):
             "rollout.task.data.label_key": "solution"}
 
 
-@pytest.mark.parametrize("layout", [_verl, _trl_conversational_paths, _trl_image_feature])
-def test_two_steps_on_rows_with_images(tiny_vl_model_dir, tmp_path, ray_cluster, layout):
+# preset -> (its checkpoint fixture in tests/conftest.py, the class name its final checkpoint loads as)
+PRESETS = {"tiny-qwen-vl": ("tiny_vl_model_dir", "Qwen2_5_VL"), "tiny-qwen3-vl": ("tiny_qwen3_vl_model_dir", "Qwen3VL")}
+
+
+@pytest.mark.parametrize("preset, layout", [("tiny-qwen-vl", _verl), ("tiny-qwen-vl", _trl_conversational_paths),
+                                            ("tiny-qwen-vl", _trl_image_feature), ("tiny-qwen3-vl", _verl)])
+def test_two_steps_on_rows_with_images(request, tmp_path, ray_cluster, preset, layout):
     from miles.models.loading import load_model, load_vision
     from miles.orchestration.driver import run_train
 
-    summary = run_train(small_config(tiny_vl_model_dir, tmp_path, **{
+    fixture, model_class = PRESETS[preset]
+    model_dir = request.getfixturevalue(fixture)
+    summary = run_train(small_config(model_dir, tmp_path, **{
         "loop.num_steps": "2", "eval.every_steps": "2", "eval.num_prompts": "2", "rollout.task.name": "dataset",
         # A tiny untrained model scores 0 everywhere: keep its zero-advantage groups so steps train.
         "rollout.task.data.eval_fraction": "0.2", "buffer.filter": "none", **layout(tmp_path),
@@ -61,10 +68,10 @@ def test_two_steps_on_rows_with_images(tiny_vl_model_dir, tmp_path, ray_cluster,
     trained = [r for r in records if r["step"] > 0]
     assert all(r["buffer/samples_trained"] > 0 and r["train/loss_tokens"] > 0 for r in trained)
     # Every tensor, the vision tower's too, was pushed and verified against the trainer.
-    n_tensors = len(dict(load_model(tiny_vl_model_dir).named_parameters()))  # tied weights once
+    n_tensors = len(dict(load_model(model_dir).named_parameters()))  # tied weights once
     assert trained[0]["sync/verified_tensors"] == n_tensors
     final = summary["final_checkpoint"]
-    assert load_vision(final) is not None and type(load_model(final)).__name__.startswith("Qwen2_5_VL")
+    assert load_vision(final) is not None and type(load_model(final)).__name__.startswith(model_class)
 
 
 def test_two_agent_steps_with_an_environment_that_answers_with_pictures(tiny_vl_model_dir, tmp_path, ray_cluster):

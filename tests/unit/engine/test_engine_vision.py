@@ -1,7 +1,8 @@
-"""A vision-language model (tiny-qwen-vl, Qwen2.5-VL) served by the built-in engine over HTTP: images
-sent as SGLang sends them (`image_data` on /generate, image parts on /v1/chat/completions) give the
-logprobs transformers' own forward gives on the processor's inputs; the prefix cache reuses an
-image's KV for the same pixels only; bad image requests are refused naming the field."""
+"""Vision-language models (tiny-qwen-vl, Qwen2.5-VL; tiny-qwen3-vl, Qwen3-VL with deepstack features)
+served by the built-in engine over HTTP: images sent as SGLang sends them (`image_data` on /generate,
+image parts on /v1/chat/completions) give the logprobs transformers' own forward gives on the
+processor's inputs; the prefix cache reuses an image's KV for the same pixels only; bad image requests
+are refused naming the field."""
 
 from __future__ import annotations
 
@@ -21,18 +22,27 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+# Each preset's checkpoint fixture (tests/conftest.py).
+PRESETS = {"tiny-qwen-vl": "tiny_vl_model_dir", "tiny-qwen3-vl": "tiny_qwen3_vl_model_dir"}
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def vl_dir(request) -> str:
+    return request.getfixturevalue(PRESETS[request.param])
+
+
 @pytest.fixture(scope="module")
-def vl(tiny_vl_model_dir):
+def vl(vl_dir):
     from miles.engine.process import EngineProcess
 
-    with EngineProcess(tiny_vl_model_dir) as proc, httpx.Client(base_url=proc.url, timeout=120) as c:
+    with EngineProcess(vl_dir) as proc, httpx.Client(base_url=proc.url, timeout=120) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def parts(tiny_vl_model_dir):
-    tok, vision = load_tokenizer(tiny_vl_model_dir), load_vision(tiny_vl_model_dir)
-    model = load_model(tiny_vl_model_dir).eval()
+def parts(vl_dir):
+    tok, vision = load_tokenizer(vl_dir), load_vision(vl_dir)
+    model = load_model(vl_dir).eval()
 
     def prompt(n_images: int = 1, text: str = "What colour is it?") -> list[int]:
         content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
@@ -69,7 +79,7 @@ def test_logprobs_equal_transformers_forward_on_the_processors_inputs(vl, parts,
     ids = prompt(len(images))
     out, lps = _generate(vl, ids, images, **sp)
     torch.testing.assert_close(lps, hf_logprobs(ids, images, out["output_ids"], sp.get("temperature", 0)),
-                               atol=1e-4, rtol=0)
+                               atol=1e-5, rtol=0)
     expanded = vision.expand(ids, [vision.process(b) for b in images])
     assert out["meta_info"]["prompt_tokens"] == len(expanded) > len(ids)
 
@@ -97,6 +107,19 @@ def test_prefix_cache_shares_kv_between_identical_pixels_only(vl, parts):
     image_at = ids.index(parts[2].image_token_id)
     # The blue image shares only what comes before any image token; its own tokens are computed.
     assert other["meta_info"]["cached_tokens"] <= image_at
+
+
+def test_a_cached_prefix_ending_inside_an_image_gives_the_forwards_logprobs(vl, parts):
+    """The computed suffix starts inside an image: its remaining tokens get their embeddings (and
+    Qwen3-VL's deepstack features) by their index in the image, at the image's 3-D positions."""
+    prompt, hf_logprobs, vision = parts
+    vl.post("/flush_cache")
+    _generate(vl, prompt(2, "What colour is it?"), [RED, BLUE])
+    ids = prompt(2, "Which colour do you see here, exactly?")
+    out, lps = _generate(vl, ids, [RED, BLUE])
+    runs = vision.runs(vision.expand(ids, [vision.process(b) for b in (RED, BLUE)]))
+    assert any(a < out["meta_info"]["cached_tokens"] < b for a, b in runs), (runs, out["meta_info"])
+    torch.testing.assert_close(lps, hf_logprobs(ids, [RED, BLUE], out["output_ids"]), atol=1e-5, rtol=0)
 
 
 def test_batched_image_data_is_one_list_per_prompt(vl, parts):
@@ -135,6 +158,12 @@ def test_bad_image_requests_are_refused_naming_the_field(vl, parts, images, why)
                                    "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 400 and why in r.text, r.text
     assert vl.get("/health").status_code == 200
+
+
+def test_videos_are_refused_naming_the_field(vl, parts):
+    body = {"input_ids": parts[0](), "video_data": [b64(RED)], "sampling_params": {"max_new_tokens": 2}}
+    r = vl.post("/generate", json=body)
+    assert r.status_code == 400 and "video_data: the built-in engine serves images only" in r.text, r.text
 
 
 def test_a_text_model_refuses_image_data(client, tokenizer):

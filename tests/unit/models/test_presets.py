@@ -38,3 +38,25 @@ def test_loader_names_the_fix_for_a_missing_directory(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="miles init-model"):
         load_model(str(tmp_path / "nowhere"))
+
+
+def test_tiny_qwen3_vl_loads_as_transformers_qwen3_vl_with_deepstack_and_its_image_processor(tiny_qwen3_vl_model_dir):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from miles.models.vision import VISION_TOKENS, VisionProcessor
+    from tests.helpers.images import png
+
+    config = json.loads((Path(tiny_qwen3_vl_model_dir) / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and config["vision_config"]["deepstack_visual_indexes"] == [0, 1]
+    rope = config["text_config"]["rope_parameters"]
+    half = config["text_config"]["head_dim"] // 2
+    # Interleaved: h and w each turn at most a third of the frequencies, t the rest.
+    assert rope["mrope_interleaved"] and sum(rope["mrope_section"]) == half and 3 * rope["mrope_section"][1] <= half
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_model_dir)
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert len(model.model.visual.deepstack_merger_list) == 2
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_vl_model_dir)
+    assert [config[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")] == \
+        tok.convert_tokens_to_ids(VISION_TOKENS)
+    assert list(AutoImageProcessor.from_pretrained(tiny_qwen3_vl_model_dir).image_mean) == [0.5] * 3  # Qwen3-VL's
+    assert VisionProcessor(tiny_qwen3_vl_model_dir).process(png("red")).num_tokens(2) == 4  # 32x32 pixels

@@ -1,6 +1,7 @@
-"""A vision-language policy (tiny-qwen-vl) in the trainer: its logprobs of sampled responses to
-prompts with images equal the engine's (the same pixel values, image-token layout and 3-D positions,
-padded or packed, beside text-only rows), and its vision tower trains only when asked to."""
+"""A vision-language policy (tiny-qwen-vl; tiny-qwen3-vl, whose tower also feeds deepstack features
+into the first decoder layers) in the trainer: its logprobs of sampled responses to prompts with
+images equal the engine's (the same pixel values, image-token layout and 3-D positions, padded or
+packed, beside text-only rows), and its vision tower trains only when asked to."""
 
 from __future__ import annotations
 
@@ -27,14 +28,34 @@ def gloo():
     dist.destroy_process_group()
 
 
+# Each preset's checkpoint fixture (tests/conftest.py).
+PRESETS = {"tiny-qwen-vl": "tiny_vl_model_dir", "tiny-qwen3-vl": "tiny_qwen3_vl_model_dir"}
+
+
 @pytest.fixture(scope="module")
-def rollouts(tiny_vl_model_dir) -> list[TrainSequence]:
+def sampled():
+    """sampled(model_dir): `_sample`'s sequences, once per checkpoint."""
+    done: dict[str, list[TrainSequence]] = {}
+
+    def get(model_dir: str) -> list[TrainSequence]:
+        if model_dir not in done:
+            done[model_dir] = _sample(model_dir)
+        return done[model_dir]
+    return get
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_vl_model_dir, sampled) -> list[TrainSequence]:
+    return sampled(tiny_vl_model_dir)
+
+
+def _sample(model_dir: str) -> list[TrainSequence]:
     """Sequences sampled by the built-in engine: one image, two images of different sizes, text only."""
     from miles.engine.config import EngineConfig
     from miles.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model_path=tiny_vl_model_dir))
-    tok, vision = load_tokenizer(tiny_vl_model_dir), load_vision(tiny_vl_model_dir)
+    engine = Engine(EngineConfig(model_path=model_dir))
+    tok, vision = load_tokenizer(model_dir), load_vision(model_dir)
     seqs = []
     try:
         for k, (colour, n) in enumerate([("red", 1), ("blue", 2), (None, 0)]):
@@ -56,17 +77,25 @@ def rollouts(tiny_vl_model_dir) -> list[TrainSequence]:
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_trainer_logprobs_equal_the_engines_on_prompts_with_images(tiny_vl_model_dir, gloo, rollouts, pack):
-    trainer = Trainer(build(TrainerConfig, {"micro_batch_size": 4, "pack_sequences": pack}), tiny_vl_model_dir, 0, 1,
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_trainer_logprobs_equal_the_engines_on_prompts_with_images(request, gloo, sampled, preset, pack):
+    model_dir = request.getfixturevalue(PRESETS[preset])
+    rollouts = sampled(model_dir)
+    trainer = Trainer(build(TrainerConfig, {"micro_batch_size": 4, "pack_sequences": pack}), model_dir, 0, 1,
                       "127.0.0.1", free_port())
     for seq, logprobs in zip(rollouts, trainer.proximal_logprobs(rollouts)):
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(seq.old_logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(seq.old_logprobs), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("train_tower", [False, True])
-def test_the_vision_tower_trains_only_when_asked(tiny_vl_model_dir, gloo, rollouts, train_tower):
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_the_vision_tower_trains_only_when_asked(request, gloo, sampled, preset, train_tower):
+    """Qwen3-VL's deepstack mergers are part of the tower: they learn through the decoder layers
+    their features are added to, and only when the tower trains."""
+    model_dir = request.getfixturevalue(PRESETS[preset])
+    rollouts = sampled(model_dir)
     trainer = Trainer(build(TrainerConfig, {"micro_batch_size": 4, "lr": 1e-2, "train_vision_tower": train_tower}),
-                      tiny_vl_model_dir, 0, 1, "127.0.0.1", free_port())
+                      model_dir, 0, 1, "127.0.0.1", free_port())
     before = {n: t.clone() for n, t in trainer.full_named_tensors(all_ranks=True)}
     trainer.train_step(rollouts, BatchTotals.of(rollouts))
     after = dict(trainer.full_named_tensors(all_ranks=True))
@@ -74,6 +103,8 @@ def test_the_vision_tower_trains_only_when_asked(tiny_vl_model_dir, gloo, rollou
     tower = {n for n in before if n.startswith("model.visual.")}
     assert tower and changed - tower  # the language model learned
     assert (tower <= changed) if train_tower else not (tower & changed)
+    if preset == "tiny-qwen3-vl":
+        assert any(".deepstack_merger_list." in n for n in tower)
 
 
 def test_a_sampled_image_token_is_text_in_training_as_in_the_engine(tiny_vl_model_dir, gloo, rollouts):
