@@ -112,6 +112,18 @@ PRESETS: dict[str, Preset] = {
                                extra=dict(kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32,
                                           v_head_dim=32, n_group=4, topk_group=2, first_k_dense_replace=1,
                                           n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # tiny-deepseek-v3's architecture sized like small-qwen3, for examples that must learn a task within
+    # minutes on a CPU (examples/moe_r3): MLA over 8 heads (queries through a rank-128 latent, keys and
+    # values through a rank-64 one plus a 16-wide rope part), the first of 4 layers dense, then 8 routed
+    # experts in 4 groups (top-2 groups, top-2 experts; sigmoid + correction bias), weights scaled by 2.5,
+    # one shared expert. Each token runs 3 experts of width 192 (576 in all; small-qwen3's MLP is 768):
+    # 5.5M parameters, 2.8M of them active per token.
+    "small-deepseek-v3": Preset(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                                num_key_value_heads=8, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=192, family="deepseek_v3",
+                                extra=dict(kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                                           v_head_dim=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                           n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
     # GLM-4.5 MoE: GQA with half-rotary heads, the first layer dense, 8 experts (sigmoid + correction bias,
     # one group), one shared expert.
     "tiny-glm4-moe": Preset(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,

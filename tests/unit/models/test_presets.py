@@ -60,3 +60,25 @@ def test_tiny_qwen3_vl_loads_as_transformers_qwen3_vl_with_deepstack_and_its_ima
         tok.convert_tokens_to_ids(VISION_TOKENS)
     assert list(AutoImageProcessor.from_pretrained(tiny_qwen3_vl_model_dir).image_mean) == [0.5] * 3  # Qwen3-VL's
     assert VisionProcessor(tiny_qwen3_vl_model_dir).process(png("red")).num_tokens(2) == 4  # 32x32 pixels
+
+
+def test_small_deepseek_v3_is_deepseek_v3_with_a_replayable_router(tmp_path):
+    """The preset examples/moe_r3 learns on: DeepSeek-V3's architecture (MLA, a dense first layer,
+    group-limited sigmoid routing with a shared expert, routed scaling), whose routers R3 weighs as the
+    model does."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.models.moe import model_routers, moe_layers, moe_shape, replay_refusal
+    from miles.models.presets import build_tiny_model
+    from miles.models.routers import RouterFamily
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model("small-deepseek-v3", tmp_path))
+    c = model.config
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert (c.kv_lora_rank, c.q_lora_rank, c.first_k_dense_replace, c.n_shared_experts) == (64, 128, 1, 1)
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group) == (8, 2, 4, 2)
+    assert moe_layers(c) == [1, 2, 3] and moe_shape(c) == (3, 2) and replay_refusal(c) is None
+    routers = model_routers(model)
+    assert [r.name for r in routers] == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
+    assert {r.family for r in routers} == {RouterFamily("sigmoid", renormalize=True, scaling=2.5, eps=1e-20)}
+    assert 5e6 < sum(p.numel() for p in model.parameters()) < 6e6
