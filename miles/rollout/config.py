@@ -257,6 +257,9 @@ class RolloutConfig:
     batch_requests: bool = True
     """Send a group's samples as one batched /generate (SGLang's list form). Set false when
     engine_urls name a server that takes one prompt per request, such as the Rust sglang-router."""
+    merge_requests: bool = True
+    """With batch_requests, the batched requests of groups that are ready together (a step's whole batch)
+    go out as one POST per engine, so the engine admits them in one prefill (rollout/merge.py)."""
     group_timeout_s: float = 0.0
     """Give up on a whole group after this many seconds (0 = never); buffer.on_failure decides its fate."""
     partial_rollout: bool = False

@@ -26,6 +26,7 @@ from miles.engine_api.client import EngineClient
 from miles.rewards.runner import RewardRunner
 from miles.rollout.config import RolloutConfig
 from miles.rollout.generate import GenerateContext, GenerationError, SamplingParams, generate, generate_many
+from miles.rollout.merge import RequestMerger
 from miles.rollout.stats import SampleStats
 from miles.rollout.teacher import TeacherScorer
 
@@ -66,6 +67,9 @@ class GroupGenerator:
         self._lock = threading.Lock()
         self._next_engine = 0
         self._failures_seen: set[str] = set()
+        # A batch bound for the router is split over the engines behind it, so its balancing still spreads it.
+        self.merger = RequestMerger(lambda url: len(self.admin.urls) if url == self.admin.router_url else 1,
+                                    cfg.return_routed_experts)
 
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt (a Prompt, or its text): messages go through the chat template."""
@@ -208,6 +212,8 @@ class GroupGenerator:
                          return_routed_experts=routed, images=prompt.images, vision=self.vision)
                 for ids, sp, rid in zip(prompts, params, rids)))
         try:
+            if self.cfg.merge_requests and not prompt.images:
+                return await self.merger.generate(client, url, prompts, params, rids, prompt.label, prompt.index)
             return await generate_many(client, url, prompts, params, rids=rids, label=prompt.label,
                                        prompt_index=prompt.index, return_routed_experts=routed,
                                        images=prompt.images, vision=self.vision)
