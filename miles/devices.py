@@ -20,6 +20,13 @@ from miles.config.loader import ConfigError
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def cpu_threads(num_threads: int) -> int:
+    """torch threads for a setting whose 0 means auto: every core this process may use."""
+    if num_threads:
+        return num_threads
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_name(name: str, key: str) -> None:
     if name not in DEVICES:
         raise ConfigError(f"{key} = {name!r}: choose auto (cuda when torch sees a GPU, else cpu), cpu or cuda")

@@ -74,7 +74,8 @@ class EngineConfig:
     max_request_mb: float = DEFAULT_MAX_BODY_MB
     """Largest request body the HTTP server reads; larger ones are answered 413."""
     num_threads: int = 1
-    """torch intra-op threads in the engine process; keep it to the cores this engine owns."""
+    """torch intra-op threads in the engine process; keep it to the cores this engine owns. 0 = auto: in a
+    run, the engine pool's cores shared by its engines (placement.py), else every core this process may use."""
     seed: int = 0
     """Seed of the engine-wide sampling generator used by requests without a sampling_seed."""
     default_max_new_tokens: int = 128
@@ -120,8 +121,9 @@ class EngineConfig:
             raise ConfigError("engine prefix_block_size must be >= 1 (8 is a good default)")
         if self.prefix_cache_mb < 0:
             raise ConfigError("engine prefix_cache_mb must be >= 0; set prefix_cache = false to disable it")
-        if self.num_threads < 1:
-            raise ConfigError(f"engine num_threads = {self.num_threads}: set it >= 1 (the cores this engine owns)")
+        if self.num_threads < 0:
+            raise ConfigError(f"engine num_threads = {self.num_threads}: set it >= 1 (the cores this engine owns), "
+                              "or 0 for auto")
         if self.default_max_new_tokens < 1:
             raise ConfigError(f"engine default_max_new_tokens = {self.default_max_new_tokens}: set it >= 1")
         if self.context_length is not None and self.context_length < 2:

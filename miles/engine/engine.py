@@ -35,6 +35,7 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 
 import torch
 
+from miles.devices import cpu_threads
 from miles.engine_api.errors import InvalidRequest
 from miles.engine_api.sampling import SamplingParams
 from miles.engine_api.types import MEMORY_TAGS, GenerateRequest, GenerateResult
@@ -49,7 +50,7 @@ from miles.engine.weight_receiver import WeightReceiver
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(cpu_threads(config.num_threads))
         self.config = config
         self.runner = ModelRunner(config)
         # Fixed for the engine's life: what the server and the weight receiver read.

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles.devices import cpu_threads
 from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFailed
 from miles.engine_api.types import PAUSE_MODES, FinishReason, GenerateRequest
 from miles.engine.config import EngineConfig
@@ -200,7 +201,7 @@ class Scheduler:
     def _loop(self) -> None:
         # OpenMP thread counts are per calling thread: without this the scheduler thread would use
         # the default (every core) and fight the other processes on the machine.
-        torch.set_num_threads(self.config.num_threads)
+        torch.set_num_threads(cpu_threads(self.config.num_threads))
         runner = self.runner
         while True:
             with self._cond:

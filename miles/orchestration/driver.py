@@ -35,7 +35,7 @@ from miles.orchestration.faults import FaultInjector
 from miles.orchestration.launch import (on_driver_node, place_run_devices, ray_for_run, run_admin_token, start_fleet,
                                         start_teachers, trainer_pool)
 from miles.run_sections import SCHEDULES
-from miles.orchestration.placement import core_pools
+from miles.orchestration.placement import core_pools, resolve_threads
 from miles.orchestration.ray_cluster import node_address
 from miles.orchestration.router_supervisor import SupervisedRouter
 from miles.orchestration.trainer_group import TrainerFailure, TrainerGroup
@@ -68,6 +68,7 @@ def _start(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack, resume: b
     stack.enter_context(ray_for_run(cfg))
     cfg, gpus = place_run_devices(cfg)
     pools = core_pools(cfg.placement)
+    cfg = resolve_threads(cfg, pools)
     external = list(cfg.rollout.engine_urls)
     admin_token = run_admin_token(external=bool(external), run_dir=run_dir if resume else None)
     wiring: dict = {}
@@ -299,6 +300,7 @@ def run_sft(cfg: RunConfig) -> dict:
         stack.enter_context(ray_for_run(cfg))
         cfg, gpus = place_run_devices(cfg, engines=False)
         pools = core_pools(cfg.placement)
+        cfg = resolve_threads(cfg, pools)
         tcfg = dataclasses.replace(cfg.trainer, lr=sft.lr)
         trainer = TrainerGroup(tcfg, cfg.sync, cfg.model.path, cfg.run.seed, 1.0, pools.trainer if pools else None,
                                pool=trainer_pool(cfg, stack, gpus.trainer))

@@ -22,6 +22,7 @@ Non-goals: starting nodes (`ray start`), autoscaling, GPU topology (NVLink islan
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 
 from miles.config.loader import ConfigError
@@ -46,6 +47,20 @@ def core_pools(cfg: PlacementConfig) -> CorePools | None:
         return None
     k = min(max(1, round(len(cores) * cfg.engine_cpu_fraction)), len(cores) - 1)
     return CorePools(engine=tuple(cores[:k]), trainer=tuple(cores[k:]))
+
+
+def resolve_threads(cfg, pools: CorePools | None):
+    """`cfg` (a RunConfig) with num_threads = 0 (auto) made concrete for the trainer and the engines: each
+    process's share of its pool's cores (colocated: every core each, as they take turns). Without pools
+    (pinning off, or pools on nodes of their own) auto stays: each process takes every core it may use."""
+    if pools is None:
+        return cfg
+    engine, trainer = cfg.rollout.engine, cfg.trainer
+    if engine.num_threads == 0:
+        engine = dataclasses.replace(engine, num_threads=max(1, len(pools.engine) // cfg.rollout.num_engines))
+    if trainer.num_threads == 0:
+        trainer = dataclasses.replace(trainer, num_threads=max(1, len(pools.trainer) // trainer.num_ranks))
+    return dataclasses.replace(cfg, trainer=trainer, rollout=dataclasses.replace(cfg.rollout, engine=engine))
 
 
 @dataclass(frozen=True)

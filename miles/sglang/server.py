@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from miles.config import ConfigError
+from miles.devices import cpu_threads
 from miles.engine.config import EngineConfig
 from miles.net import LOOPBACK, PARENT_PID_ENV, free_port
 from miles.sglang.config import SGLangConfig
@@ -76,7 +77,7 @@ def on_cpu(engine: EngineConfig) -> bool:
 def launch_env(engine: EngineConfig) -> dict[str, str]:
     """The server's environment: this one, plus who started it (launcher/), its threads, and on the CPU
     SGLang's CPU engine with the kernel stand-in first on its path."""
-    env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": str(engine.num_threads)}
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": str(cpu_threads(engine.num_threads))}
     if on_cpu(engine):
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STANDIN), os.environ.get("PYTHONPATH", "")) if p)

@@ -88,7 +88,8 @@ class TrainerConfig:
     offload_bucket_mb: int = 64
     """Optimizer state streamed back per bucket of parameters of about this size around the step."""
     num_threads: int = 1
-    """torch threads per trainer process (keep at 1 when processes share few cores)."""
+    """torch threads per trainer process (keep at 1 when processes share few cores); 0 = auto: in a
+    run, the trainer pool's cores shared by its ranks (placement.py), else every core this process may use."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's ranks compute: auto (cuda when the run's machines have a GPU, else cpu), cpu,
     or cuda (rank r on visible GPU r mod count; docs/scaling.md says what ran where)."""
@@ -139,8 +140,8 @@ class TrainerConfig:
             # way to say "off".
             raise ConfigError(f"trainer.grad_clip = {self.grad_clip}: set it > 0 to clip the gradient norm, "
                               "or 0 to turn clipping off")
-        if self.num_threads < 1:
-            raise ConfigError(f"trainer.num_threads = {self.num_threads}: set it >= 1")
+        if self.num_threads < 0:
+            raise ConfigError(f"trainer.num_threads = {self.num_threads}: set it >= 1, or 0 for the cores its pool owns")
         if self.minibatches_per_step < 1:
             raise ConfigError(f"trainer.minibatches_per_step = {self.minibatches_per_step}: set it >= 1 "
                               "(1 = one optimizer update per step)")

@@ -30,6 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from miles.devices import cpu_threads
 from miles.models.loading import load_tokenizer, read_model_config
 from miles.models.vision import is_vision_language
 from miles.models.moe import model_routers, moe_shape
@@ -50,7 +51,7 @@ from miles.trainer.vision import TrainerVision
 class Trainer:
     def __init__(self, cfg: TrainerConfig, model_path: str, rank: int, world_size: int,
                  master_addr: str, master_port: int, seed: int = 0, temperature: float = 1.0):
-        torch.set_num_threads(cfg.num_threads)
+        torch.set_num_threads(cpu_threads(cfg.num_threads))
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.model_path, self.temperature = model_path, temperature
         self.step = 0

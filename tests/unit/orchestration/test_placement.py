@@ -64,3 +64,26 @@ def test_a_pool_on_nodes_no_node_offers_is_refused_naming_the_key_and_the_fix(ra
         assert pool.options(3)["scheduling_strategy"].placement_group_bundle_index == 1
     finally:
         pool.remove()
+
+def test_auto_threads_are_each_processs_share_of_its_pools_cores():
+    """num_threads = 0: colocated, engine and trainer each take every core (they take turns);
+    disaggregated, each pool's cores are shared by its processes; set counts stay as they are."""
+    from miles.config.loader import load_config
+    from miles.devices import cpu_threads
+    from miles.orchestration.placement import CorePools, resolve_threads
+    from miles.run_config import RunConfig
+
+    def threads(pools, **over):
+        cfg = load_config(RunConfig, None, {"model.path": "m", "trainer.num_threads": "0",
+                                            "rollout.engine.num_threads": "0", **over})
+        cfg = resolve_threads(cfg, pools)
+        return cfg.rollout.engine.num_threads, cfg.trainer.num_threads
+
+    every = tuple(range(8))
+    assert threads(CorePools(engine=every, trainer=every)) == (8, 8)
+    assert threads(CorePools(engine=every[:4], trainer=every[4:]), **{"rollout.num_engines": "2"}) == (2, 4)
+    assert threads(CorePools(engine=every[:1], trainer=every[1:]), **{"trainer.num_ranks": "2"}) == (1, 3)
+    assert threads(CorePools(engine=every[:1], trainer=every[1:]), **{"rollout.num_engines": "3"}) == (1, 7)
+    assert threads(CorePools(engine=every, trainer=every), **{"trainer.num_threads": "2"}) == (8, 2)
+    assert threads(None) == (0, 0)  # each process then takes the cores it may use
+    assert cpu_threads(0) == len(os.sched_getaffinity(0)) and cpu_threads(3) == 3
