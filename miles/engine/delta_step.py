@@ -23,7 +23,8 @@ The engine's forward computes every position as the full forward's chunked form 
     CPU BLAS computes a product's rows in groups of 4 and rounds the 1 to 3 left over another way
     (a matrix-vector path), so a decode step's few rows would round unlike the same rows of the full
     forward, which are (but for its last few) in groups.
-Cost: a decode step computes a chunk's worth of positions per layer rather than one. Measured in
+Cost: a decode step computes a chunk's worth of positions per layer rather than one, and each row keeps
+a chunk's inputs per layer beside its state (counted in its KV budget, recurrent_state.py). Measured in
 tests/unit/engine/test_engine_recurrent.py. Installed per model instance, on the engine's
 own model only. Non-goals: hub kernels (fla) in place of transformers' torch functions.
 """
