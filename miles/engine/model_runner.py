@@ -39,7 +39,9 @@ position is offset by what its images took.
 
 Hybrid models (Qwen3-Next, Qwen3.5, Nemotron-H) keep a recurrent state per row beside the attention layers'
 KV (recurrent_state.py); the prefix cache is off for them. Nemotron-H's Mamba-2 decode steps are the
-engine's own (mamba_step.py): transformers' recurrent step with the chunked form's time-step clamp.
+engine's own (mamba_step.py): transformers' recurrent step with the chunked form's time-step clamp;
+so are Qwen3-Next's and Qwen3.5's gated delta-net forwards (delta_step.py): each position computed as
+the trainer's chunked full forward computes it.
 
 Non-goals: deciding what runs when (scheduler.py), sampling maths (sampler.py), the KV layout
 (kv_cache.py), releasing memory (memory.py).
@@ -60,7 +62,7 @@ from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, moe_shape, routers
 from miles.precision.linear import install, quantize_linears, served_weights
-from miles.engine import kv_cache, mamba_step, recurrent_state
+from miles.engine import delta_step, kv_cache, mamba_step, recurrent_state
 from miles.engine.chunked_prefill import ChunkedPrefill
 from miles.engine.config import EngineConfig
 from miles.engine.fast_decode import FastDecoder
@@ -88,6 +90,8 @@ class ModelRunner:
         self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
         # Mamba-2 decode steps clamp the time step as the chunked form (the trainer's forward) does.
         mamba_step.install(self.model)
+        # Gated delta-net layers compute each position as the chunked form (the trainer's forward) does.
+        delta_step.install(self.model)
         # Images of a vision-language model's requests (multimodal.py); None for a text model.
         self.images = ImageTable.serving(config, self.model)
         # Linear weights are then served as the format stores them, re-quantized whenever they change.

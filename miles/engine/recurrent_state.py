@@ -9,7 +9,9 @@ edits its states row for row as the batch changes:
   * a prefill computes each row's states from nothing: rows are left-padded, and these families zero
     the hidden states at padding (`apply_mask_to_padding_states`) before projecting them, so a
     padding column feeds zero keys/values (zero B·x) into a zero state, leaving it zero; the row's
-    states are then what an unpadded forward of its prompt leaves;
+    states are then what an unpadded forward of its prompt leaves (gated delta-net layers compute each
+    row over its own tokens, and keep the state at the row's last chunk boundary and the partial
+    chunk's inputs instead: delta_step.py);
   * merging appends the new rows' states below the running ones (no padding: a state has no length);
   * compaction and deduplicated prompts select rows.
 
@@ -64,14 +66,16 @@ def state_bytes(cache) -> int:
 
 
 def _states(layer) -> list[tuple[dict, int]]:
-    """(the dict holding it, its index) for every initialised state tensor of `layer`."""
+    """(the dict holding it, its key) for every initialised state tensor of `layer`, the engine's
+    gated delta-net partial chunk included (delta_step.py)."""
     out = []
     for i in range(layer.number_of_states):
         if layer.is_conv_states_initialized[i]:
             out.append((layer.conv_states, i))
         if layer.is_recurrent_states_initialized[i]:
             out.append((layer.recurrent_states, i))
-    return out
+    part = getattr(layer, "partial_chunk", {})
+    return out + [(part, key) for key in sorted(part)]
 
 
 def select_rows(layer, idx: torch.Tensor) -> None:
