@@ -104,6 +104,10 @@ class Evaluator:
                 if g.generate_fn is not None:
                     jobs.append(lambda c, url=url, p=p, sp=sp, j=j: g.generate_fn(
                         self._context(c, url, rewards), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
+                elif g.cfg.batch_requests and g.cfg.merge_requests and not p.images:
+                    # Every request of the evaluation in one POST per engine (rollout/merge.py).
+                    jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp, j=j: _first(g.merger.generate(
+                        c, url, [ids], [sp], [f"eval-{p.index}-{j}-{time.monotonic_ns()}"], p.label, p.index)))
                 else:
                     jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp: generate(
                         c, url, ids, sp, label=p.label, prompt_index=p.index, images=p.images, vision=g.vision))
@@ -148,3 +152,8 @@ class Evaluator:
     @staticmethod
     def _correct(scored: list[Scored], threshold: float | None) -> list[bool]:
         return [is_correct(x.score, x.correct, threshold) for x in scored]
+
+
+async def _first(samples):
+    """The one Sample of a merged request for one prompt."""
+    return (await samples)[0]

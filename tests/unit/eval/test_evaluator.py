@@ -39,7 +39,10 @@ def test_eval_accuracy_is_greedy_accuracy_as_before(tiny_model_dir, engine):
     from miles.rollout.reward import exact_match
 
     m = manager(tiny_model_dir, engine, EvalConfig(num_prompts=6, max_new_tokens=4))
+    prefills = engine.engine.stats["prefill_forwards"]
     out = m.evaluate()
+    # Every prompt in one POST (rollout.merge_requests), so the engine admits them in one prefill.
+    assert m.groups.merger.posts == 1 and engine.engine.stats["prefill_forwards"] - prefills == 1
     # the pre-eval-sets computation: greedy /generate per prompt, exact_match > 0, over the prompts
     tok = load_tokenizer(tiny_model_dir)
     prompts = PromptSource(TaskConfig(), "eval", 3).take(6)
