@@ -134,7 +134,8 @@ def test_partial_rollout_resumes_aborted_samples_with_per_segment_versions(tiny_
     assert retried_before_stop == 0  # resumed, not retried (stopping the producer aborts for good)
 
 
-def test_a_group_is_one_batched_request_equal_to_its_samples_sent_alone(tiny_model_dir, engine):
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per_group"])
+def test_a_group_is_one_batched_request_equal_to_its_samples_sent_alone(tiny_model_dir, engine, merge):
     import asyncio
 
     from miles.rollout.generate import generate
@@ -142,11 +143,12 @@ def test_a_group_is_one_batched_request_equal_to_its_samples_sent_alone(tiny_mod
 
     router = start_router_thread(RouterConfig(), [engine.url])
     try:
-        m = manager(tiny_model_dir, [engine.url], rollout={"n_samples_per_prompt": 4, "max_new_tokens": 12},
-                    router_url=router.url)
+        m = manager(tiny_model_dir, [engine.url], router_url=router.url,
+                    rollout={"n_samples_per_prompt": 4, "max_new_tokens": 12, "merge_requests": merge})
         m.generate_batch()
         groups, _ = m.collect(2, timeout=60)
-        assert router.router.counters.requests == 2  # one per group, not one per sample
+        # Never one per sample: the step's two groups in one POST (rollout.merge_requests), else one each.
+        assert router.router.counters.requests == (1 if merge else 2)
     finally:
         router.stop()
 
