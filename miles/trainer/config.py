@@ -56,8 +56,10 @@ class TrainerConfig:
     logprobs. LR warm-up and decay count updates."""
     micro_batch_size: int = 64
     """Most sequences per padded micro-batch on one rank; gradients accumulate across micro-batches."""
-    max_tokens_per_micro_batch: int = 0
-    """Token budget of one micro-batch (padded: rows × longest row; packed: total length). 0 = none."""
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one micro-batch (padded: rows × longest row; packed: total length); 0 = none. Rows
+    fill micro-batches longest first, so a batch with a long tail of lengths is not padded to its longest
+    row throughout (a sequence longer than the budget gets a micro-batch of its own)."""
     pack_sequences: bool = False
     """Pack sequences end to end into one row per micro-batch (no attention across sequences)."""
     ref_update_every: int = 0
