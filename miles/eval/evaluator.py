@@ -104,7 +104,7 @@ class Evaluator:
                 if g.generate_fn is not None:
                     jobs.append(lambda c, url=url, p=p, sp=sp, j=j: g.generate_fn(
                         self._context(c, url, rewards), p, sp, f"eval-{p.index}-{j}-{time.monotonic_ns()}"))
-                elif g.cfg.batch_requests and g.cfg.merge_requests and not p.images:
+                elif g.merges(p):
                     # Every request of the evaluation in one POST per engine (rollout/merge.py).
                     jobs.append(lambda c, url=url, ids=ids, p=p, sp=sp, j=j: _first(g.merger.generate(
                         c, url, [ids], [sp], [f"eval-{p.index}-{j}-{time.monotonic_ns()}"], p.label, p.index)))

@@ -71,6 +71,10 @@ class GroupGenerator:
         self.merger = RequestMerger(lambda url: len(self.admin.urls) if url == self.admin.router_url else 1,
                                     cfg.return_routed_experts)
 
+    def merges(self, prompt) -> bool:
+        """Whether `prompt`'s batched requests share a POST with others ready at once (rollout/merge.py)."""
+        return self.cfg.batch_requests and self.cfg.merge_requests and not prompt.images
+
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt (a Prompt, or its text): messages go through the chat template."""
         if isinstance(prompt, str):
@@ -212,7 +216,7 @@ class GroupGenerator:
                          return_routed_experts=routed, images=prompt.images, vision=self.vision)
                 for ids, sp, rid in zip(prompts, params, rids)))
         try:
-            if self.cfg.merge_requests and not prompt.images:
+            if self.merges(prompt):
                 return await self.merger.generate(client, url, prompts, params, rids, prompt.label, prompt.index)
             return await generate_many(client, url, prompts, params, rids=rids, label=prompt.label,
                                        prompt_index=prompt.index, return_routed_experts=routed,

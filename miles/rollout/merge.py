@@ -18,6 +18,7 @@ Non-goals: merging requests with images (each is sent as it is) or across client
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,6 +43,7 @@ class RequestMerger:
         self.posts_for = posts_for
         self.routed = return_routed_experts
         self._pending: dict[tuple[int, str], list[_Part]] = {}
+        self._posting: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         self.posts = 0  # POSTs sent, for tests and figures
 
     async def generate(self, client, url: str, prompts: list[list[int]], params: list, rids: list[str],
@@ -64,7 +66,9 @@ class RequestMerger:
         k = max(1, min(self.posts_for(url), len(parts)))
         for i in range(k):
             chunk = parts[i * len(parts) // k:(i + 1) * len(parts) // k]
-            asyncio.ensure_future(self._post(client, url, chunk))
+            task = asyncio.ensure_future(self._post(client, url, chunk))
+            self._posting.add(task)
+            task.add_done_callback(self._posting.discard)
 
     async def _post(self, client, url: str, parts: list[_Part]) -> None:
         self.posts += 1
@@ -73,18 +77,15 @@ class RequestMerger:
                 client, url, [p for part in parts for p in part.prompts],
                 [sp for part in parts for sp in part.params], rids=[r for part in parts for r in part.rids],
                 return_routed_experts=self.routed)
-        except GenerationError as exc:
-            if len(parts) > 1 and _refused(exc):  # find the part the server refuses: each alone
-                await asyncio.gather(*(self._post(client, url, [part]) for part in parts))
-                return
-            _fail(parts, exc)
-            return
         except asyncio.CancelledError:  # the event loop is closing: nobody waits any more
             for part in parts:
                 part.future.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - handed to every waiting group, which decides
-            _fail(parts, exc)
+            if len(parts) > 1 and _refused(exc):  # find the part the server refuses: each alone
+                await asyncio.gather(*(self._post(client, url, [part]) for part in parts))
+            else:
+                _fail(parts, exc)
             return
         at = 0
         for part in parts:
@@ -96,9 +97,9 @@ class RequestMerger:
                 part.future.set_result(mine)
 
 
-def _refused(exc: GenerationError) -> bool:
+def _refused(exc: Exception) -> bool:
     """Whether the server answered 4xx: a request it refuses, not a failure of the server."""
-    return any(f" {code}:" in str(exc) for code in range(400, 500))
+    return isinstance(exc, GenerationError) and re.search(r" 4\d\d:", str(exc)) is not None
 
 
 def _fail(parts: list[_Part], exc: Exception) -> None:
