@@ -84,8 +84,10 @@ UNMATCHED = [
     "fully_async trains groups in the order they finish (staleness <= --max-staleness, TIS truncate "
     "on the stale ones); TRL and miles sync train each step's prompts on the current policy",
     "micro-batches: miles fills micro-batches of at most trainer.max_tokens_per_micro_batch (8192) padded "
-    "tokens, longest rows first, so a long-tailed step is padded little; TRL trains a step's samples as one "
-    "batch padded to its longest completion (per_device_train_batch_size = the step's samples)",
+    "tokens, longest rows first, so a long-tailed step is padded little, and computes each prompt once per "
+    "micro-batch for the samples continuing it (trainer.share_prompts, the same gradient); TRL trains a "
+    "step's samples as one batch padded to its longest completion (per_device_train_batch_size = the "
+    "step's samples), every sample with its prompt",
     "old-policy logprobs: miles takes them from the trainer's forward pass; TRL with one iteration per "
     "batch uses the detached current logprobs (ratio 1), the same value in exact arithmetic",
 ]

@@ -9,6 +9,9 @@ filter's job, where the ledger counts it.
 A micro-batch is either padded rows (one sequence per row, cost = rows × longest row) or one packed
 row (sequences end to end, cost = total length). Packed sequences never attend to each other: each
 restarts its position ids at 0 and the model builds a block-diagonal causal mask from them.
+Padded rows may share their prompts (`SharedPrompts`): a group's samples start with the same prompt,
+so the micro-batch carries each distinct prompt once (but its last token) and each row only that
+last token and the response; the forward computes the prompts, then the rows on top of their KV.
 Non-goal: splitting one sequence over micro-batches (a sequence over budget gets one to itself).
 """
 
@@ -141,6 +144,49 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, max_seqs: int, pack:
 
 
 @dataclass
+class SharedPrompts:
+    """The distinct prompts of a micro-batch whose rows continue them: each prompt but its last token,
+    computed once; row b continues prompt `row_prompt[b]` from its last token on."""
+    input_ids: "torch.Tensor"        # (G, P) right-padded
+    attention_mask: "torch.Tensor"   # (G, P)
+    row_prompt: "torch.Tensor"       # (B,) index into the G prompts
+
+    def to(self, device) -> "SharedPrompts":
+        return SharedPrompts(self.input_ids.to(device), self.attention_mask.to(device), self.row_prompt.to(device))
+
+
+def shareable_prompts(seqs: list[TrainSequence]) -> bool:
+    """Whether computing each prompt once saves work: some prompt repeats and every prompt has a
+    token before its last (the rows start at the prompt's last token)."""
+    return all(s.prompt_len >= 2 for s in seqs) and \
+        len({tuple(s.tokens[:s.prompt_len - 1]) for s in seqs}) < len(seqs)
+
+
+def row_length(s: TrainSequence, share: bool) -> int:
+    """Tokens of the row a sequence takes in a padded micro-batch: all of it, or from its prompt's
+    last token on when prompts are shared."""
+    return len(s.tokens) - s.prompt_len + 1 if share else len(s.tokens)
+
+
+def _share(seqs: list[TrainSequence], pad_id: int):
+    """The micro-batch's SharedPrompts and its sequences cut to their rows (prompt_len 1: the prompt's last token)."""
+    import torch
+
+    index: dict[tuple[int, ...], int] = {}
+    row_prompt = [index.setdefault(tuple(s.tokens[:s.prompt_len - 1]), len(index)) for s in seqs]
+    prompts = list(index)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for g, p in enumerate(prompts):
+        ids[g, :len(p)] = torch.tensor(p, dtype=torch.long)
+        attn[g, :len(p)] = 1
+    rows = [dataclasses.replace(s, tokens=s.tokens[s.prompt_len - 1:], prompt_len=1) for s in seqs]
+    starts = torch.tensor([len(prompts[g]) for g in row_prompt], dtype=torch.long)  # (B,) position of each row's first token
+    return SharedPrompts(ids, attn, torch.tensor(row_prompt, dtype=torch.long)), rows, starts
+
+
+@dataclass
 class MicroBatch:
     input_ids: "torch.Tensor"                # (B, T)
     attention_mask: "torch.Tensor | None"    # (B, T); None when packed
@@ -155,23 +201,34 @@ class MicroBatch:
     teacher_logprobs: "torch.Tensor | None" = None  # (B, T-1) a teacher engine's, when every sequence has them
     prox_logprobs: "torch.Tensor | None" = None     # (B, T-1) the proximal policy's, when every sequence has them
     images: "ImageBatch | None" = None               # pixel values and grids of the sequences' images, in order
+    shared: SharedPrompts | None = None              # the prompts the rows continue (input_ids start at their last token)
 
     def to(self, device) -> "MicroBatch":
         """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
         if device == self.input_ids.device:
             return self
-        moved = {f.name: (v.to(device) if hasattr(v, "to") and f.name != "seqs" else v)  # ImageBatch too
+        moved = {f.name: (v.to(device) if hasattr(v, "to") and f.name != "seqs" else v)  # ImageBatch, SharedPrompts too
                  for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
         return MicroBatch(**moved)
 
 
 def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: bool, pad_id: int,
-                      moe_shape: tuple[int, int] | None = None, vision: "TrainerVision | None" = None) -> MicroBatch:
+                      moe_shape: tuple[int, int] | None = None, vision: "TrainerVision | None" = None,
+                      share_prompts: bool = False) -> MicroBatch:
     """Tensors of one micro-batch. Response token j of a sequence starting at offset o sits at
     o + prompt_len + j and is predicted at the position before it. With `moe_shape` (MoE layers,
     top_k) the sequences' routed experts are laid out the same way; with `vision` (a vision-language
-    policy) the sequences' images and 3-D positions come with them (trainer/vision.py)."""
+    policy) the sequences' images and 3-D positions come with them (trainer/vision.py). With
+    `share_prompts` (padded text rows only) and prompts that repeat, each row holds its sequence from
+    the prompt's last token on and `shared` the prompts before it."""
     import torch
+
+    if share_prompts and not pack and moe_shape is None and vision is None and all(s.prompt_len >= 2 for s in seqs):
+        shared, rows, starts = _share(seqs, pad_id)
+        mb = build_micro_batch(rows, weights, False, pad_id)
+        width = mb.input_ids.shape[1]
+        return dataclasses.replace(mb, seqs=seqs, shared=shared,
+                                   position_ids=starts[:, None] + torch.arange(width)[None])  # (B, T)
 
     if pack:
         rows = [[i for i in range(len(seqs))]]

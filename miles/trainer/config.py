@@ -62,6 +62,12 @@ class TrainerConfig:
     row throughout (a sequence longer than the budget gets a micro-batch of its own)."""
     pack_sequences: bool = False
     """Pack sequences end to end into one row per micro-batch (no attention across sequences)."""
+    share_prompts: bool = True
+    """Compute a prompt once per micro-batch for all the samples that continue it (a group's), each
+    sample's response then on top of its KV: the same loss and gradients, less compute when prompts are
+    long against responses. Padded rows of full-attention dense models (llama, mistral, qwen2, qwen3) on
+    a one-rank fsdp trainer, without activation checkpointing or a reference, in-trainer teacher or
+    critic forward; elsewhere every row computes its whole sequence."""
     ref_update_every: int = 0
     """Refresh the reference model from the policy every this many steps (0 = keep the initial one)."""
     routing_replay: bool = False

@@ -38,6 +38,38 @@ def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, t
     return logprobs_from_logits(logits, input_ids, temperature, with_entropy)
 
 
+# Families whose decoder keeps every earlier token's keys and values in a plain KV cache (no sliding
+# window, no recurrent state, no MoE routes to replay), so rows continuing a prompt's cached KV see
+# what their whole sequences would.
+PROMPT_KV_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def shares_prompt_kv(config) -> bool:
+    """Whether a model of this HF config can compute shared prompts once (`shared_prompt_logits`)."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return getattr(config, "model_type", None) in PROMPT_KV_FAMILIES and not window
+
+
+def shared_prompt_logits(model, mb) -> torch.Tensor:
+    """The logits (B, T, V) of a micro-batch whose rows share prompts (batching.SharedPrompts): each
+    prompt's forward once, its KV handed to every row that continues it, then the rows' forward on top.
+    The same logits as the rows' whole sequences (attention sees the same keys; a padded prompt slot is
+    masked, and positions are given), for a prompt's compute once per micro-batch instead of once per
+    sample. Gradients reach the prompts' tokens through the shared KV, summed over their rows."""
+    sp = mb.shared
+    G, P = sp.input_ids.shape
+    positions = torch.arange(P, device=sp.input_ids.device).expand(G, P)
+    # Padding on the right of a prompt: no query ever sees only masked keys (which would give NaNs
+    # that the rows' attention then multiplies by zero weights).
+    prompts = model(input_ids=sp.input_ids, attention_mask=sp.attention_mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1)
+    kv = prompts.past_key_values
+    kv.batch_select_indices(sp.row_prompt)  # (G, ...) -> (B, ...), differentiable indexing
+    mask = torch.cat([sp.attention_mask[sp.row_prompt], mb.attention_mask], dim=1)  # (B, P + T)
+    return model(input_ids=mb.input_ids, attention_mask=mask, position_ids=mb.position_ids, cache=kv,
+                 use_cache=True).logits  # (B, T, V)
+
+
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                          with_entropy: bool = False):
     """`forward_logprobs` from the model's logits (B, T, V): the tokens' logprobs (B, T-1) and, if

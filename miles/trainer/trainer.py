@@ -36,7 +36,7 @@ from miles.models.vision import is_vision_language
 from miles.models.moe import model_routers, moe_shape
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.backends.base import BACKENDS
-from miles.trainer.batching import build_micro_batch, plan_micro_batches
+from miles.trainer.batching import build_micro_batch, plan_micro_batches, row_length, shareable_prompts
 from miles.trainer.checkpoint import CheckpointWriter, host_copy, restore_rng, rng_state
 from miles.trainer.config import TrainerConfig
 from miles.trainer.export import write_hf_export
@@ -127,10 +127,11 @@ class Trainer:
         `algorithm` (None = the configured one)."""
         cfg = self.cfg
         algorithm = algorithm or self.algorithm
-        plan = self._plan(seqs)
+        share = self._shares_prompts(seqs, algorithm)
+        plan = self._plan(seqs, share)
         temperature = self.temperature if algorithm.on_rollouts else 1.0
         out: list[list[float] | None] = [None] * len(seqs)
-        mbs = [self._micro_batch(seqs, members, [0.0] * len(seqs)) for members in plan]
+        mbs = [self._micro_batch(seqs, members, [0.0] * len(seqs), share) for members in plan]
         members_of = {id(mb.seqs): members for mb, members in zip(mbs, plan)}
 
         def record(mb, tokens):
@@ -153,13 +154,14 @@ class Trainer:
         if algo.on_rollouts and cfg.routing_replay:
             check_sequences(seqs)
         weights = sequence_weights(algo, seqs, totals, self.backend.dp_size)
-        plan = self._plan(seqs)
+        share = self._shares_prompts(seqs, algo)
+        plan = self._plan(seqs, share)
 
         self._maybe_refresh_reference()
         sums: dict[str, float] = {}
         if self.moe_shape is not None:
             sums.update(r3_pairs=0.0, r3_mismatch=0.0)  # same keys on every rank for the all-reduce below
-        mbs = [self._micro_batch(seqs, members, weights) for members in plan]
+        mbs = [self._micro_batch(seqs, members, weights, share) for members in plan]
 
         def loss_fn(mb, tokens):
             return self._micro_loss(mb, tokens, algo, sums, mb.seqs[0] is not self._placeholder_seq)
@@ -184,11 +186,22 @@ class Trainer:
         out["perf/train_forward_s"], out["perf/train_backward_s"] = fwd_s, bwd_s
         return out
 
-    def _plan(self, seqs) -> list[list[int]]:
+    def _shares_prompts(self, seqs, algorithm) -> bool:
+        """Whether this rank's micro-batches compute each prompt once for the rows continuing it
+        (trainer.share_prompts): prompts repeat, the backend can, and no other forward of the step
+        (reference, in-trainer teacher, critic) reads the micro-batch's whole sequences."""
+        others = (algorithm.needs_reference and self.reference is not None) or \
+            (algorithm.needs_teacher and self.teacher is not None) or algorithm.needs_critic
+        # A backend shares on one rank only (fsdp.py says why), so no rank's forwards differ from another's.
+        return self.cfg.share_prompts and not self.cfg.pack_sequences and not others and \
+            getattr(self.backend, "shares_prompts", False) and shareable_prompts(seqs)
+
+    def _plan(self, seqs, share: bool = False) -> list[list[int]]:
         """This rank's micro-batches, padded with empty ones to the most any rank has: every rank must
-        run the same number of forward/backward passes (the backend's collectives)."""
+        run the same number of forward/backward passes (the backend's collectives). With shared prompts
+        a row's cost is its response and its prompt's last token."""
         cfg = self.cfg
-        plan = plan_micro_batches([len(s.tokens) for s in seqs], cfg.max_tokens_per_micro_batch,
+        plan = plan_micro_batches([row_length(s, share) for s in seqs], cfg.max_tokens_per_micro_batch,
                                   cfg.micro_batch_size, cfg.pack_sequences)
         n_mb = torch.tensor([len(plan)], device=self.backend.device)
         dist.all_reduce(n_mb, op=dist.ReduceOp.MAX)
@@ -208,7 +221,7 @@ class Trainer:
     def _routers(self, mb):
         return self.routers if mb.routed is not None else []
 
-    def _micro_batch(self, seqs, members: list[int], weights: list[float]):
+    def _micro_batch(self, seqs, members: list[int], weights: list[float], share: bool = False):
         """The micro-batch of `seqs[i] for i in members`; a rank with nothing left still joins the
         collectives, with a placeholder of zero weight."""
         if members:
@@ -216,7 +229,7 @@ class Trainer:
         else:
             chunk, w = [self._placeholder_seq], [0.0]
         return build_micro_batch(chunk, w, self.cfg.pack_sequences, self.pad_id, self.moe_shape,
-                                 self.vision).to(self.backend.device)
+                                 self.vision, share).to(self.backend.device)
 
     def _replay(self, sums: dict):
         """R3 around each micro-batch's forward (a no-op without routers or routes). Mismatch is counted

@@ -28,7 +28,7 @@ from miles.trainer.backends.loading import load_critic, load_policy
 from miles.trainer.checkpoint import CheckpointWriter, load_trainer_state, save_trainer_state
 from miles.trainer.config import TrainerConfig, lr_lambda
 from miles.trainer.device import HOST, join_trainer_group, mixed_precision, param_dtype
-from miles.trainer.forward import run_micro_batches
+from miles.trainer.forward import run_micro_batches, shared_prompt_logits, shares_prompt_kv
 from miles.trainer.offload import OptimizerSet
 from miles.trainer.parallel import load_parallel_model
 
@@ -46,6 +46,12 @@ class FSDPBackend:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim = OptimizerSet(params, cfg, lr_lambda(cfg), rank)
         self.critic = self.critic_optim = None
+        # Rows may continue their prompts' KV (batching.SharedPrompts) on one rank's whole model whose
+        # forward keeps that KV (activation checkpointing turns transformers' cache off). Not under FSDP
+        # sharding: a gradient reaching a layer through the shared KV rather than through the layer's
+        # output would skip the hook that gathers its parameters for the backward.
+        self.shares_prompts = world_size == 1 and not cfg.activation_checkpointing and \
+            shares_prompt_kv(self.model.config)
 
     def _build_policy(self):
         cfg = self.cfg
@@ -81,6 +87,8 @@ class FSDPBackend:
     def _logits(self, mb) -> torch.Tensor:
         if self.compute_copy is not None:
             self.compute_copy.to_compute()
+        if mb.shared is not None:
+            return shared_prompt_logits(self.model, mb)
         # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
         with mb.images.spliced_into(self.model) if mb.images is not None else contextlib.nullcontext():
             return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,

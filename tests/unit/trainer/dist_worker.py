@@ -9,17 +9,20 @@ import random
 import sys
 
 
-def make_batch(seed: int, n: int):
+def make_batch(seed: int, n: int, group: int = 1):
+    """n sequences; with `group` > 1, runs of `group` consecutive ones continue the same prompt."""
     from miles.trainer.types import TrainSequence
 
     rng = random.Random(seed)
     seqs = []
-    for _ in range(n):
-        P, R = rng.randint(2, 9), rng.randint(1, 7)
+    for i in range(n):
+        if i % group == 0:
+            prompt = [rng.randint(5, 300) for _ in range(rng.randint(2, 9))]
+        P, R = len(prompt), rng.randint(1, 7)
         mask = [1] * R
         if R > 2:
             mask[1] = 0  # an environment token inside the response
-        seqs.append(TrainSequence(tokens=[rng.randint(5, 300) for _ in range(P + R)], prompt_len=P,
+        seqs.append(TrainSequence(tokens=prompt + [rng.randint(5, 300) for _ in range(R)], prompt_len=P,
                                   loss_mask=mask, old_logprobs=[-rng.uniform(4.0, 7.0) for _ in range(R)],
                                   advantage=rng.choice([-1.0, -0.5, 0.5, 1.0])))
     return seqs
@@ -53,12 +56,14 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
     for case in spec["cases"]:
         cfg = build(TrainerConfig, {"num_ranks": world, **case["trainer"]})
         trainer = Trainer(cfg, case["model"], rank, world, "127.0.0.1", spec["port"])
-        seqs = make_batch(spec["seed"], spec["n"])
+        seqs = make_batch(spec["seed"], spec["n"], case.get("group", 1))
         if case.get("routed"):
             seqs = with_routed_experts(seqs, spec["seed"], *case["routed"])
         seqs, totals = prepare_global_batch(seqs, trainer.algorithm)
         width = max(cfg.tensor_parallel_size, cfg.expert_parallel_size)
-        metrics = trainer.compute_gradients(split_for_ranks(seqs, world, width)[rank], totals)
+        mine = split_for_ranks(seqs, world, width)[rank]
+        shared = trainer._shares_prompts(mine, trainer.algorithm)
+        metrics = trainer.compute_gradients(mine, totals)
         grads = {}
         for name, p in trainer.backend.model.named_parameters():
             if p.grad is None:
@@ -67,7 +72,8 @@ def run_rank(rank: int, world: int, spec: dict) -> None:
             grads[name.removeprefix("_orig_mod.")] = g.detach().clone()
         local_rows = {n: (p.to_local() if hasattr(p, "to_local") else p).shape[0]
                       for n, p in trainer.backend.model.named_parameters() if "experts" in n}
-        results[case["name"]] = {"grads": grads, "metrics": metrics, "local_expert_rows": local_rows}
+        results[case["name"]] = {"grads": grads, "metrics": metrics, "local_expert_rows": local_rows,
+                                 "shared_prompts": shared}
         del trainer
     if rank == 0:
         torch.save(results, spec["out"])

@@ -1,6 +1,6 @@
 """The step's gradient does not depend on how the global batch is laid out: data-parallel ranks,
-token-budget micro-batches, packed rows, tensor-parallel and expert-parallel shards all give the
-single-rank, single-micro-batch gradient. Real gloo process groups, real tiny models."""
+token-budget micro-batches, packed rows, shared prompts, tensor-parallel and expert-parallel shards
+all give the single-rank, single-micro-batch gradient. Real gloo process groups, real tiny models."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def layouts(tiny_model_dir, moe_model_dir, tmp_path_factory):
          "trainer": {"algorithm": ALGO, "max_tokens_per_micro_batch": 24, "micro_batch_size": 2}},
         {"name": "packed", "model": dense,
          "trainer": {"algorithm": ALGO, "max_tokens_per_micro_batch": 30, "pack_sequences": True}},
+        {"name": "grouped_reference", "model": dense, "group": 4,
+         "trainer": {"algorithm": ALGO, "share_prompts": False}},
+        {"name": "grouped_shared", "model": dense, "group": 4, "trainer": {"algorithm": ALGO}},
+        {"name": "grouped_shared_budget", "model": dense, "group": 4,
+         "trainer": {"algorithm": ALGO, "max_tokens_per_micro_batch": 12, "micro_batch_size": 2}},
         {"name": "moe_reference", "model": moe, "trainer": {"algorithm": ALGO}},
         {"name": "moe_replay_reference", "model": moe, "routed": [2, 4, 2],
          "trainer": {"algorithm": ALGO, "routing_replay": True}},
@@ -67,6 +72,8 @@ def layouts(tiny_model_dir, moe_model_dir, tmp_path_factory):
         {"name": "dp", "model": dense, "trainer": {"algorithm": ALGO, "micro_batch_size": 1}},
         {"name": "dp_packed", "model": dense,
          "trainer": {"algorithm": ALGO, "max_tokens_per_micro_batch": 30, "pack_sequences": True}},
+        {"name": "dp_grouped_shared", "model": dense, "group": 4,
+         "trainer": {"algorithm": ALGO, "micro_batch_size": 3}},
         {"name": "tp", "model": dense, "trainer": {"algorithm": ALGO, "tensor_parallel_size": 2}},
         {"name": "ep", "model": moe, "trainer": {"algorithm": ALGO, "expert_parallel_size": 2}},
         {"name": "ep_replay", "model": moe, "routed": [2, 4, 2],
@@ -78,6 +85,18 @@ def layouts(tiny_model_dir, moe_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("case", ["token_budget", "packed", "dp", "dp_packed", "tp"])
 def test_dense_layouts_match_one_rank_one_micro_batch(layouts, case):
     ref = layouts["reference"]
+    assert_same_grads(layouts[case]["grads"], ref["grads"], case)
+    assert layouts[case]["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-5)
+    assert layouts[case]["metrics"]["train/loss_tokens"] == ref["metrics"]["train/loss_tokens"]
+
+
+@pytest.mark.parametrize("case", ["grouped_shared", "grouped_shared_budget", "dp_grouped_shared"])
+def test_shared_prompts_give_the_whole_sequences_gradient(layouts, case):
+    # Groups of 4 samples continue prompts of 2-9 tokens: each micro-batch computes a prompt once and
+    # its rows on its KV. Same gradient and loss as every row computing its whole sequence, on one
+    # rank and over token-budget micro-batches; two sharded ranks compute whole sequences instead.
+    ref = layouts["grouped_reference"]
+    assert not ref["shared_prompts"] and layouts[case]["shared_prompts"] == (case != "dp_grouped_shared")
     assert_same_grads(layouts[case]["grads"], ref["grads"], case)
     assert layouts[case]["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-5)
     assert layouts[case]["metrics"]["train/loss_tokens"] == ref["metrics"]["train/loss_tokens"]
