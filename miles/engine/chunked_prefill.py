@@ -72,7 +72,7 @@ class ChunkedPrefill:
             if b == len(ids):
                 done = True
                 version, whole = runner.weight_version, self._epoch == runner.weights_epoch
-                tokens, logprobs = sample(logits[None], [row.req.params], [row.generator], runner._generator)
+                tokens, logprobs = sample(logits[None], [row.req.params], [row.draws], runner._generator)
                 if whole and runner.prefix_cache.max_tokens:
                     runner.prefix_cache.insert(ids, lambda x, y: kv.row_kv(kv.staging, x, y))
                 if kv.n >= kv.slots:  # retired rows still hold slots: drop them (admission counted only live ones)

@@ -99,7 +99,7 @@ class FastDecoder:
             if self.sampling is None or self.sampling[0] is not rows:
                 self.sampling = (rows, SamplingBatch([r.req.params for r in rows], runner.device))
             sampling = self.sampling[1]
-            u = sampling.uniforms([r.generator for r in rows], runner._generator)
+            u = sampling.uniforms([r.draws for r in rows], runner._generator)
             routed = None
             if capture or any(a is not None for a in adapters) or not self.graphs.use_graphs:
                 ids: list[torch.Tensor] = []

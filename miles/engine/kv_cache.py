@@ -96,12 +96,18 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         L, n = self._len, key_states.shape[-2]
         if L + n > self._k.shape[-2]:
-            # Half again as much headroom: a long decode reallocates O(log L) times, not every step.
-            self.reserve(L + n + max(64, L // 2))
+            self.reserve(_capacity(L, n))
         self._k[:, :, L:L + n] = key_states
         self._v[:, :, L:L + n] = value_states
         self._len = L + n
         return self.keys, self.values
+
+    def select(self, idx: torch.Tensor, start: int) -> None:
+        """Keep rows `idx` and columns from `start`, gathered straight into buffers with the room the next
+        decode step's append would reserve: compaction copies the batch's KV once, not twice."""
+        L = self._len - start
+        self._k, self._v = (_gather_rows(t[:, :, start:self._len], idx, _capacity(L, 1)) for t in (self._k, self._v))
+        self._len = L
 
     def streams(self) -> tuple[torch.Tensor, ...]:
         """What the layer holds per token, each with tokens on dim -2: keys and values (B, H, L, D)."""
@@ -138,6 +144,11 @@ class GrowingIndexedLayer(GrowingLayer):
         self._ik[:, self._len - n:self._len] = key_states
         return self.indexer_keys
 
+    def select(self, idx: torch.Tensor, start: int) -> None:
+        if self._ik is not None:  # no headroom: update_indexer follows the KV's capacity
+            self._ik = self._ik[:, start:self._len].index_select(0, idx)
+        super().select(idx, start)
+
     def streams(self) -> tuple[torch.Tensor, ...]:
         """Keys, values (B, H, L, D) and indexer keys (B, L, D_index)."""
         return self.keys, self.values, self.indexer_keys
@@ -145,6 +156,19 @@ class GrowingIndexedLayer(GrowingLayer):
     def assign(self, keys: torch.Tensor, values: torch.Tensor, indexer_keys: torch.Tensor | None = None) -> None:
         self.keys, self.values = keys, values
         self._ik = indexer_keys
+
+
+def _capacity(L: int, n: int) -> int:
+    """Columns to hold when L are held and n more arrive: half again as much headroom, so a long decode
+    reallocates O(log L) times, not every step."""
+    return L + n + max(64, L // 2)
+
+
+def _gather_rows(t: torch.Tensor, idx: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Rows `idx` of `t` (B, H, L, D) in a new (len(idx), H, capacity, D) buffer, columns [0, L) filled."""
+    out = t.new_empty((len(idx), t.shape[1], capacity, t.shape[3]))
+    torch.index_select(t, 0, idx, out=out[:, :, :t.shape[2]])
+    return out
 
 
 def new_cache(model_config) -> DynamicCache:
@@ -261,6 +285,8 @@ def select_rows(cache, idx: torch.Tensor, start: int = 0) -> None:
     for layer in cache.layers:
         if recurrent_state.is_state_layer(layer):
             recurrent_state.select_rows(layer, idx)
+        elif isinstance(layer, GrowingLayer):
+            layer.select(idx, start)
         elif not isinstance(layer, DummyLayer):
             layer.assign(*(t[idx, ..., start:, :] for t in layer.streams()))
 

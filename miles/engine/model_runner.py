@@ -65,6 +65,7 @@ from miles.precision.linear import install, quantize_linears, served_weights
 from miles.engine import delta_step, kv_cache, mamba_step, recurrent_state
 from miles.engine.chunked_prefill import ChunkedPrefill
 from miles.engine.config import EngineConfig
+from miles.engine.decode_forward import FAMILIES
 from miles.engine.fast_decode import FastDecoder
 from miles.engine.graphs import DecodeGraphs
 from miles.engine.kv_cache import BatchKV
@@ -73,7 +74,7 @@ from miles.engine.multimodal import ImageTable
 from miles.engine.prefill import Prefill
 from miles.engine.prefix_cache import PrefixCache
 from miles.engine.row import Row
-from miles.engine.sampler import sample
+from miles.engine.sampler import SamplingBatch, sample
 from miles.engine.static_kv import StaticKV
 from miles.engine.window_masks import layer_masks, windowed
 
@@ -110,6 +111,7 @@ class ModelRunner:
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
         self.windowed = windowed(self.model.config)  # sliding-window layers: the engine builds the masks
+        self._prepared_masks = _takes_prepared_mask(self.model)  # see _decode_mask
         # A recurrent layer's state after a prefix is not kept (recurrent_state.py): its rows compute
         # their whole prompt, and the prefix cache is off rather than holding KV nobody can use.
         prefix_mb = config.prefix_cache_mb if config.prefix_cache else 0
@@ -147,6 +149,7 @@ class ModelRunner:
         self.rows: list[Row] = []
         self.dead = 0  # finished rows still in the batch tensors (see compact)
         self.kv: BatchKV | StaticKV = BatchKV()
+        self._sampling: tuple[list[Row], SamplingBatch] | None = None  # decode's, for the rows list it was built for
         self.prefiller = Prefill(self)
         # Fast decode (fast_decode.py): set when it serves this engine, with its graphs (`fast`) and, for
         # long prompts, the chunked prefill.
@@ -208,9 +211,14 @@ class ModelRunner:
             # Finished rows waiting for compaction keep stepping; clamping keeps their positions valid.
             pos = kv.next_pos.clamp(max=self.context_length - 1)[:, None]  # (B, 1)
             capture = any(r.req.return_routed_experts and r.finish is None for r in self.rows)
-            logits, routed = self.forward(kv.last_tokens[:, None], mask, pos, kv.cache, logits_to_keep=1,
-                                           capture=capture, adapters=[self.adapter_of(r) for r in self.rows])
-            tokens, logprobs = self.sample_rows(logits, self.rows)
+            logits, routed = self.forward(kv.last_tokens[:, None], self._decode_mask(mask), pos, kv.cache,
+                                           logits_to_keep=1, capture=capture,
+                                           adapters=[self.adapter_of(r) for r in self.rows])
+            # The batch's sampling tensors outlive a step: built again only when the rows list is replaced.
+            if self._sampling is None or self._sampling[0] is not self.rows:
+                self._sampling = (self.rows, SamplingBatch([r.req.params for r in self.rows], self.device))
+            sampling = self._sampling[1]
+            tokens, logprobs = sampling.sample(logits, sampling.uniforms([r.draws for r in self.rows], self._generator))
             host = tokens.tolist(), logprobs.tolist()  # waits for the device: the step's device time ends here
         kv.mask = mask
         kv.next_pos = kv.next_pos + 1
@@ -218,6 +226,14 @@ class ModelRunner:
         t1 = time.perf_counter()
         self.stats["decode_device_s"] += t1 - t0
         self._recorded(t1, self.rows, routed, epoch, version, *host)
+
+    def _decode_mask(self, mask: torch.Tensor):
+        """The mask a decode step hands the model for its padding mask (B, L+1). transformers would make it
+        None (nothing padded) or its boolean (B, 1, 1, L+1) form, at about the cost of a layer, and takes a
+        prepared 4-D mask as it is; models that mask otherwise get the 2-D one."""
+        if not self._prepared_masks or bool(mask.all()):
+            return mask
+        return mask.bool()[:, None, None, :]
 
     def _recorded(self, t1: float, rows: list[Row], routed, epoch: int, version: str, tokens: list[int],
                   logprobs: list[float]) -> None:
@@ -302,6 +318,7 @@ class ModelRunner:
             self.decoder.pending = None  # a step still pending concerns rows the caller answered or requeued
         self.dead = 0
         self.rows = []
+        self._sampling = None
         self.kv.reset()
 
     def result(self, row: Row, finish: FinishReason) -> GenerateResult:
@@ -409,7 +426,7 @@ class ModelRunner:
         return (out.logits[:, -1, :] if last_only else out.logits), routed
 
     def sample_rows(self, logits: torch.Tensor, rows: list[Row]):
-        return sample(logits, [r.req.params for r in rows], [r.generator for r in rows], self._generator)
+        return sample(logits, [r.req.params for r in rows], [r.draws for r in rows], self._generator)
 
     def record(self, rows: list[Row], tokens: list[int], logprobs: list[float], version: str) -> None:
         for row, t, lp in zip(rows, tokens, logprobs):
@@ -460,6 +477,15 @@ class ModelRunner:
                 ids = row.prefill_ids()[:-1]
                 self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b))
         self.stats["cache_insert_s"] += time.perf_counter() - t0
+
+
+def _takes_prepared_mask(model) -> bool:
+    """Whether every layer of `model` is masked by transformers' create_causal_mask for SDPA alone (the
+    decode_forward families without sliding windows): its decode mask is then the padding mask's boolean form."""
+    c = model.config.get_text_config()
+    return (c.model_type in FAMILIES and model.config._attn_implementation == "sdpa"
+            and "sliding_attention" not in (getattr(c, "layer_types", None) or ())
+            and (getattr(c, "sliding_window", None) is None or c.model_type in ("qwen2", "qwen3")))
 
 
 def _real_pairs(runner: ModelRunner, pairs):

@@ -2,7 +2,8 @@
 the queue when it is retracted. The model runner owns the batch; a Row is what it keeps per request.
 
 Sampling generators stay on the host whatever the engine's device: a seeded request then draws the
-same uniforms on cpu and cuda, so its tokens do not depend on where the engine runs.
+same uniforms on cpu and cuda, so its tokens do not depend on where the engine runs (SeededDraws,
+sampler.py).
 
 Non-goal: the batch tensors (kv_cache.py) and the request's wire form (types.py).
 """
@@ -17,6 +18,7 @@ import torch
 
 from miles.engine_api.types import FinishReason, GenerateRequest
 from miles.models.moe import encode_routed_experts
+from miles.engine.sampler import SeededDraws
 
 
 @dataclass
@@ -25,7 +27,7 @@ class Row:
 
     req: GenerateRequest
     future: Future
-    generator: torch.Generator | None
+    draws: SeededDraws | None  # a seeded request's uniforms; None draws from the engine's generator
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
@@ -51,7 +53,7 @@ class Row:
     @classmethod
     def of(cls, req: GenerateRequest, future: Future, listener=None) -> Row:
         seed = req.params.seed
-        return cls(req, future, None if seed is None else torch.Generator().manual_seed(seed), listener=listener)
+        return cls(req, future, None if seed is None else SeededDraws(seed), listener=listener)
 
     def input_logprob_start(self) -> int | None:
         """The prompt position its input logprobs start at, while they are still to be computed."""

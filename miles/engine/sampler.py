@@ -7,6 +7,11 @@ only changes which tokens can be drawn, never the reported logprob, so the train
 know the truncation settings to reproduce it.
 
 Truncation order (as in SGLang): top-k, then top-p over the top-k survivors, then min-p.
+
+A seeded row's uniforms come from its own generator (SeededDraws), drawn a block at a time: torch's
+cpu uniform kernel draws element after element from the generator, so a block of k is exactly the
+next k single draws, and one call per block replaces one per step.
+
 Non-goal: penalties (frequency, presence, repetition) and logit bias.
 """
 
@@ -20,10 +25,33 @@ if TYPE_CHECKING:  # torch loads lazily so `miles serve --help` answers at once
     import torch
 
 
+# Uniforms a seeded row draws at once; a row that finishes early wastes at most this many draws.
+DRAW_BLOCK = 32
+
+
+class SeededDraws:
+    """A seeded row's uniforms in order: its generator's single draws, taken a block at a time."""
+
+    def __init__(self, seed: int):
+        import torch
+
+        self.generator = torch.Generator().manual_seed(seed)
+        self._block: list[float] = []
+        self._next = 0
+
+    def next(self) -> float:
+        if self._next == len(self._block):
+            import torch
+
+            self._block, self._next = torch.rand(DRAW_BLOCK, generator=self.generator).tolist(), 0
+        self._next += 1
+        return self._block[self._next - 1]
+
+
 def sample(
     logits: torch.Tensor,  # (B, V), any float dtype
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list[SeededDraws | torch.Generator | None],
     default_generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns (token ids (B,), their logprobs (B,) in float32).
@@ -55,7 +83,8 @@ class SamplingBatch:
             self.top_p = torch.tensor([p.top_p for p in params], device=device)
             self.min_p = torch.tensor([p.min_p for p in params], device=device)
 
-    def uniforms(self, generators: list[torch.Generator | None], default_generator: torch.Generator) -> torch.Tensor:
+    def uniforms(self, generators: list[SeededDraws | torch.Generator | None],
+                 default_generator: torch.Generator) -> torch.Tensor:
         """One uniform per sampled row (0 for greedy rows), on the host: a seeded row takes its uniform from
         its own generator (one draw per call, whatever the batch), the others share one draw from the
         engine generator. Generators live on the host, so a seed draws the same uniforms on every device."""
@@ -67,8 +96,11 @@ class SamplingBatch:
             for i, x in zip(shared, torch.rand(len(shared), generator=default_generator).tolist()):
                 u[i] = x
         for i in self.sampled:
-            if generators[i] is not None:
-                u[i] = torch.rand(1, generator=generators[i]).item()
+            g = generators[i]
+            if isinstance(g, SeededDraws):
+                u[i] = g.next()
+            elif g is not None:
+                u[i] = torch.rand(1, generator=g).item()
         return torch.tensor(u, dtype=torch.float32)
 
     def sample(self, logits: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +109,9 @@ class SamplingBatch:
 
         logits = logits.float()
         logprobs_all = torch.log_softmax(logits / self.temps[:, None], dim=-1)  # (B, V)
-        tokens = logits.argmax(dim=-1)
+        # Greedy rows take the argmax; a batch without any skips it (the draw replaces every row's).
+        every_row_draws = bool(self.sampled) and len(self.sampled) == len(self.params)
+        tokens = None if every_row_draws else logits.argmax(dim=-1)
         if self.sampled:
             # Pinned, so the copy does not wait for the device; a fresh pinned block per step (torch's host
             # allocator reuses it only once the copy is done), as the next step's uniforms may be drawn
@@ -91,7 +125,7 @@ class SamplingBatch:
             cdf = probs.cumsum(dim=-1)  # (B, V)
             target = (u * cdf[:, -1] * (1 - 1e-6))[:, None]
             drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
-            tokens = torch.where(self.greedy, tokens, drawn)
+            tokens = drawn if tokens is None else torch.where(self.greedy, tokens, drawn)
         token_logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
         return tokens, token_logprobs
 

@@ -54,6 +54,10 @@ def test_rows_keep_their_kv_through_merge_growth_and_compaction(hf_model):
     kv.select([2])
     assert kv.mask.tolist() == [[1, 1, 1, 1, 1]] and kv.cache.layers[0].keys.shape == (1, 2, 5, 4)
     assert torch.equal(_real_kv(kv, 0)[:, :, :4], alone_b)
+    # Compaction gathers into buffers with room for the next step's column: appending it copies nothing.
+    buffer = kv.cache.layers[0]._k.data_ptr()
+    kv.cache.update(torch.zeros((1, 2, 1, 4)), torch.zeros((1, 2, 1, 4)), 0)
+    assert kv.cache.layers[0]._k.data_ptr() == buffer and kv.cache.layers[0].keys.shape == (1, 2, 6, 4)
 
 
 def test_dsa_layers_carry_their_indexer_keys_through_merge_growth_compaction_and_the_prefix_cache(preset_dir):
@@ -120,3 +124,28 @@ def test_the_budget_counts_what_the_cache_holds_per_token(preset, preset_dir):
     assert bytes_per_token(model) == held // n
     if preset == "tiny-deepseek-v3":
         assert bytes_per_token(model) == 576
+
+
+def test_a_decode_step_hands_the_model_the_mask_transformers_would_build(hf_model):
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import create_causal_mask
+
+    from miles.engine.model_runner import ModelRunner, _takes_prepared_mask
+
+    assert _takes_prepared_mask(hf_model)
+    runner = SimpleNamespace(_prepared_masks=True)
+    cache = _prefilled(hf_model.config, torch.ones((3, 5), dtype=torch.long), 0)
+    embeds = torch.zeros((3, 1, hf_model.config.hidden_size))
+    # Left padding, a hole between a cached prefix and the computed suffix, and nothing padded.
+    for mask in (torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 0, 0, 1, 1, 1]]),
+                 torch.ones((3, 6), dtype=torch.long)):
+        ours = ModelRunner._decode_mask(runner, mask)
+        theirs = create_causal_mask(config=hf_model.config, inputs_embeds=embeds, attention_mask=mask, cache=cache,
+                                    position_ids=torch.tensor([[4], [5], [3]]))
+        if theirs is None:
+            assert ours is mask  # transformers' own path, which skips the mask
+        else:
+            assert create_causal_mask(config=hf_model.config, inputs_embeds=embeds, attention_mask=ours,
+                                      cache=cache, position_ids=torch.tensor([[4], [5], [3]])) is ours
+            assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype

@@ -7,7 +7,7 @@ import torch
 
 from miles.engine_api.parsing import parse_sampling_params
 from miles.engine_api.sampling import SamplingParams
-from miles.engine.sampler import sample
+from miles.engine.sampler import DRAW_BLOCK, SeededDraws, sample
 from miles.rollout.generate import SamplingParams as ClientSamplingParams
 
 LOGITS = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])  # (1, V)
@@ -48,6 +48,21 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     batch = LOGITS.repeat(3, 1)
     crowded = [int(sample(batch, [p, p, p], [None, g2, None], torch.Generator())[0][1]) for _ in range(30)]
     assert alone == crowded
+
+
+def test_seeded_draws_are_the_generators_single_draws_in_order():
+    g = torch.Generator().manual_seed(7)
+    singles = [torch.rand(1, generator=g).item() for _ in range(3 * DRAW_BLOCK + 5)]
+    draws = SeededDraws(7)
+    assert [draws.next() for _ in singles] == singles
+
+
+def test_a_batch_without_greedy_rows_draws_as_one_with_them():
+    p, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    sampled = sample(logits[:3], [p] * 3, [SeededDraws(i) for i in range(3)], torch.Generator())
+    mixed = sample(logits, [p] * 3 + [greedy], [SeededDraws(i) for i in range(3)] + [None], torch.Generator())
+    assert torch.equal(sampled[0], mixed[0][:3]) and torch.equal(sampled[1], mixed[1][:3])
 
 
 def test_clients_send_the_same_sampling_params_body_as_before():
