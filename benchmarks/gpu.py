@@ -211,7 +211,7 @@ def breakdown(model_dir: str, device: str, dtype: str, batch: int, prompt_len: i
         eager_ms = _timed_ms(eager, device, n)
         logits = eager()
         sampling = runner.decoder.sampling[1]
-        u = sampling.uniforms([r.generator for r in rows], torch.Generator())
+        u = sampling.uniforms([r.draws for r in rows], torch.Generator())
         sampling_ms = _timed_ms(lambda: sampling.sample(logits, u), device, n)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         with profile(activities=activities) as prof:
