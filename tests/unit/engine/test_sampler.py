@@ -81,3 +81,26 @@ def test_what_a_client_sends_is_what_the_engine_samples_with():
                            no_stop_trim=True)
     assert parse_sampling_params(every.to_json(), default_max_new_tokens=128) == every
     assert parse_sampling_params(SamplingParams(max_new_tokens=5).to_json(), 128) == SamplingParams(max_new_tokens=5)
+
+
+def test_seeded_rows_draw_from_the_softmax_at_the_temperature():
+    """Many rows, each seeded as the rollout seeds its samples (one seed per prompt and sample), one draw
+    each: the tokens' frequencies are the softmax's probabilities (Pearson's chi-square over the tokens
+    and a bin of the rare ones, far below the 0.1 % critical value), at two temperatures."""
+    vocab, rows = 320, 6000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 2.5
+    for temperature in (1.0, 0.7):
+        p = SamplingParams(temperature=temperature)
+        seeds = [hash((0, i // 8, i % 8)) & 0x7FFFFFFF for i in range(rows)]
+        tokens, _ = sample(logits.repeat(rows, 1), [p] * rows, [SeededDraws(s) for s in seeds], torch.Generator())
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        probs = torch.softmax(logits[0].double() / temperature, dim=-1)
+        expected = probs * rows
+        big = expected >= 5  # a cell of the test: a token expected at least 5 times; the rest pooled
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        cells = torch.cat([expected[big], expected[~big].sum()[None]])
+        chi2 = float(((observed - cells) ** 2 / cells).sum())
+        dof = int(big.sum())  # cells - 1
+        # The 0.1 % critical value of chi-square with k degrees of freedom is below k + 3.1 sqrt(2k) + 10.
+        assert dof > 20, dof
+        assert chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 10, (temperature, chi2, dof)
