@@ -88,8 +88,9 @@ UNMATCHED = [
     "micro-batch for the samples continuing it (trainer.share_prompts, the same gradient); TRL trains a "
     "step's samples as one batch padded to its longest completion (per_device_train_batch_size = the "
     "step's samples), every sample with its prompt",
-    "old-policy logprobs: miles takes them from the trainer's forward pass; TRL with one iteration per "
-    "batch uses the detached current logprobs (ratio 1), the same value in exact arithmetic",
+    "old-policy logprobs: miles takes the engine's (its rollout logprobs, the trainer's within about 1e-6 "
+    "here: train/rollout_logprob_abs_diff); TRL with one iteration per batch uses the detached current "
+    "logprobs (ratio 1)",
 ]
 
 
@@ -124,8 +125,18 @@ def train_prompts(model: str, seed: int, n: int):
 
 
 def eval_prompts(model: str, seed: int, n: int):
-    """The held-out problems miles' evaluator draws (the task's eval split)."""
-    return PromptSource(example_task(model), "eval", seed).take(n)
+    """`n` distinct held-out problems of the task's eval split, in the order the seed draws them (the
+    split draws with replacement, and a repeated problem would only weigh twice); fewer when the split
+    holds fewer."""
+    source, seen, out = PromptSource(example_task(model), "eval", seed), set(), []
+    for _ in range(50):
+        for p in source.take(n):
+            if p.text not in seen:
+                seen.add(p.text)
+                out.append(p)
+                if len(out) == n:
+                    return out
+    return out
 
 
 def evaluate(model_dir: str, prompts, reward, max_new_tokens: int, batch: int = 64, device: str = "cpu") -> float:
@@ -317,7 +328,9 @@ def main(argv=None) -> int:
     p.add_argument("--sft-model", default="", help="reuse this SFT checkpoint (else examples/arithmetic/sft.toml)")
     p.add_argument("--long-model", default="", help="reuse a long-format checkpoint (else built from the SFT one)")
     p.add_argument("--sft-steps", type=int, default=1500, help="SFT steps when building the checkpoint")
-    p.add_argument("--eval-prompts", type=int, default=256)
+    p.add_argument("--eval-prompts", type=int, default=1000,
+                   help="distinct held-out problems every final checkpoint is scored on (the arithmetic "
+                        "task's eval split holds about 1040)")
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--miles-filter", default="nonzero_std",
                    help="miles' buffer.filter (as shipped: nonzero_std; none keeps zero-variance groups, as TRL does)")
@@ -425,7 +438,7 @@ def main(argv=None) -> int:
                                "miles' built-in engine (bf16, static KV cache, CUDA graphs, continuous batching)")
                      for u in unmatched]
     line.update({"matched_settings": matched, "unmatched_settings": unmatched, "trl_version": TRL_VERSION,
-                 "eval_prompts": args.eval_prompts, "device": args.device,
+                 "eval_prompts": len(held_out), "device": args.device,
                  "cores": ncores(), "sft_model": sft_model, "long_model": long_model or None,
                  "wall_s": time.perf_counter() - t_start})
     print(json.dumps(line), flush=True)

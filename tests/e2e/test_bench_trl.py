@@ -30,6 +30,7 @@ def test_quick_run_reports_both_workloads_side_by_side(tiny_model_dir, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     line = json.loads(done.stdout.strip().splitlines()[-1])
     assert line["trl_version"] == "1.16.0"
+    assert line["eval_prompts"] == 8  # --quick: 8 distinct held-out problems
     assert 0.0 <= line["long"]["start_eval_accuracy"] <= 1.0
     assert line["unmatched_settings"] and all(isinstance(s, str) for s in line["unmatched_settings"])
     # --quick keeps zero-variance groups in miles too, so that setting moves to the matched list.

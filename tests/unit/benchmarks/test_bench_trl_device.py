@@ -1,6 +1,7 @@
 """`miles bench trl --device cuda` puts every miles contender on the GPU in bf16 with a context its
 engine's fast decode can hold, and the overrides make a valid run config on either device; asked for
-cuda where torch sees none, it says so before building anything."""
+cuda where torch sees none, it says so before building anything. Every checkpoint is scored on distinct
+held-out problems."""
 
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ def test_miles_overrides_make_a_valid_run_on_the_asked_device(tmp_path, tiny_mod
 def test_cuda_without_a_gpu_is_refused_by_name():
     with pytest.raises(SystemExit, match="--device cuda"):
         bench.main(["--device", "cuda", "--quick"])
+
+
+def test_eval_problems_are_distinct_held_out_ones(tiny_model_dir):
+    """The eval split draws with replacement; the bench scores each problem once, none from training."""
+    held_out = bench.eval_prompts(tiny_model_dir, 3, 500)
+    assert len(held_out) == 500 and len({p.text for p in held_out}) == 500
+    assert held_out[:10] == bench.eval_prompts(tiny_model_dir, 3, 10)  # the same order, whatever n
+    train = {p.text for p in bench.train_prompts(tiny_model_dir, 3, 4000)}
+    assert not train & {p.text for p in held_out}
+    assert len(bench.eval_prompts(tiny_model_dir, 3, 5000)) < 5000  # the split holds fewer: all of them
