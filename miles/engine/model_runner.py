@@ -270,10 +270,13 @@ class ModelRunner:
         return [self.rows[i] for i in newly] + gone
 
     def cache_retired(self, rows: list[Row]) -> None:
-        """Offer the KV of rows `retire_finished` returned to the prefix cache; call it before `compact`,
-        which drops them from the batch."""
+        """Offer the KV of rows `retire_finished` returned to the prefix cache, whole blocks only; call it
+        before `compact`, which drops them from the batch. A finished completion is reused only when a
+        later prompt continues it (the next turn of a conversation), which recomputes at most a block's
+        worth of its tail; copying every retired row's partial last block out of the batch was most of
+        the cost of caching short completions, for KV no single-turn rollout reads again."""
         ids = {id(r) for r in rows}
-        self._cache_rows([i for i, r in enumerate(self.rows) if id(r) in ids and r.output_ids])
+        self._cache_rows([i for i, r in enumerate(self.rows) if id(r) in ids and r.output_ids], whole_blocks=True)
 
     def compact(self, force: bool = False) -> None:
         """Drop retired rows from the batch tensors.
@@ -463,8 +466,9 @@ class ModelRunner:
             return FinishReason("length", length=n)
         return None
 
-    def _cache_rows(self, indices: list[int]) -> None:
-        """Offer the prompt + completion KV of running rows to the prefix cache."""
+    def _cache_rows(self, indices: list[int], whole_blocks: bool = False) -> None:
+        """Offer the prompt + completion KV of running rows to the prefix cache (`whole_blocks`: not their
+        partial last block)."""
         if self.prefix_cache.max_tokens == 0:
             return
         t0 = time.perf_counter()
@@ -475,7 +479,7 @@ class ModelRunner:
                     continue
                 # The last sampled token was never fed to the model, so it has no KV yet.
                 ids = row.prefill_ids()[:-1]
-                self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b))
+                self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b), whole_blocks)
         self.stats["cache_insert_s"] += time.perf_counter() - t0
 
 

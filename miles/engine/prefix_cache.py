@@ -87,8 +87,9 @@ class PrefixCache:
         """Concatenated entries of a match: keys, values[, indexer keys], each (layers, heads, match.tokens, dim)."""
         return tuple(torch.cat(parts, dim=2) for parts in zip(*(n.entry for n in match.nodes)))
 
-    def insert(self, ids, kv_fn) -> int:
-        """Add what the cache lacks of `ids` (whole blocks, then the tail); returns tokens added.
+    def insert(self, ids, kv_fn, whole_blocks: bool = False) -> int:
+        """Add what the cache lacks of `ids` (whole blocks, then the tail unless `whole_blocks`); returns
+        tokens added.
 
         kv_fn(a, b) returns the entry for token positions [a, b): keys, values[, indexer keys], each
         (layers, heads, b - a, dim); it is called once, for the span that is not cached yet, so a
@@ -98,6 +99,8 @@ class PrefixCache:
             return 0
         B = self.block_size
         nfull = len(ids) // B
+        if whole_blocks:
+            ids = ids[:nfull * B]
         node, now, i = self._root, next(self._clock), 0
         while i < nfull:
             child = node.children.get(tuple(ids[i * B:(i + 1) * B]))

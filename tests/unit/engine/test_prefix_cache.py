@@ -57,6 +57,23 @@ def test_longer_tail_replaces_the_shorter_one_and_blocks_grow_past_it():
     assert cache.match([1, 2, 3, 4, 5, 6, 7, 8, 0], limit=7).tokens == 4
 
 
+def test_a_finished_row_offers_whole_blocks_only_and_copies_nothing_already_held():
+    cache = PrefixCache(block_size=4, max_tokens=100)
+    copied = []
+
+    def kv(a, b):
+        copied.append((a, b))
+        return _kv(b)(a, b)
+
+    assert cache.insert([1, 2, 3, 4, 5, 6], kv, whole_blocks=True) == 4  # the partial block 5 6 stays out
+    assert copied == [(0, 4)]
+    assert cache.insert([1, 2, 3, 4, 9], kv, whole_blocks=True) == 0  # a short completion: nothing to copy
+    assert copied == [(0, 4)]
+    assert cache.match([1, 2, 3, 4, 5, 6, 7]).tokens == 4
+    assert cache.insert([1, 2, 3, 4, 5, 6], kv) == 2  # a retracted row's prompt still keeps its tail
+    assert cache.match([1, 2, 3, 4, 5, 6, 7]).tokens == 6
+
+
 def test_block_size_one_caches_every_token():
     cache = PrefixCache(block_size=1, max_tokens=100)
     assert cache.insert([5, 6, 7], _kv(3)) == 3
