@@ -23,7 +23,7 @@ Device: cpu (default), or `--device cuda`: every contender on the one GPU, bf16 
 master weights on both sides (TRL's bf16 autocast; miles' engine in bf16, trainer param_dtype bf16),
 TRL generating with transformers (vLLM is not available there), miles with its engine's fast decode.
 
-    miles bench trl [--workloads short,long] [--steps N] [--long-steps N] [--sft-model DIR] [--quick]
+    miles bench trl [--workloads short,long] [--steps N] [--long-steps N] [--sft-model DIR] [--quick] [--trl-seed N]
                     [--device cpu|cuda]
 """
 
@@ -203,8 +203,9 @@ def long_format_sft(sft_model: str, out: Path, steps: int, max_new_tokens: int, 
     return str(out)
 
 
-def run_trl(w: dict, out: Path, seed: int, device: str = "cpu") -> dict:
-    """TRL's GRPOTrainer on the workload; loop time = the sum of its training steps."""
+def run_trl(w: dict, out: Path, seed: int, device: str = "cpu", sampling_seed: int | None = None) -> dict:
+    """TRL's GRPOTrainer on the workload; loop time = the sum of its training steps. The prompts are
+    `seed`'s; TRL's own seed (its sampling) is `sampling_seed`, `seed` unless given."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -232,7 +233,8 @@ def run_trl(w: dict, out: Path, seed: int, device: str = "cpu") -> dict:
     model = AutoModelForCausalLM.from_pretrained(w["model"], dtype=torch.float32)
     n = w["prompts_per_step"] * w["samples"]
     cfg = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=device == "cpu", bf16=device == "cuda", seed=seed, max_steps=w["steps"],
+        output_dir=str(out / "trl"), use_cpu=device == "cpu", bf16=device == "cuda",
+        seed=seed if sampling_seed is None else sampling_seed, max_steps=w["steps"],
         per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=w["samples"],
         max_completion_length=w["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=w["lr"], lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
@@ -335,6 +337,9 @@ def main(argv=None) -> int:
     p.add_argument("--miles-filter", default="nonzero_std",
                    help="miles' buffer.filter (as shipped: nonzero_std; none keeps zero-variance groups, as TRL does)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-seed", type=int, default=None,
+                   help="TRL's sampling seed (default: --seed); the prompts stay --seed's, so runs differing "
+                        "only here show how far TRL lands from itself")
     p.add_argument("--only", default="", help="comma-separated contenders: trl, miles_sync, miles_fully_async")
     p.add_argument("--quick", action="store_true",
                    help="smoke-sized: tiny-qwen3 with 2 SFT steps unless --sft-model, 1 step of 4 prompts, "
@@ -406,7 +411,7 @@ def main(argv=None) -> int:
         runs: dict[str, dict] = {}
         for c in contenders:
             t = time.perf_counter()
-            runs[c] = (run_trl(w, out, args.seed, args.device) if c == "trl" else
+            runs[c] = (run_trl(w, out, args.seed, args.device, args.trl_seed) if c == "trl" else
                        run_miles(w, out, c.removeprefix("miles_"), args.seed, args.max_staleness, args.device))
             runs[c]["wall_s"] = time.perf_counter() - t
             runs[c]["eval_accuracy"] = evaluate(runs[c]["model"], held_out, reward_fn(w["reward"]),
@@ -438,7 +443,8 @@ def main(argv=None) -> int:
                                "miles' built-in engine (bf16, static KV cache, CUDA graphs, continuous batching)")
                      for u in unmatched]
     line.update({"matched_settings": matched, "unmatched_settings": unmatched, "trl_version": TRL_VERSION,
-                 "eval_prompts": len(held_out), "device": args.device,
+                 "eval_prompts": len(held_out),
+                 "trl_seed": args.seed if args.trl_seed is None else args.trl_seed, "device": args.device,
                  "cores": ncores(), "sft_model": sft_model, "long_model": long_model or None,
                  "wall_s": time.perf_counter() - t_start})
     print(json.dumps(line), flush=True)
