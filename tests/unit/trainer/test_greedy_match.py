@@ -5,18 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from miles.net import free_port
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def greedy_samples(model_dir: str, n: int = 6) -> list:

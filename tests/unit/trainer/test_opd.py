@@ -110,15 +110,6 @@ def test_the_arithmetic_example_config_is_pure_distillation_from_a_teacher_engin
 
 
 @pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     from miles.models.presets import build_tiny_model
 

@@ -19,15 +19,6 @@ from miles.trainer.types import BatchTotals, TrainSequence
 FORMATS = ["fp8", "mxfp8", "nvfp4", "int4"]
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 300, (3, 12), generator=g)

@@ -16,15 +16,6 @@ import torch
 from miles.net import free_port
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def rollout(model_dir: str, dtype: str, n: int = 12, routed: bool = False) -> list:
     """Samples from an engine of `dtype` via the rollout's generate function."""
     import httpx

@@ -25,15 +25,6 @@ from miles.net import free_port  # noqa: E402
 N = 8
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _groups(model, eos: int):
     """Three groups of sampled completions: two with mixed rewards, one all equal."""
     import torch

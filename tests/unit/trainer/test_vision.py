@@ -19,15 +19,6 @@ from miles.trainer.types import BatchTotals, TrainSequence
 from tests.helpers.images import png
 
 
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 # Each preset's checkpoint fixture (tests/conftest.py).
 PRESETS = {"tiny-qwen-vl": "tiny_vl_model_dir", "tiny-qwen3-vl": "tiny_qwen3_vl_model_dir"}
 

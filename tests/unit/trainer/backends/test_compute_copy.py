@@ -4,24 +4,13 @@ between steps every reader sees the float32 master weights."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from miles.models.loading import load_model
-from miles.net import free_port
 from miles.trainer.backends.compute_copy import ComputeCopy
 from miles.trainer.backends.fsdp import _shard
 from miles.trainer.device import mixed_precision
 from miles.trainer.forward import forward_logprobs
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _steps(model, before_forward, after_backward, before_step, steps: int = 2):
