@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.trainer.test_r3 import gloo, rollout, sequences, trainer_for  # noqa: F401  (gloo: a fixture)
+from tests.unit.trainer.test_r3 import rollout, sequences, trainer_for
 
 FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-glm5", "tiny-minimax-m2", "tiny-gpt-oss",
             "tiny-qwen3-next", "tiny-qwen3-5-moe", "tiny-nemotron-h"]
