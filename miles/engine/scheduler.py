@@ -27,7 +27,8 @@ back to the head of the queue, so they finish as they would have. A request whos
 while no run alone could be blamed (the fault is in the combination, or transient) is failed with
 EngineStepFailed (HTTP 503, retry). A step that held a single row blames it at once.
 
-Prefill budget: one iteration admits prompts up to max_prefill_tokens in all (at least one prompt), so a
+Prefill budget: one iteration admits prompts up to max_prefill_tokens in all (at least one prompt; a
+prompt identical to one admitted in the same iteration counts once, as the prefill computes it once), so a
 burst of long prompts is prefilled over several iterations with a decode step of the running rows
 between each. With the fast decode, a prompt longer than prefill_chunk_tokens is prefilled a chunk per
 iteration (chunked_prefill.py), before the iteration's decode step.
@@ -286,16 +287,20 @@ class Scheduler:
         # Rows are padded to the longest, so the batch's KV is (rows x the longest reservation) tokens.
         longest = max((self._reserve(r) for r in self.runner.rows if r.finish is None), default=0)
         prefill_budget, prefill_tokens = self.config.max_prefill_tokens, 0
+        admitted: set[tuple] = set()  # (adapter, prompt) of the rows admitted in this step
         while self._waiting and len(admit) < room:
             need = max(longest, self._reserve(self._waiting[0]))
             if (self.runner.num_running + len(admit) + 1) * need > self.runner.kv_budget and \
                     (self.runner.num_running or admit):
                 break  # waits for room; an empty batch always takes one (its context fits, checked at start)
             # Prompts beyond this step's prefill budget wait for the next step: the running rows decode a
-            # token between two prefills rather than waiting for a whole burst of long prompts.
-            prompt = len(self._waiting[0].prefill_ids())
+            # token between two prefills rather than waiting for a whole burst of long prompts. A prompt
+            # identical to one admitted in this step costs nothing (the prefill computes it once).
+            key = (id(self._waiting[0].req.adapter), self._waiting[0].prefill_ids())
+            prompt = 0 if key in admitted else len(key[1])
             if prefill_budget and admit and prefill_tokens + prompt > prefill_budget:
                 break
+            admitted.add(key)
             prefill_tokens += prompt
             longest = need
             admit.append(self._waiting.popleft())
