@@ -57,3 +57,42 @@ def test_prompts_are_shared_only_when_one_repeats_and_the_family_keeps_plain_kv(
     assert shares_prompt_kv(config)
     config.use_sliding_window, config.sliding_window = True, 16
     assert not shares_prompt_kv(config)  # a window counts slots, and a padded prompt shifts them
+
+
+def test_prompts_are_not_shared_when_their_repeats_are_a_small_share_of_the_tokens():
+    rng = random.Random(3)
+    prompt = [rng.randint(5, 300) for _ in range(8)]
+
+    def group(answer: int) -> list[TrainSequence]:
+        return [TrainSequence(tokens=prompt + [rng.randint(5, 300) for _ in range(answer)], prompt_len=8,
+                              loss_mask=[1] * answer, old_logprobs=[-1.0] * answer) for _ in range(8)]
+
+    assert shareable_prompts(group(6))  # 49 of 112 tokens are repeated prompt: computed once
+    assert not shareable_prompts(group(190))  # 49 of 1584: the masked attention would cost more
+
+
+def test_padded_rows_attend_causally_without_a_mask_and_score_what_each_sequence_scores_alone(tiny_model_dir, gloo):
+    from miles.config.loader import build
+    from miles.net import free_port
+    from miles.trainer.backends.fsdp import FSDPBackend
+    from miles.trainer.config import TrainerConfig
+
+    backend = FSDPBackend(build(TrainerConfig, {}), tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+    rng = random.Random(4)
+    seqs = []
+    for n in (3, 11, 1, 7):  # ragged: rows padded on the right to the longest
+        prompt = [rng.randint(5, 300) for _ in range(rng.randint(2, 6))]
+        seqs.append(TrainSequence(tokens=prompt + [rng.randint(5, 300) for _ in range(n)], prompt_len=len(prompt),
+                                  loss_mask=[1] * n, old_logprobs=[-1.0] * n))
+    mb = build_micro_batch(seqs, [1.0] * len(seqs), False, 0)
+    assert not bool(mb.attention_mask.all())
+    masks = []
+    backend.model.register_forward_pre_hook(lambda _m, _a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    with torch.no_grad():
+        got, _ = logprobs_from_logits(backend._logits(mb), mb.input_ids)
+        assert masks == [None]
+        for i, s in enumerate(seqs):
+            alone, _ = logprobs_from_logits(backend.model(input_ids=torch.tensor([s.tokens])).logits,
+                                            torch.tensor([s.tokens]))
+            n = len(s.tokens) - 1
+            assert (got[i, :n] - alone[0]).abs().max() < 1e-5
