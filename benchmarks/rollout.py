@@ -201,7 +201,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from miles.engine import cpu_attention
     from miles.models.loading import load_model, load_tokenizer
     from miles.models.presets import build_tiny_model
     from miles.engine.config import EngineConfig
@@ -219,10 +218,6 @@ def main(argv=None) -> int:
 
     uniform = a.uniform_tokens or a.max_new_tokens
     model = load_model(model_dir).eval()
-    # The raw loop's model decodes with the engine's attention (engine/cpu_attention.py on the CPU), so
-    # the ceiling is the model's, not a slower kernel's; transformers' generate() keeps its own.
-    raw_model = load_model(model_dir).eval()
-    cpu_attention.install(raw_model)
     hf_wall = miles_wall = raw_wall = uni_wall = 0.0
     hf_tokens = miles_tokens = raw_tokens = uni_tokens = 0
     # Room for every sample of a round at once, as the raw loop's one batch holds them.
@@ -267,7 +262,7 @@ def main(argv=None) -> int:
                                                   a.seed + 1000 * r))
                 sglang_wall, sglang_tokens = sglang_wall + w, sglang_tokens + t
                 print(f"round {r}: live SGLang via router {t} tokens in {w:.2f}s", flush=True)
-            w, t = run_raw_decode(raw_model, prompts, a.samples, uniform, tok.pad_token_id)
+            w, t = run_raw_decode(model, prompts, a.samples, uniform, tok.pad_token_id)
             raw_wall, raw_tokens = raw_wall + w, raw_tokens + t
             print(f"round {r}: raw static-batch decode {t} tokens in {w:.2f}s", flush=True)
             _flush(engine.url)

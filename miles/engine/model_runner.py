@@ -62,7 +62,7 @@ from miles.engine_api.types import FinishReason, GenerateResult
 from miles.models.loading import eos_token_ids, load_model, load_tokenizer
 from miles.models.moe import hook_routers, moe_shape, routers
 from miles.precision.linear import install, quantize_linears, served_weights
-from miles.engine import cpu_attention, delta_step, kv_cache, mamba_step, recurrent_state
+from miles.engine import delta_step, kv_cache, mamba_step, recurrent_state
 from miles.engine.chunked_prefill import ChunkedPrefill
 from miles.engine.config import EngineConfig
 from miles.engine.decode_forward import FAMILIES
@@ -89,7 +89,6 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
             exact_float32()  # float32 serves as on cpu (rollout.engine.dtype bfloat16 is the faster path)
         self.model = load_model(config.model_path, dtype=config.dtype, device=str(self.device)).eval()
-        cpu_attention.install(self.model)  # decode attention on the CPU as two matmuls (cpu_attention.py)
         # Mamba-2 decode steps clamp the time step as the chunked form (the trainer's forward) does.
         mamba_step.install(self.model)
         # Gated delta-net layers compute each position as the chunked form (the trainer's forward) does.
@@ -112,7 +111,7 @@ class ModelRunner:
             else "past_key_values"
         kv_cache.check_layout(self.model.config)
         self.windowed = windowed(self.model.config)  # sliding-window layers: the engine builds the masks
-        self._prepared_masks = cpu_attention.masked_by_sdpa(self.model)  # see _decode_mask
+        self._prepared_masks = _takes_prepared_mask(self.model)  # see _decode_mask
         # A recurrent layer's state after a prefix is not kept (recurrent_state.py): its rows compute
         # their whole prompt, and the prefix cache is off rather than holding KV nobody can use.
         prefix_mb = config.prefix_cache_mb if config.prefix_cache else 0
@@ -482,6 +481,15 @@ class ModelRunner:
                 ids = row.prefill_ids()[:-1]
                 self.prefix_cache.insert(ids, lambda a, b, i=i: self.kv.row_kv(i, a, b), whole_blocks)
         self.stats["cache_insert_s"] += time.perf_counter() - t0
+
+
+def _takes_prepared_mask(model) -> bool:
+    """Whether every layer of `model` is masked by transformers' create_causal_mask for SDPA alone (the
+    decode_forward families without sliding windows): its decode mask is then the padding mask's boolean form."""
+    c = model.config.get_text_config()
+    return (c.model_type in FAMILIES and model.config._attn_implementation == "sdpa"
+            and "sliding_attention" not in (getattr(c, "layer_types", None) or ())
+            and (getattr(c, "sliding_window", None) is None or c.model_type in ("qwen2", "qwen3")))
 
 
 def _real_pairs(runner: ModelRunner, pairs):

@@ -155,26 +155,11 @@ class SharedPrompts:
         return SharedPrompts(self.input_ids.to(device), self.attention_mask.to(device), self.row_prompt.to(device))
 
 
-# Rows on shared prompts attend through an explicit mask (their keys begin with the prompts' padded KV),
-# where whole rows attend causally without one (backends/fsdp.py); on the CPU SDPA's masked kernel costs
-# about 1.2x its causal one. So prompts are shared when that saves at least this share of the tokens.
-SHARE_MIN_SAVING = 0.2
-
-
 def shareable_prompts(seqs: list[TrainSequence]) -> bool:
-    """Whether computing each prompt once saves enough work: every prompt has a token before its last
-    (the rows start at the prompt's last token), and the repeats of prompts are at least
-    SHARE_MIN_SAVING of the tokens (a GRPO group's short prompt and short answers: yes; a short prompt
-    and answers of hundreds of tokens: no)."""
-    if not seqs or not all(s.prompt_len >= 2 for s in seqs):
-        return False
-    seen: set[tuple[int, ...]] = set()
-    saved = 0
-    for s in seqs:
-        prompt = tuple(s.tokens[:s.prompt_len - 1])
-        saved += len(prompt) if prompt in seen else 0
-        seen.add(prompt)
-    return saved > 0 and saved >= SHARE_MIN_SAVING * sum(len(s.tokens) for s in seqs)
+    """Whether computing each prompt once saves work: some prompt repeats and every prompt has a
+    token before its last (the rows start at the prompt's last token)."""
+    return all(s.prompt_len >= 2 for s in seqs) and \
+        len({tuple(s.tokens[:s.prompt_len - 1]) for s in seqs}) < len(seqs)
 
 
 def row_length(s: TrainSequence, share: bool) -> int:

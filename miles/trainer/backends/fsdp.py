@@ -52,7 +52,6 @@ class FSDPBackend:
         # output would skip the hook that gathers its parameters for the backward.
         self.shares_prompts = world_size == 1 and not cfg.activation_checkpointing and \
             shares_prompt_kv(self.model.config)
-        self.causal_rows = shares_prompt_kv(self.model.config)  # see _mask
 
     def _build_policy(self):
         cfg = self.cfg
@@ -92,18 +91,8 @@ class FSDPBackend:
             return shared_prompt_logits(self.model, mb)
         # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
         with mb.images.spliced_into(self.model) if mb.images is not None else contextlib.nullcontext():
-            return self.model(input_ids=mb.input_ids, attention_mask=self._mask(mb), position_ids=mb.position_ids,
+            return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
                               use_cache=False).logits  # (B, T, V)
-
-    def _mask(self, mb):
-        """The attention mask a micro-batch's forward needs. Padded rows start at column 0
-        (batching.build_micro_batch), so in a decoder whose only mixing of tokens is causal attention
-        over plain KV (forward.shares_prompt_kv) a real token sees only real tokens without any mask:
-        the forward then takes SDPA's causal kernel, which on the CPU is about 1.2x faster than its
-        masked one. The padding's own outputs differ and carry no loss."""
-        if mb.images is None and self.causal_rows:
-            return None
-        return mb.attention_mask
 
     def critic_values(self, input_ids, attention_mask) -> torch.Tensor:
         out = self.critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -131,10 +131,9 @@ def test_a_decode_step_hands_the_model_the_mask_transformers_would_build(hf_mode
 
     from transformers.masking_utils import create_causal_mask
 
-    from miles.engine.cpu_attention import masked_by_sdpa
-    from miles.engine.model_runner import ModelRunner
+    from miles.engine.model_runner import ModelRunner, _takes_prepared_mask
 
-    assert masked_by_sdpa(hf_model)
+    assert _takes_prepared_mask(hf_model)
     runner = SimpleNamespace(_prepared_masks=True)
     cache = _prefilled(hf_model.config, torch.ones((3, 5), dtype=torch.long), 0)
     embeds = torch.zeros((3, 1, hf_model.config.hidden_size))
