@@ -79,8 +79,8 @@ def run_hf(model, prompts, n, limits, batch_size: int, pad_id: int) -> tuple[flo
 def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[float, int]:
     """Every sample in one static batch: each distinct prompt prefilled once and its KV copied to its n
     samples, then `new_tokens - 1` single-token forwards whose keys and values are written in place
-    into preallocated room (no per-step copy of the cache). Nothing is spent on anything but the model
-    and the sampling."""
+    into preallocated room (no per-step copy of the cache), each handed its mask ready-made. Nothing
+    is spent on anything but the model and the sampling."""
     import torch
 
     from miles.engine.kv_cache import new_cache
@@ -108,7 +108,10 @@ def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[flo
         for _ in range(new_tokens - 1):
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             last = last + 1
-            out = model(input_ids=nxt, attention_mask=mask, position_ids=last, use_cache=True, **{kwarg: cache})
+            # The padding mask in the 4-D boolean form transformers would build from it each step, or
+            # the 2-D one it skips when nothing is padded (the engine does the same: model_runner._decode_mask).
+            ready = mask if bool(mask.all()) else mask.bool()[:, None, None, :]
+            out = model(input_ids=nxt, attention_mask=ready, position_ids=last, use_cache=True, **{kwarg: cache})
             nxt = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1)
     return time.perf_counter() - t0, len(rows) * new_tokens
 
