@@ -94,7 +94,7 @@ def run_raw_decode(model, prompts, n, new_tokens: int, pad_id: int) -> tuple[flo
         ids[i, L - len(p):] = torch.tensor(p)
         mask[i, L - len(p):] = 1
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.inference_mode():  # as the engine's forwards run
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
         cache = new_cache(model.config)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
