@@ -49,7 +49,8 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     """Most prompt tokens admitted into one prefill: further waiting requests are prefilled at the next
     step, after a decode step of the running rows, so a burst of long prompts does not stall decoding
-    (a single longer prompt is still computed whole). 0: no limit."""
+    (a single longer prompt is still computed whole; copies of one prompt count once, as the prefill
+    computes them once). 0: no limit."""
     fast_decode: str = "auto"
     """Decode over the static KV cache (static_kv.py): allocated once, written in place, attention through
     SDPA, sampling on the device. auto: on for cuda when the KV budget gives each of max_batch_size rows
