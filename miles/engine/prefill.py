@@ -23,6 +23,15 @@ from miles.engine.lora import Adapter
 from miles.engine.row import Row
 from miles.engine_api.types import FinishReason
 
+
+def prompt_key(runner, row: Row) -> tuple:
+    """What makes two rows' prefills one computation: the same prompt on the same resolved adapter.
+
+    The scheduler's admission reads it without model_lock to count its prefill budget, where an adapter
+    swapped meanwhile can only miscount the budget of one step."""
+    return row.prefill_ids(), id(runner.adapter_of(row))
+
+
 class Prefill:
     def __init__(self, runner):  # the ModelRunner that owns this Prefill
         self.runner = runner
@@ -37,12 +46,12 @@ class Prefill:
             where: dict[tuple, int] = {}
             lead = []
             for r in rows:
-                ids, adapter = r.prefill_ids(), runner.adapter_of(r)
-                if (ids, id(adapter)) not in where:
-                    where[(ids, id(adapter))] = len(uniq)
-                    uniq.append(ids)
-                    adapters.append(adapter)
-                lead.append(where[(ids, id(adapter))])
+                key = prompt_key(runner, r)
+                if key not in where:
+                    where[key] = len(uniq)
+                    uniq.append(key[0])
+                    adapters.append(runner.adapter_of(r))
+                lead.append(where[key])
             routed_uniq = {lead[i] for i, r in enumerate(rows) if r.req.return_routed_experts}
             private = {lead[i] for i, r in enumerate(rows) if runner.is_private(r)}
             starts: dict[int, int] = {}  # unique prompt -> the earliest position any of its rows scores from

@@ -53,6 +53,7 @@ from miles.engine_api.errors import EngineStepFailed, InvalidRequest, RequestFai
 from miles.engine_api.types import PAUSE_MODES, FinishReason, GenerateRequest
 from miles.engine.config import EngineConfig
 from miles.engine.model_runner import ModelRunner
+from miles.engine.prefill import prompt_key
 from miles.engine.row import Row
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,7 @@ class Scheduler:
         # Rows are padded to the longest, so the batch's KV is (rows x the longest reservation) tokens.
         longest = max((self._reserve(r) for r in self.runner.rows if r.finish is None), default=0)
         prefill_budget, prefill_tokens = self.config.max_prefill_tokens, 0
-        admitted: set[tuple] = set()  # (adapter, prompt) of the rows admitted in this step
+        admitted: set[tuple] = set()  # prefill.prompt_key of the rows admitted in this step
         while self._waiting and len(admit) < room:
             need = max(longest, self._reserve(self._waiting[0]))
             if (self.runner.num_running + len(admit) + 1) * need > self.runner.kv_budget and \
@@ -296,8 +297,8 @@ class Scheduler:
             # Prompts beyond this step's prefill budget wait for the next step: the running rows decode a
             # token between two prefills rather than waiting for a whole burst of long prompts. A prompt
             # identical to one admitted in this step costs nothing (the prefill computes it once).
-            key = (id(self._waiting[0].req.adapter), self._waiting[0].prefill_ids())
-            prompt = 0 if key in admitted else len(key[1])
+            key = prompt_key(self.runner, self._waiting[0])
+            prompt = 0 if key in admitted else len(key[0])
             if prefill_budget and admit and prefill_tokens + prompt > prefill_budget:
                 break
             admitted.add(key)
