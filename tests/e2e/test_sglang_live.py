@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -35,6 +37,11 @@ from tests.helpers.runs import small_config
 pytestmark = pytest.mark.e2e
 
 TOKEN = "live-sglang-token"
+
+
+def _slow_down(url: str, admin: dict, seconds: float | None) -> None:
+    """SGLang's testing hook: every forward sleeps `seconds` (None: back to full speed)."""
+    httpx.post(url + "/slow_down", json={"forward_sleep_time": seconds}, headers=admin, timeout=30).raise_for_status()
 
 
 def _sglang_python() -> str:
@@ -106,8 +113,6 @@ def sglang_server(base_model_dir):
 def test_what_the_rollout_uses_answers_on_live_sglang_as_miles_reads_it(sglang_server, base_model_dir):
     """TITO with logprobs, a batched group, streaming, abort and SGLang's /v1 (OpenAI) on the live server;
     run before any push, so the server still holds the base checkpoint."""
-    import threading
-
     from miles.models.loading import load_model
 
     url, admin = sglang_server.url, {"Authorization": f"Bearer {TOKEN}"}
@@ -131,17 +136,24 @@ def test_what_the_rollout_uses_answers_on_live_sglang_as_miles_reads_it(sglang_s
         lines = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]" and len(lines) >= 3
     assert json.loads(lines[-2])["output_ids"][-6:] == one["output_ids"][-6:]
-    # Abort: a long request ends early with finish_reason abort once /abort_request names it.
+    # Abort: a long request ends early with finish_reason abort once /abort_request names it. SGLang's
+    # /slow_down makes each forward sleep 20 ms meanwhile, so the 400 tokens take 8 s or more and the
+    # abort 2 s in lands mid-request however fast the machine decodes.
     answer = {}
     long_req = threading.Thread(target=lambda: answer.update(httpx.post(url + "/generate", timeout=300, json={
         "input_ids": prompt, "rid": "long-one",
         "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).json()))
-    long_req.start()
-    import time
-    time.sleep(2.0)
-    assert httpx.post(url + "/abort_request", json={"rid": "long-one"}, headers=admin, timeout=30).status_code == 200
-    long_req.join(120)
+    _slow_down(url, admin, 0.02)
+    try:
+        long_req.start()
+        time.sleep(2.0)
+        assert httpx.post(url + "/abort_request", json={"rid": "long-one"}, headers=admin,
+                          timeout=30).status_code == 200
+        long_req.join(120)
+    finally:
+        _slow_down(url, admin, None)
     assert answer.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", answer
+    assert len(answer["output_ids"]) < 400
     assert len(answer["output_ids"]) < 400
     # SGLang's OpenAI routes, which miles' sessions drive.
     models = httpx.get(url + "/v1/models", timeout=30).json()
