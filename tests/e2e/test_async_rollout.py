@@ -112,17 +112,21 @@ def test_ledger_balances_after_timeouts_engine_failures_and_aborts(tiny_model_di
 
 
 def test_partial_rollout_resumes_aborted_samples_with_per_segment_versions(tiny_model_dir, engine):
-    m = manager(tiny_model_dir, [engine.url], rollout={"partial_rollout": True, "max_new_tokens": 48},
+    m = manager(tiny_model_dir, [engine.url], rollout={"partial_rollout": True, "max_new_tokens": 128},
                 buffer={"max_inflight_groups": 2})
     m.start_producer()
     try:
         wait_until_running(engine.url)
+        # Paused in place, the running samples cannot finish before the abort, however fast the machine.
+        engine.engine.pause("in_place")
         engine.engine.apply_weights({}, 1)  # a new policy version lands mid-generation
         m.set_versions(1, 1)
         httpx.post(f"{engine.url}/abort_request", json={"abort_all": True}, headers=ADMIN).raise_for_status()
+        engine.engine.continue_generation()
         groups, _ = m.collect(2, timeout=60)
         retried_before_stop = m.buffer.ledger.events["retried_aborted"]
     finally:
+        engine.engine.continue_generation()
         m.stop_producer()
         engine.engine.apply_weights({}, 0)
     resumed = [s for g in groups for s in g.samples if len(s.weight_versions) > 1]

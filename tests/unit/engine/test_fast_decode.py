@@ -6,6 +6,7 @@ family it supports; a KV budget too short for every row's context serves a short
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -197,12 +198,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_keeps_decoding(mod
         engine = _engine(model_dir, fast, prefill_chunk_tokens=16)
         try:
             during: list[bool] = []  # per streamed step of the short row: was the long prompt being chunked?
-            first = engine.submit(engine.make_request(*short, return_logprob=True),
-                                  listener=lambda ids, lps: during.append(bool(engine.runner.chunking)))
+            queued = threading.Event()
+
+            def listener(ids, lps):
+                during.append(bool(engine.runner.chunking))
+                if len(during) == 1:  # the scheduler waits here, after the short row's prefill, for the long prompt
+                    queued.wait(60)
+
+            first = engine.submit(engine.make_request(*short, return_logprob=True), listener=listener)
             while not during:
                 time.sleep(0.001)
             before = engine.stats["prefill_forwards"]
-            long_out = _run(engine, [(long_prompt, SamplingParams(temperature=0, max_new_tokens=12), {})])[0]
+            pending = engine.submit(engine.make_request(long_prompt, SamplingParams(temperature=0, max_new_tokens=12),
+                                                        return_logprob=True))
+            queued.set()
+            long_out = pending.result(120)
             prefills = engine.stats["prefill_forwards"] - before
             again = _run(engine, [(long_prompt, SamplingParams(temperature=0, max_new_tokens=12), {})])[0]
             outs.append((first.result(60), long_out, again, prefills, any(during)))

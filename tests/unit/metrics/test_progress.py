@@ -88,6 +88,7 @@ def test_live_rollout_shows_samples_so_far_and_their_rate(monkeypatch):
     p.phase("rollout", poll=poll)
     time.sleep(0.8)
     p.update(1, reward=0.5)
+    time.sleep(0.1)  # a poll the ticker had started before the update returns meanwhile
     n_calls = len(calls)
     time.sleep(0.4)  # the phase is over: no more polling
     p.close()

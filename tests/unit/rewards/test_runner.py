@@ -23,6 +23,8 @@ def flaky(response, label):
         raise ZeroDivisionError("the reward's own bug")
     if response == "hang":
         time.sleep(3)
+    if response == "stall":  # only in a pool worker, which the runner kills at the timeout
+        time.sleep(60)
     return 1.0
 
 async def flaky_async(sample):
@@ -123,8 +125,10 @@ def test_process_pool_runs_sync_rewards_in_workers_and_replaces_a_hung_one(flaky
     assert all(s.reward not in (0.0, float(os.getpid())) for s in samples)
     runner.close()
 
-    runner = RewardRunner(f"{flaky_file}:flaky", RewardConfig(num_workers=1, timeout_s=1.0, max_error_rate=1.0))
-    samples = _samples(["hang"])
+    # The timeout also covers the fresh worker's start (a new process importing the reward) for the
+    # next group, so it leaves room for a slow machine; the stalled call would run a minute.
+    runner = RewardRunner(f"{flaky_file}:flaky", RewardConfig(num_workers=1, timeout_s=5.0, max_error_rate=1.0))
+    samples = _samples(["stall"])
     asyncio.run(runner.score_group(samples))
     assert runner.take_metrics()["reward/timeouts"] == 1
     samples = _samples(["ok", "boom"])  # a fresh worker scores the next group; an error keeps its traceback
