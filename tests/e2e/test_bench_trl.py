@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"trl_samples_per_s", "miles_sync_samples_per_s", "miles_fully_async_samples_per_s", "ratio",
-        "trl_eval_accuracy", "miles_eval_accuracy", "eval_gap_points"}
+        "best_schedule", "best_ratio", "trl_eval_accuracy", "miles_eval_accuracy", "eval_gap_points"}
 
 
 def bench(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
@@ -44,6 +44,11 @@ def test_quick_run_reports_both_workloads_side_by_side(tiny_model_dir, tmp_path)
         for c in ("trl_samples_per_s", "miles_sync_samples_per_s", "miles_fully_async_samples_per_s"):
             assert w[c] > 0, (name, c)
         assert w["ratio"] == pytest.approx(w["miles_fully_async_samples_per_s"] / w["trl_samples_per_s"])
+        # The best schedule is the faster one, and its eval is the one set against TRL's.
+        best = max(("sync", "fully_async"), key=lambda s: w[f"miles_{s}_samples_per_s"])
+        assert w["best_schedule"] == best
+        assert w["best_ratio"] == pytest.approx(w[f"miles_{best}_samples_per_s"] / w["trl_samples_per_s"])
+        assert w["miles_eval_accuracy"] == w["runs"][f"miles_{best}"]["eval_accuracy"]
         assert 0.0 <= w["trl_eval_accuracy"] <= 1.0 and 0.0 <= w["miles_eval_accuracy"] <= 1.0
         assert w["eval_gap_points"] == pytest.approx(100 * (w["trl_eval_accuracy"] - w["miles_eval_accuracy"]))
         # Each side ran the workload's steps: TRL's step clock and miles' metrics agree on the count.
