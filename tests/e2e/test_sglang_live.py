@@ -22,7 +22,6 @@ one starts.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time

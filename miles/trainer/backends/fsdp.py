@@ -19,7 +19,6 @@ import math
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
