@@ -61,7 +61,10 @@ class TrainerConfig:
     fill micro-batches longest first, so a batch with a long tail of lengths is not padded to its longest
     row throughout (a sequence longer than the budget gets a micro-batch of its own)."""
     pack_sequences: bool = False
-    """Pack sequences end to end into one row per micro-batch (no attention across sequences)."""
+    """Pack sequences end to end into one row per micro-batch (no attention across sequences). Full-attention
+    models of the llama, mistral, qwen2, qwen3 and qwen3_moe families attend each sequence on its own
+    (trainer/packed_attention.py), so a sequence costs its own length squared; other models attend
+    through transformers' block-diagonal mask over the whole row."""
     share_prompts: bool = True
     """Compute a prompt once per micro-batch for all the samples that continue it (a group's), each
     sample's response then on top of its KV: the same loss and gradients, less compute when prompts are

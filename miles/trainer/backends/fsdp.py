@@ -29,6 +29,7 @@ from miles.trainer.config import TrainerConfig, lr_lambda
 from miles.trainer.device import HOST, join_trainer_group, mixed_precision, param_dtype
 from miles.trainer.forward import run_micro_batches, shared_prompt_logits, shares_prompt_kv
 from miles.trainer.offload import OptimizerSet
+from miles.trainer import packed_attention
 from miles.trainer.parallel import load_parallel_model
 
 
@@ -40,6 +41,7 @@ class FSDPBackend:
         self.device = join_trainer_group(cfg, rank, world_size, master_addr, master_port)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         self.compute_copy: ComputeCopy | None = None  # one rank in bfloat16 (see the module docstring)
+        self.packs_by_plan = False
         self.model, self.dp_size = self._build_policy()
         self.loss_copies = world_size // self.dp_size  # every rank of a replica computes the whole loss
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -60,6 +62,8 @@ class FSDPBackend:
             model.train()
             return model, dp
         model = load_policy(cfg, self.model_path, self.device)
+        # Packed rows attend a sequence at a time (packed_attention.py) instead of through an N x N mask.
+        self.packs_by_plan = cfg.pack_sequences and packed_attention.enable(model)
         if self.world_size == 1 and cfg.param_dtype != "float32":
             self.compute_copy = ComputeCopy(model, param_dtype(cfg.param_dtype))
         else:
@@ -88,6 +92,9 @@ class FSDPBackend:
             self.compute_copy.to_compute()
         if mb.shared is not None:
             return shared_prompt_logits(self.model, mb)
+        if self.packs_by_plan and mb.attention_mask is None and mb.images is None:
+            plan = packed_attention.Plan.of([len(s.tokens) for s in mb.seqs], mb.input_ids.device)
+            return packed_attention.logits(self.model, mb.input_ids, mb.position_ids, plan)  # (1, N, V)
         # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
         with mb.images.spliced_into(self.model) if mb.images is not None else contextlib.nullcontext():
             return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
