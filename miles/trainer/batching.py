@@ -29,6 +29,8 @@ from miles.trainer.types import BatchTotals, StepBatch, TrainSequence
 if TYPE_CHECKING:
     import torch
 
+    from miles.trainer.packed_attention import Plan
+
     from miles.trainer.vision import ImageBatch, TrainerVision
 
 
@@ -202,6 +204,7 @@ class MicroBatch:
     prox_logprobs: "torch.Tensor | None" = None     # (B, T-1) the proximal policy's, when every sequence has them
     images: "ImageBatch | None" = None               # pixel values and grids of the sequences' images, in order
     shared: SharedPrompts | None = None              # the prompts the rows continue (input_ids start at their last token)
+    packed: "Plan | None" = None                     # where a packed text row's sequences lie, for attention
 
     def to(self, device) -> "MicroBatch":
         """The same micro-batch on `device` (itself when already there: built on the host, used on a CPU trainer)."""
@@ -282,7 +285,9 @@ def build_micro_batch(seqs: list[TrainSequence], weights: list[float], pack: boo
         routed = routed_tensor(seqs, offsets, moe_shape, B, width)
     images, mm_pos = vision.batch(seqs, offsets, B, width, pack) if vision is not None else (None, None)
     if pack:
+        from miles.trainer.packed_attention import Plan  # imports torch, as this function does
+
         # Padding to the right would be read as one more packed sequence; there is none here.
         return MicroBatch(ids, None, pos if mm_pos is None else mm_pos, mask, w, old, adv, sid, seqs, routed, teacher,
-                          prox, images)
+                          prox, images, packed=Plan.of([len(s.tokens) for s in seqs]) if vision is None else None)
     return MicroBatch(ids, attn, mm_pos, mask, w, old, adv, sid, seqs, routed, teacher, prox, images)

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from miles.trainer import packed_attention
 from miles.trainer.chunked_logprobs import token_logprobs_chunked
 from miles.trainer.types import TokenOutputs, TokenRequest
 
@@ -27,11 +28,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def forward_logprobs(model, input_ids, attention_mask=None, position_ids=None, temperature: float = 1.0,
-                     with_entropy: bool = False, images=None):
+                     with_entropy: bool = False, images=None, packed=None):
     """Next-token logprobs (B, T-1) and, if asked, the per-token entropy (B, T-1) of the same
     tempered distribution. Packed rows pass position_ids and no attention_mask; the model then
-    keeps each packed sequence's attention to itself. `images`: a vision-language micro-batch's
+    keeps each packed sequence's attention to itself (by `packed`, the micro-batch's Plan, when the
+    model runs packed_attention.py's attention). `images`: a vision-language micro-batch's
     ImageBatch (trainer/vision.py)."""
+    if packed is not None and images is None and packed_attention.active(model):
+        return logprobs_from_logits(packed_attention.logits(model, input_ids, position_ids, packed), input_ids,
+                                    temperature, with_entropy)
     with images.spliced_into(model) if images is not None else contextlib.nullcontext():
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False).logits  # (B, T, V)

@@ -73,6 +73,10 @@ class Plan:
         order[placed_at] = torch.arange(placed_at.numel())
         return cls(tuple(g.to(device) for g in gathers), tuple(k.to(device) for k in keeps), order.to(device))
 
+    def to(self, device) -> "Plan":
+        return Plan(tuple(g.to(device) for g in self.gathers), tuple(k.to(device) for k in self.keeps),
+                    self.order.to(device))
+
 
 def serves(model) -> str | None:
     """Why `model` cannot attend packed rows by plan, or None when it can."""
@@ -99,6 +103,11 @@ def enable(model) -> bool:
     AttentionMaskInterface.register(NAME, _mask)
     model.set_attn_implementation(NAME)
     return True
+
+
+def active(model) -> bool:
+    """Whether `model` runs under NAME (`enable` took it)."""
+    return model.config._attn_implementation == NAME
 
 
 def logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: Plan) -> torch.Tensor:

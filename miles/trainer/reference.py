@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from miles.models.loading import load_model
+from miles.trainer import packed_attention
 from miles.trainer.forward import forward_logprobs
 
 
@@ -19,18 +20,19 @@ class ReferenceModel:
         self.model = load_model(model_path, "float32").eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        packed_attention.enable(self.model)  # packed rows a sequence at a time, where the family allows
         self.version = 0  # the policy step whose weights this holds
 
-    def logprobs(self, input_ids, attention_mask, position_ids, temperature: float, images=None):
+    def logprobs(self, input_ids, attention_mask, position_ids, temperature: float, images=None, packed=None):
         """Next-token logprobs (B, T-1) on the inputs' device; no gradient. `images`: a vision-language
-        micro-batch's ImageBatch (trainer/vision.py)."""
+        micro-batch's ImageBatch (trainer/vision.py); `packed`: a packed micro-batch's Plan."""
         device = input_ids.device
         with torch.no_grad():
             if device.type != "cpu":
                 self.model.to(device)
             try:
                 logp, _ = forward_logprobs(self.model, input_ids, attention_mask, position_ids, temperature,
-                                           images=images)
+                                           images=images, packed=packed)
             finally:
                 if device.type != "cpu":
                     self.model.to("cpu")

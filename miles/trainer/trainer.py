@@ -125,7 +125,6 @@ class Trainer:
         """Per sequence, the logprobs of its response tokens under the current weights (collective: every
         rank runs as many forwards). Micro-batched as training is, at the training temperature of
         `algorithm` (None = the configured one)."""
-        cfg = self.cfg
         algorithm = algorithm or self.algorithm
         share = self._shares_prompts(seqs, algorithm)
         plan = self._plan(seqs, share)
@@ -246,10 +245,10 @@ class Trainer:
         out = ForwardOutputs(tokens.logprobs, tokens.entropy)
         if algorithm.needs_reference and self.reference is not None:
             out.ref_logprobs = self.reference.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
-                                                       temperature, mb.images)
+                                                       temperature, mb.images, mb.packed)
         if algorithm.needs_teacher and self.teacher is not None:
             out.teacher_logprobs = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.position_ids,
-                                                         temperature, mb.images)
+                                                         temperature, mb.images, mb.packed)
         elif algorithm.needs_teacher:
             # Teacher engines scored the samples during the rollout (rollout/teacher.py).
             out.teacher_logprobs = mb.teacher_logprobs

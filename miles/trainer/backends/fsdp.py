@@ -92,9 +92,8 @@ class FSDPBackend:
             self.compute_copy.to_compute()
         if mb.shared is not None:
             return shared_prompt_logits(self.model, mb)
-        if self.packs_by_plan and mb.attention_mask is None and mb.images is None:
-            plan = packed_attention.Plan.of([len(s.tokens) for s in mb.seqs], mb.input_ids.device)
-            return packed_attention.logits(self.model, mb.input_ids, mb.position_ids, plan)  # (1, N, V)
+        if self.packs_by_plan and mb.packed is not None:
+            return packed_attention.logits(self.model, mb.input_ids, mb.position_ids, mb.packed)  # (1, N, V)
         # A vision-language batch's images are spliced in during the forward (trainer/vision.py).
         with mb.images.spliced_into(self.model) if mb.images is not None else contextlib.nullcontext():
             return self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,

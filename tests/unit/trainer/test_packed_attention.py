@@ -125,3 +125,28 @@ def test_models_it_cannot_serve_keep_transformers_attention(tiny_model_dir):
     assert "sliding" in packed_attention.serves(windowed)
     assert not packed_attention.enable(windowed)
     assert windowed.config._attn_implementation == "sdpa"
+
+
+def test_the_reference_and_teacher_score_a_packed_micro_batch_by_its_plan(tiny_model_dir):
+    from miles.trainer.batching import build_micro_batch
+    from miles.trainer.reference import ReferenceModel
+    from miles.trainer.types import TrainSequence
+
+    rng = random.Random(5)
+    seqs = []
+    for n in LENGTHS:
+        prompt = [rng.randint(5, 300) for _ in range(4)]
+        seqs.append(TrainSequence(tokens=prompt + [rng.randint(5, 300) for _ in range(n)], prompt_len=4,
+                                  loss_mask=[1] * n, old_logprobs=[-1.0] * n, advantage=1.0))
+    packed = build_micro_batch(seqs, [1.0] * len(seqs), True, 0)
+    padded = build_micro_batch(seqs, [1.0] * len(seqs), False, 0)
+    assert packed.packed is not None and padded.packed is None
+    ref = ReferenceModel(tiny_model_dir)  # the in-trainer teacher is one too
+    assert packed_attention.active(ref.model)
+    by_plan = ref.logprobs(packed.input_ids, None, packed.position_ids, 1.0, packed=packed.packed)
+    by_mask = ref.logprobs(packed.input_ids, None, packed.position_ids, 1.0)
+    by_rows = ref.logprobs(padded.input_ids, padded.attention_mask, None, 1.0)
+    # Loss tokens in sequence order on both layouts.
+    assert torch.equal(packed.seq_ids[packed.mask > 0], padded.seq_ids[padded.mask > 0])
+    assert (by_plan[packed.mask > 0] - by_rows[padded.mask > 0]).abs().max() < 1e-5
+    assert (by_plan - by_mask)[packed.mask > 0].abs().max() < 1e-5
