@@ -64,7 +64,9 @@ class TrainerConfig:
     """Pack sequences end to end into one row per micro-batch (no attention across sequences). Full-attention
     models of the llama, mistral, qwen2, qwen3 and qwen3_moe families attend each sequence on its own
     (trainer/packed_attention.py), so a sequence costs its own length squared; other models attend
-    through transformers' block-diagonal mask over the whole row."""
+    through transformers' block-diagonal mask over the whole row. Packing pays when responses are long
+    against their prompts; with short ones, padded rows sharing their prompts train faster
+    (`miles bench layouts`)."""
     share_prompts: bool = True
     """Compute a prompt once per micro-batch for all the samples that continue it (a group's), each
     sample's response then on top of its KV: the same loss and gradients, less compute when prompts are
