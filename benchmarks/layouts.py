@@ -3,7 +3,7 @@
 The trainer lays a step's sequences out as padded rows (one sequence per row), padded rows on
 shared prompts (`trainer.share_prompts`: each prompt once, each row from its prompt's last token on),
 or packed rows (`trainer.pack_sequences`). Contenders, on the same sequences of one model, in turns:
-  shared       padded rows on shared prompts (the default for llama/mistral/qwen2/qwen3 on one rank)
+  shared       padded rows on shared prompts (llama/mistral/qwen2/qwen3 on one rank)
   padded       padded rows
   packed       packed rows, attention a sequence at a time (trainer/packed_attention.py)
   packed_mask  packed rows through transformers' block-diagonal mask over the whole row (the baseline

@@ -86,9 +86,10 @@ UNMATCHED = [
     "miles fully_async half the cores each",
     "fully_async trains groups in the order they finish (staleness <= --max-staleness, TIS truncate "
     "on the stale ones); TRL and miles sync train each step's prompts on the current policy",
-    "micro-batches: miles fills micro-batches of at most trainer.max_tokens_per_micro_batch (8192) padded "
-    "tokens, longest rows first, so a long-tailed step is padded little, and computes each prompt once per "
-    "micro-batch for the samples continuing it (trainer.share_prompts, the same gradient); TRL trains a "
+    "micro-batches: miles lays each step out as trainer.pack_sequences = 'auto' chooses: packed rows "
+    "(sequences end to end, each attending to itself) when they feed the model fewer tokens, else padded "
+    "rows computing each prompt once per micro-batch for the samples continuing it (trainer.share_prompts), "
+    "either within trainer.max_tokens_per_micro_batch (8192) tokens, longest first (the same gradient); TRL trains a "
     "step's samples as one batch padded to its longest completion (per_device_train_batch_size = the "
     "step's samples), every sample with its prompt",
     "old-policy logprobs: miles takes the engine's (its rollout logprobs, the trainer's within about 1e-6 "

@@ -279,7 +279,7 @@ def check_packing(run) -> None:
     """Packed sequences share one row of the batch; a layer that carries recurrent state along the row
     (linear attention, Mamba: Qwen3-Next, Qwen3.5, Nemotron-H) would carry one sequence's state into
     the next, so packing is refused for such models."""
-    model = read_model_config(run.model.path) if run.model.path and run.trainer.pack_sequences else None
+    model = read_model_config(run.model.path) if run.model.path and run.trainer.pack_sequences is True else None
     if not model:
         return
     text = model.get("text_config") or model

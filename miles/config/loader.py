@@ -64,6 +64,8 @@ def coerce(value: Any, tp, key: str, from_cli: bool = False) -> Any:
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
         choices = typing.get_args(tp)
+        if from_cli and isinstance(value, str) and any(isinstance(c, bool) for c in choices):
+            value = {"true": True, "false": False}.get(value.lower(), value)
         if value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
         return value

@@ -170,6 +170,18 @@ def row_length(s: TrainSequence, share: bool) -> int:
     return len(s.tokens) - s.prompt_len + 1 if share else len(s.tokens)
 
 
+def padded_tokens(seqs: list[TrainSequence], bins: list[list[int]], share: bool) -> int:
+    """Tokens the padded micro-batches `bins` (indices into `seqs`) feed the model: rows x longest row,
+    and with shared prompts each micro-batch's distinct prompts (but their last token), padded alike."""
+    total = 0
+    for b in bins:
+        total += len(b) * max(row_length(seqs[i], share) for i in b)
+        if share:
+            prompts = {tuple(seqs[i].tokens[:seqs[i].prompt_len - 1]) for i in b}
+            total += len(prompts) * max(len(p) for p in prompts)
+    return total
+
+
 def _share(seqs: list[TrainSequence], pad_id: int):
     """The micro-batch's SharedPrompts and its sequences cut to their rows (prompt_len 1: the prompt's last token)."""
     import torch

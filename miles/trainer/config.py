@@ -60,13 +60,15 @@ class TrainerConfig:
     """Token budget of one micro-batch (padded: rows × longest row; packed: total length); 0 = none. Rows
     fill micro-batches longest first, so a batch with a long tail of lengths is not padded to its longest
     row throughout (a sequence longer than the budget gets a micro-batch of its own)."""
-    pack_sequences: bool = False
-    """Pack sequences end to end into one row per micro-batch (no attention across sequences). Full-attention
-    models of the llama, mistral, qwen2, qwen3 and qwen3_moe families attend each sequence on its own
-    (trainer/packed_attention.py), so a sequence costs its own length squared; other models attend
-    through transformers' block-diagonal mask over the whole row. Packing pays when responses are long
-    against their prompts; with short ones, padded rows sharing their prompts train faster
-    (`miles bench layouts`)."""
+    pack_sequences: Literal[False, True, "auto"] = "auto"
+    """Pack sequences end to end into one row per micro-batch (no attention across sequences): true
+    always, false never (padded rows, sharing prompts as `share_prompts` allows), "auto" each step
+    where the backend attends packed rows a sequence at a time and they compute fewer tokens than the
+    padded rows would (long responses against their prompts pack; short ones share prompts:
+    `miles bench layouts`). Full-attention models of the llama, mistral, qwen2, qwen3 and qwen3_moe
+    families on the fsdp backend attend each sequence on its own (trainer/packed_attention.py), so a
+    sequence costs its own length squared; with true, other models attend through transformers'
+    block-diagonal mask over the whole row. "auto" never packs a vision-language batch or PPO's."""
     share_prompts: bool = True
     """Compute a prompt once per micro-batch for all the samples that continue it (a group's), each
     sample's response then on top of its KV: the same loss and gradients, less compute when prompts are
@@ -187,7 +189,7 @@ class TrainerConfig:
         self.algorithm.validate()  # the name first: the critic check below builds the algorithm
         if self.backend == "megatron":
             self._validate_megatron()  # before the FSDP-specific refusals below, which name other fixes
-        if get_algorithm(self.algorithm).needs_critic and self.pack_sequences:
+        if get_algorithm(self.algorithm).needs_critic and self.pack_sequences is True:
             raise ConfigError("PPO's GAE runs along unpacked rows: set trainer.pack_sequences = false "
                               "with trainer.algorithm.name = 'ppo'")
         if self.quantization != "none" and self.quantization not in FORMATS:
@@ -259,7 +261,7 @@ class TrainerConfig:
             (self.lora.rank > 0, "LoRA (trainer.lora.rank > 0)", "set trainer.lora.rank = 0"),
             (self.quantization != "none", f"quantization-aware training (trainer.quantization = "
              f"{self.quantization!r})", "set trainer.quantization = 'none'"),
-            (self.pack_sequences, "packed micro-batches (THD attention is TransformerEngine's)",
+            (self.pack_sequences is True, "packed micro-batches (THD attention is TransformerEngine's)",
              "set trainer.pack_sequences = false"),
             (self.offload_optimizer != "none", "optimizer offload", "set trainer.offload_optimizer = 'none'"),
             (self.routing_replay and self.activation_checkpointing, "Rollout Routing Replay with recomputed "

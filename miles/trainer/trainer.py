@@ -36,7 +36,7 @@ from miles.models.vision import is_vision_language
 from miles.models.moe import model_routers, moe_shape
 from miles.trainer.algorithms import AlgorithmConfig, get_algorithm
 from miles.trainer.backends.base import BACKENDS
-from miles.trainer.batching import build_micro_batch, plan_micro_batches, row_length, shareable_prompts
+from miles.trainer.batching import build_micro_batch, padded_tokens, plan_micro_batches, row_length, shareable_prompts
 from miles.trainer.checkpoint import CheckpointWriter, host_copy, restore_rng, rng_state
 from miles.trainer.config import TrainerConfig
 from miles.trainer.export import write_hf_export
@@ -126,11 +126,11 @@ class Trainer:
         rank runs as many forwards). Micro-batched as training is, at the training temperature of
         `algorithm` (None = the configured one)."""
         algorithm = algorithm or self.algorithm
-        share = self._shares_prompts(seqs, algorithm)
-        plan = self._plan(seqs, share)
+        pack, share = self._layout(seqs, algorithm)
+        plan = self._plan(seqs, share, pack)
         temperature = self.temperature if algorithm.on_rollouts else 1.0
         out: list[list[float] | None] = [None] * len(seqs)
-        mbs = [self._micro_batch(seqs, members, [0.0] * len(seqs), share) for members in plan]
+        mbs = [self._micro_batch(seqs, members, [0.0] * len(seqs), share, pack) for members in plan]
         members_of = {id(mb.seqs): members for mb, members in zip(mbs, plan)}
 
         def record(mb, tokens):
@@ -153,14 +153,14 @@ class Trainer:
         if algo.on_rollouts and cfg.routing_replay:
             check_sequences(seqs)
         weights = sequence_weights(algo, seqs, totals, self.backend.dp_size)
-        share = self._shares_prompts(seqs, algo)
-        plan = self._plan(seqs, share)
+        pack, share = self._layout(seqs, algo)
+        plan = self._plan(seqs, share, pack)
 
         self._maybe_refresh_reference()
         sums: dict[str, float] = {}
         if self.moe_shape is not None:
             sums.update(r3_pairs=0.0, r3_mismatch=0.0)  # same keys on every rank for the all-reduce below
-        mbs = [self._micro_batch(seqs, members, weights, share) for members in plan]
+        mbs = [self._micro_batch(seqs, members, weights, share, pack) for members in plan]
 
         def loss_fn(mb, tokens):
             return self._micro_loss(mb, tokens, algo, sums, mb.seqs[0] is not self._placeholder_seq)
@@ -185,6 +185,24 @@ class Trainer:
         out["perf/train_forward_s"], out["perf/train_backward_s"] = fwd_s, bwd_s
         return out
 
+    def _layout(self, seqs, algorithm) -> tuple[bool, bool]:
+        """(pack, share) of this rank's micro-batches. trainer.pack_sequences true: packed rows; false:
+        padded rows, sharing prompts where `_shares_prompts` allows; "auto": packed rows where the
+        backend attends them a sequence at a time and they feed the model fewer tokens than those padded
+        rows would (batching.padded_tokens), else the padded rows."""
+        cfg = self.cfg
+        if cfg.pack_sequences is True:
+            return True, False
+        share = self._shares_prompts(seqs, algorithm)
+        if cfg.pack_sequences != "auto" or not getattr(self.backend, "packs_by_plan", False) or \
+                self.vision is not None or algorithm.needs_critic or not seqs:
+            return False, share
+        bins = plan_micro_batches([row_length(s, share) for s in seqs], cfg.max_tokens_per_micro_batch,
+                                  cfg.micro_batch_size, False)
+        if sum(len(s.tokens) for s in seqs) < padded_tokens(seqs, bins, share):
+            return True, False
+        return False, share
+
     def _shares_prompts(self, seqs, algorithm) -> bool:
         """Whether this rank's micro-batches compute each prompt once for the rows continuing it
         (trainer.share_prompts): prompts repeat, the backend can, and no other forward of the step
@@ -192,16 +210,16 @@ class Trainer:
         others = (algorithm.needs_reference and self.reference is not None) or \
             (algorithm.needs_teacher and self.teacher is not None) or algorithm.needs_critic
         # A backend shares on one rank only (fsdp.py says why), so no rank's forwards differ from another's.
-        return self.cfg.share_prompts and not self.cfg.pack_sequences and not others and \
+        return self.cfg.share_prompts and self.cfg.pack_sequences is not True and not others and \
             getattr(self.backend, "shares_prompts", False) and shareable_prompts(seqs)
 
-    def _plan(self, seqs, share: bool = False) -> list[list[int]]:
+    def _plan(self, seqs, share: bool = False, pack: bool = False) -> list[list[int]]:
         """This rank's micro-batches, padded with empty ones to the most any rank has: every rank must
         run the same number of forward/backward passes (the backend's collectives). With shared prompts
         a row's cost is its response and its prompt's last token."""
         cfg = self.cfg
         plan = plan_micro_batches([row_length(s, share) for s in seqs], cfg.max_tokens_per_micro_batch,
-                                  cfg.micro_batch_size, cfg.pack_sequences)
+                                  cfg.micro_batch_size, pack)
         n_mb = torch.tensor([len(plan)], device=self.backend.device)
         dist.all_reduce(n_mb, op=dist.ReduceOp.MAX)
         return plan + [[]] * (int(n_mb) - len(plan))
@@ -220,14 +238,15 @@ class Trainer:
     def _routers(self, mb):
         return self.routers if mb.routed is not None else []
 
-    def _micro_batch(self, seqs, members: list[int], weights: list[float], share: bool = False):
+    def _micro_batch(self, seqs, members: list[int], weights: list[float], share: bool = False,
+                     pack: bool = False):
         """The micro-batch of `seqs[i] for i in members`; a rank with nothing left still joins the
         collectives, with a placeholder of zero weight."""
         if members:
             chunk, w = [seqs[i] for i in members], [weights[i] for i in members]
         else:
             chunk, w = [self._placeholder_seq], [0.0]
-        return build_micro_batch(chunk, w, self.cfg.pack_sequences, self.pad_id, self.moe_shape,
+        return build_micro_batch(chunk, w, pack, self.pad_id, self.moe_shape,
                                  self.vision, share).to(self.backend.device)
 
     def _replay(self, sums: dict):

@@ -63,7 +63,7 @@ class FSDPBackend:
             return model, dp
         model = load_policy(cfg, self.model_path, self.device)
         # Packed rows attend a sequence at a time (packed_attention.py) instead of through an N x N mask.
-        self.packs_by_plan = cfg.pack_sequences and packed_attention.enable(model)
+        self.packs_by_plan = cfg.pack_sequences is not False and packed_attention.enable(model)
         if self.world_size == 1 and cfg.param_dtype != "float32":
             self.compute_copy = ComputeCopy(model, param_dtype(cfg.param_dtype))
         else:

@@ -121,3 +121,16 @@ def test_what_a_vision_language_policy_is_not_served_with_is_refused_at_load(tin
         load_config(RunConfig, None, {"model.path": tiny_vl_model_dir, **overrides})
     load_config(RunConfig, None, {"model.path": tiny_vl_model_dir})  # single-turn GRPO is served
     load_config(RunConfig, None, {"model.path": tiny_vl_model_dir, "rollout.generate_fn": "agent"})  # and agents
+
+
+def test_pack_sequences_takes_true_false_or_auto_from_toml_and_the_command_line():
+    from miles.config.loader import build
+    from miles.trainer.config import TrainerConfig
+
+    assert TrainerConfig().pack_sequences == "auto"
+    for cli, want in (("true", True), ("false", False), ("auto", "auto"), ("True", True)):
+        assert load_config(RunConfig, None, {"trainer.pack_sequences": cli},
+                           validate=False).trainer.pack_sequences == want
+    assert build(TrainerConfig, {"pack_sequences": True}).pack_sequences is True
+    with pytest.raises(ConfigError, match=r"trainer.pack_sequences: 'sometimes' is not one of False, True, 'auto'"):
+        load_config(RunConfig, None, {"trainer.pack_sequences": "sometimes"}, validate=False)

@@ -150,3 +150,45 @@ def test_the_reference_and_teacher_score_a_packed_micro_batch_by_its_plan(tiny_m
     assert torch.equal(packed.seq_ids[packed.mask > 0], padded.seq_ids[padded.mask > 0])
     assert (by_plan[packed.mask > 0] - by_rows[padded.mask > 0]).abs().max() < 1e-5
     assert (by_plan - by_mask)[packed.mask > 0].abs().max() < 1e-5
+
+
+def _groups(response_lengths, prompts=4, samples=4, seed=0):
+    from miles.trainer.types import TrainSequence
+
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(prompts):
+        prompt = [rng.randint(5, 300) for _ in range(6)]
+        for _ in range(samples):
+            n = rng.choice(response_lengths)
+            seqs.append(TrainSequence(tokens=prompt + [rng.randint(5, 300) for _ in range(n)], prompt_len=6,
+                                      loss_mask=[1] * n, old_logprobs=[-5.0] * n, advantage=rng.choice([-1.0, 1.0])))
+    return seqs
+
+
+def test_auto_packs_a_step_of_long_responses_shares_short_ones_and_trains_the_same(tiny_model_dir, gloo):
+    from miles.config.loader import build
+    from miles.net import free_port
+    from miles.trainer.config import TrainerConfig
+    from miles.trainer.trainer import Trainer
+    from miles.trainer.types import BatchTotals
+
+    def trainer(pack):
+        return Trainer(build(TrainerConfig, {"lr": 1e-2, **({} if pack == "auto" else {"pack_sequences": pack})}),
+                       tiny_model_dir, 0, 1, "127.0.0.1", free_port())
+
+    auto, padded, packed = trainer("auto"), trainer(False), trainer(True)
+    assert TrainerConfig().pack_sequences == "auto" and auto.backend.packs_by_plan
+    long, short = _groups([3, 20, 40, 90]), _groups([2])
+    algo = auto.algorithm
+    assert auto._layout(long, algo) == (True, False)  # packed: fewer tokens than padded rows on shared prompts
+    assert auto._layout(short, algo) == (False, True)  # a 6-token prompt shared by 4 two-token answers
+    assert padded._layout(long, algo) == (False, True) and packed._layout(short, algo) == (True, False)
+    # The same gradient (compared before an optimizer step: Adam's first step is the gradient's sign, so
+    # an entry rounding near zero would differ by 2 x lr after it).
+    got, want = auto.compute_gradients(long, BatchTotals.of(long)), padded.compute_gradients(long, BatchTotals.of(long))
+    for key in ("train/loss", "train/nll"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    grads = {n: p.grad for n, p in auto.backend.model.named_parameters()}
+    for n, p in padded.backend.model.named_parameters():
+        assert (grads[n] - p.grad).abs().max() <= 1e-5 * max(1e-3, p.grad.abs().max().item()), n

@@ -91,7 +91,9 @@ def run_world(tmp_path, cases: list[dict], world: int = 2) -> dict:
 
 @pytest.fixture(scope="module")
 def dense(tiny_model_dir, tmp_path_factory) -> dict:
-    case = lambda name, **kw: {"name": name, "model": tiny_model_dir, "trainer": {"algorithm": ALGO, **kw}}
+    # Padded rows on every contender (Megatron packs none), so fsdp computes the same arithmetic.
+    case = lambda name, **kw: {"name": name, "model": tiny_model_dir,
+                               "trainer": {"algorithm": ALGO, "pack_sequences": False, **kw}}
     return run_world(tmp_path_factory.mktemp("megatron-dense"), [
         case("fsdp"),
         case("tp2", backend="megatron", tensor_parallel_size=2),
@@ -160,7 +162,8 @@ def moe(tiny_moe_model_dir, tmp_path_factory) -> dict:
     each rank holding half the experts whole (TP 2 × EP 2, expert TP 1), and every expert's MLP split
     over both (TP 2, expert TP 2). megatron-core trains MoE with TP only under sequence parallelism.
     TP 2 × EP 2 with expert TP 2 would need four ranks, too many gloo processes for a 2-core CI machine."""
-    case = lambda name, **kw: {"name": name, "model": tiny_moe_model_dir, "trainer": {"algorithm": ALGO, **kw}}
+    case = lambda name, **kw: {"name": name, "model": tiny_moe_model_dir,
+                               "trainer": {"algorithm": ALGO, "pack_sequences": False, **kw}}
     return run_world(tmp_path_factory.mktemp("megatron-moe"), [
         case("fsdp"),
         case("ep2", backend="megatron", expert_parallel_size=2),
