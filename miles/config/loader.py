@@ -66,7 +66,8 @@ def coerce(value: Any, tp, key: str, from_cli: bool = False) -> Any:
         choices = typing.get_args(tp)
         if from_cli and isinstance(value, str) and any(isinstance(c, bool) for c in choices):
             value = {"true": True, "false": False}.get(value.lower(), value)
-        if value not in choices:
+        # By type as well as value: 1 and 0 equal True and False but are neither.
+        if not any(type(value) is type(c) and value == c for c in choices):
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}")
         return value
     if origin in (list, tuple):

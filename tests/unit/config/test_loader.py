@@ -134,3 +134,5 @@ def test_pack_sequences_takes_true_false_or_auto_from_toml_and_the_command_line(
     assert build(TrainerConfig, {"pack_sequences": True}).pack_sequences is True
     with pytest.raises(ConfigError, match=r"trainer.pack_sequences: 'sometimes' is not one of False, True, 'auto'"):
         load_config(RunConfig, None, {"trainer.pack_sequences": "sometimes"}, validate=False)
+    with pytest.raises(ConfigError, match=r"pack_sequences: 1 is not one of False, True, 'auto'"):
+        build(TrainerConfig, {"pack_sequences": 1})  # an integer from TOML is not a bool
